@@ -1,0 +1,58 @@
+# Everything a fresh machine needs, from two commands: `make run` and `make test`.
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+PYTEST_ARGS ?=
+
+.PHONY: help install services services-stop services-status migrate run lint test test-unit
+
+help:
+	@echo "make run            set everything up, then run the dispatcher in the foreground"
+	@echo "make test           set everything up, then run the whole suite (lint, types, tests)"
+	@echo "make services       install if missing and start PostgreSQL and Kafka on 127.0.0.1"
+	@echo "make services-stop  stop them"
+	@echo "make migrate        create or upgrade the outbox schema"
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is needed"'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+install: $(STAMP)
+
+services:
+	bash deploy/local/services.sh start
+
+services-stop:
+	bash deploy/local/services.sh stop
+
+services-status:
+	bash deploy/local/services.sh status
+
+migrate: install services
+	$(BIN)/outbox-dispatcher migrate
+
+run: migrate
+	$(BIN)/outbox-dispatcher run --log-format console
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test-unit: install
+	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
+
+# pytest exits 5 when it collected nothing: for this project that is a broken suite, not a pass.
+test: lint services
+	@rc=0; $(BIN)/pytest $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is broken" >&2; exit 1; fi; \
+	exit $$rc

@@ -1,0 +1,671 @@
+#!/usr/bin/env bash
+# Local backing services for outbox-dispatcher development and CI:
+#   * PostgreSQL (our own cluster, 127.0.0.1:5432, role/database "outbox")
+#   * Kafka 4.x, single KRaft node (broker+controller), 127.0.0.1:9092
+#
+# Usage: deploy/local/services.sh COMMAND
+#   start        start PostgreSQL and Kafka (installing/fetching what is missing)
+#   stop         stop Kafka, then PostgreSQL
+#   status       report whether each service is up (exit 0 only if both are)
+#   pg-start     | pg-stop      only PostgreSQL
+#   kafka-start  | kafka-stop   only Kafka (tests use these to simulate an outage;
+#                               kafka-start never reformats existing storage)
+#   env          print the environment variables a test run needs
+#
+# Every command is idempotent. Designed for a fresh Debian 12 machine, run as root
+# (CI: from a fresh clone in any folder); no Docker involved.
+#
+# Environment:
+#   OUTBOX_KAFKA_AUTO_CREATE=true|false  broker auto.create.topics.enable (default true)
+#
+# State lives in <repo>/.services/ (git-ignored):
+#   .services/pg/data         PostgreSQL data directory (server log in data/log/)
+#   .services/pg/run          its unix socket directory
+#   .services/kafka/libs      broker jars fetched by Maven from deploy/local/kafka/pom.xml
+#   .services/kafka/data      Kafka log.dirs (KRaft metadata included)
+#   .services/kafka/logs      broker log (kafka.log, previous run in kafka.log.1)
+# If the postgres system user cannot reach <repo> (e.g. a clone under /root or in
+# a 0700 temp dir), the PostgreSQL files live in
+#   /var/lib/outbox-dispatcher-services/<hash of repo path>/pg/
+# instead, and .services/pg/data is a symlink to it. We do not chmod the user's
+# parent directories: that would silently widen access to e.g. /root.
+#
+# Output convention: progress goes to stderr; the only stdout output is the
+# KEY=value lines of `start`/`env`, so `set -a; . <(services.sh start); set +a` works.
+set -Eeuo pipefail
+
+# ---------------------------------------------------------------------------
+# Layout and constants
+# ---------------------------------------------------------------------------
+# Everything is derived from this file's location so the script works from any
+# clone path (CI uses a fresh clone in an arbitrary folder).
+SCRIPT_DIR=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)
+REPO_ROOT=$(cd -- "$SCRIPT_DIR/../.." && pwd -P)
+STATE_DIR="$REPO_ROOT/.services"
+# Short, stable per-clone id, used for state kept outside the repo.
+REPO_HASH=$(printf '%s' "$REPO_ROOT" | sha256sum | cut -c1-12)
+
+PG_HOST=127.0.0.1
+PG_PORT=5432
+PG_APP_USER=outbox
+PG_APP_PASSWORD=outbox
+PG_APP_DB=outbox
+PG_FALLBACK_ROOT=/var/lib/outbox-dispatcher-services
+PG_IN_REPO="$STATE_DIR/pg"
+
+KAFKA_HOST=127.0.0.1
+KAFKA_PORT=9092
+KAFKA_CONTROLLER_PORT=9093
+KAFKA_POM="$SCRIPT_DIR/kafka/pom.xml"
+KAFKA_LOG4J="$SCRIPT_DIR/kafka/log4j2.properties"
+KAFKA_DIR="$STATE_DIR/kafka"
+KAFKA_LIBS="$KAFKA_DIR/libs"
+KAFKA_DATA="$KAFKA_DIR/data"
+KAFKA_LOGS="$KAFKA_DIR/logs"
+KAFKA_LOG="$KAFKA_LOGS/kafka.log"
+KAFKA_PROPS="$KAFKA_DIR/server.properties"
+KAFKA_PIDFILE="$KAFKA_DIR/kafka.pid"
+KAFKA_START_TIMEOUT=90
+KAFKA_STOP_TIMEOUT=30
+# Heap sized for a 2-core CI box that also runs PostgreSQL and the test suite.
+# G1 flags are the ones Kafka's own kafka-run-class.sh uses.
+KAFKA_JVM_OPTS=(
+  -Xms256m -Xmx768m
+  -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -XX:InitiatingHeapOccupancyPercent=35
+  -XX:+ExplicitGCInvokesConcurrent
+  -Djava.awt.headless=true
+  "-Dlog4j2.configurationFile=$KAFKA_LOG4J"
+  "-Dkafka.logs.dir=$KAFKA_LOGS"
+)
+
+# Keep the real stdout on fd 3 for the env lines; everything else goes to stderr.
+exec 3>&1 1>&2
+
+log() { printf '[services] %s\n' "$*" >&2; }
+die() { printf '[services] ERROR: %s\n' "$*" >&2; exit 1; }
+# -E makes this fire inside functions too; report once (not again from every
+# enclosing subshell) with the call chain, which says which step failed.
+trap 'rc=$?; [[ $BASH_SUBSHELL -eq 0 ]] && log "failed (exit $rc) at line $LINENO in ${FUNCNAME[*]:-main}: $BASH_COMMAND"' ERR
+
+is_root() { [[ $EUID -eq 0 ]]; }
+
+# Called in a subshell right before exec'ing something long-lived (postgres via
+# pg_ctl, the Kafka JVM). Closes every inherited descriptor above stderr: our
+# fd 3 (the caller's stdout), the lock on fd 9, and anything the caller leaked
+# to us. A daemon holding the write end of a CI runner's or a test harness's
+# output pipe would make it wait for EOF forever.
+close_inherited_fds() {
+  local fd
+  for fd in "/proc/$BASHPID/fd/"*; do
+    fd=${fd##*/}
+    if (( fd > 2 )); then eval "exec $fd>&-"; fi
+  done
+}
+
+# True if something accepts TCP connections on host:port. Pure bash so that no
+# extra package (ss, nc) is needed on a fresh machine.
+port_open() {
+  timeout 2 bash -c "exec 7<>/dev/tcp/$1/$2" 2>/dev/null
+}
+
+# `kill -0` also succeeds for a zombie, and on container-like machines whose
+# PID 1 reaps orphans lazily a dead daemon can linger as one for a while.
+pid_alive() {
+  local stat
+  [[ $1 =~ ^[0-9]+$ ]] || return 1
+  { read -r stat <"/proc/$1/stat"; } 2>/dev/null || return 1
+  stat=${stat##*) }
+  [[ ${stat%% *} != Z ]]
+}
+
+pid_comm() {
+  local comm
+  { read -r comm <"/proc/$1/comm"; } 2>/dev/null || return 1
+  printf '%s' "$comm"
+}
+
+# Serialise concurrent invocations (e.g. two terminals, or a test restarting
+# Kafka while someone runs `start`): the steps below are check-then-act.
+take_lock() {
+  mkdir -p "$STATE_DIR"
+  exec 9>"$STATE_DIR/.lock"
+  flock 9
+}
+
+apt_updated=0
+apt_install() {
+  is_root || die "missing packages ($*); run as root or install them: apt-get install $*"
+  export DEBIAN_FRONTEND=noninteractive
+  if [[ $apt_updated -eq 0 ]]; then
+    log "apt-get update"
+    apt-get update -q
+    apt_updated=1
+  fi
+  log "apt-get install $*"
+  apt-get install -y -q -o Dpkg::Use-Pty=0 --no-install-recommends "$@"
+}
+
+# ---------------------------------------------------------------------------
+# PostgreSQL
+# ---------------------------------------------------------------------------
+# PostgreSQL refuses to run as root, so as root the cluster belongs to the
+# `postgres` system user created by Debian's package. As a normal user it is
+# simply run as that user.
+if is_root; then PG_OS_USER=postgres; else PG_OS_USER=$(id -un); fi
+PG_SUPERUSER=$PG_OS_USER   # peer authentication maps OS user -> same-named role
+
+# Run a command as the cluster owner. `cd /` because the caller's cwd (e.g. a
+# clone under /root) may not be accessible to postgres.
+as_pg() {
+  if is_root; then
+    (cd / && runuser -u "$PG_OS_USER" -- "$@")
+  else
+    (cd / && "$@")
+  fi
+}
+
+# as_pg for commands that leave a daemon behind (pg_ctl start/reload).
+as_pg_detached() {
+  (close_inherited_fds; as_pg "$@")
+}
+
+pg_server_installed() { compgen -G '/usr/lib/postgresql/*/bin/postgres' >/dev/null; }
+
+pg_ensure_installed() {
+  if ! pg_server_installed; then
+    apt_install postgresql
+    pg_server_installed || die "postgresql installed but no /usr/lib/postgresql/*/bin/postgres found"
+  fi
+}
+
+# Pick the binaries: the version the data directory was created with, if any,
+# otherwise the newest installed one.
+pg_pick_bindir() {
+  local ver=""
+  if [[ -n ${PGDATA:-} && -f $PGDATA/PG_VERSION ]]; then
+    ver=$(<"$PGDATA/PG_VERSION")
+    [[ -x /usr/lib/postgresql/$ver/bin/postgres ]] \
+      || die "data directory $PGDATA was created by PostgreSQL $ver, whose server binaries are not installed (apt-get install postgresql-$ver)"
+  else
+    ver=$(find /usr/lib/postgresql -mindepth 3 -maxdepth 3 -path '*/bin/postgres' 2>/dev/null \
+          | awk -F/ '{print $5}' | sort -V | tail -n1)
+    [[ -n $ver ]] || die "no PostgreSQL server binaries under /usr/lib/postgresql"
+  fi
+  PG_BIN="/usr/lib/postgresql/$ver/bin"
+}
+
+# Decide where the cluster lives (see header). The decision is made once, when
+# the cluster is first created, and recorded by what .services/pg/data is (a
+# directory, or a symlink to the fallback location), so it cannot flip later.
+# With "create", missing directories are created; without, nothing is touched and
+# PGDATA may not exist.
+pg_resolve_paths() {
+  local mode=${1:-}
+  local link="$PG_IN_REPO/data" base
+  if [[ -L $link ]]; then
+    local target
+    target=$(readlink "$link")
+    base=$(dirname "$target")
+  elif [[ -d $link ]]; then
+    base=$PG_IN_REPO
+  elif [[ $mode == create ]]; then
+    mkdir -p "$PG_IN_REPO"
+    # Our own directories; a umask of 077 must not lock postgres out of them.
+    chmod 0755 "$STATE_DIR" "$PG_IN_REPO"
+    if as_pg test -x "$PG_IN_REPO"; then
+      base=$PG_IN_REPO
+    else
+      base="$PG_FALLBACK_ROOT/$REPO_HASH/pg"
+      log "user $PG_OS_USER cannot reach $PG_IN_REPO; keeping PostgreSQL files in $base"
+      mkdir -p "$base"
+      chmod 0755 "$PG_FALLBACK_ROOT" "$PG_FALLBACK_ROOT/$REPO_HASH" "$base"
+      printf '%s\n' "$REPO_ROOT" >"$PG_FALLBACK_ROOT/$REPO_HASH/repo-path"
+      ln -sfn "$base/data" "$link"
+    fi
+  else
+    base=$PG_IN_REPO
+  fi
+  PGDATA="$base/data"
+  # Unix socket paths are limited to ~107 bytes; deep clone paths would exceed it.
+  PG_SOCKET_DIR="$base/run"
+  if (( ${#PG_SOCKET_DIR} + ${#PG_PORT} + 10 > 100 )); then
+    PG_SOCKET_DIR="/tmp/outbox-dispatcher-pg-$REPO_HASH"
+  fi
+  if [[ $mode == create ]]; then
+    mkdir -p "$PGDATA" "$PG_SOCKET_DIR"
+    if is_root; then chown "$PG_OS_USER:" "$PGDATA" "$PG_SOCKET_DIR"; fi
+    chmod 0700 "$PGDATA"
+    chmod 0755 "$PG_SOCKET_DIR"
+  fi
+}
+
+pg_postmaster_pid() {
+  [[ -f $PGDATA/postmaster.pid ]] || return 1
+  head -n1 "$PGDATA/postmaster.pid"
+}
+
+# Stricter than `pg_ctl status`, which trusts any live pid in postmaster.pid
+# (including a zombie, or an unrelated process that reused the pid after a reboot).
+pg_running() {
+  local pid
+  pid=$(pg_postmaster_pid 2>/dev/null) || return 1
+  pid_alive "$pid" && [[ $(pid_comm "$pid") == postgres ]]
+}
+
+# Called when pg_running says no but postmaster.pid exists. PostgreSQL refuses to
+# start while the recorded pid is "alive", so wait for a killed postmaster's
+# zombie to be reaped, and drop the file if the pid now belongs to another program.
+pg_clear_stale_pidfile() {
+  local pid _
+  pid=$(pg_postmaster_pid 2>/dev/null) || return 0
+  for _ in {1..50}; do
+    if [[ -e /proc/$pid ]] && ! pid_alive "$pid"; then sleep 0.2; else break; fi
+  done
+  if pid_alive "$pid" && [[ $(pid_comm "$pid") != postgres ]]; then
+    log "removing stale postmaster.pid (pid $pid is now $(pid_comm "$pid"))"
+    rm -f "$PGDATA/postmaster.pid"
+  fi
+}
+
+# Debian's package creates a default cluster (15/main) on port 5432 and may
+# start it. It would take our port, so stop it and keep it from auto-starting.
+pg_disable_debian_clusters() {
+  is_root || return 0
+  command -v pg_lsclusters >/dev/null || return 0
+  local ver name port status _rest
+  while read -r ver name port status _rest; do
+    [[ $port == "$PG_PORT" ]] || continue
+    if [[ $status == online* ]]; then
+      log "stopping Debian's PostgreSQL cluster $ver/$name (it occupies port $PG_PORT)"
+      pg_ctlcluster "$ver" "$name" stop -m fast || true
+    fi
+    local startconf="/etc/postgresql/$ver/$name/start.conf"
+    if [[ -f $startconf ]] && grep -qx 'auto' "$startconf"; then
+      log "setting Debian cluster $ver/$name to manual start"
+      sed -i 's/^auto$/manual/' "$startconf"
+    fi
+  done < <(pg_lsclusters --no-header 2>/dev/null || true)
+}
+
+pg_initdb() {
+  log "initialising PostgreSQL cluster in $PGDATA"
+  as_pg "$PG_BIN/initdb" -D "$PGDATA" -U "$PG_SUPERUSER" -E UTF8 --locale=C.UTF-8 \
+    --auth-local=peer --auth-host=scram-sha-256 >/dev/null
+  # Our settings live in a separate file (rewritten on every start) so that
+  # postgresql.conf stays as initdb wrote it; the include must be last to win.
+  printf "\n# Settings for local development, managed by deploy/local/services.sh\ninclude_if_exists = 'outbox-dev.conf'\n" \
+    >>"$PGDATA/postgresql.conf"
+}
+
+# Write $2 to file $1 (owned by the cluster owner) only if it differs.
+# Returns 0 when the file changed.
+pg_write_file() {
+  local file=$1 content=$2
+  if [[ -f $file ]] && [[ "$(<"$file")" == "$content" ]]; then return 1; fi
+  printf '%s\n' "$content" >"$file"
+  if is_root; then chown "$PG_OS_USER:" "$file"; fi
+  chmod 0600 "$file"
+  return 0
+}
+
+pg_write_config() {
+  local changed=1
+  pg_write_file "$PGDATA/outbox-dev.conf" "\
+# Managed by deploy/local/services.sh; rewritten on every pg-start.
+# Tuned for a development/test box: many short-lived test connections and
+# schema-heavy tests (max_locks_per_transaction). Durability settings are left
+# at their defaults so behaviour matches production.
+listen_addresses = '$PG_HOST'
+port = $PG_PORT
+unix_socket_directories = '$PG_SOCKET_DIR'
+max_connections = 300
+shared_buffers = 256MB
+max_locks_per_transaction = 256
+password_encryption = 'scram-sha-256'
+logging_collector = on
+log_directory = 'log'
+log_filename = 'postgresql-%a.log'
+log_truncate_on_rotation = on
+log_rotation_age = 1d
+log_rotation_size = 0
+log_line_prefix = '%m [%p] %q%u@%d '" && changed=0
+
+  pg_write_file "$PGDATA/pg_hba.conf" "\
+# Managed by deploy/local/services.sh; rewritten on every pg-start.
+# TYPE  DATABASE  USER           ADDRESS        METHOD
+local   all       $PG_SUPERUSER                 peer
+local   all       all                           scram-sha-256
+host    all       all            127.0.0.1/32   scram-sha-256
+host    all       all            ::1/128        scram-sha-256" && changed=0
+  return $changed
+}
+
+pg_wait_ready() {
+  local deadline=$((SECONDS + 60))
+  until "$PG_BIN/pg_isready" -q -h "$PG_HOST" -p "$PG_PORT"; do
+    (( SECONDS < deadline )) || die "PostgreSQL not ready after 60 s; see $PGDATA/log/"
+    sleep 0.5
+  done
+}
+
+pg_ensure_app_role_and_db() {
+  # Re-applying the password/attributes keeps a known state even if a test
+  # changed them.
+  as_pg "$PG_BIN/psql" -X -q -v ON_ERROR_STOP=1 -h "$PG_SOCKET_DIR" -p "$PG_PORT" \
+    -U "$PG_SUPERUSER" -d postgres <<SQL
+DO \$\$
+BEGIN
+  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '$PG_APP_USER') THEN
+    CREATE ROLE $PG_APP_USER LOGIN PASSWORD '$PG_APP_PASSWORD' CREATEDB;
+  ELSE
+    ALTER ROLE $PG_APP_USER LOGIN PASSWORD '$PG_APP_PASSWORD' CREATEDB;
+  END IF;
+END
+\$\$;
+SELECT 'CREATE DATABASE $PG_APP_DB OWNER $PG_APP_USER'
+ WHERE NOT EXISTS (SELECT FROM pg_database WHERE datname = '$PG_APP_DB') \gexec
+ALTER DATABASE $PG_APP_DB OWNER TO $PG_APP_USER;
+SQL
+}
+
+pg_start() {
+  pg_ensure_installed
+  pg_resolve_paths create
+  pg_pick_bindir
+  if pg_running; then
+    if pg_write_config; then
+      log "PostgreSQL config changed; reloading (settings needing a restart apply after pg-stop + pg-start)"
+      as_pg "$PG_BIN/pg_ctl" reload -D "$PGDATA" -s
+    fi
+    log "PostgreSQL already running ($PGDATA)"
+  else
+    [[ -f $PGDATA/PG_VERSION ]] || pg_initdb
+    pg_write_config || true
+    pg_disable_debian_clusters
+    pg_clear_stale_pidfile
+    if port_open "$PG_HOST" "$PG_PORT"; then
+      die "port $PG_HOST:$PG_PORT is in use by another process (not our cluster in $PGDATA); stop it first"
+    fi
+    log "starting PostgreSQL ($PG_BIN, data $PGDATA)"
+    # -l: early startup errors, before the logging collector takes over.
+    as_pg_detached "$PG_BIN/pg_ctl" start -D "$PGDATA" -l "$PGDATA/pg_ctl.log" -w -t 60 -s \
+      || die "PostgreSQL failed to start; see $PGDATA/pg_ctl.log and $PGDATA/log/"
+  fi
+  pg_wait_ready
+  pg_ensure_app_role_and_db
+  log "PostgreSQL ready on $PG_HOST:$PG_PORT (database $PG_APP_DB, user $PG_APP_USER)"
+}
+
+pg_stop() {
+  pg_resolve_paths
+  if [[ ! -f $PGDATA/PG_VERSION ]]; then
+    log "PostgreSQL: no cluster initialised ($PGDATA)"
+    return 0
+  fi
+  pg_pick_bindir
+  if pg_running; then
+    log "stopping PostgreSQL"
+    as_pg "$PG_BIN/pg_ctl" stop -D "$PGDATA" -m fast -w -t 60 -s
+  else
+    log "PostgreSQL not running"
+  fi
+}
+
+pg_status() {
+  pg_resolve_paths
+  if [[ -f $PGDATA/PG_VERSION ]]; then
+    pg_pick_bindir
+    if pg_running && "$PG_BIN/pg_isready" -q -h "$PG_HOST" -p "$PG_PORT"; then
+      local pid
+      pid=$(pg_postmaster_pid)
+      printf 'postgresql: up   (pid %s, %s:%s, data %s)\n' "$pid" "$PG_HOST" "$PG_PORT" "$PGDATA" >&3
+      return 0
+    fi
+  fi
+  printf 'postgresql: down (data %s)\n' "$PGDATA" >&3
+  return 1
+}
+
+# ---------------------------------------------------------------------------
+# Kafka
+# ---------------------------------------------------------------------------
+# A pid is our broker if it is a JVM running kafka.Kafka with *this clone's*
+# server.properties (guards against pid reuse and against other clones' brokers).
+# Builtins first so that scanning /proc stays cheap.
+kafka_is_our_pid() {
+  local pid=$1
+  [[ $(pid_comm "$pid") == java ]] || return 1
+  grep -qzxF -e kafka.Kafka "/proc/$pid/cmdline" 2>/dev/null \
+    && grep -qzxF -e "$KAFKA_PROPS" "/proc/$pid/cmdline" 2>/dev/null
+}
+
+# Prints the broker's pid. Falls back to scanning /proc (cheap) in case the pid
+# file was lost, so `stop` never leaves an orphan broker holding the port.
+kafka_pid() {
+  local pid d
+  if [[ -f $KAFKA_PIDFILE ]]; then
+    pid=$(<"$KAFKA_PIDFILE")
+    if kafka_is_our_pid "$pid"; then echo "$pid"; return 0; fi
+  fi
+  for d in /proc/[0-9]*; do
+    pid=${d#/proc/}
+    if kafka_is_our_pid "$pid"; then echo "$pid"; return 0; fi
+  done
+  return 1
+}
+
+kafka_ensure_java() {
+  command -v java >/dev/null || apt_install openjdk-17-jre-headless
+}
+
+# Fetch the broker jars with Maven unless the copy matches the current pom.xml.
+# Copied into a temp dir and renamed, so an interrupted download never leaves a
+# half-filled libs/ that would be mistaken for a complete one.
+kafka_ensure_libs() {
+  local stamp
+  stamp=$(sha256sum "$KAFKA_POM" | cut -c1-64)
+  if [[ -f $KAFKA_LIBS/.pom.sha256 && "$(<"$KAFKA_LIBS/.pom.sha256")" == "$stamp" ]]; then
+    return 0
+  fi
+  command -v mvn >/dev/null || apt_install maven
+  local tmp="$KAFKA_DIR/libs.tmp"
+  rm -rf "$tmp"
+  log "fetching Kafka jars with Maven ($KAFKA_POM; log $KAFKA_LOGS/maven.log)"
+  mvn -B -f "$KAFKA_POM" dependency:copy-dependencies -DoutputDirectory="$tmp" \
+      >"$KAFKA_LOGS/maven.log" 2>&1 9>&- \
+    || { tail -n 40 "$KAFKA_LOGS/maven.log" >&2; die "Maven could not fetch the Kafka jars; see $KAFKA_LOGS/maven.log"; }
+  printf '%s\n' "$stamp" >"$tmp/.pom.sha256"
+  rm -rf "$KAFKA_LIBS"
+  mv "$tmp" "$KAFKA_LIBS"
+}
+
+kafka_auto_create_setting() {
+  local v=${OUTBOX_KAFKA_AUTO_CREATE:-true}
+  v=${v,,}
+  case $v in
+    true|false) printf '%s' "$v" ;;
+    *) die "OUTBOX_KAFKA_AUTO_CREATE must be true or false, got '$OUTBOX_KAFKA_AUTO_CREATE'" ;;
+  esac
+}
+
+kafka_write_props() {
+  local auto_create=$1
+  # Rewritten on every start so env changes (auto-create) take effect; the
+  # cluster id lives in data/meta.properties, not here.
+  cat >"$KAFKA_PROPS" <<EOF
+# Generated by deploy/local/services.sh on every kafka-start; edit the script, not this file.
+# Single-node KRaft cluster: this process is both broker and (sole) controller.
+process.roles=broker,controller
+node.id=1
+# Kafka 4.x dynamic quorum; the storage is formatted with --standalone.
+controller.quorum.bootstrap.servers=$KAFKA_HOST:$KAFKA_CONTROLLER_PORT
+controller.listener.names=CONTROLLER
+listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT,CONTROLLER://$KAFKA_HOST:$KAFKA_CONTROLLER_PORT
+advertised.listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT,CONTROLLER://$KAFKA_HOST:$KAFKA_CONTROLLER_PORT
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+
+log.dirs=$KAFKA_DATA
+num.partitions=3
+auto.create.topics.enable=$auto_create
+
+# One broker: every internal topic must make do with a single replica.
+default.replication.factor=1
+min.insync.replicas=1
+offsets.topic.replication.factor=1
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+# Fewer internal partitions than the default 50: the first consumer group /
+# transaction on a fresh broker comes up noticeably faster on a 2-core box.
+offsets.topic.num.partitions=10
+transaction.state.log.num.partitions=10
+
+# Tests start consumer groups constantly; don't wait 3 s for more members.
+group.initial.rebalance.delay.ms=0
+EOF
+}
+
+# Format the KRaft storage exactly once: reformatting would wipe topics and
+# committed offsets, which outage tests (kafka-stop/kafka-start) rely on.
+kafka_format_once() {
+  [[ -f $KAFKA_DATA/meta.properties ]] && return 0
+  # No meta.properties means an interrupted format (or none): nothing usable to keep.
+  rm -rf "$KAFKA_DATA"
+  mkdir -p "$KAFKA_DATA"
+  local cluster_id
+  cluster_id=$(java -cp "$KAFKA_LIBS/*" "-Dlog4j2.configurationFile=$KAFKA_LOG4J" \
+    kafka.tools.StorageTool random-uuid 9>&- | tail -n1)
+  log "formatting Kafka storage (cluster id $cluster_id)"
+  # The tool dumps the whole broker config at INFO; keep that out of the console.
+  java -cp "$KAFKA_LIBS/*" "-Dlog4j2.configurationFile=$KAFKA_LOG4J" kafka.tools.StorageTool \
+    format --standalone -t "$cluster_id" -c "$KAFKA_PROPS" >"$KAFKA_LOGS/format.log" 2>&1 9>&- \
+    || { tail -n 30 "$KAFKA_LOGS/format.log" >&2; die "formatting Kafka storage failed; see $KAFKA_LOGS/format.log"; }
+}
+
+kafka_start() {
+  local pid auto_create
+  auto_create=$(kafka_auto_create_setting)
+  if pid=$(kafka_pid) && port_open "$KAFKA_HOST" "$KAFKA_PORT"; then
+    log "Kafka already running (pid $pid)"
+    if ! grep -qx "auto.create.topics.enable=$auto_create" "$KAFKA_PROPS"; then
+      log "WARNING: the running broker was started with a different auto.create.topics.enable;" \
+          "run kafka-stop then kafka-start to apply OUTBOX_KAFKA_AUTO_CREATE=$auto_create"
+    fi
+    return 0
+  fi
+  if [[ -n ${pid:-} ]]; then
+    # Alive but not listening: a previous start that is still coming up.
+    log "Kafka (pid $pid) is starting; waiting for it"
+  else
+    if port_open "$KAFKA_HOST" "$KAFKA_PORT" || port_open "$KAFKA_HOST" "$KAFKA_CONTROLLER_PORT"; then
+      die "port $KAFKA_PORT or $KAFKA_CONTROLLER_PORT is in use by a process other than our broker ($KAFKA_PROPS)"
+    fi
+    kafka_ensure_java
+    mkdir -p "$KAFKA_DIR" "$KAFKA_LOGS"
+    kafka_ensure_libs
+    kafka_write_props "$auto_create"
+    kafka_format_once
+    [[ -f $KAFKA_LOG ]] && mv -f "$KAFKA_LOG" "$KAFKA_LOG.1"
+    log "starting Kafka broker (log $KAFKA_LOG)"
+    # setsid: own session, so the broker survives the caller's terminal/process
+    # group going away (CI step, test harness). nohup+setsid exec in place, so
+    # $! is the JVM's pid.
+    (cd "$KAFKA_DIR" && close_inherited_fds && exec setsid nohup java "${KAFKA_JVM_OPTS[@]}" \
+        -cp "$KAFKA_LIBS/*" kafka.Kafka "$KAFKA_PROPS" </dev/null >"$KAFKA_LOG" 2>&1) &
+    pid=$!
+    echo "$pid" >"$KAFKA_PIDFILE"
+  fi
+  kafka_wait_ready "$pid"
+  log "Kafka ready on $KAFKA_HOST:$KAFKA_PORT (pid $pid)"
+}
+
+# Ready = the broker logged "Kafka Server started" (it does so only after it has
+# caught up with the metadata log, been unfenced and enabled request processing)
+# and the client port accepts connections. A bare open port is not enough: the
+# socket is bound before the broker can serve requests.
+kafka_wait_ready() {
+  local pid=$1 deadline=$((SECONDS + KAFKA_START_TIMEOUT))
+  while :; do
+    if ! pid_alive "$pid"; then
+      tail -n 40 "$KAFKA_LOG" >&2 || true
+      rm -f "$KAFKA_PIDFILE"
+      die "Kafka exited during startup; see $KAFKA_LOG"
+    fi
+    if grep -q 'Kafka Server started' "$KAFKA_LOG" 2>/dev/null && port_open "$KAFKA_HOST" "$KAFKA_PORT"; then
+      return 0
+    fi
+    if (( SECONDS >= deadline )); then
+      tail -n 40 "$KAFKA_LOG" >&2 || true
+      die "Kafka not ready after ${KAFKA_START_TIMEOUT} s (pid $pid still running); see $KAFKA_LOG"
+    fi
+    sleep 0.5
+  done
+}
+
+kafka_stop() {
+  local pid
+  if ! pid=$(kafka_pid); then
+    log "Kafka not running"
+    rm -f "$KAFKA_PIDFILE"
+    return 0
+  fi
+  log "stopping Kafka (pid $pid)"
+  kill -TERM "$pid" 2>/dev/null || true
+  local deadline=$((SECONDS + KAFKA_STOP_TIMEOUT))
+  while pid_alive "$pid" && (( SECONDS < deadline )); do sleep 0.3; done
+  if pid_alive "$pid"; then
+    log "Kafka did not stop within ${KAFKA_STOP_TIMEOUT} s; killing it"
+    kill -KILL "$pid" 2>/dev/null || true
+    while pid_alive "$pid"; do sleep 0.1; done
+  fi
+  rm -f "$KAFKA_PIDFILE"
+  # Callers (outage tests) expect the port to refuse connections on return.
+  local _
+  for _ in {1..50}; do port_open "$KAFKA_HOST" "$KAFKA_PORT" || break; sleep 0.1; done
+}
+
+kafka_status() {
+  local pid
+  if pid=$(kafka_pid) && port_open "$KAFKA_HOST" "$KAFKA_PORT"; then
+    printf 'kafka:      up   (pid %s, %s:%s)\n' "$pid" "$KAFKA_HOST" "$KAFKA_PORT" >&3
+    return 0
+  elif [[ -n ${pid:-} ]]; then
+    printf 'kafka:      starting (pid %s, port %s not open yet)\n' "$pid" "$KAFKA_PORT" >&3
+    return 1
+  fi
+  printf 'kafka:      down\n' >&3
+  return 1
+}
+
+# ---------------------------------------------------------------------------
+# Commands
+# ---------------------------------------------------------------------------
+print_env() {
+  printf 'OUTBOX_DATABASE_URL=postgresql://%s:%s@%s:%s/%s\n' \
+    "$PG_APP_USER" "$PG_APP_PASSWORD" "$PG_HOST" "$PG_PORT" "$PG_APP_DB" >&3
+  printf 'OUTBOX_KAFKA_BOOTSTRAP_SERVERS=%s:%s\n' "$KAFKA_HOST" "$KAFKA_PORT" >&3
+}
+
+usage() {
+  sed -n '2,/^set -Eeuo/{/^set -Eeuo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}" >&2
+}
+
+main() {
+  local cmd=${1:-}
+  case $cmd in
+    start)       take_lock; pg_start; kafka_start; print_env ;;
+    stop)        take_lock; kafka_stop; pg_stop ;;
+    status)      local rc=0; pg_status || rc=1; kafka_status || rc=1; exit $rc ;;
+    pg-start)    take_lock; pg_start ;;
+    pg-stop)     take_lock; pg_stop ;;
+    kafka-start) take_lock; kafka_start ;;
+    kafka-stop)  take_lock; kafka_stop ;;
+    env)         print_env ;;
+    -h|--help|help) usage ;;
+    *)           usage; exit 2 ;;
+  esac
+}
+
+main "$@"

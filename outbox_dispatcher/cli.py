@@ -1,0 +1,214 @@
+"""`outbox-dispatcher`: migrate, run, status.
+
+Every setting is an OUTBOX_* environment variable and a flag of the same name; flags win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import enum
+import signal
+import sys
+import types
+import typing
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+import orjson
+import structlog
+from pydantic import SecretStr, ValidationError
+
+from outbox_dispatcher import __version__, db, errors, logs, migrations, status
+from outbox_dispatcher.dispatcher import Dispatcher
+from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.sql import Queries
+
+log = structlog.get_logger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+
+
+def _env_name(field: str) -> str:
+    return "OUTBOX_SCHEMA" if field == "db_schema" else f"OUTBOX_{field.upper()}"
+
+
+def _flag_name(field: str) -> str:
+    return "--schema" if field == "db_schema" else "--" + field.replace("_", "-")
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "settings", "each flag overrides its environment variable (shown in brackets)"
+    )
+    for name, field in Settings.model_fields.items():
+        annotation = field.annotation
+        default = field.default
+        if isinstance(default, SecretStr):
+            shown = "set" if default.get_secret_value() else "unset"
+        elif isinstance(default, enum.Enum):
+            shown = default.value
+        else:
+            shown = repr(default)
+        text = f"{field.description or ''} [{_env_name(name)}, default {shown}]".strip()
+        kwargs: dict[str, Any] = {"dest": name, "default": None, "help": text}
+        args = typing.get_args(annotation)
+        if annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(annotation) is typing.Literal:
+            kwargs["choices"] = list(args)
+        elif isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+            kwargs["choices"] = [m.value for m in annotation]
+        elif typing.get_origin(annotation) in (
+            typing.Union,
+            types.UnionType,
+        ) and typing.Literal in {typing.get_origin(a) for a in args}:
+            kwargs["choices"] = [c for a in args for c in typing.get_args(a)]
+        group.add_argument(_flag_name(name), **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="outbox-dispatcher",
+        description=(
+            "Moves events from a PostgreSQL transactional outbox table to Kafka: at-least-once, "
+            "ordered per ordering key, each record carrying its event id."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser(
+        "run", help="dispatch until SIGTERM/SIGINT", description="Dispatch until SIGTERM/SIGINT."
+    )
+    migrate = commands.add_parser(
+        "migrate",
+        help="create or upgrade the outbox schema (idempotent)",
+        description="Create or upgrade the outbox schema; safe to run concurrently.",
+    )
+    show = commands.add_parser(
+        "status",
+        help="pending, in-flight and dead rows per topic",
+        description="Pending, in-flight, dead and published rows per topic, oldest pending age.",
+    )
+    show.add_argument("--json", action="store_true", help="print JSON")
+    for sub in (run, migrate, show):
+        _add_setting_flags(sub)
+    return parser
+
+
+def load_settings(namespace: argparse.Namespace) -> Settings:
+    overrides = {
+        name: getattr(namespace, name)
+        for name in Settings.model_fields
+        if getattr(namespace, name, None) is not None
+    }
+    return Settings(**overrides)
+
+
+def _explain(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else ""
+        where = f"{_env_name(field)} / {_flag_name(field)}" if field else "settings"
+        message = str(error["msg"]).removeprefix("Value error, ")
+        lines.append(f"invalid setting {where}: {message}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    namespace = parser.parse_args(argv)
+    try:
+        settings = load_settings(namespace)
+    except ValidationError as exc:
+        print(f"outbox-dispatcher: {_explain(exc)}", file=sys.stderr)  # noqa: T201
+        return EXIT_CONFIG
+    logs.configure(settings.log_format, settings.log_level)
+    command: Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]] = {
+        "run": _run,
+        "migrate": _migrate,
+        "status": _status,
+    }[namespace.command]
+    try:
+        return _asyncio_run(command(settings, namespace))
+    except errors.ConfigurationError as exc:
+        log.error("configuration_error", error=str(exc))
+        return EXIT_CONFIG
+    except errors.OutboxDispatcherError as exc:
+        log.error("failed", error=str(exc), error_type=type(exc).__name__)
+        return EXIT_FAILED
+
+
+def _asyncio_run(coro: Coroutine[Any, Any, int]) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+async def _run(settings: Settings, _: argparse.Namespace) -> int:
+    dispatcher = Dispatcher(settings)
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+
+    def on_signal(signum: signal.Signals) -> None:
+        if dispatcher.stopping.is_set():
+            log.warning("second_signal_cancelling", signal=signum.name)
+            if main_task is not None:
+                main_task.cancel()
+        else:
+            log.info("signal_received", signal=signum.name)
+            dispatcher.stop()
+
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for signum in signals:
+        loop.add_signal_handler(signum, on_signal, signum)
+    code = EXIT_OK
+    try:
+        await dispatcher.run()
+    except* errors.ConfigurationError as config_errors:
+        for exc in config_errors.exceptions:
+            log.error("configuration_error", error=str(exc))
+        code = EXIT_CONFIG
+    except* errors.OutboxDispatcherError as failures:
+        for failure in failures.exceptions:
+            log.error("failed", error=str(failure), error_type=type(failure).__name__)
+        code = EXIT_FAILED
+    except* Exception as crashes:
+        # A dead loop stopped the TaskGroup: exit non-zero so that the process is restarted.
+        for crash in crashes.exceptions:
+            log.error("loop_died", error=errors.describe(crash), exc_info=crash)
+        code = EXIT_FAILED
+    finally:
+        for signum in signals:
+            loop.remove_signal_handler(signum)
+    return code
+
+
+async def _migrate(settings: Settings, _: argparse.Namespace) -> int:
+    conn = await db.connect(settings.database_url.get_secret_value(), settings)
+    try:
+        applied = await migrations.migrate(conn, settings.db_schema, settings.table)
+        version = await migrations.current_version(conn, settings.db_schema, settings.table)
+    finally:
+        await conn.close()
+    log.info("schema_ready", version=version, applied=applied)
+    return EXIT_OK
+
+
+async def _status(settings: Settings, namespace: argparse.Namespace) -> int:
+    conn = await db.connect(settings.database_url.get_secret_value(), settings)
+    try:
+        await migrations.check_version(conn, settings.db_schema, settings.table)
+        topics = await status.read(conn, Queries.for_table(settings.db_schema, settings.table))
+    finally:
+        await conn.close()
+    if namespace.json:
+        sys.stdout.write(orjson.dumps(status.as_json(topics), option=orjson.OPT_INDENT_2).decode())
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(status.as_table(topics) + "\n")
+    return EXIT_OK

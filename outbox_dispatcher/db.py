@@ -1,0 +1,96 @@
+"""The connection pool: jsonb decoded with orjson, the dispatcher's session settings."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import asyncpg
+import orjson
+
+from outbox_dispatcher import errors
+from outbox_dispatcher.settings import Settings
+
+APPLICATION_NAME = "outbox-dispatcher"
+
+# Errors that mean "the database is not there right now", as opposed to a bug or bad SQL.
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.AdminShutdownError,
+    asyncpg.CrashShutdownError,
+    asyncpg.TooManyConnectionsError,
+    TimeoutError,
+    socket.gaierror,
+)
+
+
+async def init_connection(conn: asyncpg.Connection) -> None:
+    await conn.set_type_codec(
+        "jsonb", encoder=_encode_jsonb, decoder=orjson.loads, schema="pg_catalog", format="text"
+    )
+
+
+def _encode_jsonb(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+def server_settings(settings: Settings) -> dict[str, str]:
+    return {
+        "application_name": APPLICATION_NAME,
+        "synchronous_commit": settings.synchronous_commit,
+        # No dispatcher statement may hold locks for long, whatever happens.
+        "idle_in_transaction_session_timeout": "10000",
+    }
+
+
+def translate(exc: BaseException) -> errors.OutboxDispatcherError | None:
+    """The dispatcher's error for a failure to connect, or None if exc is something else."""
+    if isinstance(
+        exc, asyncpg.InvalidPasswordError | asyncpg.InvalidAuthorizationSpecificationError
+    ):
+        return errors.ConfigurationError(
+            f"PostgreSQL rejected the credentials in OUTBOX_DATABASE_URL: {exc}"
+        )
+    if isinstance(exc, asyncpg.InvalidCatalogNameError):
+        return errors.ConfigurationError(
+            f"the database named in OUTBOX_DATABASE_URL does not exist: {exc}"
+        )
+    if isinstance(exc, CONNECTION_ERRORS):
+        return errors.DatabaseUnavailableError(
+            f"cannot reach PostgreSQL ({type(exc).__name__}: {exc}): check "
+            "OUTBOX_DATABASE_URL and that the server is up"
+        )
+    return None
+
+
+async def create_pool(settings: Settings) -> asyncpg.Pool:
+    try:
+        pool = await asyncpg.create_pool(
+            settings.database_url.get_secret_value(),
+            min_size=1,
+            max_size=settings.effective_pool_size,
+            init=init_connection,
+            server_settings=server_settings(settings),
+            command_timeout=60,
+            timeout=10,
+        )
+    except Exception as exc:
+        raise (translate(exc) or exc) from exc
+    if pool is None:  # only with a pool that is already closed
+        raise errors.DatabaseUnavailableError
+    return pool
+
+
+async def connect(dsn: str, settings: Settings) -> asyncpg.Connection:
+    """A single connection outside the pool (LISTEN, migrations, status)."""
+    try:
+        conn: asyncpg.Connection = await asyncpg.connect(
+            dsn, server_settings=server_settings(settings), timeout=10
+        )
+    except Exception as exc:
+        raise (translate(exc) or exc) from exc
+    await init_connection(conn)
+    return conn

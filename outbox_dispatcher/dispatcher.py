@@ -1,0 +1,184 @@
+"""Assembles the dispatcher and supervises its loops.
+
+Every loop runs in one TaskGroup: a loop that dies stops the process (non-zero exit), never a
+half-alive zombie. Shutdown has two phases: stop claiming and let in-flight batches finish within
+the grace period; then cancel, giving unacknowledged rows back and marking acknowledged ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+from collections.abc import Coroutine
+from typing import Any
+
+import asyncpg
+import structlog
+
+from outbox_dispatcher import db, errors, listener, migrations, reclaimer
+from outbox_dispatcher.claimer import Claimer, wait_for_work
+from outbox_dispatcher.marker import Marker
+from outbox_dispatcher.models import Batch
+from outbox_dispatcher.publisher import KafkaPublisher, NotAttempted, Sent
+from outbox_dispatcher.retries import RetryPolicy
+from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.sql import Queries
+
+log = structlog.get_logger(__name__)
+
+
+def instance_id() -> str:
+    """Who holds a lease, for operators: host, pid and a random suffix (pids repeat)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+class Dispatcher:
+    def __init__(self, settings: Settings, *, owner: str | None = None) -> None:
+        self.settings = settings
+        self.owner = owner or instance_id()
+        self.queries = Queries.for_table(settings.db_schema, settings.table)
+        self.stopping = asyncio.Event()
+        self.in_flight = reclaimer.InFlight()
+        self.retry_policy = RetryPolicy(settings)
+        self.published = 0
+        self._wakes = [asyncio.Event() for _ in range(settings.claim_tasks)]
+
+    def stop(self) -> None:
+        """Begin a graceful shutdown (phase one: stop claiming)."""
+        if not self.stopping.is_set():
+            log.info("shutdown_requested", in_flight=len(self.in_flight))
+            self.stopping.set()
+
+    async def run(self) -> None:
+        s = self.settings
+        pool = await db.create_pool(s)
+        try:
+            async with pool.acquire() as conn:
+                await migrations.check_version(conn, s.db_schema, s.table)
+            publisher = KafkaPublisher(s)
+            await publisher.start()
+            try:
+                await self._supervise(pool, publisher)
+            finally:
+                await publisher.stop()
+        finally:
+            await pool.close()
+        log.info("stopped", published=self.published)
+
+    async def _supervise(self, pool: asyncpg.Pool, publisher: KafkaPublisher) -> None:
+        s = self.settings
+        claimer = Claimer(pool, self.queries, s, self.owner)
+        marker = Marker(pool, self.queries, retry_for=s.lease_seconds)
+        log.info(
+            "started",
+            owner=self.owner,
+            table=f"{s.db_schema}.{s.table}",
+            claim_tasks=s.claim_tasks,
+            batch_size=s.batch_size,
+            bootstrap_servers=s.kafka_bootstrap_servers,
+        )
+        async with asyncio.TaskGroup() as tg:
+            claim_tasks = [
+                tg.create_task(
+                    self._guard(self._claim_loop(claimer, publisher, marker, wake), f"claim-{i}"),
+                    name=f"claim-{i}",
+                )
+                for i, wake in enumerate(self._wakes)
+            ]
+            side: dict[str, Coroutine[Any, Any, None]] = {
+                "lease-keeper": reclaimer.keep_leases(pool, self.queries, s, self.in_flight),
+                "reclaimer": reclaimer.reclaim(pool, self.queries, s),
+            }
+            if s.listen:
+                side["listener"] = listener.listen(s, self._wakes)
+            side_tasks = [
+                tg.create_task(self._guard(coro, name), name=name) for name, coro in side.items()
+            ]
+            tg.create_task(self._shutdown(claim_tasks, side_tasks), name="shutdown")
+
+    async def _guard(self, loop: Coroutine[Any, Any, None], name: str) -> None:
+        """A loop that returns while the dispatcher is not stopping is a dead loop."""
+        await loop
+        if not self.stopping.is_set():
+            raise errors.LoopDiedError(f"the {name} loop returned unexpectedly")
+
+    async def _shutdown(
+        self, claim_tasks: list[asyncio.Task[None]], side_tasks: list[asyncio.Task[None]]
+    ) -> None:
+        await self.stopping.wait()
+        _, pending = await asyncio.wait(claim_tasks, timeout=self.settings.shutdown_grace_seconds)
+        if pending:
+            log.warning("shutdown_grace_expired", cancelling=len(pending))
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending)
+        for task in side_tasks:
+            task.cancel()
+
+    async def _claim_loop(
+        self, claimer: Claimer, publisher: KafkaPublisher, marker: Marker, wake: asyncio.Event
+    ) -> None:
+        s = self.settings
+        pause = s.backoff_initial_seconds
+        while not self.stopping.is_set():
+            wake.clear()
+            try:
+                batch = await claimer.claim()
+            except db.CONNECTION_ERRORS as exc:
+                log.warning("claim_failed", error=repr(exc), retry_in=pause)
+                await wait_for_work(asyncio.Event(), self.stopping, pause)
+                pause = min(pause * 2, s.backoff_max_seconds)
+                continue
+            pause = s.backoff_initial_seconds
+            if batch is None:
+                await wait_for_work(wake, self.stopping, s.poll_interval_seconds)
+                continue
+            outage = await self._process(batch, publisher, marker)
+            if outage:
+                await wait_for_work(asyncio.Event(), self.stopping, outage)
+
+    async def _process(self, batch: Batch, publisher: KafkaPublisher, marker: Marker) -> float:
+        """Publish one batch and settle it; returns how long to pause for a broker outage."""
+        records = batch.records
+        self.in_flight.add(batch.token, [r.id for r in records])
+        try:
+            sent = Sent()
+            try:
+                await publisher.send(records, sent)
+                outcomes = await publisher.wait(sent)
+            except asyncio.CancelledError:
+                # Shutdown past the grace period: mark what was acknowledged, give back the rest.
+                outcomes = publisher.outcomes(
+                    sent, NotAttempted("dispatcher shut down"), total=len(records)
+                )
+                await marker.settle_shielded(batch, self.retry_policy.results(records, outcomes))
+                raise
+            results = self.retry_policy.results(records, outcomes)
+            settled = await marker.settle_shielded(batch, results)
+        finally:
+            self.in_flight.discard(batch.token)
+        published = sum(1 for o in outcomes if o is None)
+        self.published += published
+        failed = [(r, res) for r, res in zip(records, results, strict=True) if res.error]
+        for record, result in failed:
+            log.warning(
+                "publish_failed",
+                id=record.id,
+                event_id=str(record.event_id),
+                topic=record.topic,
+                outcome=result.outcome.value,
+                error=result.error,
+                attempts=record.attempts + int(result.counted),
+            )
+        log.debug(
+            "batch_settled",
+            rows=len(records),
+            published=published,
+            settled=settled,
+            reclaimed=sum(r.reclaimed for r in records),
+        )
+        if any(res.error and not res.counted for res in results):
+            return self.retry_policy.outage_delay()
+        return 0.0

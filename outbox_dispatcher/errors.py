@@ -1,0 +1,104 @@
+"""One root exception; each subclass says whether retrying can help and what the operator does.
+
+A class's docstring is its default message, as in procrastinate.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from aiokafka import errors as kafka_errors
+
+
+class OutboxDispatcherError(Exception):
+    """The outbox dispatcher failed."""
+
+    retriable: bool = False
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+class ConfigurationError(OutboxDispatcherError):
+    """The configuration is invalid: fix the named setting and start again."""
+
+
+class SchemaVersionError(OutboxDispatcherError):
+    """The database schema does not match this dispatcher version."""
+
+
+class DatabaseUnavailableError(OutboxDispatcherError):
+    """PostgreSQL cannot be reached: check OUTBOX_DATABASE_URL and that the server is up."""
+
+    retriable = True
+
+
+class BrokerUnavailableError(OutboxDispatcherError):
+    """Kafka cannot be reached: check OUTBOX_KAFKA_BOOTSTRAP_SERVERS and that the broker is up."""
+
+    retriable = True
+
+
+class LoopDiedError(OutboxDispatcherError):
+    """A dispatcher loop stopped unexpectedly; the process exits so that it is restarted."""
+
+
+class Failure(enum.Enum):
+    """How a failed publish of one row is handled."""
+
+    # The row itself cannot ever be published (too large, invalid topic, not authorized):
+    # dead-letter it now.
+    PERMANENT = "permanent"
+    # Something about this row failed and may succeed later: count the attempt, back off,
+    # dead-letter after max_attempts.
+    ROW = "row"
+    # The broker or the network is down: back off, but do not count the attempt; an outage must
+    # not dead-letter anything.
+    TRANSIENT = "transient"
+
+
+_PERMANENT = (
+    kafka_errors.MessageSizeTooLargeError,
+    kafka_errors.RecordTooLargeError,
+    kafka_errors.RecordListTooLargeError,
+    kafka_errors.InvalidTopicError,
+    kafka_errors.TopicAuthorizationFailedError,
+    kafka_errors.CorruptRecordException,
+    kafka_errors.PolicyViolationError,
+    kafka_errors.InvalidTimestampError,
+    kafka_errors.UnsupportedForMessageFormatError,
+)
+
+_TRANSIENT = (
+    kafka_errors.KafkaConnectionError,
+    kafka_errors.NodeNotReadyError,
+    kafka_errors.NoBrokersAvailable,
+    kafka_errors.RequestTimedOutError,
+    kafka_errors.NotEnoughReplicasError,
+    kafka_errors.NotEnoughReplicasAfterAppendError,
+    kafka_errors.LeaderNotAvailableError,
+    kafka_errors.NotLeaderForPartitionError,
+    kafka_errors.KafkaTimeoutError,
+    kafka_errors.ProducerClosed,
+    BrokerUnavailableError,
+    TimeoutError,
+    ConnectionError,
+)
+
+
+def classify(exc: BaseException) -> Failure:
+    """Map a publish exception to the way the row is handled."""
+    if isinstance(exc, _PERMANENT):
+        return Failure.PERMANENT
+    if isinstance(exc, _TRANSIENT):
+        return Failure.TRANSIENT
+    if isinstance(exc, kafka_errors.KafkaError) and exc.retriable:
+        return Failure.TRANSIENT
+    return Failure.ROW
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line reason for last_error and the logs."""
+    text = str(exc).strip()
+    name = type(exc).__name__
+    return f"{name}: {text}" if text and text != name else name

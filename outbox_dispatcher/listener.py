@@ -1,0 +1,66 @@
+"""LISTEN/NOTIFY as a wake-up hint: new rows go out within milliseconds, and an idle dispatcher
+only polls at poll_interval. Losing the connection loses nothing; polling covers the gap."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+import asyncpg
+import structlog
+
+from outbox_dispatcher import db, errors
+from outbox_dispatcher.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+PING_SECONDS = 15.0
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    errors.OutboxDispatcherError,
+    *db.CONNECTION_ERRORS,
+)
+
+
+def _setter(event: asyncio.Event) -> Callable[[object], None]:
+    return lambda _conn: event.set()
+
+
+def channel_name(settings: Settings) -> str:
+    """The channel the table's trigger notifies: "<schema>.<table>"."""
+    return f"{settings.db_schema}.{settings.table}"
+
+
+async def listen(settings: Settings, wakes: Sequence[asyncio.Event]) -> None:
+    """Forever: hold a LISTEN connection, reconnecting with backoff; wake every claimer."""
+    secret = settings.listen_database_url or settings.database_url
+    channel = channel_name(settings)
+    pause = 0.5
+
+    def wake_all(*_: object) -> None:
+        for wake in wakes:
+            wake.set()
+
+    while True:
+        conn: asyncpg.Connection | None = None
+        try:
+            conn = await db.connect(secret.get_secret_value(), settings)
+            lost = asyncio.Event()
+            conn.add_termination_listener(_setter(lost))
+            await conn.add_listener(channel, wake_all)
+            log.info("listening", channel=channel)
+            wake_all()  # rows may have arrived while we were not listening
+            pause = 0.5
+            while not lost.is_set():
+                try:
+                    await asyncio.wait_for(lost.wait(), PING_SECONDS)
+                except TimeoutError:
+                    # A silently dropped connection is only noticed by using it.
+                    await asyncio.wait_for(conn.execute("SELECT 1"), PING_SECONDS)
+            log.warning("listen_connection_lost", channel=channel)
+        except _UNAVAILABLE as exc:
+            log.warning("listen_unavailable", channel=channel, error=repr(exc), retry_in=pause)
+        finally:
+            if conn is not None and not conn.is_closed():
+                conn.terminate()
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 10.0)

@@ -1,0 +1,130 @@
+"""Applies schema/migrations/*.sql in order and checks the version a database is at.
+
+The files are plain SQL with ${schema} and ${table} placeholders, so Flyway or Liquibase can apply
+the same files; each file records its own version in <table>_schema_version.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+import structlog
+from asyncpg.pool import PoolConnectionProxy
+
+from outbox_dispatcher import errors
+from outbox_dispatcher.settings import quote_identifier, validate_identifier
+from outbox_dispatcher.sql import Queries
+
+log = structlog.get_logger(__name__)
+
+_MIGRATION_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+
+def schema_dir() -> Path:
+    """The packaged schema/ (in a wheel) or the source tree's schema/."""
+    packaged = Path(__file__).parent / "_schema"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent / "schema"
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    path: Path
+
+
+def load_migrations(directory: Path | None = None) -> list[Migration]:
+    directory = directory or schema_dir() / "migrations"
+    found = []
+    for path in sorted(directory.glob("*.sql")):
+        match = _MIGRATION_NAME.match(path.name)
+        if not match:
+            msg = f"{path}: migration files are named NNNN_name.sql"
+            raise errors.ConfigurationError(msg)
+        found.append(Migration(int(match.group(1)), match.group(2), path))
+    versions = [m.version for m in found]
+    if versions != list(range(1, len(found) + 1)):
+        msg = f"migrations in {directory} must be numbered 1..n without gaps, found {versions}"
+        raise errors.ConfigurationError(msg)
+    return found
+
+
+def latest_version() -> int:
+    return len(load_migrations())
+
+
+def render(sql: str, schema: str, table: str) -> str:
+    """Fill the placeholders with validated names; the only place DDL gets identifiers."""
+    validate_identifier(schema, "schema")
+    validate_identifier(table, "table")
+    return sql.replace("${schema}", quote_identifier(schema)).replace("${table}", table)
+
+
+def lock_key(schema: str, table: str) -> int:
+    """A stable advisory-lock key for one outbox table (migrations and the claim's lock space)."""
+    return zlib.crc32(f"outbox-dispatcher:{schema}.{table}".encode()) & 0x7FFFFFFF
+
+
+Executor = asyncpg.Connection | PoolConnectionProxy
+
+
+async def current_version(conn: Executor, schema: str, table: str) -> int:
+    exists = await conn.fetchval(
+        "SELECT to_regclass($1) IS NOT NULL",
+        f"{quote_identifier(schema)}.{quote_identifier(table + '_schema_version')}",
+    )
+    if not exists:
+        return 0
+    version: int = await conn.fetchval(Queries.for_table(schema, table).schema_version)
+    return version
+
+
+async def migrate(conn: asyncpg.Connection, schema: str, table: str) -> list[int]:
+    """Apply what is missing, safely from several processes at once; returns versions applied."""
+    migrations = load_migrations()
+    applied: list[int] = []
+    # A session lock (the one-key form: never the claim's two-key lock space): a second
+    # migrator waits, then finds nothing to do.
+    await conn.execute("SELECT pg_advisory_lock($1)", lock_key(schema, table))
+    try:
+        await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_identifier(schema)}")
+        version = await current_version(conn, schema, table)
+        if version > len(migrations):
+            raise errors.SchemaVersionError(_too_new(version, len(migrations)))
+        for migration in migrations[version:]:
+            sql = render(migration.path.read_text("utf-8"), schema, table)
+            async with conn.transaction():
+                await conn.execute(sql)
+            log.info("migration_applied", version=migration.version, name=migration.name)
+            applied.append(migration.version)
+    finally:
+        await conn.execute("SELECT pg_advisory_unlock($1)", lock_key(schema, table))
+    return applied
+
+
+async def check_version(conn: Executor, schema: str, table: str) -> None:
+    """Refuse to run against a schema this version does not understand."""
+    expected = latest_version()
+    version = await current_version(conn, schema, table)
+    if version < expected:
+        msg = (
+            f"the outbox schema of {schema}.{table} is at version {version}, this dispatcher "
+            f"needs {expected}: run `outbox-dispatcher migrate` (or apply schema/migrations "
+            "with your migration tool), then start again"
+        )
+        raise errors.SchemaVersionError(msg)
+    if version > expected:
+        raise errors.SchemaVersionError(_too_new(version, expected))
+
+
+def _too_new(version: int, expected: int) -> str:
+    return (
+        f"the outbox schema is at version {version}, newer than this dispatcher understands "
+        f"({expected}): upgrade outbox-dispatcher"
+    )

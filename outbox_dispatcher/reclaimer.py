@@ -1,0 +1,85 @@
+"""Leases: keep ours alive while rows are in flight; deal with those of crashed dispatchers.
+
+Rows whose lease expired are taken over by the next claim on their key; this loop only
+dead-letters rows whose owners keep dying with them, and reports what it saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import asyncpg
+import structlog
+
+from outbox_dispatcher import db
+from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.sql import Queries
+
+log = structlog.get_logger(__name__)
+
+
+class InFlight:
+    """The batches this process has claimed and not yet settled."""
+
+    def __init__(self) -> None:
+        self._batches: dict[uuid.UUID, list[int]] = {}
+
+    def add(self, token: uuid.UUID, ids: list[int]) -> None:
+        self._batches[token] = ids
+
+    def discard(self, token: uuid.UUID) -> None:
+        self._batches.pop(token, None)
+
+    def pairs(self) -> tuple[list[int], list[uuid.UUID]]:
+        ids: list[int] = []
+        tokens: list[uuid.UUID] = []
+        for token, batch_ids in self._batches.items():
+            ids.extend(batch_ids)
+            tokens.extend([token] * len(batch_ids))
+        return ids, tokens
+
+    def __len__(self) -> int:
+        return sum(len(ids) for ids in self._batches.values())
+
+
+async def keep_leases(
+    pool: asyncpg.Pool, queries: Queries, settings: Settings, in_flight: InFlight
+) -> None:
+    """Extend the leases of in-flight rows every lease/3, for as long as the process lives."""
+    interval = settings.lease_seconds / 3
+    while True:
+        await asyncio.sleep(interval)
+        ids, tokens = in_flight.pairs()
+        if not ids:
+            continue
+        try:
+            rows = await pool.fetch(queries.extend_leases, ids, tokens, settings.lease_seconds)
+        except db.CONNECTION_ERRORS as exc:
+            log.warning("lease_extension_failed", rows=len(ids), error=repr(exc))
+            continue
+        if len(rows) < len(ids):
+            # Settled meanwhile, or taken over after an expiry; the settle will tell which.
+            log.debug("lease_extension_partial", extended=len(rows), asked=len(ids))
+
+
+async def reclaim(pool: asyncpg.Pool, queries: Queries, settings: Settings) -> None:
+    """Dead-letter rows whose leases keep expiring; report expired leases awaiting takeover."""
+    while True:
+        await asyncio.sleep(settings.reclaim_interval_seconds)
+        try:
+            dead = await pool.fetch(queries.dead_letter_crash_loops, settings.max_attempts)
+            expired = await pool.fetchval(queries.count_expired_leases)
+        except db.CONNECTION_ERRORS as exc:
+            log.warning("reclaim_failed", error=repr(exc))
+            continue
+        for row in dead:
+            log.error(
+                "dead_lettered_crash_loop",
+                id=row["id"],
+                event_id=str(row["event_id"]),
+                topic=row["topic"],
+                last_owner=row["lease_owner"],
+            )
+        if expired:
+            log.info("expired_leases_awaiting_takeover", rows=expired)

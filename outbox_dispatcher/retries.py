@@ -1,0 +1,66 @@
+"""Turns publish outcomes into what is recorded: published, retry later, or dead-lettered."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from outbox_dispatcher import errors
+from outbox_dispatcher.models import OutboxRecord, Outcome, Result
+from outbox_dispatcher.publisher import NotAttempted, TopicMissingError
+from outbox_dispatcher.settings import Settings
+
+
+class RetryPolicy:
+    def __init__(self, settings: Settings, rng: random.Random | None = None) -> None:
+        self._initial = settings.backoff_initial_seconds
+        self._max = settings.backoff_max_seconds
+        self._max_attempts = settings.max_attempts
+        self._rng = rng or random.Random()  # noqa: S311 - jitter, not cryptography
+        self._outage_streak = 0
+
+    def backoff(self, attempt: int) -> float:
+        """Exponential backoff for the n-th failure (n >= 1), with equal jitter: [d/2, d]."""
+        delay = min(self._max, self._initial * float(2 ** max(0, attempt - 1)))
+        return delay / 2 + self._rng.uniform(0, delay / 2)
+
+    def outage_delay(self) -> float:
+        """The claim loop's pause after a broker outage hit a batch; grows while it lasts."""
+        return self.backoff(self._outage_streak)
+
+    def results(
+        self, records: Sequence[OutboxRecord], outcomes: Sequence[BaseException | None]
+    ) -> list[Result]:
+        if any(o is not None and _is_outage(o) for o in outcomes):
+            self._outage_streak += 1
+        elif any(o is None for o in outcomes):
+            self._outage_streak = 0
+        return [self.result(r, o) for r, o in zip(records, outcomes, strict=True)]
+
+    def result(self, record: OutboxRecord, outcome: BaseException | None) -> Result:
+        if outcome is None:
+            return Result(Outcome.PUBLISHED)
+        reason = errors.describe(outcome)
+        if isinstance(outcome, NotAttempted):
+            return Result(Outcome.RETRY)
+        if isinstance(outcome, TopicMissingError):
+            failure = errors.Failure.ROW
+        else:
+            failure = errors.classify(outcome)
+        if failure is errors.Failure.PERMANENT:
+            return Result(Outcome.DEAD, f"permanent error, not retried: {reason}", counted=True)
+        if failure is errors.Failure.TRANSIENT:
+            # Not the row's fault: wait for the broker, never dead-letter for it.
+            return Result(Outcome.RETRY, reason, delay=self.outage_delay(), counted=False)
+        attempt = record.attempts + 1
+        if attempt >= self._max_attempts:
+            return Result(
+                Outcome.DEAD, f"gave up after {attempt} failed attempts: {reason}", counted=True
+            )
+        return Result(Outcome.RETRY, reason, delay=self.backoff(attempt), counted=True)
+
+
+def _is_outage(outcome: BaseException) -> bool:
+    return not isinstance(outcome, NotAttempted | TopicMissingError) and (
+        errors.classify(outcome) is errors.Failure.TRANSIENT
+    )

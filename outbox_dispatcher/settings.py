@@ -1,0 +1,215 @@
+"""Configuration: environment variables with the OUTBOX_ prefix, overridden by CLI flags.
+
+Read once, in the CLI; every component receives the settings object and reads only its part.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Annotated, Literal
+
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Lowercase only, so that derived names (outbox_claim, outbox_schema_version, ...) stay valid,
+# unquoted-equivalent identifiers; short enough that every derived name fits in 63 bytes.
+IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,39}$")
+RESERVED_SCHEMAS = frozenset({"pg_catalog", "information_schema", "pg_toast"})
+
+
+class DeadLetterPolicy(enum.StrEnum):
+    """What a dead-lettered row means for the later rows of its ordering key."""
+
+    SKIP = "skip"  # later rows of the key go on
+    BLOCK = "block"  # nothing later of the key is published until an operator acts
+
+
+def validate_identifier(value: str, what: str) -> str:
+    if not IDENTIFIER.match(value):
+        msg = (
+            f"{what} {value!r} is not allowed: use 1-40 characters of lowercase letters, digits "
+            "and underscores, starting with a letter or underscore"
+        )
+        raise ValueError(msg)
+    return value
+
+
+def quote_identifier(value: str) -> str:
+    """Quote an identifier that has already passed validate_identifier."""
+    return '"' + value.replace('"', '""') + '"'
+
+
+PositiveSeconds = Annotated[float, Field(gt=0)]
+
+
+class Settings(BaseSettings):
+    """Every setting of the dispatcher; `outbox-dispatcher run --help` lists the flags."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="OUTBOX_",
+        extra="ignore",
+        validate_default=True,
+        frozen=True,
+    )
+
+    # Where
+    database_url: SecretStr = Field(
+        default=SecretStr("postgresql://outbox:outbox@127.0.0.1:5432/outbox"),
+        description="PostgreSQL DSN (libpq URL) of the database that holds the outbox table.",
+    )
+    db_schema: str = Field(
+        default="public",
+        validation_alias=AliasChoices("OUTBOX_SCHEMA", "db_schema"),
+        description="Schema of the outbox table.",
+    )
+    table: str = Field(default="outbox", description="Name of the outbox table.")
+    kafka_bootstrap_servers: str = Field(
+        default="127.0.0.1:9092", description="Comma-separated Kafka bootstrap servers."
+    )
+    kafka_client_id: str = Field(default="outbox-dispatcher", description="Kafka client id.")
+
+    # How much at once
+    claim_tasks: int = Field(default=4, ge=1, le=64, description="Concurrent claim tasks.")
+    batch_size: int = Field(default=500, ge=1, le=10_000, description="Rows per claim.")
+    scan_factor: int = Field(
+        default=10,
+        ge=1,
+        le=100,
+        description="A claim looks at the oldest batch_size x scan_factor pending rows.",
+    )
+    pool_size: int = Field(
+        default=0,
+        ge=0,
+        description="Database pool size; 0 means claim_tasks + 2.",
+    )
+
+    # Timing
+    lease_seconds: PositiveSeconds = Field(
+        default=30.0, description="Lease length; extended every lease/3 while in flight."
+    )
+    poll_interval_seconds: PositiveSeconds = Field(
+        default=0.5, description="Polling fallback when no notification arrives."
+    )
+    publish_timeout_seconds: PositiveSeconds = Field(
+        default=20.0, description="Longest wait for the broker's acknowledgement of a batch."
+    )
+    shutdown_grace_seconds: PositiveSeconds = Field(
+        default=20.0, description="On SIGTERM, time to finish in-flight batches before cancelling."
+    )
+    reclaim_interval_seconds: PositiveSeconds = Field(
+        default=10.0, description="How often expired leases of crashed dispatchers are swept."
+    )
+
+    # Failures
+    max_attempts: int = Field(
+        default=10, ge=1, description="Failed attempts after which a row is dead-lettered."
+    )
+    backoff_initial_seconds: PositiveSeconds = Field(
+        default=0.5, description="First retry delay; doubles per failed attempt, with jitter."
+    )
+    backoff_max_seconds: PositiveSeconds = Field(
+        default=30.0, description="Longest retry delay (also the longest pause in an outage)."
+    )
+    dead_letter_policy: DeadLetterPolicy = Field(
+        default=DeadLetterPolicy.SKIP,
+        description=(
+            "After a row of a key is dead-lettered: 'skip' publishes the key's later rows, "
+            "'block' holds them until an operator requeues or discards the dead row."
+        ),
+    )
+
+    # Kafka record shape and producer
+    event_id_header: str = Field(
+        default="event-id", min_length=1, description="Kafka header that carries the event id."
+    )
+    kafka_linger_ms: int = Field(
+        default=2, ge=0, description="Producer linger: how long a batch waits for more records."
+    )
+    kafka_max_batch_bytes: int = Field(
+        default=262_144, ge=1024, description="Producer batch size per partition, in bytes."
+    )
+    kafka_max_request_bytes: int = Field(
+        default=1_048_576,
+        ge=1024,
+        description="Largest record the producer sends; larger rows are dead-lettered.",
+    )
+    kafka_compression: Literal["none", "gzip", "lz4", "zstd", "snappy"] = Field(
+        default="none", description="Producer compression."
+    )
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        default="PLAINTEXT", description="Kafka security protocol."
+    )
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
+        default=None, description="SASL mechanism, with username and password."
+    )
+    kafka_sasl_username: str | None = Field(default=None, description="SASL username.")
+    kafka_sasl_password: SecretStr | None = Field(default=None, description="SASL password.")
+    kafka_ssl_cafile: str | None = Field(
+        default=None, description="CA bundle that verifies the broker's certificate."
+    )
+
+    # Database session
+    listen: bool = Field(default=True, description="Use LISTEN/NOTIFY as a wake-up hint.")
+    listen_database_url: SecretStr | None = Field(
+        default=None,
+        description="Direct DSN for LISTEN when database_url goes through a transaction pooler.",
+    )
+    synchronous_commit: Literal["on", "off", "local"] = Field(
+        default="off",
+        description=(
+            "synchronous_commit for the dispatcher's own transactions; a lost mark after a "
+            "database crash only means a re-publish, which at-least-once delivery allows."
+        ),
+    )
+
+    # Process
+    log_format: Literal["json", "console"] = Field(
+        default="json", description="Log lines as JSON objects, or for a terminal."
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO", description="Log level."
+    )
+
+    @field_validator("db_schema")
+    @classmethod
+    def _check_schema(cls, value: str) -> str:
+        validate_identifier(value, "OUTBOX_SCHEMA")
+        if value in RESERVED_SCHEMAS or value.startswith("pg_"):
+            msg = f"OUTBOX_SCHEMA {value!r} is a system schema; choose another"
+            raise ValueError(msg)
+        return value
+
+    @field_validator("table")
+    @classmethod
+    def _check_table(cls, value: str) -> str:
+        return validate_identifier(value, "OUTBOX_TABLE")
+
+    @field_validator("kafka_bootstrap_servers")
+    @classmethod
+    def _check_bootstrap(cls, value: str) -> str:
+        servers = [s.strip() for s in value.split(",") if s.strip()]
+        if not servers or any(":" not in s for s in servers):
+            msg = f"OUTBOX_KAFKA_BOOTSTRAP_SERVERS {value!r}: expected host:port[,host:port...]"
+            raise ValueError(msg)
+        return ",".join(servers)
+
+    @model_validator(mode="after")
+    def _check_relations(self) -> Settings:
+        if self.backoff_max_seconds < self.backoff_initial_seconds:
+            msg = "OUTBOX_BACKOFF_MAX_SECONDS must be >= OUTBOX_BACKOFF_INITIAL_SECONDS"
+            raise ValueError(msg)
+        if self.kafka_sasl_mechanism and not (
+            self.kafka_sasl_username and self.kafka_sasl_password
+        ):
+            msg = "OUTBOX_KAFKA_SASL_MECHANISM needs OUTBOX_KAFKA_SASL_USERNAME and _PASSWORD"
+            raise ValueError(msg)
+        return self
+
+    @property
+    def effective_pool_size(self) -> int:
+        return self.pool_size or self.claim_tasks + 2
+
+    @property
+    def scan_limit(self) -> int:
+        return self.batch_size * self.scan_factor

@@ -1,0 +1,65 @@
+"""Every runtime SQL statement, parsed once at import from queries.sql.
+
+Statements name the table through placeholders; `Queries.for_table` fills them with validated,
+quoted identifiers once at startup, so no name is ever pasted into SQL later.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import resources
+
+from outbox_dispatcher.settings import quote_identifier, validate_identifier
+
+_HEADER = re.compile(r"^-- ([a-z_]+) --$", re.MULTILINE)
+
+
+def parse(text: str) -> dict[str, str]:
+    """Split a file of `-- name --` sections into {name: statement}, comments dropped."""
+    parts = _HEADER.split(text)
+    queries: dict[str, str] = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        lines = [line for line in body.splitlines() if not line.lstrip().startswith("--")]
+        statement = "\n".join(lines).strip()
+        if not statement:
+            msg = f"query {name!r} is empty"
+            raise ValueError(msg)
+        if name in queries:
+            msg = f"query {name!r} is defined twice"
+            raise ValueError(msg)
+        queries[name] = statement
+    return queries
+
+
+QUERIES = parse(resources.files(__package__).joinpath("queries.sql").read_text("utf-8"))
+
+
+@dataclass(frozen=True)
+class Queries:
+    """The statements for one outbox table, with its identifiers filled in."""
+
+    claim: str
+    settle: str
+    extend_leases: str
+    dead_letter_crash_loops: str
+    count_expired_leases: str
+    schema_version: str
+    status: str
+
+    @classmethod
+    def for_table(cls, schema: str, table: str) -> Queries:
+        validate_identifier(schema, "schema")
+        validate_identifier(table, "table")
+
+        def qualified(name: str) -> str:
+            return f"{quote_identifier(schema)}.{quote_identifier(name)}"
+
+        names = {
+            "schema": quote_identifier(schema),
+            "table": qualified(table),
+            "version_table": qualified(f"{table}_schema_version"),
+            "claim_fn": qualified(f"{table}_claim"),
+        }
+        rendered = {name: sql.format_map(names) for name, sql in QUERIES.items()}
+        return cls(**rendered)

@@ -1,0 +1,72 @@
+-- Every SQL statement the dispatcher runs at run time, by name. {schema}, {table}, {version_table}
+-- and {claim_fn} are replaced once at startup by validated, quoted identifiers; every value is a
+-- $n parameter.
+
+-- claim --
+-- Lease up to $1 rows (see the claim function in schema/); one round trip.
+SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts, lease_token,
+       lease_expires_at, reclaimed
+  FROM {claim_fn}($1, $2, $3, $4, $5, $6, $7)
+
+-- settle --
+-- Record the outcome of one published batch in one statement, fenced by the batch's lease token:
+-- a dispatcher that lost its lease changes nothing.
+UPDATE {table} o
+   SET published_at = CASE WHEN r.outcome = 'published' THEN now() END,
+       dead_at = CASE WHEN r.outcome = 'dead' THEN now() END,
+       last_error = CASE WHEN r.outcome = 'published' THEN o.last_error ELSE coalesce(r.error, o.last_error) END,
+       attempts = o.attempts + r.attempt,
+       next_attempt_at = CASE WHEN r.outcome = 'retry'
+                              THEN now() + r.delay * interval '1 second'
+                              ELSE o.next_attempt_at END,
+       lease_token = NULL,
+       lease_expires_at = NULL
+  FROM unnest($1::bigint[], $2::text[], $3::text[], $4::double precision[], $5::integer[])
+       AS r(id, outcome, error, delay, attempt)
+ WHERE o.id = r.id AND o.lease_token = $6
+RETURNING o.id
+
+-- extend_leases --
+-- Keep the leases of rows still in flight while their owner is alive.
+UPDATE {table} o
+   SET lease_expires_at = now() + $3 * interval '1 second'
+  FROM unnest($1::bigint[], $2::uuid[]) AS r(id, token)
+ WHERE o.id = r.id AND o.lease_token = r.token
+RETURNING o.id
+
+-- dead_letter_crash_loops --
+-- Rows whose every owner died or hung while publishing them: dead-letter instead of taking them
+-- over again (the claim leaves them alone).
+UPDATE {table}
+   SET dead_at = now(),
+       attempts = attempts + 1,
+       lease_token = NULL,
+       lease_expires_at = NULL,
+       last_error = format('dead-lettered: the lease expired %s times (the dispatcher that held it '
+                           'crashed or hung while publishing, last owner %s); last error: %s',
+                           attempts + 1, lease_owner, coalesce(last_error, 'none'))
+ WHERE published_at IS NULL AND dead_at IS NULL
+   AND lease_expires_at <= now() AND attempts + 1 >= $1
+RETURNING id, event_id, topic, ordering_key, lease_owner
+
+-- count_expired_leases --
+SELECT count(*) FROM {table}
+ WHERE published_at IS NULL AND dead_at IS NULL AND lease_expires_at <= now()
+
+-- schema_version --
+SELECT coalesce(max(version), 0) FROM {version_table}
+
+-- status --
+-- Per topic: pending (not yet published), in flight (live lease), dead, oldest pending age.
+SELECT topic,
+       count(*) FILTER (WHERE published_at IS NULL AND dead_at IS NULL) AS pending,
+       count(*) FILTER (WHERE published_at IS NULL AND dead_at IS NULL
+                          AND lease_expires_at > now()) AS in_flight,
+       count(*) FILTER (WHERE dead_at IS NOT NULL) AS dead,
+       count(*) FILTER (WHERE published_at IS NOT NULL) AS published,
+       extract(epoch FROM now() - min(created_at)
+                              FILTER (WHERE published_at IS NULL AND dead_at IS NULL))::float8
+           AS oldest_pending_age_seconds
+  FROM {table}
+ GROUP BY topic
+ ORDER BY topic

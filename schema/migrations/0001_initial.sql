@@ -1,0 +1,294 @@
+-- outbox-dispatcher schema, version 1: the outbox table, its writer functions and the claim.
+--
+-- Placeholders: ${schema} and ${table} (Flyway and Liquibase substitute this syntax natively;
+-- `outbox-dispatcher migrate` substitutes validated names). Defaults: public / outbox.
+
+CREATE TABLE IF NOT EXISTS ${schema}.${table}_schema_version (
+    version integer PRIMARY KEY,
+    name text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- Writers may only store headers the dispatcher can copy to Kafka unchanged.
+CREATE FUNCTION ${schema}.${table}_headers_valid(headers jsonb) RETURNS boolean
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    RETURN jsonb_typeof(headers) = 'object'
+        AND NOT jsonb_path_exists(headers, '$.* ? (@.type() != "string")');
+
+CREATE TABLE ${schema}.${table} (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    -- Writer-facing columns.
+    topic text NOT NULL,
+    ordering_key text,
+    payload bytea,
+    headers jsonb NOT NULL DEFAULT '{}'::jsonb,
+    event_id uuid NOT NULL DEFAULT gen_random_uuid(),
+    created_at timestamptz NOT NULL DEFAULT now(),
+    -- Dispatcher-owned bookkeeping.
+    attempts integer NOT NULL DEFAULT 0,
+    next_attempt_at timestamptz NOT NULL DEFAULT now(),
+    lease_owner text,
+    lease_token uuid,
+    lease_expires_at timestamptz,
+    published_at timestamptz,
+    dead_at timestamptz,
+    last_error text,
+    CONSTRAINT ${table}_event_id_key UNIQUE (event_id),
+    CONSTRAINT ${table}_topic_valid CHECK (
+        topic ~ '^[A-Za-z0-9._-]{1,249}$' AND topic NOT IN ('.', '..')
+    ),
+    CONSTRAINT ${table}_headers_valid CHECK (${schema}.${table}_headers_valid(headers)),
+    CONSTRAINT ${table}_not_published_and_dead CHECK (published_at IS NULL OR dead_at IS NULL)
+);
+
+-- A hot queue table: vacuum early and often, and leave room on each page so that claims
+-- (which touch no indexed column) can be HOT updates.
+ALTER TABLE ${schema}.${table} SET (
+    fillfactor = 70,
+    autovacuum_vacuum_scale_factor = 0.01,
+    autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_insert_scale_factor = 0.05,
+    autovacuum_analyze_scale_factor = 0.02,
+    autovacuum_vacuum_cost_delay = 1
+);
+
+COMMENT ON TABLE ${schema}.${table} IS
+    'Transactional outbox: insert a row in the same transaction as the business change; outbox-dispatcher publishes it to Kafka.';
+COMMENT ON COLUMN ${schema}.${table}.topic IS 'Kafka topic (writer).';
+COMMENT ON COLUMN ${schema}.${table}.ordering_key IS
+    'Kafka record key and unit of ordering; NULL means no ordering (writer).';
+COMMENT ON COLUMN ${schema}.${table}.payload IS 'Kafka record value, any serialization; NULL is a tombstone (writer).';
+COMMENT ON COLUMN ${schema}.${table}.headers IS 'JSON object of string values, copied to Kafka headers (writer).';
+COMMENT ON COLUMN ${schema}.${table}.event_id IS 'Idempotency key, sent in the event-id header (writer, defaulted).';
+COMMENT ON COLUMN ${schema}.${table}.attempts IS
+    'Failed publish attempts that count towards max_attempts (dispatcher). Broker outages do not count.';
+COMMENT ON COLUMN ${schema}.${table}.next_attempt_at IS 'Earliest time of the next attempt, by the database clock (dispatcher).';
+COMMENT ON COLUMN ${schema}.${table}.lease_owner IS 'Dispatcher instance that last claimed the row (dispatcher).';
+COMMENT ON COLUMN ${schema}.${table}.lease_token IS 'Fencing token of the current claim; every update of a claimed row names it (dispatcher).';
+COMMENT ON COLUMN ${schema}.${table}.lease_expires_at IS 'The claim ends at this database time unless its owner extends it (dispatcher).';
+COMMENT ON COLUMN ${schema}.${table}.published_at IS 'Set only after the broker acknowledged the record (dispatcher).';
+COMMENT ON COLUMN ${schema}.${table}.dead_at IS 'Dead-lettered: never published, see last_error (dispatcher).';
+COMMENT ON COLUMN ${schema}.${table}.last_error IS 'Why the last attempt failed or why the row was dead-lettered (dispatcher).';
+
+-- The claim reads unpublished, live rows in id order (the scan window) and per key (the head
+-- and the run); dead rows per key (the "block" policy). Nothing else is indexed.
+CREATE INDEX ${table}_pending_idx ON ${schema}.${table} (id)
+    WHERE published_at IS NULL AND dead_at IS NULL;
+CREATE INDEX ${table}_pending_key_idx ON ${schema}.${table} (ordering_key, id)
+    WHERE published_at IS NULL AND dead_at IS NULL;
+CREATE INDEX ${table}_dead_key_idx ON ${schema}.${table} (ordering_key)
+    WHERE dead_at IS NOT NULL;
+
+-- Wake-up hint for dispatchers: one notification per inserting statement (and PostgreSQL folds
+-- identical notifications within a transaction). Polling stays the fallback.
+CREATE FUNCTION ${schema}.${table}_notify() RETURNS trigger
+    LANGUAGE plpgsql
+AS $fn$
+BEGIN
+    PERFORM pg_notify(TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME, '');
+    RETURN NULL;
+END;
+$fn$;
+
+CREATE TRIGGER ${table}_notify
+    AFTER INSERT ON ${schema}.${table}
+    FOR EACH STATEMENT EXECUTE FUNCTION ${schema}.${table}_notify();
+
+-- One call to enqueue from any language, inside the caller's transaction.
+CREATE FUNCTION ${schema}.${table}_enqueue(
+    topic text,
+    ordering_key text,
+    payload bytea,
+    headers jsonb DEFAULT '{}'::jsonb
+) RETURNS uuid
+    LANGUAGE sql
+AS $fn$
+    INSERT INTO ${schema}.${table} (topic, ordering_key, payload, headers)
+    VALUES (topic, ordering_key, payload, coalesce(headers, '{}'::jsonb))
+    RETURNING event_id;
+$fn$;
+
+-- JSON convenience: the payload is stored as the document's UTF-8 text.
+CREATE FUNCTION ${schema}.${table}_enqueue_json(
+    topic text,
+    ordering_key text,
+    payload jsonb,
+    headers jsonb DEFAULT '{}'::jsonb
+) RETURNS uuid
+    LANGUAGE sql
+AS $fn$
+    SELECT ${schema}.${table}_enqueue(
+        topic,
+        ordering_key,
+        CASE WHEN payload IS NULL THEN NULL ELSE convert_to(payload::text, 'UTF8') END,
+        coalesce(headers, '{}'::jsonb) || '{"content-type": "application/json"}'::jsonb
+    );
+$fn$;
+
+-- The claim: one round trip, two snapshots.
+--
+-- Statement 1 looks at the oldest p_scan pending rows, keeps the keys whose head (first pending
+-- row) is due and unleased, and takes a transaction-scoped advisory lock on as many of them, oldest
+-- first, as the batch can fill (p_limit x keys / rows seen: one row per key when every key has one
+-- row waiting, fewer keys with longer runs under a backlog, so that other claimers find keys too).
+-- Statement 2 runs with a fresh snapshot (this function is VOLATILE, and READ COMMITTED gives each
+-- statement its own), so it sees every lease committed by whoever held one of those keys before us;
+-- it re-checks each head and leases a prefix of each key's run in id order. Row locks are SKIP
+-- LOCKED; a row that cannot be taken ends its key's run for this claim, so a key never has a gap.
+CREATE FUNCTION ${schema}.${table}_claim(
+    p_limit integer,
+    p_scan integer,
+    p_owner text,
+    p_lease_seconds double precision,
+    p_lock_space integer,
+    p_block_on_dead boolean,
+    p_max_attempts integer
+) RETURNS TABLE (
+    id bigint,
+    topic text,
+    ordering_key text,
+    payload bytea,
+    headers jsonb,
+    event_id uuid,
+    created_at timestamptz,
+    attempts integer,
+    lease_token uuid,
+    lease_expires_at timestamptz,
+    reclaimed boolean
+)
+    LANGUAGE plpgsql VOLATILE
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_keys text[];
+    v_rows bigint;
+    v_null_ids bigint[];
+    v_want integer;
+    v_per_key integer;
+    v_token uuid := gen_random_uuid();
+BEGIN
+    WITH seen AS (
+        SELECT o.id, o.ordering_key, o.next_attempt_at, o.lease_expires_at
+          FROM ${schema}.${table} o
+         WHERE o.published_at IS NULL AND o.dead_at IS NULL
+         ORDER BY o.id
+         LIMIT p_scan
+    ),
+    keys AS (
+        SELECT s.ordering_key AS k, min(s.id) AS first_id, count(*) AS n
+          FROM seen s
+         WHERE s.ordering_key IS NOT NULL
+         GROUP BY s.ordering_key
+    ),
+    ready AS (
+        SELECT keys.k, keys.first_id, keys.n
+          FROM keys
+         WHERE (SELECT h.next_attempt_at <= now()
+                       AND (h.lease_expires_at IS NULL OR h.lease_expires_at <= now())
+                  FROM ${schema}.${table} h
+                 WHERE h.ordering_key = keys.k AND h.published_at IS NULL AND h.dead_at IS NULL
+                 ORDER BY h.id
+                 LIMIT 1)
+           AND NOT (p_block_on_dead AND EXISTS (
+                SELECT 1 FROM ${schema}.${table} d
+                 WHERE d.ordering_key = keys.k AND d.dead_at IS NOT NULL))
+    )
+    SELECT (SELECT array_agg(r.k ORDER BY r.first_id) FROM ready r),
+           (SELECT sum(r.n) FROM ready r),
+           (SELECT array_agg(s.id ORDER BY s.id) FROM seen s
+             WHERE s.ordering_key IS NULL AND s.next_attempt_at <= now()
+               AND (s.lease_expires_at IS NULL OR s.lease_expires_at <= now()))
+      INTO v_keys, v_rows, v_null_ids;
+
+    IF v_keys IS NULL AND v_null_ids IS NULL THEN
+        RETURN;
+    END IF;
+
+    IF v_keys IS NOT NULL THEN
+        v_want := greatest(1, ceil(p_limit::numeric * cardinality(v_keys) / v_rows))::integer;
+        -- Exactly one claimer owns a key at a time: the lock lasts until this claim commits, and
+        -- the lease it writes carries the ownership while the rows are published. LIMIT stops
+        -- taking locks once there are enough keys.
+        SELECT array_agg(u.k) INTO v_keys
+          FROM (SELECT k FROM unnest(v_keys) AS k
+                 WHERE pg_try_advisory_xact_lock(p_lock_space, hashtext(k))
+                 LIMIT v_want) u;
+    END IF;
+    v_per_key := ceil(p_limit::numeric / greatest(1, coalesce(cardinality(v_keys), 0)))::integer;
+
+    RETURN QUERY
+    WITH eligible AS (
+        SELECT k
+          FROM unnest(coalesce(v_keys, '{}'::text[])) AS k
+         WHERE (SELECT h.next_attempt_at <= now()
+                       AND (h.lease_expires_at IS NULL OR h.lease_expires_at <= now())
+                  FROM ${schema}.${table} h
+                 WHERE h.ordering_key = k AND h.published_at IS NULL AND h.dead_at IS NULL
+                 ORDER BY h.id
+                 LIMIT 1)
+           AND NOT (p_block_on_dead AND EXISTS (
+                SELECT 1 FROM ${schema}.${table} d
+                 WHERE d.ordering_key = k AND d.dead_at IS NOT NULL))
+    ),
+    candidates AS (
+        SELECT r.id, r.ordering_key
+          FROM eligible e
+         CROSS JOIN LATERAL (
+            SELECT o.id, o.ordering_key
+              FROM ${schema}.${table} o
+             WHERE o.ordering_key = e.k AND o.published_at IS NULL AND o.dead_at IS NULL
+             ORDER BY o.id
+             LIMIT v_per_key
+         ) r
+        UNION ALL
+        SELECT n, NULL::text FROM unnest(coalesce(v_null_ids, '{}'::bigint[])) AS n
+    ),
+    picked AS (
+        SELECT c.id, c.ordering_key FROM candidates c ORDER BY c.id LIMIT p_limit
+    ),
+    locked AS (
+        -- One primary-key probe per picked row, whatever the statistics say.
+        SELECT x.id, x.ordering_key, x.old_lease
+          FROM picked p
+         CROSS JOIN LATERAL (
+            SELECT o.id, o.ordering_key, o.lease_expires_at AS old_lease
+              FROM ${schema}.${table} o
+             WHERE o.id = p.id
+               AND o.published_at IS NULL AND o.dead_at IS NULL
+               AND (o.lease_expires_at IS NULL OR o.lease_expires_at <= now())
+               -- A row whose owners keep dying with it is left to the reclaimer to dead-letter.
+               AND NOT (o.lease_expires_at IS NOT NULL AND o.attempts + 1 >= p_max_attempts)
+               FOR UPDATE OF o SKIP LOCKED
+         ) x
+    ),
+    gaps AS (
+        SELECT p.ordering_key, min(p.id) AS first_gap
+          FROM picked p
+         WHERE p.ordering_key IS NOT NULL
+           AND NOT EXISTS (SELECT 1 FROM locked l WHERE l.id = p.id)
+         GROUP BY p.ordering_key
+    ),
+    taken AS (
+        SELECT l.id, l.old_lease
+          FROM locked l
+          LEFT JOIN gaps g ON g.ordering_key = l.ordering_key
+         WHERE g.first_gap IS NULL OR l.id < g.first_gap
+    ),
+    claimed AS (
+        UPDATE ${schema}.${table} o
+           SET lease_owner = p_owner,
+               lease_token = v_token,
+               lease_expires_at = now() + p_lease_seconds * interval '1 second',
+               -- Taking over an expired lease means its owner died or hung mid-publish.
+               attempts = o.attempts + CASE WHEN t.old_lease IS NULL THEN 0 ELSE 1 END
+          FROM taken t
+         WHERE o.id = t.id
+     RETURNING o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
+               o.attempts, o.lease_token, o.lease_expires_at, t.old_lease IS NOT NULL
+    )
+    SELECT * FROM claimed ORDER BY 1;
+END;
+$fn$;
+
+INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (1, 'initial')
+    ON CONFLICT (version) DO NOTHING;

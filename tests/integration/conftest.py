@@ -1,0 +1,165 @@
+"""Real PostgreSQL and Kafka: the local services (`make services`) through OUTBOX_TEST_* variables,
+or testcontainers where a Docker engine exists and those variables are absent.
+
+Each test gets a fresh database cloned from a migrated template and its own topic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from outbox_dispatcher import migrations
+from outbox_dispatcher.settings import Settings
+
+from .helpers import Services
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES_SCRIPT = ROOT / "deploy" / "local" / "services.sh"
+
+
+def _docker_available() -> bool:
+    try:
+        return (
+            subprocess.run(
+                ["docker", "info"], capture_output=True, timeout=10, check=False
+            ).returncode
+            == 0
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="session")
+def services() -> Iterator[Services]:
+    db_url = os.environ.get("OUTBOX_TEST_DATABASE_URL")
+    kafka = os.environ.get("OUTBOX_TEST_KAFKA_BOOTSTRAP_SERVERS")
+    if db_url is None and kafka is None and _docker_available():
+        # A laptop with Docker: containers instead of the local services.
+        from testcontainers.kafka import KafkaContainer
+        from testcontainers.postgres import PostgresContainer
+
+        with (
+            PostgresContainer("postgres:15", driver=None) as pg,
+            KafkaContainer("apache/kafka:4.1.1").with_kraft() as kc,
+        ):
+            yield Services(
+                database_url=pg.get_connection_url(),
+                kafka_bootstrap_servers=kc.get_bootstrap_server(),
+                control=None,
+            )
+        return
+    yield Services(
+        database_url=db_url or "postgresql://outbox:outbox@127.0.0.1:5432/outbox",
+        kafka_bootstrap_servers=kafka or "127.0.0.1:9092",
+        control=SERVICES_SCRIPT if SERVICES_SCRIPT.exists() else None,
+    )
+
+
+def _with_database(url: str, name: str) -> str:
+    base, _, _ = url.rpartition("/")
+    return f"{base}/{name}"
+
+
+@pytest.fixture(scope="session")
+async def template_db(services: Services) -> AsyncIterator[str]:
+    """A database migrated once per session, cloned by every test."""
+    name = f"outbox_template_{os.getpid()}"
+    admin = await asyncpg.connect(services.database_url)
+    try:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        conn = await asyncpg.connect(_with_database(services.database_url, name))
+        try:
+            await migrations.migrate(conn, "public", "outbox")
+        finally:
+            await conn.close()
+        yield name
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+@pytest.fixture
+async def database_url(services: Services, template_db: str) -> AsyncIterator[str]:
+    name = f"outbox_test_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(services.database_url)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
+        yield _with_database(services.database_url, name)
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+@pytest.fixture
+async def empty_database_url(services: Services) -> AsyncIterator[str]:
+    """A database without the outbox schema."""
+    name = f"outbox_empty_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(services.database_url)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        yield _with_database(services.database_url, name)
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+@pytest.fixture
+async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    connection = await asyncpg.connect(database_url)
+    try:
+        yield connection
+    finally:
+        await connection.close()
+
+
+@pytest.fixture
+async def topic(services: Services) -> AsyncIterator[str]:
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka_bootstrap_servers)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(name, num_partitions=3, replication_factor=1)])
+        yield name
+        with contextlib.suppress(Exception):
+            await admin.delete_topics([name])
+    finally:
+        await admin.close()
+
+
+@pytest.fixture
+def make_settings(services: Services, database_url: str) -> Any:
+    def make(**overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "database_url": database_url,
+            "kafka_bootstrap_servers": services.kafka_bootstrap_servers,
+            "lease_seconds": 5.0,
+            "poll_interval_seconds": 0.2,
+            "reclaim_interval_seconds": 1.0,
+            "backoff_initial_seconds": 0.1,
+            "backoff_max_seconds": 1.0,
+            "shutdown_grace_seconds": 10.0,
+            "log_format": "console",
+        }
+        values.update(overrides)
+        return Settings(**values)
+
+    return make
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable

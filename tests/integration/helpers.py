@@ -1,0 +1,222 @@
+"""Helpers for integration tests: writing rows, running dispatchers, reading what Kafka got."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import asyncpg
+import orjson
+from aiokafka import AIOKafkaConsumer, ConsumerRecord
+from pydantic import SecretStr
+
+from outbox_dispatcher.dispatcher import Dispatcher
+from outbox_dispatcher.settings import Settings
+
+
+@dataclass(frozen=True)
+class Services:
+    database_url: str
+    kafka_bootstrap_servers: str
+    control: Path | None  # deploy/local/services.sh, to stop and start the broker
+
+    def broker(self, action: str) -> None:
+        if self.control is None:
+            msg = "this test stops the broker and needs the local services script"
+            raise RuntimeError(msg)
+        subprocess.run(["bash", str(self.control), f"kafka-{action}"], check=True, timeout=180)
+
+
+async def insert_sequenced(
+    conn: asyncpg.Connection,
+    topic: str,
+    keys: int,
+    per_key: int,
+    *,
+    interleave: bool = True,
+    first_seq: int = 0,
+) -> list[tuple[str, int]]:
+    """Insert keys x per_key rows whose payload is {"key", "seq"}; seq follows id order per key."""
+    seqs = range(first_seq, first_seq + per_key)
+    order = (
+        [(f"key-{k}", s) for s in seqs for k in range(keys)]
+        if interleave
+        else [(f"key-{k}", s) for k in range(keys) for s in seqs]
+    )
+    await conn.executemany(
+        "INSERT INTO outbox (topic, ordering_key, payload, headers) VALUES ($1, $2, $3, $4)",
+        [
+            (topic, key, orjson.dumps({"key": key, "seq": seq}), f'{{"seq": "{seq}"}}')
+            for key, seq in order
+        ],
+    )
+    return order
+
+
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool]], timeout: float, what: str, interval: float = 0.1
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await predicate():
+            return
+        await asyncio.sleep(interval)
+    msg = f"timed out after {timeout}s waiting for {what}"
+    raise AssertionError(msg)
+
+
+async def count(conn: asyncpg.Connection, where: str = "true") -> int:
+    value: int = await conn.fetchval(f"SELECT count(*) FROM outbox WHERE {where}")
+    return value
+
+
+async def wait_all_settled(conn: asyncpg.Connection, timeout: float) -> None:
+    async def done() -> bool:
+        return await count(conn, "published_at IS NULL AND dead_at IS NULL") == 0
+
+    await wait_until(done, timeout, "every row published or dead-lettered")
+
+
+async def consume(
+    bootstrap: str, topic: str, expected: int, timeout: float = 60.0
+) -> list[ConsumerRecord[bytes, bytes]]:
+    """Read the topic from the start until `expected` records arrived (or fail), then a little
+    longer to catch extra copies."""
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+        group_id=None,
+    )
+    await consumer.start()
+    records: list[ConsumerRecord[bytes, bytes]] = []
+    try:
+        deadline = time.monotonic() + timeout
+        quiet_until: float | None = None
+        while time.monotonic() < deadline:
+            batch = await consumer.getmany(timeout_ms=300, max_records=10_000)
+            got = [r for rs in batch.values() for r in rs]
+            records.extend(got)
+            if len(records) >= expected:
+                if quiet_until is None:
+                    quiet_until = time.monotonic() + 1.0
+                elif time.monotonic() > quiet_until and not got:
+                    break
+    finally:
+        await consumer.stop()
+    if len(records) < expected:
+        msg = f"consumed {len(records)} records of {expected} expected from {topic}"
+        raise AssertionError(msg)
+    return records
+
+
+@dataclass
+class Verdict:
+    """What the consumer saw against what was written."""
+
+    delivered: int = 0
+    lost: list[str] = field(default_factory=list)
+    duplicates: int = 0
+    reordered: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+
+def check(records: Sequence[ConsumerRecord[bytes, bytes]], expected_event_ids: set[str]) -> Verdict:
+    """Lost, duplicated (same event-id twice), reordered (per key, first deliveries out of seq
+    order) and unexpected records."""
+    verdict = Verdict()
+    seen: set[str] = set()
+    last_seq: dict[bytes | None, int] = defaultdict(lambda: -1)
+    by_partition: dict[int, list[ConsumerRecord[bytes, bytes]]] = defaultdict(list)
+    for record in records:
+        by_partition[record.partition].append(record)
+    for partition_records in by_partition.values():
+        for record in sorted(partition_records, key=lambda r: r.offset):
+            headers = dict(record.headers)
+            event_id = headers.get("event-id", b"").decode()
+            if event_id not in expected_event_ids:
+                verdict.unexpected.append(event_id)
+                continue
+            if event_id in seen:
+                verdict.duplicates += 1
+                continue
+            seen.add(event_id)
+            verdict.delivered += 1
+            assert record.value is not None
+            seq = orjson.loads(record.value)["seq"]
+            if seq <= last_seq[record.key]:
+                verdict.reordered.append(f"{record.key!r}: {seq} after {last_seq[record.key]}")
+            last_seq[record.key] = seq
+    verdict.lost = sorted(expected_event_ids - seen)
+    return verdict
+
+
+async def event_ids(conn: asyncpg.Connection) -> set[str]:
+    return {str(r["event_id"]) for r in await conn.fetch("SELECT event_id FROM outbox")}
+
+
+@contextlib.asynccontextmanager
+async def running(settings: Settings) -> AsyncIterator[Dispatcher]:
+    """A dispatcher in this process, stopped gracefully on exit."""
+    dispatcher = Dispatcher(settings)
+    task = asyncio.create_task(dispatcher.run())
+    try:
+        yield dispatcher
+    finally:
+        dispatcher.stop()
+        await asyncio.wait_for(task, settings.shutdown_grace_seconds + 30)
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The environment that makes a subprocess dispatcher use these settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    for name, value in settings.model_dump().items():
+        if value is None:
+            continue
+        key = "OUTBOX_SCHEMA" if name == "db_schema" else f"OUTBOX_{name.upper()}"
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        elif isinstance(value, enum.Enum):
+            value = value.value
+        elif isinstance(value, bool):
+            value = "true" if value else "false"
+        env[key] = str(value)
+    return env
+
+
+def spawn(settings: Settings, log_path: Path, *args: str) -> subprocess.Popen[bytes]:
+    """`outbox-dispatcher run` as a real process (its own process group)."""
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "outbox_dispatcher", "run", *args],
+            env=settings_env(settings),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+async def wait_started(log_paths: Sequence[Path], timeout: float = 60) -> None:
+    """Until every dispatcher logged that its loops run."""
+
+    async def all_started() -> bool:
+        return all(p.exists() and '"started"' in p.read_text() for p in log_paths)
+
+    await wait_until(all_started, timeout, "the dispatchers to start")
+
+
+def kill9(process: subprocess.Popen[bytes]) -> None:
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=10)

@@ -1,0 +1,226 @@
+"""The claim and settle statements against real PostgreSQL: key ownership, per-key order,
+leases and fencing, backoff, dead-letter policies. No Kafka involved."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import asyncpg
+import pytest
+
+from outbox_dispatcher import db
+from outbox_dispatcher.claimer import Claimer
+from outbox_dispatcher.marker import Marker
+from outbox_dispatcher.models import Batch, Outcome, Result
+from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.sql import Queries
+
+pytestmark = pytest.mark.integration
+
+QUERIES = Queries.for_table("public", "outbox")
+
+
+@pytest.fixture
+async def pool(database_url: str) -> Any:
+    p = await asyncpg.create_pool(database_url, min_size=1, max_size=4, init=db.init_connection)
+    try:
+        yield p
+    finally:
+        await p.close()
+
+
+def claimer(pool: asyncpg.Pool, settings: Settings, owner: str = "test") -> Claimer:
+    return Claimer(pool, QUERIES, settings, owner)
+
+
+async def insert(conn: asyncpg.Connection, keys: list[str | None]) -> list[int]:
+    rows = await conn.fetch(
+        "INSERT INTO outbox (topic, ordering_key, payload) "
+        "SELECT 't', k, 'x' FROM unnest($1::text[]) WITH ORDINALITY AS u(k, n) ORDER BY n "
+        "RETURNING id",
+        keys,
+    )
+    return [r["id"] for r in rows]
+
+
+def by_key(batch: Batch | None) -> dict[str | None, list[int]]:
+    grouped: dict[str | None, list[int]] = defaultdict(list)
+    for record in batch.records if batch else []:
+        grouped[record.ordering_key].append(record.id)
+    return dict(grouped)
+
+
+async def settle(pool: asyncpg.Pool, batch: Batch, results: list[Result]) -> int:
+    return await Marker(pool, QUERIES, retry_for=1.0).settle(batch, results)
+
+
+async def test_claim_leases_a_prefix_of_each_key_in_id_order(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    ids = await insert(conn, ["a", "b", "a", None, "b", "a"])
+    batch = await claimer(pool, make_settings(batch_size=100)).claim()
+    assert batch is not None
+    assert [r.id for r in batch.records] == ids
+    assert by_key(batch) == {"a": [ids[0], ids[2], ids[5]], "b": [ids[1], ids[4]], None: [ids[3]]}
+    leased = await conn.fetch(
+        "SELECT lease_token, lease_owner, lease_expires_at > now() AS live FROM outbox"
+    )
+    assert {(r["lease_token"], r["lease_owner"], r["live"]) for r in leased} == {
+        (batch.token, "test", True)
+    }
+    # Nothing is left to claim while the lease lives.
+    assert await claimer(pool, make_settings()).claim() is None
+
+
+async def test_a_key_has_one_owner_while_its_claim_is_open_and_while_leased(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, database_url: str, make_settings: Any
+) -> None:
+    ids = await insert(conn, ["k"] * 10 + ["other"] * 2)
+    settings = make_settings(batch_size=3)
+    holder = await asyncpg.connect(database_url)
+    try:
+        tx = holder.transaction()
+        await tx.start()
+        held = await holder.fetch(QUERIES.claim, *claimer(pool, settings)._args)
+        assert [r["id"] for r in held] == ids[:3]
+        # The holder's claim is not committed: its advisory lock and row locks are held.
+        concurrent = await claimer(pool, make_settings(batch_size=20), "b").claim()
+        assert by_key(concurrent) == {"other": ids[10:]}
+        await tx.commit()
+    finally:
+        await holder.close()
+    # Committed: the lease now carries the ownership; k's later rows wait for its head.
+    assert await claimer(pool, make_settings(batch_size=20), "c").claim() is None
+
+
+async def test_a_key_resumes_where_its_settled_prefix_ended(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    ids = await insert(conn, ["k"] * 5)
+    c = claimer(pool, make_settings(batch_size=2))
+    first = await c.claim()
+    assert first is not None and [r.id for r in first.records] == ids[:2]
+    assert await settle(pool, first, [Result(Outcome.PUBLISHED)] * 2) == 2
+    second = await c.claim()
+    assert second is not None and [r.id for r in second.records] == ids[2:4]
+
+
+async def test_expired_lease_is_taken_over_and_the_stale_owner_is_fenced(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    ids = await insert(conn, ["k", "k"])
+    settings = make_settings()
+    stale = await claimer(pool, settings, "stale").claim()
+    assert stale is not None
+    await conn.execute("UPDATE outbox SET lease_expires_at = now() - interval '1 second'")
+    fresh = await claimer(pool, settings, "fresh").claim()
+    assert fresh is not None and [r.id for r in fresh.records] == ids
+    assert all(r.reclaimed and r.attempts == 1 for r in fresh.records)
+    # The stale owner's acknowledgement arrives late: it changes nothing.
+    assert await settle(pool, stale, [Result(Outcome.PUBLISHED)] * 2) == 0
+    assert await conn.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 2
+    assert await settle(pool, fresh, [Result(Outcome.PUBLISHED)] * 2) == 2
+
+
+async def test_a_key_in_backoff_does_not_hold_back_other_keys(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    ids = await insert(conn, ["bad", "bad", "good"])
+    c = claimer(pool, make_settings(batch_size=10))
+    batch = await c.claim()
+    assert batch is not None
+    await settle(
+        pool,
+        batch,
+        [
+            Result(Outcome.RETRY, "boom", delay=3600, counted=True),
+            Result(Outcome.RETRY),
+            Result(Outcome.RETRY),
+        ],
+    )
+    again = await c.claim()
+    assert by_key(again) == {"good": [ids[2]]}
+    row = await conn.fetchrow("SELECT attempts, last_error FROM outbox WHERE id = $1", ids[0])
+    assert (row["attempts"], row["last_error"]) == (1, "boom")
+    await conn.execute("UPDATE outbox SET next_attempt_at = now() WHERE id = $1", ids[0])
+    assert by_key(await c.claim()) == {"bad": ids[:2]}
+
+
+@pytest.mark.parametrize(("policy", "expected"), [("skip", [1]), ("block", [])])
+async def test_dead_letter_policy(
+    pool: asyncpg.Pool,
+    conn: asyncpg.Connection,
+    make_settings: Any,
+    policy: str,
+    expected: list[int],
+) -> None:
+    ids = await insert(conn, ["k", "k", "other"])
+    c = claimer(pool, make_settings(batch_size=1, dead_letter_policy=policy))
+    batch = await c.claim()
+    assert batch is not None and batch.records[0].id == ids[0]
+    await settle(pool, batch, [Result(Outcome.DEAD, "too large", counted=True)])
+    dead = await conn.fetchrow("SELECT dead_at, last_error FROM outbox WHERE id = $1", ids[0])
+    assert dead["dead_at"] is not None and dead["last_error"] == "too large"
+    c = claimer(pool, make_settings(batch_size=10, dead_letter_policy=policy))
+    claimed = by_key(await c.claim())
+    assert claimed.get("k", []) == [ids[i] for i in expected]
+    assert claimed["other"] == [ids[2]]
+
+
+async def test_rows_whose_owners_keep_dying_are_dead_lettered(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    ids = await insert(conn, ["k", "k"])
+    settings = make_settings(max_attempts=3)
+    await conn.execute(
+        "UPDATE outbox SET attempts = 2, lease_token = gen_random_uuid(), "
+        "lease_owner = 'crashed', lease_expires_at = now() - interval '1 second' WHERE id = $1",
+        ids[0],
+    )
+    # The claim leaves the crash-looping head alone, and so the key waits ...
+    assert await claimer(pool, settings).claim() is None
+    dead = await conn.fetch(QUERIES.dead_letter_crash_loops, settings.max_attempts)
+    assert [r["id"] for r in dead] == [ids[0]]
+    row = await conn.fetchrow("SELECT attempts, last_error FROM outbox WHERE id = $1", ids[0])
+    assert row["attempts"] == 3 and "lease expired 3 times" in row["last_error"]
+    # ... and with the default "skip" policy the key goes on after it.
+    assert by_key(await claimer(pool, settings).claim()) == {"k": [ids[1]]}
+
+
+async def test_rows_without_a_key_are_claimed_by_anyone(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    ids = await insert(conn, [None] * 4)
+    first = await claimer(pool, make_settings(batch_size=2), "a").claim()
+    second = await claimer(pool, make_settings(batch_size=2), "b").claim()
+    assert first is not None and second is not None
+    assert [r.id for r in first.records] + [r.id for r in second.records] == ids
+
+
+async def test_settle_records_each_outcome(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    ids = await insert(conn, [None, None, None])
+    batch = await claimer(pool, make_settings()).claim()
+    assert batch is not None
+    await settle(
+        pool,
+        batch,
+        [
+            Result(Outcome.PUBLISHED),
+            Result(Outcome.RETRY, "broker down", delay=60, counted=False),
+            Result(Outcome.DEAD, "invalid", counted=True),
+        ],
+    )
+    rows = await conn.fetch(
+        "SELECT published_at IS NOT NULL AS published, dead_at IS NOT NULL AS dead, attempts, "
+        "last_error, next_attempt_at > now() + interval '50 seconds' AS backed_off, "
+        "lease_token IS NULL AS released FROM outbox ORDER BY id"
+    )
+    assert [tuple(r) for r in rows] == [
+        (True, False, 0, None, False, True),
+        (False, False, 0, "broker down", True, True),
+        (False, True, 1, "invalid", False, True),
+    ]
+    assert ids

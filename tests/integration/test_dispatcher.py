@@ -1,0 +1,178 @@
+"""The dispatcher in-process against real PostgreSQL and Kafka."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import asyncpg
+import orjson
+import pytest
+
+from outbox_dispatcher import errors, reclaimer
+from outbox_dispatcher.dispatcher import Dispatcher
+
+from .helpers import (
+    Services,
+    check,
+    consume,
+    count,
+    event_ids,
+    insert_sequenced,
+    running,
+    wait_all_settled,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+
+async def test_rows_become_kafka_records_with_key_value_headers_and_event_id(
+    conn: asyncpg.Connection, services: Services, topic: str, make_settings: Any
+) -> None:
+    keyed = await conn.fetchval(
+        "SELECT outbox_enqueue($1, 'order-7', '\\x00ff'::bytea, "
+        '\'{"traceparent": "00-4bf92f-00f067-01", "x-tenant": "acme"}\')',
+        topic,
+    )
+    tombstone = await conn.fetchval("SELECT outbox_enqueue($1, 'order-7', NULL)", topic)
+    unkeyed = await conn.fetchval(
+        "SELECT outbox_enqueue_json($1, NULL, '{\"n\": 1}'::jsonb)", topic
+    )
+    async with running(make_settings()):
+        await wait_all_settled(conn, 30)
+    records = await consume(services.kafka_bootstrap_servers, topic, 3)
+    by_id = {dict(r.headers)["event-id"].decode(): r for r in records}
+    assert set(by_id) == {str(keyed), str(tombstone), str(unkeyed)}
+    first = by_id[str(keyed)]
+    assert (first.key, first.value) == (b"order-7", b"\x00\xff")
+    assert dict(first.headers) == {
+        "traceparent": b"00-4bf92f-00f067-01",
+        "x-tenant": b"acme",
+        "event-id": str(keyed).encode(),
+    }
+    assert by_id[str(tombstone)].value is None
+    assert by_id[str(tombstone)].offset > first.offset  # same key, same partition, in order
+    assert by_id[str(unkeyed)].key is None
+    assert orjson.loads(by_id[str(unkeyed)].value or b"") == {"n": 1}
+    assert dict(by_id[str(unkeyed)].headers)["content-type"] == b"application/json"
+    marked = await conn.fetch("SELECT published_at, lease_token, attempts FROM outbox")
+    assert all(r["published_at"] and r["lease_token"] is None for r in marked)
+
+
+async def test_custom_event_id_header(
+    conn: asyncpg.Connection, services: Services, topic: str, make_settings: Any
+) -> None:
+    event_id = await conn.fetchval("SELECT outbox_enqueue($1, 'k', 'v'::bytea)", topic)
+    async with running(make_settings(event_id_header="ce_id")):
+        await wait_all_settled(conn, 30)
+    consumer_records = await consume(services.kafka_bootstrap_servers, topic, 1)
+    assert [dict(r.headers) for r in consumer_records] == [{"ce_id": str(event_id).encode()}]
+
+
+async def test_oversized_payload_is_dead_lettered_while_other_keys_flow(
+    conn: asyncpg.Connection, services: Services, topic: str, make_settings: Any
+) -> None:
+    await insert_sequenced(conn, topic, keys=5, per_key=20)
+    big = await conn.fetchval(
+        "SELECT outbox_enqueue($1, 'key-big', $2::bytea)", topic, b"x" * 2_000_000
+    )
+    async with running(make_settings(batch_size=10)):
+        await wait_all_settled(conn, 60)
+    row = await conn.fetchrow("SELECT * FROM outbox WHERE event_id = $1", big)
+    assert row["dead_at"] is not None and row["published_at"] is None
+    assert "MessageSizeTooLargeError" in row["last_error"]
+    assert row["last_error"].startswith("permanent error, not retried")
+    assert await count(conn, "published_at IS NOT NULL") == 100
+    verdict = check(
+        await consume(services.kafka_bootstrap_servers, topic, 100),
+        await event_ids(conn) - {str(big)},
+    )
+    assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], [])
+
+
+async def test_a_notification_wakes_the_dispatcher_long_before_the_next_poll(
+    conn: asyncpg.Connection, topic: str, make_settings: Any
+) -> None:
+    async with running(make_settings(poll_interval_seconds=300)) as dispatcher:
+        # Let every claim task go idle (its first claim finds nothing), then write.
+        await asyncio.sleep(1)
+        await conn.fetchval("SELECT outbox_enqueue($1, 'k', 'v'::bytea)", topic)
+
+        async def published() -> bool:
+            return dispatcher.published == 1
+
+        await wait_until(published, 20, "the row to be published on NOTIFY")
+
+
+async def test_polling_still_works_without_listen(
+    conn: asyncpg.Connection, topic: str, make_settings: Any
+) -> None:
+    async with running(make_settings(listen=False)):
+        await asyncio.sleep(0.5)
+        await conn.fetchval("SELECT outbox_enqueue($1, 'k', 'v'::bytea)", topic)
+        await wait_all_settled(conn, 20)
+
+
+async def test_a_dead_loop_stops_the_whole_dispatcher(
+    make_settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken(*_: object) -> None:
+        await asyncio.sleep(0.2)
+        raise RuntimeError("reclaimer bug")
+
+    monkeypatch.setattr(reclaimer, "reclaim", broken)
+    dispatcher = Dispatcher(make_settings())
+    with pytest.raises(ExceptionGroup) as caught:
+        await asyncio.wait_for(dispatcher.run(), 30)
+    assert caught.group_contains(RuntimeError, match="reclaimer bug")
+
+
+async def test_a_loop_that_returns_is_a_dead_loop_too(
+    make_settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def gives_up(*_: object) -> None:
+        await asyncio.sleep(0.2)
+
+    monkeypatch.setattr(reclaimer, "keep_leases", gives_up)
+    with pytest.raises(ExceptionGroup) as caught:
+        await asyncio.wait_for(Dispatcher(make_settings()).run(), 30)
+    assert caught.group_contains(errors.LoopDiedError, match="lease-keeper")
+
+
+async def test_an_unreachable_broker_at_start_is_a_clear_error(make_settings: Any) -> None:
+    settings = make_settings(kafka_bootstrap_servers="127.0.0.1:1", publish_timeout_seconds=2)
+    with pytest.raises(errors.BrokerUnavailableError, match="OUTBOX_KAFKA_BOOTSTRAP_SERVERS"):
+        await asyncio.wait_for(Dispatcher(settings).run(), 60)
+
+
+async def test_an_unreachable_database_at_start_is_a_clear_error(make_settings: Any) -> None:
+    settings = make_settings(database_url="postgresql://outbox:outbox@127.0.0.1:1/outbox")
+    with pytest.raises(errors.DatabaseUnavailableError, match="OUTBOX_DATABASE_URL"):
+        await asyncio.wait_for(Dispatcher(settings).run(), 60)
+
+
+@pytest.mark.slow
+async def test_broker_outage_dead_letters_nothing_and_recovers(
+    conn: asyncpg.Connection, services: Services, topic: str, make_settings: Any
+) -> None:
+    settings = make_settings(
+        publish_timeout_seconds=3, lease_seconds=4, max_attempts=2, backoff_max_seconds=2
+    )
+    await insert_sequenced(conn, topic, keys=10, per_key=10)
+    async with running(settings):
+        await wait_all_settled(conn, 60)
+        services.broker("stop")
+        try:
+            await insert_sequenced(conn, topic, keys=10, per_key=10, first_seq=10)
+            # Longer than a lease and than max_attempts x backoff: nothing may be given up.
+            await asyncio.sleep(12)
+            assert await count(conn, "dead_at IS NOT NULL") == 0
+            assert await count(conn, "published_at IS NULL") == 100
+        finally:
+            services.broker("start")
+        await wait_all_settled(conn, 120)
+    assert await count(conn, "dead_at IS NOT NULL") == 0
+    records = await consume(services.kafka_bootstrap_servers, topic, 200, timeout=60)
+    verdict = check(records, await event_ids(conn))
+    assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], [])

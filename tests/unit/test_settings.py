@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from outbox_dispatcher import cli
+from outbox_dispatcher.settings import DeadLetterPolicy, Settings, quote_identifier
+
+
+def test_defaults_point_at_the_local_stack() -> None:
+    s = Settings()
+    assert s.database_url.get_secret_value() == "postgresql://outbox:outbox@127.0.0.1:5432/outbox"
+    assert s.kafka_bootstrap_servers == "127.0.0.1:9092"
+    assert (s.db_schema, s.table) == ("public", "outbox")
+    assert s.dead_letter_policy is DeadLetterPolicy.SKIP
+    assert s.effective_pool_size == s.claim_tasks + 2
+
+
+def test_environment_is_read_with_the_outbox_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOX_TABLE", "events")
+    monkeypatch.setenv("OUTBOX_SCHEMA", "app")
+    monkeypatch.setenv("OUTBOX_BATCH_SIZE", "50")
+    monkeypatch.setenv("OUTBOX_DEAD_LETTER_POLICY", "block")
+    s = Settings()
+    assert (s.table, s.db_schema, s.batch_size) == ("events", "app", 50)
+    assert s.dead_letter_policy is DeadLetterPolicy.BLOCK
+
+
+@pytest.mark.parametrize(
+    "name",
+    ['outbox"; DROP TABLE users; --', "Outbox", "1outbox", "", "a" * 41, "out box", "x.y"],
+)
+def test_malicious_or_invalid_table_names_are_rejected(name: str) -> None:
+    with pytest.raises(ValidationError, match="is not allowed"):
+        Settings(table=name)
+
+
+@pytest.mark.parametrize("name", ["pg_catalog", "information_schema", "pg_temp"])
+def test_system_schemas_are_rejected(name: str) -> None:
+    with pytest.raises(ValidationError):
+        Settings(db_schema=name)
+
+
+def test_quote_identifier_doubles_quotes() -> None:
+    assert quote_identifier("outbox") == '"outbox"'
+    assert quote_identifier('a"b') == '"a""b"'
+
+
+def test_secrets_are_never_shown() -> None:
+    s = Settings(
+        database_url="postgresql://u:hunter2@h/db",
+        kafka_sasl_password="s3cret",
+        kafka_sasl_mechanism="PLAIN",
+        kafka_sasl_username="u",
+    )
+    shown = repr(s) + str(s.model_dump())
+    assert "hunter2" not in shown and "s3cret" not in shown
+
+
+def test_cli_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOX_BATCH_SIZE", "50")
+    ns = cli.build_parser().parse_args(["run", "--batch-size", "7", "--no-listen"])
+    s = cli.load_settings(ns)
+    assert s.batch_size == 7
+    assert s.listen is False
+
+
+def test_invalid_setting_gives_one_clear_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["status", "--batch-size", "0"]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "OUTBOX_BATCH_SIZE / --batch-size" in err
+    assert "greater than or equal to 1" in err
+
+
+def test_every_setting_has_a_flag_with_help() -> None:
+    help_text = cli.build_parser()._subparsers._group_actions[0].choices["run"].format_help()  # type: ignore[union-attr]
+    for name, field in Settings.model_fields.items():
+        assert cli._flag_name(name) in help_text
+        assert field.description, f"{name} has no description for --help"
