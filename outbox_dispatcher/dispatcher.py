@@ -11,6 +11,7 @@ import asyncio
 import os
 import socket
 import uuid
+from collections import defaultdict
 from collections.abc import Coroutine
 from typing import Any
 
@@ -20,7 +21,7 @@ import structlog
 from outbox_dispatcher import db, errors, listener, migrations, reclaimer
 from outbox_dispatcher.claimer import Claimer, wait_for_work
 from outbox_dispatcher.marker import Marker
-from outbox_dispatcher.models import Batch
+from outbox_dispatcher.models import Batch, OutboxRecord, Outcome, Result
 from outbox_dispatcher.publisher import KafkaPublisher, NotAttempted, Sent
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.settings import Settings
@@ -161,17 +162,7 @@ class Dispatcher:
             self.in_flight.discard(batch.token)
         published = sum(1 for o in outcomes if o is None)
         self.published += published
-        failed = [(r, res) for r, res in zip(records, results, strict=True) if res.error]
-        for record, result in failed:
-            log.warning(
-                "publish_failed",
-                id=record.id,
-                event_id=str(record.event_id),
-                topic=record.topic,
-                outcome=result.outcome.value,
-                error=result.error,
-                attempts=record.attempts + int(result.counted),
-            )
+        self._log_failures(records, results)
         log.debug(
             "batch_settled",
             rows=len(records),
@@ -182,3 +173,30 @@ class Dispatcher:
         if any(res.error and not res.counted for res in results):
             return self.retry_policy.outage_delay()
         return 0.0
+
+    @staticmethod
+    def _log_failures(records: list[OutboxRecord], results: list[Result]) -> None:
+        """One line per dead-lettered row (each needs an operator's eye); one line per reason
+        for rows that will be retried, so that an outage does not flood the log."""
+        retried: dict[str, list[OutboxRecord]] = defaultdict(list)
+        for record, result in zip(records, results, strict=True):
+            if result.outcome is Outcome.DEAD:
+                log.error(
+                    "dead_lettered",
+                    id=record.id,
+                    event_id=str(record.event_id),
+                    topic=record.topic,
+                    ordering_key=record.ordering_key,
+                    attempts=record.attempts + int(result.counted),
+                    reason=result.error,
+                )
+            elif result.error:
+                retried[result.error].append(record)
+        for reason, failed in retried.items():
+            log.warning(
+                "publish_failed_will_retry",
+                rows=len(failed),
+                reason=reason,
+                topics=sorted({r.topic for r in failed}),
+                first_event_ids=[str(r.event_id) for r in failed[:3]],
+            )

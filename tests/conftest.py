@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 
+from outbox_dispatcher import logs
+
 for _name in list(os.environ):
     if _name.startswith("OUTBOX_") and not _name.startswith("OUTBOX_TEST_"):
         del os.environ[_name]
+
+logs.configure("console", "INFO")

@@ -84,6 +84,12 @@ async def test_a_key_has_one_owner_while_its_claim_is_open_and_while_leased(
         await tx.start()
         held = await holder.fetch(QUERIES.claim, *claimer(pool, settings)._args)
         assert [r["id"] for r in held] == ids[:3]
+        # The claimer owns k: nobody else can take k's lock until the claim commits.
+        probe = "SELECT pg_try_advisory_lock($1, hashtext($2))"
+        space = claimer(pool, settings)._args[4]
+        assert await conn.fetchval(probe, space, "k") is False
+        assert await conn.fetchval(probe, space, "other") is True
+        await conn.execute("SELECT pg_advisory_unlock_all()")
         # The holder's claim is not committed: its advisory lock and row locks are held.
         concurrent = await claimer(pool, make_settings(batch_size=20), "b").claim()
         assert by_key(concurrent) == {"other": ids[10:]}
