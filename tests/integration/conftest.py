@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,17 +127,29 @@ async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
 
 
 @pytest.fixture
-async def topic(services: Services) -> AsyncIterator[str]:
-    name = f"test-{uuid.uuid4().hex[:12]}"
+async def make_topic(services: Services) -> AsyncIterator[Callable[[], Awaitable[str]]]:
+    """Creates unique topics (3 partitions), deleted after the test."""
     admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka_bootstrap_servers)
     await admin.start()
-    try:
+    created: list[str] = []
+
+    async def make() -> str:
+        name = f"test-{uuid.uuid4().hex[:12]}"
         await admin.create_topics([NewTopic(name, num_partitions=3, replication_factor=1)])
-        yield name
+        created.append(name)
+        return name
+
+    try:
+        yield make
         with contextlib.suppress(Exception):
-            await admin.delete_topics([name])
+            await admin.delete_topics(created)
     finally:
         await admin.close()
+
+
+@pytest.fixture
+async def topic(make_topic: Callable[[], Awaitable[str]]) -> str:
+    return await make_topic()
 
 
 @pytest.fixture
