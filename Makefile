@@ -38,7 +38,7 @@ services-status:
 	bash deploy/local/services.sh status
 
 migrate: install services
-	$(BIN)/outbox-dispatcher migrate
+	$(BIN)/outbox-dispatcher migrate --log-format console
 
 run: migrate
 	$(BIN)/outbox-dispatcher run --log-format console
