@@ -30,11 +30,13 @@ class Services:
     kafka_bootstrap_servers: str
     control: Path | None  # deploy/local/services.sh, to stop and start the broker
 
-    def broker(self, action: str) -> None:
+    async def broker(self, action: str) -> None:
+        """Stop or start the broker, off the event loop (an in-process dispatcher keeps running)."""
         if self.control is None:
             msg = "this test stops the broker and needs the local services script"
             raise RuntimeError(msg)
-        subprocess.run(["bash", str(self.control), f"kafka-{action}"], check=True, timeout=180)
+        command = ["bash", str(self.control), f"kafka-{action}"]
+        await asyncio.to_thread(subprocess.run, command, check=True, timeout=180)
 
 
 async def insert_sequenced(

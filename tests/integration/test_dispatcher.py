@@ -163,7 +163,7 @@ async def test_broker_outage_dead_letters_nothing_and_recovers(
     await insert_sequenced(conn, known, keys=10, per_key=10)
     async with running(settings):
         await wait_all_settled(conn, 60)
-        services.broker("stop")
+        await services.broker("stop")
         try:
             # Rows for a topic the producer knows, and for one whose metadata it never fetched.
             await insert_sequenced(conn, known, keys=10, per_key=10, first_seq=10)
@@ -174,7 +174,7 @@ async def test_broker_outage_dead_letters_nothing_and_recovers(
             assert await count(conn, "dead_at IS NOT NULL") == 0
             assert await count(conn, "published_at IS NULL") == 200
         finally:
-            services.broker("start")
+            await services.broker("start")
         await wait_all_settled(conn, 120)
     assert await count(conn, "dead_at IS NOT NULL") == 0
     for topic, expected in ((known, 200), (unseen, 100)):
