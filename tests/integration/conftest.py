@@ -92,29 +92,32 @@ async def template_db(services: Services) -> AsyncIterator[str]:
         await admin.close()
 
 
-@pytest.fixture
-async def database_url(services: Services, template_db: str) -> AsyncIterator[str]:
+@contextlib.asynccontextmanager
+async def _fresh_database(services: Services, template: str | None) -> AsyncIterator[str]:
+    """A new database (a clone of `template`, or empty), dropped afterwards."""
     name = f"outbox_test_{uuid.uuid4().hex[:12]}"
+    clause = f' TEMPLATE "{template}"' if template else ""
     admin = await asyncpg.connect(services.database_url)
     try:
-        await admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
+        await admin.execute(f'CREATE DATABASE "{name}"{clause}')
         yield _with_database(services.database_url, name)
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     finally:
         await admin.close()
+
+
+@pytest.fixture
+async def database_url(services: Services, template_db: str) -> AsyncIterator[str]:
+    """A fresh database with the outbox schema, cloned from the migrated template."""
+    async with _fresh_database(services, template_db) as url:
+        yield url
 
 
 @pytest.fixture
 async def empty_database_url(services: Services) -> AsyncIterator[str]:
     """A database without the outbox schema."""
-    name = f"outbox_empty_{uuid.uuid4().hex[:12]}"
-    admin = await asyncpg.connect(services.database_url)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-        yield _with_database(services.database_url, name)
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await admin.close()
+    async with _fresh_database(services, None) as url:
+        yield url
 
 
 @pytest.fixture
