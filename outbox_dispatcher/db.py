@@ -26,6 +26,17 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     socket.gaierror,
 )
 
+# Errors worth retrying the same statement for: the database is away, or a statement lost a race
+# or a timeout. Anything else is a bug or a broken schema and stops the process.
+RETRIABLE_ERRORS: tuple[type[BaseException], ...] = (
+    *CONNECTION_ERRORS,
+    asyncpg.SerializationError,
+    asyncpg.DeadlockDetectedError,
+    asyncpg.LockNotAvailableError,
+    asyncpg.QueryCanceledError,
+    asyncpg.ReadOnlySQLTransactionError,
+)
+
 
 async def init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec(

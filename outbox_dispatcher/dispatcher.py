@@ -127,7 +127,7 @@ class Dispatcher:
             wake.clear()
             try:
                 batch = await claimer.claim()
-            except db.CONNECTION_ERRORS as exc:
+            except db.RETRIABLE_ERRORS as exc:
                 log.warning("claim_failed", error=repr(exc), retry_in=pause)
                 await wait_for_work(asyncio.Event(), self.stopping, pause)
                 pause = min(pause * 2, s.backoff_max_seconds)

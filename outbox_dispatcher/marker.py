@@ -39,7 +39,7 @@ class Marker:
             try:
                 rows = await self._pool.fetch(self._queries.settle, *args)
                 break
-            except db.CONNECTION_ERRORS as exc:
+            except db.RETRIABLE_ERRORS as exc:
                 if loop.time() + pause > deadline:
                     log.error(
                         "settle_failed",

@@ -55,7 +55,7 @@ async def keep_leases(
             continue
         try:
             rows = await pool.fetch(queries.extend_leases, ids, tokens, settings.lease_seconds)
-        except db.CONNECTION_ERRORS as exc:
+        except db.RETRIABLE_ERRORS as exc:
             log.warning("lease_extension_failed", rows=len(ids), error=repr(exc))
             continue
         if len(rows) < len(ids):
@@ -70,7 +70,7 @@ async def reclaim(pool: asyncpg.Pool, queries: Queries, settings: Settings) -> N
         try:
             dead = await pool.fetch(queries.dead_letter_crash_loops, settings.max_attempts)
             expired = await pool.fetchval(queries.count_expired_leases)
-        except db.CONNECTION_ERRORS as exc:
+        except db.RETRIABLE_ERRORS as exc:
             log.warning("reclaim_failed", error=repr(exc))
             continue
         for row in dead:

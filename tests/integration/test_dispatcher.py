@@ -185,3 +185,23 @@ async def test_broker_outage_dead_letters_nothing_and_recovers(
         }
         verdict = check(records, ids)
         assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], [])
+
+
+async def test_recovers_when_its_database_connections_are_killed(
+    conn: asyncpg.Connection, services: Services, topic: str, make_settings: Any
+) -> None:
+    async with running(make_settings()) as dispatcher:
+        await insert_sequenced(conn, topic, keys=5, per_key=10)
+        await wait_all_settled(conn, 30)
+        killed = await conn.fetchval(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name = 'outbox-dispatcher'"
+        )
+        assert killed >= 2  # the pool's and the LISTEN connection
+        await insert_sequenced(conn, topic, keys=5, per_key=10, first_seq=10)
+        await wait_all_settled(conn, 60)
+        assert not dispatcher.stopping.is_set()
+    verdict = check(
+        await consume(services.kafka_bootstrap_servers, topic, 100), await event_ids(conn)
+    )
+    assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], [])
