@@ -197,6 +197,6 @@ class Dispatcher:
                 "publish_failed_will_retry",
                 rows=len(failed),
                 reason=reason,
-                topics=sorted({r.topic for r in failed}),
+                topics=sorted({r.topic or "(routed)" for r in failed}),
                 first_event_ids=[str(r.event_id) for r in failed[:3]],
             )

@@ -39,6 +39,11 @@ class BrokerUnavailableError(OutboxDispatcherError):
     retriable = True
 
 
+class RoutingError(OutboxDispatcherError):
+    """The row has no topic the dispatcher can use: give it a topic, or set the topic template or
+    default topic, then requeue it."""
+
+
 class LoopDiedError(OutboxDispatcherError):
     """A dispatcher loop stopped unexpectedly; the process exits so that it is restarted."""
 
@@ -58,6 +63,7 @@ class Failure(enum.Enum):
 
 
 _PERMANENT = (
+    RoutingError,
     kafka_errors.MessageSizeTooLargeError,
     kafka_errors.RecordTooLargeError,
     kafka_errors.RecordListTooLargeError,

@@ -14,7 +14,7 @@ class OutboxRecord:
     """One claimed outbox row."""
 
     id: int
-    topic: str
+    topic: str | None  # None: routed by the dispatcher (topic template or default topic)
     ordering_key: str | None
     payload: bytes | None
     headers: dict[str, str]

@@ -18,6 +18,7 @@ from aiokafka.helpers import create_ssl_context
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.models import OutboxRecord
+from outbox_dispatcher.routing import Router
 from outbox_dispatcher.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -49,6 +50,7 @@ def record_headers(record: OutboxRecord, event_id_header: str) -> list[tuple[str
 class KafkaPublisher:
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
+        self._router = Router(settings.default_topic, settings.topic_template)
         self._producer: AIOKafkaProducer | None = None
 
     def _build(self) -> AIOKafkaProducer:
@@ -156,18 +158,19 @@ class KafkaPublisher:
         cancelled send still knows what it sent); a key stops at its first failure."""
         producer = self.producer
         header_name = self._settings.event_id_header
-        topic_errors = await self._topic_errors({r.topic for r in records})
+        topics = [self._route(record) for record in records]
+        topic_errors = await self._topic_errors({t for t in topics if isinstance(t, str)})
         failed_keys: set[str] = set()
-        for record in records:
+        for record, topic in zip(records, topics, strict=True):
             key = record.ordering_key
             if key is not None and key in failed_keys:
                 sent.futures.append(NotAttempted())
                 continue
-            problem: BaseException | None = topic_errors.get(record.topic)
-            if problem is None:
+            problem = topic if isinstance(topic, BaseException) else topic_errors.get(topic)
+            if problem is None and isinstance(topic, str):
                 try:
                     future = await producer.send(
-                        record.topic,
+                        topic,
                         value=record.payload,
                         key=key.encode() if key is not None else None,
                         headers=record_headers(record, header_name),
@@ -177,9 +180,16 @@ class KafkaPublisher:
                 else:
                     sent.futures.append(future)
                     continue
+            assert problem is not None  # noqa: S101 - a topic either routed or failed
             if key is not None:
                 failed_keys.add(key)
             sent.futures.append(problem)
+
+    def _route(self, record: OutboxRecord) -> str | errors.RoutingError:
+        try:
+            return self._router.topic_for(record.topic, record.headers)
+        except errors.RoutingError as exc:
+            return exc
 
     @staticmethod
     def outcomes(

@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from outbox_dispatcher import routing
+
 # Lowercase only, so that derived names (outbox_claim, outbox_schema_version, ...) stay valid,
 # unquoted-equivalent identifiers; short enough that every derived name fits in 63 bytes.
 IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,39}$")
@@ -120,6 +122,16 @@ class Settings(BaseSettings):
     )
 
     # Kafka record shape and producer
+    default_topic: str | None = Field(
+        default=None, description="Topic for rows whose topic is NULL and no template applies."
+    )
+    topic_template: str | None = Field(
+        default=None,
+        description=(
+            "Topic for rows whose topic is NULL, from their headers: e.g. 'events.{aggregate}' "
+            "uses the row's 'aggregate' header."
+        ),
+    )
     event_id_header: str = Field(
         default="event-id", min_length=1, description="Kafka header that carries the event id."
     )
@@ -184,6 +196,19 @@ class Settings(BaseSettings):
     @classmethod
     def _check_table(cls, value: str) -> str:
         return validate_identifier(value, "OUTBOX_TABLE")
+
+    @field_validator("default_topic")
+    @classmethod
+    def _check_default_topic(cls, value: str | None) -> str | None:
+        if value is not None and not routing.valid_topic(value):
+            msg = f"OUTBOX_DEFAULT_TOPIC {value!r} is not a valid Kafka topic name"
+            raise ValueError(msg)
+        return value
+
+    @field_validator("topic_template")
+    @classmethod
+    def _check_topic_template(cls, value: str | None) -> str | None:
+        return None if value is None else routing.check_template(value)
 
     @field_validator("kafka_bootstrap_servers")
     @classmethod

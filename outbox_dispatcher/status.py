@@ -12,7 +12,7 @@ from outbox_dispatcher.sql import Queries
 
 @dataclass(frozen=True)
 class TopicStatus:
-    topic: str
+    topic: str | None  # None: rows the dispatcher routes itself
     pending: int
     in_flight: int
     dead: int
@@ -45,7 +45,7 @@ def as_table(topics: list[TopicStatus]) -> str:
     header = ("topic", "pending", "in_flight", "dead", "published", "oldest_pending_s")
     rows = [
         (
-            t.topic,
+            "(routed)" if t.topic is None else t.topic,
             str(t.pending),
             str(t.in_flight),
             str(t.dead),

@@ -1,4 +1,4 @@
--- outbox-dispatcher: the full current schema (version 1). Equivalent to applying every file in
+-- outbox-dispatcher: the full current schema (version 2). Equivalent to applying every file in
 -- migrations/ in order; tests/integration/test_schema.py proves it. Placeholders as in the migrations.
 
 CREATE TABLE IF NOT EXISTS ${schema}.${table}_schema_version (
@@ -16,7 +16,7 @@ CREATE FUNCTION ${schema}.${table}_headers_valid(headers jsonb) RETURNS boolean
 CREATE TABLE ${schema}.${table} (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     -- Writer-facing columns.
-    topic text NOT NULL,
+    topic text,
     ordering_key text,
     payload bytea,
     headers jsonb NOT NULL DEFAULT '{}'::jsonb,
@@ -52,7 +52,8 @@ ALTER TABLE ${schema}.${table} SET (
 
 COMMENT ON TABLE ${schema}.${table} IS
     'Transactional outbox: insert a row in the same transaction as the business change; outbox-dispatcher publishes it to Kafka.';
-COMMENT ON COLUMN ${schema}.${table}.topic IS 'Kafka topic (writer).';
+COMMENT ON COLUMN ${schema}.${table}.topic IS
+    'Kafka topic (writer); NULL lets the dispatcher route the row by its topic template or default topic.';
 COMMENT ON COLUMN ${schema}.${table}.ordering_key IS
     'Kafka record key and unit of ordering; NULL means no ordering (writer).';
 COMMENT ON COLUMN ${schema}.${table}.payload IS 'Kafka record value, any serialization; NULL is a tombstone (writer).';
@@ -288,5 +289,5 @@ BEGIN
 END;
 $fn$;
 
-INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (1, 'initial')
+INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (1, 'initial'), (2, 'routed_topic')
     ON CONFLICT (version) DO NOTHING;

@@ -205,3 +205,41 @@ async def test_recovers_when_its_database_connections_are_killed(
         await consume(services.kafka_bootstrap_servers, topic, 100), await event_ids(conn)
     )
     assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], [])
+
+
+async def test_rows_without_a_topic_are_routed_by_template_or_default(
+    conn: asyncpg.Connection, services: Services, make_topic: Any, make_settings: Any
+) -> None:
+    routed, fallback = await make_topic(), await make_topic()
+    suffix = routed.removeprefix("test-")
+    by_template = await conn.fetchval(
+        "SELECT outbox_enqueue(NULL, 'k', 'a'::bytea, $1::jsonb)", f'{{"aggregate": "{suffix}"}}'
+    )
+    by_default = await conn.fetchval("SELECT outbox_enqueue(NULL, 'k', 'b'::bytea)")
+    unroutable = await conn.fetchval(
+        "SELECT outbox_enqueue(NULL, 'j', 'c'::bytea, '{\"aggregate\": \"not valid\"}')"
+    )
+    settings = make_settings(topic_template="test-{aggregate}", default_topic=fallback)
+    async with running(settings):
+        await wait_all_settled(conn, 30)
+    [first] = await consume(services.kafka_bootstrap_servers, routed, 1)
+    [second] = await consume(services.kafka_bootstrap_servers, fallback, 1)
+    assert dict(first.headers)["event-id"] == str(by_template).encode()
+    assert dict(second.headers)["event-id"] == str(by_default).encode()
+    dead = await conn.fetchrow("SELECT * FROM outbox WHERE event_id = $1", unroutable)
+    assert dead["dead_at"] is not None
+    assert "made 'test-not valid' from the row's headers" in dead["last_error"]
+    assert dead["last_error"].endswith("which is not a valid topic name")
+
+
+async def test_a_row_without_topic_or_routing_is_dead_lettered_with_the_reason(
+    conn: asyncpg.Connection, topic: str, make_settings: Any
+) -> None:
+    orphan = await conn.fetchval("SELECT outbox_enqueue(NULL, 'k', 'x'::bytea)")
+    fine = await conn.fetchval("SELECT outbox_enqueue($1, 'k', 'y'::bytea)", topic)
+    async with running(make_settings()):
+        await wait_all_settled(conn, 30)
+    rows = {r["event_id"]: r for r in await conn.fetch("SELECT * FROM outbox")}
+    assert rows[fine]["published_at"] is not None  # skip policy: the key goes on
+    assert rows[orphan]["dead_at"] is not None
+    assert "neither OUTBOX_TOPIC_TEMPLATE nor OUTBOX_DEFAULT_TOPIC" in rows[orphan]["last_error"]

@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from outbox_dispatcher import errors
+from outbox_dispatcher.routing import Router, check_template
+from outbox_dispatcher.settings import Settings
+
+
+def test_the_rows_own_topic_wins() -> None:
+    router = Router("fallback", "events.{type}")
+    assert router.topic_for("orders", {"type": "x"}) == "orders"
+
+
+def test_template_from_headers_then_default_topic() -> None:
+    router = Router("fallback", "events.{aggregate}.{version}")
+    assert router.topic_for(None, {"aggregate": "order", "version": "v2"}) == "events.order.v2"
+    assert router.topic_for(None, {"aggregate": "order"}) == "fallback"
+
+
+def test_unroutable_rows_say_why() -> None:
+    with pytest.raises(errors.RoutingError, match="lacks header\\(s\\) aggregate"):
+        Router(None, "events.{aggregate}").topic_for(None, {})
+    with pytest.raises(errors.RoutingError, match="neither OUTBOX_TOPIC_TEMPLATE nor"):
+        Router(None, None).topic_for(None, {"aggregate": "x"})
+    with pytest.raises(errors.RoutingError, match="not a valid topic name"):
+        Router("fallback", "events.{aggregate}").topic_for(None, {"aggregate": "no spaces"})
+
+
+def test_routing_errors_dead_letter_at_once() -> None:
+    assert errors.classify(errors.RoutingError()) is errors.Failure.PERMANENT
+
+
+@pytest.mark.parametrize("template", ["events", "bad topic.{x}", "events.{x", "{x}}"])
+def test_invalid_templates_are_rejected(template: str) -> None:
+    with pytest.raises(ValueError, match="OUTBOX_TOPIC_TEMPLATE"):
+        check_template(template)
+
+
+def test_settings_validate_routing() -> None:
+    assert Settings(topic_template="events.{type}").topic_template == "events.{type}"
+    with pytest.raises(ValidationError, match="OUTBOX_DEFAULT_TOPIC"):
+        Settings(default_topic="no spaces")
