@@ -1,4 +1,5 @@
-"""Every runtime SQL statement, parsed once at import from queries.sql.
+"""Every runtime SQL statement (the dispatcher's and the consumer inbox's), parsed once at import
+from queries.sql.
 
 Statements name the table through placeholders; `Queries.for_table` fills them with validated,
 quoted identifiers once at startup, so no name is ever pasted into SQL later.
@@ -46,11 +47,13 @@ class Queries:
     count_expired_leases: str
     schema_version: str
     status: str
+    inbox_record: str
 
     @classmethod
-    def for_table(cls, schema: str, table: str) -> Queries:
+    def for_table(cls, schema: str, table: str, inbox: str = "inbox") -> Queries:
         validate_identifier(schema, "schema")
         validate_identifier(table, "table")
+        validate_identifier(inbox, "inbox table")
 
         def qualified(name: str) -> str:
             return f"{quote_identifier(schema)}.{quote_identifier(name)}"
@@ -60,6 +63,7 @@ class Queries:
             "table": qualified(table),
             "version_table": qualified(f"{table}_schema_version"),
             "claim_fn": qualified(f"{table}_claim"),
+            "inbox": qualified(inbox),
         }
         rendered = {name: sql.format_map(names) for name, sql in QUERIES.items()}
         return cls(**rendered)

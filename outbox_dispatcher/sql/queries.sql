@@ -70,3 +70,12 @@ SELECT topic,
   FROM {table}
  GROUP BY topic
  ORDER BY topic
+
+-- inbox_record --
+-- Consumer side: remember an event id in the same transaction as the handler's writes; no row
+-- back means it was processed before (or is being processed right now by another consumer, whose
+-- commit this waits for).
+INSERT INTO {inbox} (event_id, topic, kafka_partition, kafka_offset)
+VALUES ($1, $2, $3, $4)
+ON CONFLICT (event_id) DO NOTHING
+RETURNING event_id
