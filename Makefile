@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help install services services-stop services-status migrate run lint test test-unit
+.PHONY: help install services services-stop services-status migrate run lint test test-unit bench
 
 help:
 	@echo "make run            set everything up, then run the dispatcher in the foreground"
@@ -17,6 +17,7 @@ help:
 	@echo "make services       install if missing and start PostgreSQL and Kafka on 127.0.0.1"
 	@echo "make services-stop  stop them"
 	@echo "make migrate        create or upgrade the outbox schema"
+	@echo "make bench          the benchmarks (benchmarks/README.md); BENCH_ARGS=--quick for a smoke run"
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is needed"'
@@ -56,3 +57,7 @@ test: lint services
 	@rc=0; $(BIN)/pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is broken" >&2; exit 1; fi; \
 	exit $$rc
+
+# Throughput, latency and cost against the local stack; writes benchmarks/results/latest.json.
+bench: install services
+	$(BIN)/python -m benchmarks $(BENCH_ARGS)

@@ -35,7 +35,20 @@ RETRIABLE_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.LockNotAvailableError,
     asyncpg.QueryCanceledError,
     asyncpg.ReadOnlySQLTransactionError,
+    asyncpg.InternalClientError,
 )
+
+
+async def fetch(pool: asyncpg.Pool, query: str, *args: object) -> list[asyncpg.Record]:
+    """pool.fetch, except that a connection whose protocol state broke is thrown away instead of
+    going back to the pool: after a backend is terminated mid-statement asyncpg can report
+    InternalClientError and would otherwise hand out the broken connection again (asyncpg#1069)."""
+    async with pool.acquire() as conn:
+        try:
+            return await conn.fetch(query, *args)
+        except asyncpg.InternalClientError:
+            conn.terminate()
+            raise
 
 
 async def init_connection(conn: asyncpg.Connection) -> None:

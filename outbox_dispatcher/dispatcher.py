@@ -19,7 +19,7 @@ import asyncpg
 import structlog
 
 from outbox_dispatcher import db, errors, listener, migrations, reclaimer
-from outbox_dispatcher.claimer import Claimer, wait_for_work
+from outbox_dispatcher.claimer import Claimer, Wakeup, pause
 from outbox_dispatcher.marker import Marker
 from outbox_dispatcher.models import Batch, OutboxRecord, Outcome, Result
 from outbox_dispatcher.publisher import KafkaPublisher, NotAttempted, Sent
@@ -44,7 +44,8 @@ class Dispatcher:
         self.in_flight = reclaimer.InFlight()
         self.retry_policy = RetryPolicy(settings)
         self.published = 0
-        self._wakes = [asyncio.Event() for _ in range(settings.claim_tasks)]
+        self.wakeup = Wakeup()
+        self._last_batch = float("-inf")
 
     def stop(self) -> None:
         """Begin a graceful shutdown (phase one: stop claiming)."""
@@ -83,17 +84,17 @@ class Dispatcher:
         async with asyncio.TaskGroup() as tg:
             claim_tasks = [
                 tg.create_task(
-                    self._guard(self._claim_loop(claimer, publisher, marker, wake), f"claim-{i}"),
+                    self._guard(self._claim_loop(claimer, publisher, marker), f"claim-{i}"),
                     name=f"claim-{i}",
                 )
-                for i, wake in enumerate(self._wakes)
+                for i in range(s.claim_tasks)
             ]
             side: dict[str, Coroutine[Any, Any, None]] = {
                 "lease-keeper": reclaimer.keep_leases(pool, self.queries, s, self.in_flight),
                 "reclaimer": reclaimer.reclaim(pool, self.queries, s),
             }
             if s.listen:
-                side["listener"] = listener.listen(s, self._wakes)
+                side["listener"] = listener.listen(s, self.wakeup)
             side_tasks = [
                 tg.create_task(self._guard(coro, name), name=name) for name, coro in side.items()
             ]
@@ -119,26 +120,31 @@ class Dispatcher:
             task.cancel()
 
     async def _claim_loop(
-        self, claimer: Claimer, publisher: KafkaPublisher, marker: Marker, wake: asyncio.Event
+        self, claimer: Claimer, publisher: KafkaPublisher, marker: Marker
     ) -> None:
         s = self.settings
-        pause = s.backoff_initial_seconds
+        backoff = s.backoff_initial_seconds
         while not self.stopping.is_set():
-            wake.clear()
             try:
                 batch = await claimer.claim()
             except db.RETRIABLE_ERRORS as exc:
-                log.warning("claim_failed", error=repr(exc), retry_in=pause)
-                await wait_for_work(asyncio.Event(), self.stopping, pause)
-                pause = min(pause * 2, s.backoff_max_seconds)
+                log.warning("claim_failed", error=repr(exc), retry_in=backoff)
+                await pause(self.stopping, backoff)
+                backoff = min(backoff * 2, s.backoff_max_seconds)
                 continue
-            pause = s.backoff_initial_seconds
+            backoff = s.backoff_initial_seconds
+            loop = asyncio.get_running_loop()
             if batch is None:
-                await wait_for_work(wake, self.stopping, s.poll_interval_seconds)
+                lingering = loop.time() - self._last_batch < s.linger_seconds
+                poll = s.linger_poll_seconds if lingering else s.poll_interval_seconds
+                await self.wakeup.wait(self.stopping, poll)
                 continue
+            self._last_batch = loop.time()
+            if len(batch.records) >= s.batch_size:
+                self.wakeup.notify()  # a full batch: there is probably more for another loop
             outage = await self._process(batch, publisher, marker)
             if outage:
-                await wait_for_work(asyncio.Event(), self.stopping, outage)
+                await pause(self.stopping, outage)
 
     async def _process(self, batch: Batch, publisher: KafkaPublisher, marker: Marker) -> float:
         """Publish one batch and settle it; returns how long to pause for a broker outage."""

@@ -4,12 +4,13 @@ only polls at poll_interval. Losing the connection loses nothing; polling covers
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import asyncpg
 import structlog
 
 from outbox_dispatcher import db, errors
+from outbox_dispatcher.claimer import Wakeup
 from outbox_dispatcher.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -30,15 +31,14 @@ def channel_name(settings: Settings) -> str:
     return f"{settings.db_schema}.{settings.table}"
 
 
-async def listen(settings: Settings, wakes: Sequence[asyncio.Event]) -> None:
-    """Forever: hold a LISTEN connection, reconnecting with backoff; wake every claimer."""
+async def listen(settings: Settings, wakeup: Wakeup) -> None:
+    """Forever: hold a LISTEN connection, reconnecting with backoff; pass each hint on."""
     secret = settings.listen_database_url or settings.database_url
     channel = channel_name(settings)
     pause = 0.5
 
-    def wake_all(*_: object) -> None:
-        for wake in wakes:
-            wake.set()
+    def wake(*_: object) -> None:
+        wakeup.notify()
 
     while True:
         conn: asyncpg.Connection | None = None
@@ -46,9 +46,9 @@ async def listen(settings: Settings, wakes: Sequence[asyncio.Event]) -> None:
             conn = await db.connect(secret.get_secret_value(), settings)
             lost = asyncio.Event()
             conn.add_termination_listener(_setter(lost))
-            await conn.add_listener(channel, wake_all)
+            await conn.add_listener(channel, wake)
             log.info("listening", channel=channel)
-            wake_all()  # rows may have arrived while we were not listening
+            wake()  # rows may have arrived while we were not listening
             pause = 0.5
             while not lost.is_set():
                 try:

@@ -9,7 +9,7 @@ import asyncpg
 import structlog
 
 from outbox_dispatcher import db
-from outbox_dispatcher.models import Batch, Result
+from outbox_dispatcher.models import Batch, Outcome, Result
 from outbox_dispatcher.sql import Queries
 
 log = structlog.get_logger(__name__)
@@ -24,20 +24,26 @@ class Marker:
     async def settle(self, batch: Batch, results: Sequence[Result]) -> int:
         """Write every result; returns how many rows were still ours. Retries while the database
         is briefly away: a mark that never lands means a re-publish, not a loss."""
-        args = (
-            [r.id for r in batch.records],
-            [res.outcome.value for res in results],
-            [res.error for res in results],
-            [res.delay for res in results],
-            [int(res.counted) for res in results],
-            batch.token,
-        )
+        ids = [r.id for r in batch.records]
+        args: tuple[object, ...]
+        if all(res.outcome is Outcome.PUBLISHED for res in results):
+            query, args = self._queries.mark_published, (ids, batch.token)
+        else:
+            query = self._queries.settle
+            args = (
+                ids,
+                [res.outcome.value for res in results],
+                [res.error for res in results],
+                [res.delay for res in results],
+                [int(res.counted) for res in results],
+                batch.token,
+            )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._retry_for
         pause = 0.1
         while True:
             try:
-                rows = await self._pool.fetch(self._queries.settle, *args)
+                rows = await db.fetch(self._pool, query, *args)
                 break
             except db.RETRIABLE_ERRORS as exc:
                 if loop.time() + pause > deadline:

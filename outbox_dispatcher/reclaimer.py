@@ -54,7 +54,7 @@ async def keep_leases(
         if not ids:
             continue
         try:
-            rows = await pool.fetch(queries.extend_leases, ids, tokens, settings.lease_seconds)
+            rows = await db.fetch(pool, queries.extend_leases, ids, tokens, settings.lease_seconds)
         except db.RETRIABLE_ERRORS as exc:
             log.warning("lease_extension_failed", rows=len(ids), error=repr(exc))
             continue
@@ -68,8 +68,8 @@ async def reclaim(pool: asyncpg.Pool, queries: Queries, settings: Settings) -> N
     while True:
         await asyncio.sleep(settings.reclaim_interval_seconds)
         try:
-            dead = await pool.fetch(queries.dead_letter_crash_loops, settings.max_attempts)
-            expired = await pool.fetchval(queries.count_expired_leases)
+            dead = await db.fetch(pool, queries.dead_letter_crash_loops, settings.max_attempts)
+            [(expired,)] = await db.fetch(pool, queries.count_expired_leases)
         except db.RETRIABLE_ERRORS as exc:
             log.warning("reclaim_failed", error=repr(exc))
             continue

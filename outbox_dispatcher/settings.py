@@ -75,7 +75,7 @@ class Settings(BaseSettings):
     claim_tasks: int = Field(default=4, ge=1, le=64, description="Concurrent claim tasks.")
     batch_size: int = Field(default=500, ge=1, le=10_000, description="Rows per claim.")
     scan_factor: int = Field(
-        default=10,
+        default=2,
         ge=1,
         le=100,
         description="A claim looks at the oldest batch_size x scan_factor pending rows.",
@@ -98,6 +98,17 @@ class Settings(BaseSettings):
     )
     shutdown_grace_seconds: PositiveSeconds = Field(
         default=20.0, description="On SIGTERM, time to finish in-flight batches before cancelling."
+    )
+    linger_seconds: float = Field(
+        default=1.0,
+        ge=0,
+        description=(
+            "After a batch, keep polling every linger_poll_seconds this long: rows whose "
+            "notification the trigger's cooldown skipped go out at once."
+        ),
+    )
+    linger_poll_seconds: PositiveSeconds = Field(
+        default=0.01, description="Polling interval while lingering after a batch."
     )
     reclaim_interval_seconds: PositiveSeconds = Field(
         default=10.0, description="How often expired leases of crashed dispatchers are swept."

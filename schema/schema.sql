@@ -78,13 +78,26 @@ CREATE INDEX ${table}_pending_key_idx ON ${schema}.${table} (ordering_key, id)
 CREATE INDEX ${table}_dead_key_idx ON ${schema}.${table} (ordering_key)
     WHERE dead_at IS NOT NULL;
 
--- Wake-up hint for dispatchers: one notification per inserting statement (and PostgreSQL folds
--- identical notifications within a transaction). Polling stays the fallback.
+-- Wake-up hint for dispatchers: a notification per inserting statement, but at most one per
+-- session every outbox_dispatcher.notify_cooldown_ms (default 50; 0 notifies every statement).
+-- A committing transaction that notified holds a cluster-wide lock through its commit, so
+-- notifying on every commit caps the writers' commit rate; a dispatcher keeps polling briefly
+-- after each batch (linger), so the rows a cooldown leaves unannounced are found all the same.
+-- The session setting is transactional: a rolled-back notification does not start a cooldown.
 CREATE FUNCTION ${schema}.${table}_notify() RETURNS trigger
     LANGUAGE plpgsql
 AS $fn$
+DECLARE
+    v_now double precision := extract(epoch FROM clock_timestamp());
+    v_last text := current_setting('outbox_dispatcher.last_notify', true);
+    v_cooldown text := current_setting('outbox_dispatcher.notify_cooldown_ms', true);
 BEGIN
-    PERFORM pg_notify(TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME, '');
+    IF v_last IS NULL OR v_last = ''
+       OR v_now - v_last::double precision
+          >= coalesce(nullif(v_cooldown, '')::double precision, 50) / 1000 THEN
+        PERFORM pg_notify(TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME, '');
+        PERFORM set_config('outbox_dispatcher.last_notify', v_now::text, false);
+    END IF;
     RETURN NULL;
 END;
 $fn$;
@@ -126,10 +139,10 @@ $fn$;
 
 -- The claim: one round trip, two snapshots.
 --
--- Statement 1 looks at the oldest p_scan pending rows, keeps the keys whose head (first pending
--- row) is due and unleased, and takes a transaction-scoped advisory lock on as many of them, oldest
--- first, as the batch can fill (p_limit x keys / rows seen: one row per key when every key has one
--- row waiting, fewer keys with longer runs under a backlog, so that other claimers find keys too).
+-- Statement 1 looks at the keys of the oldest p_scan pending rows and, oldest first, takes a
+-- transaction-scoped advisory lock on those whose head (first pending row) is due and unleased,
+-- as many as the batch can fill (p_limit x keys / rows seen: one row per key when every key has
+-- one row waiting, fewer keys with longer runs under a backlog, so that other claimers find keys).
 -- Statement 2 runs with a fresh snapshot (this function is VOLATILE, and READ COMMITTED gives each
 -- statement its own), so it sees every lease committed by whoever held one of those keys before us;
 -- it re-checks each head and leases a prefix of each key's run in id order. Row locks are SKIP
@@ -178,22 +191,9 @@ BEGIN
           FROM seen s
          WHERE s.ordering_key IS NOT NULL
          GROUP BY s.ordering_key
-    ),
-    ready AS (
-        SELECT keys.k, keys.first_id, keys.n
-          FROM keys
-         WHERE (SELECT h.next_attempt_at <= now()
-                       AND (h.lease_expires_at IS NULL OR h.lease_expires_at <= now())
-                  FROM ${schema}.${table} h
-                 WHERE h.ordering_key = keys.k AND h.published_at IS NULL AND h.dead_at IS NULL
-                 ORDER BY h.id
-                 LIMIT 1)
-           AND NOT (p_block_on_dead AND EXISTS (
-                SELECT 1 FROM ${schema}.${table} d
-                 WHERE d.ordering_key = keys.k AND d.dead_at IS NOT NULL))
     )
-    SELECT (SELECT array_agg(r.k ORDER BY r.first_id) FROM ready r),
-           (SELECT sum(r.n) FROM ready r),
+    SELECT (SELECT array_agg(keys.k ORDER BY keys.first_id) FROM keys),
+           (SELECT sum(keys.n) FROM keys),
            (SELECT array_agg(s.id ORDER BY s.id) FROM seen s
              WHERE s.ordering_key IS NULL AND s.next_attempt_at <= now()
                AND (s.lease_expires_at IS NULL OR s.lease_expires_at <= now()))
@@ -205,12 +205,22 @@ BEGIN
 
     IF v_keys IS NOT NULL THEN
         v_want := greatest(1, ceil(p_limit::numeric * cardinality(v_keys) / v_rows))::integer;
-        -- Exactly one claimer owns a key at a time: the lock lasts until this claim commits, and
-        -- the lease it writes carries the ownership while the rows are published. LIMIT stops
-        -- taking locks once there are enough keys.
+        -- Oldest keys first, only those whose head is ready; exactly one claimer owns a key at a
+        -- time: the lock lasts until this claim commits, and the lease it writes carries the
+        -- ownership while the rows are published. LIMIT stops looking once there are enough.
         SELECT array_agg(u.k) INTO v_keys
-          FROM (SELECT k FROM unnest(v_keys) AS k
-                 WHERE pg_try_advisory_xact_lock(p_lock_space, hashtext(k))
+          FROM (SELECT k
+                  FROM unnest(v_keys) AS k
+                 WHERE (SELECT h.next_attempt_at <= now()
+                               AND (h.lease_expires_at IS NULL OR h.lease_expires_at <= now())
+                          FROM ${schema}.${table} h
+                         WHERE h.ordering_key = k AND h.published_at IS NULL AND h.dead_at IS NULL
+                         ORDER BY h.id
+                         LIMIT 1)
+                   AND NOT (p_block_on_dead AND EXISTS (
+                        SELECT 1 FROM ${schema}.${table} d
+                         WHERE d.ordering_key = k AND d.dead_at IS NOT NULL))
+                   AND pg_try_advisory_xact_lock(p_lock_space, hashtext(k))
                  LIMIT v_want) u;
     END IF;
     v_per_key := ceil(p_limit::numeric / greatest(1, coalesce(cardinality(v_keys), 0)))::integer;

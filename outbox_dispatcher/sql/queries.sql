@@ -26,6 +26,13 @@ UPDATE {table} o
  WHERE o.id = r.id AND o.lease_token = $6
 RETURNING o.id
 
+-- mark_published --
+-- The common case of settle: every row of the batch acknowledged. Same fencing, fewer arrays.
+UPDATE {table}
+   SET published_at = now(), lease_token = NULL, lease_expires_at = NULL
+ WHERE id = ANY($1::bigint[]) AND lease_token = $2
+RETURNING id
+
 -- extend_leases --
 -- Keep the leases of rows still in flight while their owner is alive.
 UPDATE {table} o

@@ -6,6 +6,7 @@ Each test gets a fresh database cloned from a migrated template and its own topi
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import subprocess
@@ -73,6 +74,19 @@ def _with_database(url: str, name: str) -> str:
     return f"{base}/{name}"
 
 
+async def drop_database(admin: asyncpg.Connection, name: str) -> None:
+    """DROP ... WITH (FORCE) cannot end an autovacuum worker's superuser session for our role;
+    such a worker finishes within moments, so wait it out."""
+    for _ in range(30):
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        except asyncpg.InsufficientPrivilegeError:
+            await asyncio.sleep(1)
+        else:
+            return
+    await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture(scope="session")
 async def template_db(services: Services) -> AsyncIterator[str]:
     """A database migrated once per session, cloned by every test."""
@@ -87,7 +101,7 @@ async def template_db(services: Services) -> AsyncIterator[str]:
         finally:
             await conn.close()
         yield name
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await drop_database(admin, name)
     finally:
         await admin.close()
 
@@ -101,7 +115,7 @@ async def _fresh_database(services: Services, template: str | None) -> AsyncIter
     try:
         await admin.execute(f'CREATE DATABASE "{name}"{clause}')
         yield _with_database(services.database_url, name)
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await drop_database(admin, name)
     finally:
         await admin.close()
 

@@ -1,0 +1,144 @@
+"""Ceilings for the benchmark: Kafka alone and PostgreSQL alone, each driven the dispatcher's way.
+
+The dispatcher's throughput means little on its own; these two numbers say how close it gets to
+what its Kafka client and its database can do by themselves with the same settings, batch size
+and concurrency. Nothing here logs: every function returns its numbers to the harness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import asyncpg
+from aiokafka import AIOKafkaProducer
+from pydantic import SecretStr
+
+from outbox_dispatcher import db
+from outbox_dispatcher.claimer import Claimer
+from outbox_dispatcher.marker import Marker
+from outbox_dispatcher.models import Batch, Outcome, Result
+from outbox_dispatcher.publisher import KafkaPublisher
+from outbox_dispatcher.settings import Settings, quote_identifier
+from outbox_dispatcher.sql import Queries
+
+_OWNER = "benchmark-pg-only"
+_PUBLISHED = Result(Outcome.PUBLISHED)
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    key: bytes
+    value: bytes
+    headers: list[tuple[str, bytes]]
+
+
+def _records(count: int, payload_size: int, keys: int, header: str) -> list[_Record]:
+    value = b"x" * payload_size
+    return [
+        _Record(f"key-{i % keys}".encode(), value, [(header, str(uuid.uuid4()).encode())])
+        for i in range(count)
+    ]
+
+
+def _batches(records: list[_Record], size: int) -> Iterator[list[_Record]]:
+    for start in range(0, len(records), size):
+        yield records[start : start + size]
+
+
+async def _produce_loop(
+    producer: AIOKafkaProducer, topic: str, batches: Iterator[list[_Record]]
+) -> None:
+    """One claim loop's publishing: hand a whole batch to the producer, then wait for its acks.
+    The loops share one iterator, so each takes the next batch as a claim would."""
+    for batch in batches:
+        futures = [
+            await producer.send(topic, value=r.value, key=r.key, headers=r.headers) for r in batch
+        ]
+        await asyncio.gather(*futures)  # a failed record fails the benchmark
+
+
+async def kafka_only(
+    bootstrap_servers: str,
+    topic: str,
+    count: int,
+    payload_size: int,
+    keys: int,
+    settings: Settings,
+) -> float:
+    """Seconds to publish `count` prepared records with the dispatcher's own producer (same
+    settings, same send-a-batch-then-wait pattern, `claim_tasks` loops). Building the records,
+    starting the producer and the topic's first metadata fetch are not timed."""
+    settings = settings.model_copy(update={"kafka_bootstrap_servers": bootstrap_servers})
+    records = _records(count, payload_size, keys, settings.event_id_header)
+    publisher = KafkaPublisher(settings)
+    await publisher.start()
+    try:
+        producer = publisher.producer
+        await producer.partitions_for(topic)
+        batches = _batches(records, settings.batch_size)
+        started = time.perf_counter()
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(settings.claim_tasks):
+                tg.create_task(_produce_loop(producer, topic, batches))
+        elapsed = time.perf_counter() - started
+    finally:
+        await publisher.stop()
+    return elapsed
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """Counts the rows still to drain (neither published nor dead)."""
+
+    pool: asyncpg.Pool
+    table: str
+
+    async def count(self) -> int:
+        value: int = await self.pool.fetchval(
+            f"SELECT count(*) FROM {self.table} WHERE published_at IS NULL AND dead_at IS NULL"
+        )
+        return value
+
+
+async def _drain_loop(claimer: Claimer, marker: Marker, pending: _Pending) -> int:
+    """Claim and mark as published, skipping Kafka; stop on an empty table, or after two empty
+    claims in a row (other loops may briefly hold every remaining key)."""
+    marked = 0
+    empty = 0
+    while True:
+        batch: Batch | None = await claimer.claim()
+        if batch is None:
+            empty += 1
+            if empty >= 2 or await pending.count() == 0:
+                return marked
+            continue
+        empty = 0
+        marked += await marker.settle(batch, [_PUBLISHED] * len(batch.records))
+
+
+async def pg_only(database_url: str, settings: Settings) -> tuple[int, float]:
+    """Drain the (pre-filled) outbox with the dispatcher's claim and mark and no publishing:
+    `claim_tasks` loops on one pool. Returns (rows marked published, seconds); creating the pool
+    is not timed."""
+    settings = settings.model_copy(update={"database_url": SecretStr(database_url)})
+    queries = Queries.for_table(settings.db_schema, settings.table)
+    pool = await db.create_pool(settings)
+    try:
+        claimer = Claimer(pool, queries, settings, _OWNER)
+        marker = Marker(pool, queries, retry_for=settings.lease_seconds)
+        table = f"{quote_identifier(settings.db_schema)}.{quote_identifier(settings.table)}"
+        pending = _Pending(pool, table)
+        started = time.perf_counter()
+        async with asyncio.TaskGroup() as tg:
+            loops = [
+                tg.create_task(_drain_loop(claimer, marker, pending))
+                for _ in range(settings.claim_tasks)
+            ]
+        elapsed = time.perf_counter() - started
+    finally:
+        await pool.close()
+    return sum(loop.result() for loop in loops), elapsed
