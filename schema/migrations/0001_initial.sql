@@ -140,14 +140,17 @@ $fn$;
 
 -- The claim: one round trip, two snapshots.
 --
--- Statement 1 looks at the keys of the oldest p_scan pending rows and, oldest first, takes a
--- transaction-scoped advisory lock on those whose head (first pending row) is due and unleased,
--- as many as the batch can fill (p_limit x keys / rows seen: one row per key when every key has
--- one row waiting, fewer keys with longer runs under a backlog, so that other claimers find keys).
+-- Statement 1 reads the oldest p_scan pending rows in id order. A key's first row there is its
+-- head (its oldest pending row), and its rows there are a prefix of its run, so everything the
+-- claim needs is in that one index range scan. It takes, oldest key first, a transaction-scoped
+-- advisory lock on as many keys whose head is due and unleased as the batch can fill (one row per
+-- key when every key has one row waiting, fewer keys with longer runs under a backlog, so that
+-- other claimers find keys too).
 -- Statement 2 runs with a fresh snapshot (this function is VOLATILE, and READ COMMITTED gives each
--- statement its own), so it sees every lease committed by whoever held one of those keys before us;
--- it re-checks each head and leases a prefix of each key's run in id order. Row locks are SKIP
--- LOCKED; a row that cannot be taken ends its key's run for this claim, so a key never has a gap.
+-- statement its own), so it sees every lease committed by whoever held one of those keys before
+-- us. It re-checks every picked row by primary key (still pending, unleased, due) under FOR UPDATE
+-- SKIP LOCKED; a row that fails ends its key's run for this claim, so a key never has a gap and
+-- never a second owner. The rest is leased, fenced by a fresh token, in one UPDATE.
 CREATE FUNCTION ${schema}.${table}_claim(
     p_limit integer,
     p_scan integer,
@@ -173,88 +176,74 @@ CREATE FUNCTION ${schema}.${table}_claim(
 AS $fn$
 #variable_conflict use_column
 DECLARE
-    v_keys text[];
-    v_rows bigint;
+    v_ids bigint[];          -- rows seen, in id order (keyed rows only)
+    v_row_keys text[];       -- their keys
+    v_keys text[];           -- keys whose head is ready, oldest first
+    v_rows_per_key numeric;
     v_null_ids bigint[];
-    v_want integer;
     v_per_key integer;
     v_token uuid := gen_random_uuid();
 BEGIN
     WITH seen AS (
-        SELECT o.id, o.ordering_key, o.next_attempt_at, o.lease_expires_at
+        SELECT o.id, o.ordering_key,
+               o.next_attempt_at <= now()
+               AND (o.lease_expires_at IS NULL OR o.lease_expires_at <= now()) AS ready
           FROM ${schema}.${table} o
          WHERE o.published_at IS NULL AND o.dead_at IS NULL
          ORDER BY o.id
          LIMIT p_scan
     ),
-    keys AS (
-        SELECT s.ordering_key AS k, min(s.id) AS first_id, count(*) AS n
+    heads AS (
+        SELECT DISTINCT ON (s.ordering_key) s.ordering_key AS k, s.id AS first_id, s.ready
           FROM seen s
          WHERE s.ordering_key IS NOT NULL
-         GROUP BY s.ordering_key
+         ORDER BY s.ordering_key, s.id
     )
-    SELECT (SELECT array_agg(keys.k ORDER BY keys.first_id) FROM keys),
-           (SELECT sum(keys.n) FROM keys),
+    SELECT (SELECT array_agg(h.k ORDER BY h.first_id) FROM heads h
+             WHERE h.ready
+               AND NOT (p_block_on_dead AND EXISTS (
+                    SELECT 1 FROM ${schema}.${table} d
+                     WHERE d.ordering_key = h.k AND d.dead_at IS NOT NULL))),
+           (SELECT count(*) FROM seen s WHERE s.ordering_key IS NOT NULL)::numeric
+             / greatest(1, (SELECT count(*) FROM heads)),
+           (SELECT array_agg(s.id ORDER BY s.id) FROM seen s WHERE s.ordering_key IS NOT NULL),
+           (SELECT array_agg(s.ordering_key ORDER BY s.id) FROM seen s
+             WHERE s.ordering_key IS NOT NULL),
            (SELECT array_agg(s.id ORDER BY s.id) FROM seen s
-             WHERE s.ordering_key IS NULL AND s.next_attempt_at <= now()
-               AND (s.lease_expires_at IS NULL OR s.lease_expires_at <= now()))
-      INTO v_keys, v_rows, v_null_ids;
+             WHERE s.ordering_key IS NULL AND s.ready)
+      INTO v_keys, v_rows_per_key, v_ids, v_row_keys, v_null_ids;
 
     IF v_keys IS NULL AND v_null_ids IS NULL THEN
         RETURN;
     END IF;
 
     IF v_keys IS NOT NULL THEN
-        v_want := greatest(1, ceil(p_limit::numeric * cardinality(v_keys) / v_rows))::integer;
-        -- Oldest keys first, only those whose head is ready; exactly one claimer owns a key at a
-        -- time: the lock lasts until this claim commits, and the lease it writes carries the
-        -- ownership while the rows are published. LIMIT stops looking once there are enough.
+        -- Exactly one claimer owns a key at a time: the lock lasts until this claim commits, and
+        -- the lease it writes carries the ownership while the rows are published. LIMIT stops
+        -- taking locks once there are enough keys.
         SELECT array_agg(u.k) INTO v_keys
-          FROM (SELECT k
-                  FROM unnest(v_keys) AS k
-                 WHERE (SELECT h.next_attempt_at <= now()
-                               AND (h.lease_expires_at IS NULL OR h.lease_expires_at <= now())
-                          FROM ${schema}.${table} h
-                         WHERE h.ordering_key = k AND h.published_at IS NULL AND h.dead_at IS NULL
-                         ORDER BY h.id
-                         LIMIT 1)
-                   AND NOT (p_block_on_dead AND EXISTS (
-                        SELECT 1 FROM ${schema}.${table} d
-                         WHERE d.ordering_key = k AND d.dead_at IS NOT NULL))
-                   AND pg_try_advisory_xact_lock(p_lock_space, hashtext(k))
-                 LIMIT v_want) u;
+          FROM (SELECT k FROM unnest(v_keys) AS k
+                 WHERE pg_try_advisory_xact_lock(p_lock_space, hashtext(k))
+                 LIMIT greatest(1, ceil(p_limit / greatest(1, v_rows_per_key)))) u;
     END IF;
     v_per_key := ceil(p_limit::numeric / greatest(1, coalesce(cardinality(v_keys), 0)))::integer;
 
     RETURN QUERY
-    WITH eligible AS (
-        SELECT k
-          FROM unnest(coalesce(v_keys, '{}'::text[])) AS k
-         WHERE (SELECT h.next_attempt_at <= now()
-                       AND (h.lease_expires_at IS NULL OR h.lease_expires_at <= now())
-                  FROM ${schema}.${table} h
-                 WHERE h.ordering_key = k AND h.published_at IS NULL AND h.dead_at IS NULL
-                 ORDER BY h.id
-                 LIMIT 1)
-           AND NOT (p_block_on_dead AND EXISTS (
+    WITH runs AS (
+        SELECT w.id, w.k, row_number() OVER (PARTITION BY w.k ORDER BY w.id) AS n
+          FROM unnest(v_ids, v_row_keys) AS w(id, k)
+          JOIN unnest(coalesce(v_keys, '{}'::text[])) AS mine(k) ON mine.k = w.k
+         WHERE NOT (p_block_on_dead AND EXISTS (  -- again, in this snapshot
                 SELECT 1 FROM ${schema}.${table} d
-                 WHERE d.ordering_key = k AND d.dead_at IS NOT NULL))
-    ),
-    candidates AS (
-        SELECT r.id, r.ordering_key
-          FROM eligible e
-         CROSS JOIN LATERAL (
-            SELECT o.id, o.ordering_key
-              FROM ${schema}.${table} o
-             WHERE o.ordering_key = e.k AND o.published_at IS NULL AND o.dead_at IS NULL
-             ORDER BY o.id
-             LIMIT v_per_key
-         ) r
-        UNION ALL
-        SELECT n, NULL::text FROM unnest(coalesce(v_null_ids, '{}'::bigint[])) AS n
+                 WHERE d.ordering_key = w.k AND d.dead_at IS NOT NULL))
     ),
     picked AS (
-        SELECT c.id, c.ordering_key FROM candidates c ORDER BY c.id LIMIT p_limit
+        SELECT c.id, c.ordering_key
+          FROM (SELECT r.id, r.k AS ordering_key FROM runs r WHERE r.n <= v_per_key
+                UNION ALL
+                SELECT n, NULL::text FROM unnest(coalesce(v_null_ids, '{}'::bigint[])) AS n) c
+         ORDER BY c.id
+         LIMIT p_limit
     ),
     locked AS (
         -- One primary-key probe per picked row, whatever the statistics say.
@@ -266,6 +255,7 @@ BEGIN
              WHERE o.id = p.id
                AND o.published_at IS NULL AND o.dead_at IS NULL
                AND (o.lease_expires_at IS NULL OR o.lease_expires_at <= now())
+               AND o.next_attempt_at <= now()
                -- A row whose owners keep dying with it is left to the reclaimer to dead-letter.
                AND NOT (o.lease_expires_at IS NOT NULL AND o.attempts + 1 >= p_max_attempts)
                FOR UPDATE OF o SKIP LOCKED
