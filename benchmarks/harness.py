@@ -159,13 +159,14 @@ class Dispatchers:
 @contextlib.asynccontextmanager
 async def dispatchers(settings: Settings, count: int = 1) -> AsyncIterator[Dispatchers]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    env.update(
-        OUTBOX_DATABASE_URL=settings.database_url.get_secret_value(),
-        OUTBOX_KAFKA_BOOTSTRAP_SERVERS=settings.kafka_bootstrap_servers,
-        OUTBOX_CLAIM_TASKS=str(settings.claim_tasks),
-        OUTBOX_BATCH_SIZE=str(settings.batch_size),
-        OUTBOX_LOG_LEVEL="WARNING",
-    )
+    for name in settings.model_fields_set:  # what the scenario chose; defaults for the rest
+        value = getattr(settings, name)
+        if hasattr(value, "get_secret_value"):
+            value = value.get_secret_value()
+        elif isinstance(value, bool):
+            value = "true" if value else "false"
+        env[f"OUTBOX_{name.upper()}"] = str(getattr(value, "value", value))
+    env["OUTBOX_LOG_LEVEL"] = "WARNING"
     group = Dispatchers()
     log = (RESULTS / "dispatcher.log").open("ab")
     try:
@@ -238,12 +239,14 @@ async def drain(
                 await wait_ready(url, group)
                 cpu0 = group.cpu()
                 pg0 = await backend_cpu(conn)
+                wal0 = await conn.fetchval("SELECT pg_current_wal_lsn()")
                 while await conn.fetchval(
                     "SELECT count(*) FROM outbox WHERE published_at IS NULL AND dead_at IS NULL"
                 ):
                     await asyncio.sleep(0.05)
                 cpu = group.cpu() - cpu0
                 pg = await backend_cpu(conn) - pg0
+                wal = await conn.fetchval("SELECT pg_current_wal_lsn() - $1::pg_lsn", wal0)
             span = await conn.fetchval(
                 "SELECT extract(epoch FROM max(published_at) - min(published_at)) FROM outbox"
             )
@@ -255,6 +258,7 @@ async def drain(
         "events_per_second": rows / max(float(span), 1e-6),
         "dispatcher_cpu_ms_per_1k": cpu * 1000 / (rows / 1000),
         "postgres_cpu_ms_per_1k": pg * 1000 / (rows / 1000),
+        "wal_bytes_per_event": float(wal) / rows,
     }
 
 
@@ -487,6 +491,25 @@ def plan(stack: Stack, sizes: Sizes) -> dict[str, Scenario]:
         "idle": lambda: idle(stack, s.idle_seconds),
         "writer_notify_cost": lambda: writer_cost(stack, s.writer_seconds),
     }
+    # Techniques: the drain with one setting changed from the defaults, to see what each is worth.
+    techniques: dict[str, dict[str, Any]] = {
+        "synchronous_commit_on": {"synchronous_commit": "on"},
+        "linger_0ms": {"kafka_linger_ms": 0},
+        "linger_10ms": {"kafka_linger_ms": 10},
+        "batch_16k": {"kafka_max_batch_bytes": 16_384},
+        "batch_1m": {"kafka_max_batch_bytes": 1_048_576},
+        "lz4": {"kafka_compression": "lz4"},
+        "zstd": {"kafka_compression": "zstd"},
+        "asyncio_loop": {"uvloop": False},
+        "no_prepared_statements": {"statement_cache_size": 0},
+        "delete_on_publish": {"delete_on_publish": True},
+        "claim_batch_100": {"batch_size": 100},
+        "claim_batch_1000": {"batch_size": 1000},
+        "claim_tasks_2": {"claim_tasks": 2},
+    }
+    scenarios["technique_defaults"] = lambda: drain(stack, s.drain // 4, KEYS)
+    for name, opts in techniques.items():
+        scenarios[f"technique_{name}"] = lambda opts=opts: drain(stack, s.drain // 4, KEYS, **opts)
     for rate in (1_000, 2_000, 5_000, 15_000, None):
         for per_tx in (10, 1):
             name = f"sustained_{rate or 'max'}_per_s_{per_tx}_per_tx"

@@ -20,7 +20,6 @@ class Claimer:
     ) -> None:
         self._pool = pool
         self._queries = queries
-        self._owner = owner
         s = settings
         self._args = (
             s.batch_size,

@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "status": _status,
     }[namespace.command]
     try:
-        return _asyncio_run(command(settings, namespace))
+        return _asyncio_run(command(settings, namespace), use_uvloop=settings.uvloop)
     except errors.ConfigurationError as exc:
         log.error("configuration_error", error=str(exc))
         return EXIT_CONFIG
@@ -141,12 +141,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
 
 
-def _asyncio_run(coro: Coroutine[Any, Any, int]) -> int:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+def _asyncio_run(coro: Coroutine[Any, Any, int], *, use_uvloop: bool) -> int:
+    if use_uvloop:
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover
+            pass
+        else:
+            return uvloop.run(coro)
+    return asyncio.run(coro)
 
 
 async def _run(settings: Settings, _: argparse.Namespace) -> int:

@@ -100,6 +100,7 @@ async def create_pool(settings: Settings) -> asyncpg.Pool:
             server_settings=server_settings(settings),
             command_timeout=60,
             timeout=10,
+            statement_cache_size=settings.statement_cache_size,
         )
     except Exception as exc:
         raise (translate(exc) or exc) from exc

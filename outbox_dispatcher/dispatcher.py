@@ -72,7 +72,9 @@ class Dispatcher:
     async def _supervise(self, pool: asyncpg.Pool, publisher: KafkaPublisher) -> None:
         s = self.settings
         claimer = Claimer(pool, self.queries, s, self.owner)
-        marker = Marker(pool, self.queries, retry_for=s.lease_seconds)
+        marker = Marker(
+            pool, self.queries, retry_for=s.lease_seconds, delete_on_publish=s.delete_on_publish
+        )
         log.info(
             "started",
             owner=self.owner,

@@ -16,57 +16,92 @@ log = structlog.get_logger(__name__)
 
 
 class Marker:
-    def __init__(self, pool: asyncpg.Pool, queries: Queries, retry_for: float) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        queries: Queries,
+        retry_for: float,
+        *,
+        delete_on_publish: bool = False,
+    ) -> None:
         self._pool = pool
         self._queries = queries
         self._retry_for = retry_for
+        self._delete = delete_on_publish
+
+    def _statements(
+        self, batch: Batch, results: Sequence[Result]
+    ) -> list[tuple[str, tuple[object, ...]]]:
+        """The statements that record `results`: usually one (every row acknowledged)."""
+        published = [
+            r.id
+            for r, res in zip(batch.records, results, strict=True)
+            if res.outcome is Outcome.PUBLISHED
+        ]
+        rest = [
+            (r.id, res)
+            for r, res in zip(batch.records, results, strict=True)
+            if res.outcome is not Outcome.PUBLISHED
+        ]
+        statements: list[tuple[str, tuple[object, ...]]] = []
+        if published and (self._delete or not rest):
+            query = self._queries.delete_published if self._delete else self._queries.mark_published
+            statements.append((query, (published, batch.token)))
+            if not rest:
+                return statements
+        else:
+            rest = list(zip((r.id for r in batch.records), results, strict=True))
+        statements.append(
+            (
+                self._queries.settle,
+                (
+                    [row_id for row_id, _ in rest],
+                    [res.outcome.value for _, res in rest],
+                    [res.error for _, res in rest],
+                    [res.delay for _, res in rest],
+                    [int(res.counted) for _, res in rest],
+                    batch.token,
+                ),
+            )
+        )
+        return statements
 
     async def settle(self, batch: Batch, results: Sequence[Result]) -> int:
         """Write every result; returns how many rows were still ours. Retries while the database
         is briefly away: a mark that never lands means a re-publish, not a loss."""
-        ids = [r.id for r in batch.records]
-        args: tuple[object, ...]
-        if all(res.outcome is Outcome.PUBLISHED for res in results):
-            query, args = self._queries.mark_published, (ids, batch.token)
-        else:
-            query = self._queries.settle
-            args = (
-                ids,
-                [res.outcome.value for res in results],
-                [res.error for res in results],
-                [res.delay for res in results],
-                [int(res.counted) for res in results],
-                batch.token,
-            )
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._retry_for
-        pause = 0.1
-        while True:
-            try:
-                rows = await db.fetch(self._pool, query, *args)
-                break
-            except db.RETRIABLE_ERRORS as exc:
-                if loop.time() + pause > deadline:
-                    log.error(
-                        "settle_failed",
-                        rows=len(batch.records),
-                        error=repr(exc),
-                        consequence="the leases will expire and the rows be published again",
-                    )
-                    return 0
-                log.warning("settle_retrying", rows=len(batch.records), error=repr(exc))
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, 2.0)
-        if len(rows) < len(batch.records):
+        settled = 0
+        for query, args in self._statements(batch, results):
+            settled += await self._execute(query, args, len(batch.records))
+        if settled < len(batch.records):
             log.warning(
                 "lease_lost",
-                rows=len(batch.records) - len(rows),
+                rows=len(batch.records) - settled,
                 consequence=(
                     "another dispatcher took these rows over after the lease expired; they are "
                     "published again with the same event id"
                 ),
             )
-        return len(rows)
+        return settled
+
+    async def _execute(self, query: str, args: tuple[object, ...], rows: int) -> int:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._retry_for
+        pause = 0.1
+        while True:
+            try:
+                return len(await db.fetch(self._pool, query, *args))
+            except db.RETRIABLE_ERRORS as exc:
+                if loop.time() + pause > deadline:
+                    log.error(
+                        "settle_failed",
+                        rows=rows,
+                        error=repr(exc),
+                        consequence="the leases will expire and the rows be published again",
+                    )
+                    return 0
+                log.warning("settle_retrying", rows=rows, error=repr(exc))
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 2.0)
 
     async def settle_shielded(self, batch: Batch, results: Sequence[Result]) -> int:
         """Settle even if the caller is cancelled: a dropped mark after an ack is a duplicate."""

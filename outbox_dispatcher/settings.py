@@ -186,7 +186,24 @@ class Settings(BaseSettings):
         ),
     )
 
+    delete_on_publish: bool = Field(
+        default=False,
+        description=(
+            "Delete rows once the broker acknowledged them instead of marking them published: "
+            "less write amplification, but no record of what was published (nothing to replay)."
+        ),
+    )
+    statement_cache_size: int = Field(
+        default=100,
+        ge=0,
+        description=(
+            "asyncpg's prepared-statement cache per connection; 0 behind a transaction pooler "
+            "without prepared-statement support."
+        ),
+    )
+
     # Process
+    uvloop: bool = Field(default=True, description="Run on uvloop where it is installed.")
     log_format: Literal["json", "console"] = Field(
         default="json", description="Log lines as JSON objects, or for a terminal."
     )

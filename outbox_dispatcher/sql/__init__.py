@@ -43,6 +43,7 @@ class Queries:
     claim: str
     settle: str
     mark_published: str
+    delete_published: str
     extend_leases: str
     dead_letter_crash_loops: str
     count_expired_leases: str

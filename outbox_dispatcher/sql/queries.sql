@@ -33,6 +33,12 @@ UPDATE {table}
  WHERE id = ANY($1::bigint[]) AND lease_token = $2
 RETURNING id
 
+-- delete_published --
+-- With delete_on_publish: acknowledged rows go away instead of being marked. Same fencing.
+DELETE FROM {table}
+ WHERE id = ANY($1::bigint[]) AND lease_token = $2
+RETURNING id
+
 -- extend_leases --
 -- Keep the leases of rows still in flight while their owner is alive.
 UPDATE {table} o

@@ -243,3 +243,19 @@ async def test_a_row_without_topic_or_routing_is_dead_lettered_with_the_reason(
     assert rows[fine]["published_at"] is not None  # skip policy: the key goes on
     assert rows[orphan]["dead_at"] is not None
     assert "neither OUTBOX_TOPIC_TEMPLATE nor OUTBOX_DEFAULT_TOPIC" in rows[orphan]["last_error"]
+
+
+async def test_delete_on_publish_removes_acknowledged_rows_and_keeps_dead_ones(
+    conn: asyncpg.Connection, services: Services, topic: str, make_settings: Any
+) -> None:
+    await insert_sequenced(conn, topic, keys=3, per_key=10)
+    expected = await event_ids(conn)
+    big = await conn.fetchval(
+        "SELECT outbox_enqueue($1, 'key-0', $2::bytea)", topic, b"x" * 2_000_000
+    )
+    async with running(make_settings(delete_on_publish=True, batch_size=7)):
+        await wait_all_settled(conn, 30)
+    left = await conn.fetch("SELECT event_id, dead_at IS NOT NULL AS dead FROM outbox")
+    assert [(r["event_id"], r["dead"]) for r in left] == [(big, True)], "only the dead row stays"
+    verdict = check(await consume(services.kafka_bootstrap_servers, topic, 30), expected)
+    assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], [])
