@@ -72,9 +72,7 @@ class Settings(BaseSettings):
     kafka_client_id: str = Field(default="outbox-dispatcher", description="Kafka client id.")
 
     # How much at once
-    claim_tasks: int = Field(
-        default=2, ge=1, le=64, description="Concurrent claim tasks."
-    )
+    claim_tasks: int = Field(default=2, ge=1, le=64, description="Concurrent claim tasks.")
     batch_size: int = Field(default=500, ge=1, le=10_000, description="Rows per claim.")
     scan_factor: int = Field(
         default=2,
