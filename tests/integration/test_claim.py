@@ -3,6 +3,7 @@ leases and fencing, backoff, dead-letter policies. No Kafka involved."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
 from typing import Any
 
@@ -230,3 +231,29 @@ async def test_settle_records_each_outcome(
         (False, True, 1, "invalid", False, True),
     ]
     assert ids
+
+
+async def test_a_claim_that_loses_the_race_for_a_key_takes_nothing_of_it(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    """Another claimer commits between this claim's two statements: the re-check in the second
+    statement (fresh snapshot) must see the new lease. A copy of the claim function that pauses
+    between its statements makes the race happen on purpose."""
+    ids = await insert(conn, ["k", "k", "k"])
+    source = await conn.fetchval("SELECT pg_get_functiondef('public.outbox_claim'::regproc)")
+    marker = "    IF v_keys IS NULL AND v_null_ids IS NULL THEN"
+    assert marker in source
+    slow = source.replace("public.outbox_claim(", "public.outbox_claim_slow(", 1).replace(
+        marker, "    PERFORM pg_sleep(1);\n" + marker, 1
+    )
+    await conn.execute(slow)
+    settings = make_settings(batch_size=10)
+    late = claimer(pool, settings, "late")
+    slow_claim = QUERIES.claim.replace('"outbox_claim"', '"outbox_claim_slow"')
+    racing = asyncio.create_task(pool.fetch(slow_claim, *late._args))
+    await asyncio.sleep(0.3)  # its first statement saw k ready; now it sleeps
+    winner = await claimer(pool, settings, "winner").claim()
+    assert winner is not None and [r.id for r in winner.records] == ids
+    assert await racing == []
+    owners = await conn.fetch("SELECT DISTINCT lease_owner FROM outbox")
+    assert [r["lease_owner"] for r in owners] == ["winner"]
