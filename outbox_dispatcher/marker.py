@@ -33,37 +33,28 @@ class Marker:
         self, batch: Batch, results: Sequence[Result]
     ) -> list[tuple[str, tuple[object, ...]]]:
         """The statements that record `results`: usually one (every row acknowledged)."""
-        published = [
-            r.id
-            for r, res in zip(batch.records, results, strict=True)
-            if res.outcome is Outcome.PUBLISHED
-        ]
-        rest = [
-            (r.id, res)
-            for r, res in zip(batch.records, results, strict=True)
-            if res.outcome is not Outcome.PUBLISHED
-        ]
+        pairs = list(zip((r.id for r in batch.records), results, strict=True))
+        published = [row_id for row_id, res in pairs if res.outcome is Outcome.PUBLISHED]
+        rest = pairs
         statements: list[tuple[str, tuple[object, ...]]] = []
-        if published and (self._delete or not rest):
+        if published and (self._delete or len(published) == len(pairs)):
             query = self._queries.delete_published if self._delete else self._queries.mark_published
             statements.append((query, (published, batch.token)))
-            if not rest:
-                return statements
-        else:
-            rest = list(zip((r.id for r in batch.records), results, strict=True))
-        statements.append(
-            (
-                self._queries.settle,
+            rest = [(row_id, res) for row_id, res in pairs if res.outcome is not Outcome.PUBLISHED]
+        if rest:
+            statements.append(
                 (
-                    [row_id for row_id, _ in rest],
-                    [res.outcome.value for _, res in rest],
-                    [res.error for _, res in rest],
-                    [res.delay for _, res in rest],
-                    [int(res.counted) for _, res in rest],
-                    batch.token,
-                ),
+                    self._queries.settle,
+                    (
+                        [row_id for row_id, _ in rest],
+                        [res.outcome.value for _, res in rest],
+                        [res.error for _, res in rest],
+                        [res.delay for _, res in rest],
+                        [int(res.counted) for _, res in rest],
+                        batch.token,
+                    ),
+                )
             )
-        )
         return statements
 
     async def settle(self, batch: Batch, results: Sequence[Result]) -> int:
