@@ -171,6 +171,18 @@ class Settings(BaseSettings):
     kafka_ssl_cafile: str | None = Field(
         default=None, description="CA bundle that verifies the broker's certificate."
     )
+    kafka_ssl_certfile: str | None = Field(
+        default=None, description="Client certificate (PEM) for brokers that require one."
+    )
+    kafka_ssl_keyfile: str | None = Field(
+        default=None, description="Private key (PEM) of the client certificate."
+    )
+    kafka_ssl_key_password: SecretStr | None = Field(
+        default=None, description="Password of the client certificate's private key, if any."
+    )
+    kafka_ssl_check_hostname: bool = Field(
+        default=True, description="Verify that the broker's certificate names its host."
+    )
 
     # Database session
     listen: bool = Field(default=True, description="Use LISTEN/NOTIFY as a wake-up hint.")
@@ -199,6 +211,71 @@ class Settings(BaseSettings):
         description=(
             "asyncpg's prepared-statement cache per connection; 0 behind a transaction pooler "
             "without prepared-statement support."
+        ),
+    )
+
+    # Table hygiene
+    retention_seconds: float = Field(
+        default=7 * 24 * 3600,
+        ge=0,
+        description=(
+            "Delete published rows older than this (dead rows are kept for operators); "
+            "0 keeps them forever."
+        ),
+    )
+    cleanup_interval_seconds: PositiveSeconds = Field(
+        default=60.0, description="How often the retention loop looks for old published rows."
+    )
+    cleanup_batch_size: int = Field(
+        default=1000,
+        ge=1,
+        le=100_000,
+        description="Rows deleted per retention transaction (bounds lock time and WAL bursts).",
+    )
+
+    # Observability
+    http_host: str = Field(
+        default="0.0.0.0",  # noqa: S104 - probes and scrapes come from outside the pod
+        description="Address of the /metrics, /livez and /readyz endpoint.",
+    )
+    http_port: int = Field(
+        default=9646,
+        ge=0,
+        le=65535,
+        description="Port of the /metrics, /livez and /readyz endpoint; 0 picks a free port.",
+    )
+    http_enabled: bool = Field(default=True, description="Serve /metrics, /livez and /readyz.")
+    liveness_timeout_seconds: PositiveSeconds = Field(
+        default=120.0,
+        description="/livez fails when a loop has not made progress for this long.",
+    )
+    metrics_interval_seconds: PositiveSeconds = Field(
+        default=15.0,
+        description="How often the outbox's pending/dead/blocked gauges are read from the table.",
+    )
+    cloudevents: bool = Field(
+        default=False,
+        description=(
+            "Add CloudEvents binary-mode headers (ce_id = event id, ce_source, ce_type, "
+            "ce_specversion, ce_time, content-type); a row's own ce_* headers win."
+        ),
+    )
+    cloudevents_source: str = Field(
+        default="outbox-dispatcher", min_length=1, description="ce_source when the row has none."
+    )
+    cloudevents_type: str = Field(
+        default="outbox.event", min_length=1, description="ce_type when the row has none."
+    )
+    cloudevents_content_type: str = Field(
+        default="application/json",
+        min_length=1,
+        description="content-type when the row has none.",
+    )
+    tracing: bool = Field(
+        default=False,
+        description=(
+            "Record an OpenTelemetry producer span per record, linked to the row's traceparent "
+            "(needs the 'otel' extra and an OTEL_* configured SDK)."
         ),
     )
 

@@ -17,6 +17,9 @@
 #
 # Environment:
 #   OUTBOX_KAFKA_AUTO_CREATE=true|false  broker auto.create.topics.enable (default true)
+#   OUTBOX_SERVICES_PG_PORT, OUTBOX_SERVICES_KAFKA_PORT, OUTBOX_SERVICES_KAFKA_CONTROLLER_PORT
+#                                        ports (defaults 5432, 9092, 9093): a second clone can
+#                                        run its own services beside the first
 #
 # State lives in <repo>/.services/ (git-ignored):
 #   .services/pg/data         PostgreSQL data directory (server log in data/log/)
@@ -46,7 +49,7 @@ STATE_DIR="$REPO_ROOT/.services"
 REPO_HASH=$(printf '%s' "$REPO_ROOT" | sha256sum | cut -c1-12)
 
 PG_HOST=127.0.0.1
-PG_PORT=5432
+PG_PORT=${OUTBOX_SERVICES_PG_PORT:-5432}
 PG_APP_USER=outbox
 PG_APP_PASSWORD=outbox
 PG_APP_DB=outbox
@@ -54,8 +57,8 @@ PG_FALLBACK_ROOT=/var/lib/outbox-dispatcher-services
 PG_IN_REPO="$STATE_DIR/pg"
 
 KAFKA_HOST=127.0.0.1
-KAFKA_PORT=9092
-KAFKA_CONTROLLER_PORT=9093
+KAFKA_PORT=${OUTBOX_SERVICES_KAFKA_PORT:-9092}
+KAFKA_CONTROLLER_PORT=${OUTBOX_SERVICES_KAFKA_CONTROLLER_PORT:-9093}
 KAFKA_POM="$SCRIPT_DIR/kafka/pom.xml"
 KAFKA_LOG4J="$SCRIPT_DIR/kafka/log4j2.properties"
 KAFKA_DIR="$STATE_DIR/kafka"
