@@ -11,6 +11,10 @@
 #   kafka-start  | kafka-stop   only Kafka (tests use these to simulate an outage;
 #                               kafka-start never reformats existing storage)
 #   env          print the environment variables a test run needs
+#   pgbouncer-start | pgbouncer-stop   only PgBouncer (transaction pooling in front of
+#                               our PostgreSQL; `start` and `stop` include it)
+#   pgbouncer-start | pgbouncer-stop   only PgBouncer (transaction pooling in front of
+#                               our PostgreSQL; `start` and `stop` include it)
 #
 # Every command is idempotent. Designed for a fresh Debian 12 machine, run as root
 # (CI: from a fresh clone in any folder); no Docker involved.
@@ -20,6 +24,22 @@
 #   OUTBOX_SERVICES_PG_PORT, OUTBOX_SERVICES_KAFKA_PORT, OUTBOX_SERVICES_KAFKA_CONTROLLER_PORT
 #                                        ports (defaults 5432, 9092, 9093): a second clone can
 #                                        run its own services beside the first
+#   OUTBOX_SERVICES_PGBOUNCER_PORT       PgBouncer's port (default 6432)
+#   OUTBOX_SERVICES_KAFKA_PROXIED_PORT, OUTBOX_SERVICES_KAFKA_PROXY_PORT
+#                                        a second broker listener on PROXIED_PORT that
+#                                        advertises 127.0.0.1:PROXY_PORT, where network-fault
+#                                        tests run their proxy, so that every connection of a
+#                                        client bootstrapped there goes through the proxy
+#                                        (defaults KAFKA_PORT+10002 and +10003; PROXY_PORT=0
+#                                        turns the listener off)
+#   OUTBOX_SERVICES_PGBOUNCER_PORT       PgBouncer's port (default 6432)
+#   OUTBOX_SERVICES_KAFKA_PROXIED_PORT, OUTBOX_SERVICES_KAFKA_PROXY_PORT
+#                                        a second broker listener on PROXIED_PORT that
+#                                        advertises 127.0.0.1:PROXY_PORT, where network-fault
+#                                        tests run their proxy, so that every connection of a
+#                                        client bootstrapped there goes through the proxy
+#                                        (defaults KAFKA_PORT+10002 and +10003; PROXY_PORT=0
+#                                        turns the listener off)
 #
 # State lives in <repo>/.services/ (git-ignored):
 #   .services/pg/data         PostgreSQL data directory (server log in data/log/)
@@ -27,6 +47,8 @@
 #   .services/kafka/libs      broker jars fetched by Maven from deploy/local/kafka/pom.xml
 #   .services/kafka/data      Kafka log.dirs (KRaft metadata included)
 #   .services/kafka/logs      broker log (kafka.log, previous run in kafka.log.1)
+#   .services/pgbouncer       PgBouncer's config, auth file, log and pid file
+#   .services/pgbouncer       PgBouncer's config, auth file, log and pid file
 # If the postgres system user cannot reach <repo> (e.g. a clone under /root or in
 # a 0700 temp dir), the PostgreSQL files live in
 #   /var/lib/outbox-dispatcher-services/<hash of repo path>/pg/
@@ -59,6 +81,8 @@ PG_IN_REPO="$STATE_DIR/pg"
 KAFKA_HOST=127.0.0.1
 KAFKA_PORT=${OUTBOX_SERVICES_KAFKA_PORT:-9092}
 KAFKA_CONTROLLER_PORT=${OUTBOX_SERVICES_KAFKA_CONTROLLER_PORT:-9093}
+KAFKA_PROXIED_PORT=${OUTBOX_SERVICES_KAFKA_PROXIED_PORT:-$((KAFKA_PORT + 10002))}
+KAFKA_PROXY_PORT=${OUTBOX_SERVICES_KAFKA_PROXY_PORT:-$((KAFKA_PORT + 10003))}
 KAFKA_POM="$SCRIPT_DIR/kafka/pom.xml"
 KAFKA_LOG4J="$SCRIPT_DIR/kafka/log4j2.properties"
 KAFKA_DIR="$STATE_DIR/kafka"
@@ -491,6 +515,11 @@ kafka_auto_create_setting() {
   esac
 }
 
+# The PROXIED listener (see header): listens on one port, advertises the fault proxy's.
+kafka_proxied_listener() {
+  [[ $KAFKA_PROXY_PORT == 0 ]] || printf ',PROXIED://%s:%s' "$KAFKA_HOST" "$1"
+}
+
 kafka_write_props() {
   local auto_create=$1
   # Rewritten on every start so env changes (auto-create) take effect; the
@@ -503,10 +532,10 @@ node.id=1
 # Kafka 4.x dynamic quorum; the storage is formatted with --standalone.
 controller.quorum.bootstrap.servers=$KAFKA_HOST:$KAFKA_CONTROLLER_PORT
 controller.listener.names=CONTROLLER
-listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT,CONTROLLER://$KAFKA_HOST:$KAFKA_CONTROLLER_PORT
-advertised.listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT,CONTROLLER://$KAFKA_HOST:$KAFKA_CONTROLLER_PORT
+listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT,CONTROLLER://$KAFKA_HOST:$KAFKA_CONTROLLER_PORT$(kafka_proxied_listener "$KAFKA_PROXIED_PORT")
+advertised.listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT,CONTROLLER://$KAFKA_HOST:$KAFKA_CONTROLLER_PORT$(kafka_proxied_listener "$KAFKA_PROXY_PORT")
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,PROXIED:PLAINTEXT
 
 log.dirs=$KAFKA_DATA
 num.partitions=3
@@ -643,12 +672,117 @@ kafka_status() {
 }
 
 # ---------------------------------------------------------------------------
+# PgBouncer (transaction pooling in front of our PostgreSQL)
+# ---------------------------------------------------------------------------
+# Debian's package; its own system service (if any) is left alone: ours runs on
+# its own port from .services/pgbouncer/, as the cluster owner (PgBouncer refuses
+# to run as root). A wildcard database entry forwards every database name,
+# including the per-test databases the test suite creates on the direct server.
+PGB_PORT=${OUTBOX_SERVICES_PGBOUNCER_PORT:-6432}
+PGB_IN_REPO="$STATE_DIR/pgbouncer"
+
+pgb_resolve_dir() {
+  PGB_DIR=$PGB_IN_REPO
+  if [[ -L $PGB_IN_REPO ]] || ! { mkdir -p "$PGB_IN_REPO" && chmod 0755 "$STATE_DIR" && as_pg test -x "$PGB_IN_REPO"; }; then
+    # Same reason as PostgreSQL's fallback: the cluster owner cannot reach the repo.
+    PGB_DIR="$PG_FALLBACK_ROOT/$REPO_HASH/pgbouncer"
+    mkdir -p "$PGB_DIR"
+    [[ -L $PGB_IN_REPO ]] || { rmdir "$PGB_IN_REPO" 2>/dev/null || true; ln -sfn "$PGB_DIR" "$PGB_IN_REPO"; }
+  fi
+  PGB_PIDFILE="$PGB_DIR/pgbouncer.pid"
+}
+
+pgb_pid() {
+  local pid
+  [[ -f ${PGB_PIDFILE:-} ]] || return 1
+  pid=$(<"$PGB_PIDFILE")
+  pid_alive "$pid" && [[ $(pid_comm "$pid") == pgbouncer ]] && echo "$pid"
+}
+
+pgb_write_config() {
+  # ignore_startup_parameters: session settings the dispatcher sends at connect time. A
+  # transaction pooler cannot keep them per client, so it drops them; where they matter set
+  # them per role instead (ALTER ROLE ... SET synchronous_commit = off).
+  cat >"$PGB_DIR/pgbouncer.ini" <<EOF
+; Generated by deploy/local/services.sh on every pgbouncer-start; edit the script, not this file.
+[databases]
+* = host=$PG_HOST port=$PG_PORT
+
+[pgbouncer]
+listen_addr = $PG_HOST
+listen_port = $PGB_PORT
+unix_socket_dir =
+pool_mode = transaction
+auth_type = scram-sha-256
+auth_file = $PGB_DIR/userlist.txt
+max_client_conn = 1000
+default_pool_size = 20
+ignore_startup_parameters = extra_float_digits,synchronous_commit,idle_in_transaction_session_timeout
+logfile = $PGB_DIR/pgbouncer.log
+pidfile = $PGB_PIDFILE
+EOF
+  printf '"%s" "%s"\n' "$PG_APP_USER" "$PG_APP_PASSWORD" >"$PGB_DIR/userlist.txt"
+  chmod 0600 "$PGB_DIR/userlist.txt" "$PGB_DIR/pgbouncer.ini"
+  if is_root; then chown "$PG_OS_USER:" "$PGB_DIR" "$PGB_DIR/userlist.txt" "$PGB_DIR/pgbouncer.ini"; fi
+}
+
+pgbouncer_start() {
+  command -v pgbouncer >/dev/null || apt_install pgbouncer
+  pgb_resolve_dir
+  local pid
+  if pid=$(pgb_pid); then
+    log "PgBouncer already running (pid $pid)"
+    return 0
+  fi
+  if port_open "$PG_HOST" "$PGB_PORT"; then
+    die "port $PG_HOST:$PGB_PORT is in use by another process (not our PgBouncer); set OUTBOX_SERVICES_PGBOUNCER_PORT"
+  fi
+  pgb_write_config
+  log "starting PgBouncer on $PG_HOST:$PGB_PORT (transaction pooling; log $PGB_DIR/pgbouncer.log)"
+  as_pg_detached pgbouncer -d "$PGB_DIR/pgbouncer.ini" \
+    || die "PgBouncer failed to start; see $PGB_DIR/pgbouncer.log"
+  local deadline=$((SECONDS + 30))
+  until port_open "$PG_HOST" "$PGB_PORT"; do
+    (( SECONDS < deadline )) || die "PgBouncer not listening after 30 s; see $PGB_DIR/pgbouncer.log"
+    sleep 0.2
+  done
+  log "PgBouncer ready on $PG_HOST:$PGB_PORT"
+}
+
+pgbouncer_stop() {
+  pgb_resolve_dir
+  local pid
+  if ! pid=$(pgb_pid); then
+    log "PgBouncer not running"
+    return 0
+  fi
+  log "stopping PgBouncer (pid $pid)"
+  kill -INT "$pid" 2>/dev/null || true
+  local _
+  for _ in {1..100}; do pid_alive "$pid" || break; sleep 0.1; done
+  if pid_alive "$pid"; then kill -KILL "$pid" 2>/dev/null || true; fi
+}
+
+pgbouncer_status() {
+  pgb_resolve_dir
+  local pid
+  if pid=$(pgb_pid) && port_open "$PG_HOST" "$PGB_PORT"; then
+    printf 'pgbouncer:  up   (pid %s, %s:%s)\n' "$pid" "$PG_HOST" "$PGB_PORT" >&3
+    return 0
+  fi
+  printf 'pgbouncer:  down\n' >&3
+  return 1
+}
+
+# ---------------------------------------------------------------------------
 # Commands
 # ---------------------------------------------------------------------------
 print_env() {
   printf 'OUTBOX_DATABASE_URL=postgresql://%s:%s@%s:%s/%s\n' \
     "$PG_APP_USER" "$PG_APP_PASSWORD" "$PG_HOST" "$PG_PORT" "$PG_APP_DB" >&3
   printf 'OUTBOX_KAFKA_BOOTSTRAP_SERVERS=%s:%s\n' "$KAFKA_HOST" "$KAFKA_PORT" >&3
+  printf 'OUTBOX_PGBOUNCER_DATABASE_URL=postgresql://%s:%s@%s:%s/%s\n' \
+    "$PG_APP_USER" "$PG_APP_PASSWORD" "$PG_HOST" "$PGB_PORT" "$PG_APP_DB" >&3
 }
 
 usage() {
@@ -658,9 +792,11 @@ usage() {
 main() {
   local cmd=${1:-}
   case $cmd in
-    start)       take_lock; pg_start; kafka_start; print_env ;;
-    stop)        take_lock; kafka_stop; pg_stop ;;
-    status)      local rc=0; pg_status || rc=1; kafka_status || rc=1; exit $rc ;;
+    start)       take_lock; pg_start; kafka_start; pgbouncer_start; print_env ;;
+    stop)        take_lock; pgbouncer_stop; kafka_stop; pg_stop ;;
+    status)      local rc=0; pg_status || rc=1; kafka_status || rc=1; pgbouncer_status || rc=1; exit $rc ;;
+    pgbouncer-start) take_lock; pgbouncer_start ;;
+    pgbouncer-stop)  take_lock; pgbouncer_stop ;;
     pg-start)    take_lock; pg_start ;;
     pg-stop)     take_lock; pg_stop ;;
     kafka-start) take_lock; kafka_start ;;
