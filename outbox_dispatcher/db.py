@@ -78,6 +78,14 @@ def translate(exc: BaseException) -> errors.OutboxDispatcherError | None:
         return errors.ConfigurationError(
             f"PostgreSQL rejected the credentials in OUTBOX_DATABASE_URL: {exc}"
         )
+    if isinstance(exc, asyncpg.ProtocolViolationError) and "startup parameter" in str(exc):
+        return errors.ConfigurationError(
+            f"a connection pooler refused the dispatcher's session settings ({exc}): with "
+            "PgBouncer add 'ignore_startup_parameters = extra_float_digits,synchronous_commit,"
+            "idle_in_transaction_session_timeout' to pgbouncer.ini (a transaction pooler cannot "
+            "keep session settings; set them per role with ALTER ROLE ... SET if they matter) "
+            "and OUTBOX_STATEMENT_CACHE_SIZE=0"
+        )
     if isinstance(exc, asyncpg.InvalidCatalogNameError):
         return errors.ConfigurationError(
             f"the database named in OUTBOX_DATABASE_URL does not exist: {exc}"
