@@ -7,7 +7,12 @@ import os
 from outbox_dispatcher import logs
 
 for _name in list(os.environ):
-    if _name.startswith("OUTBOX_") and not _name.startswith("OUTBOX_TEST_"):
+    # OUTBOX_CHAOS=full selects the long versions of the chaos tests; it configures the suite.
+    if (
+        _name.startswith("OUTBOX_")
+        and not _name.startswith("OUTBOX_TEST_")
+        and _name != "OUTBOX_CHAOS"
+    ):
         del os.environ[_name]
 
 logs.configure("console", "INFO")
