@@ -726,6 +726,22 @@ EOF
   if is_root; then chown "$PG_OS_USER:" "$PGB_DIR" "$PGB_DIR/userlist.txt" "$PGB_DIR/pgbouncer.ini"; fi
 }
 
+# Debian's package may start its own service on 6432 (systemd, or the init script). Like
+# Debian's PostgreSQL cluster, it would take our port: stop it and keep it from starting.
+pgb_disable_debian_service() {
+  is_root || return 0
+  port_open "$PG_HOST" "$PGB_PORT" || return 0
+  if command -v systemctl >/dev/null && systemctl is-active --quiet pgbouncer.socket pgbouncer.service 2>/dev/null; then
+    log "stopping and disabling Debian's pgbouncer service (it occupies port $PGB_PORT)"
+    systemctl disable --now pgbouncer.socket pgbouncer.service >/dev/null 2>&1 || true
+  elif [[ -x /etc/init.d/pgbouncer && -f /var/run/postgresql/pgbouncer.pid ]]; then
+    log "stopping Debian's pgbouncer service (it occupies port $PGB_PORT)"
+    /etc/init.d/pgbouncer stop >/dev/null 2>&1 || true
+  fi
+  local _
+  for _ in {1..50}; do port_open "$PG_HOST" "$PGB_PORT" || break; sleep 0.1; done
+}
+
 pgbouncer_start() {
   command -v pgbouncer >/dev/null || apt_install pgbouncer
   pgb_resolve_dir
@@ -734,6 +750,7 @@ pgbouncer_start() {
     log "PgBouncer already running (pid $pid)"
     return 0
   fi
+  pgb_disable_debian_service
   if port_open "$PG_HOST" "$PGB_PORT"; then
     die "port $PG_HOST:$PGB_PORT is in use by another process (not our PgBouncer); set OUTBOX_SERVICES_PGBOUNCER_PORT"
   fi

@@ -35,6 +35,7 @@ from .helpers import (
     wait_started,
     wait_until,
 )
+from .test_visibility import late_lower_id
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -221,3 +222,22 @@ async def test_crashes_kill_9_and_restart_under_write_load_through_pgbouncer(
         f"flight at the kills {in_flight_at_kills}, reclaimed {reclaimed}, duplicates "
         f"{verdict.duplicates}, lost 0, reordered 0"
     )
+
+
+async def test_visibility_gap_through_pgbouncer(
+    conn: asyncpg.Connection,
+    database_url: str,
+    pgbouncer_url: str,
+    topic: str,
+    make_settings: Any,
+    services: Any,
+) -> None:
+    """T1 (id n) open while T2 (n+1) commits and is published, then T1 commits: the documented
+    order (n+1, n, n+2), nothing lost, no prepared-statement or advisory-lock errors."""
+    settings = make_settings(
+        database_url=pgbouncer_url,
+        listen_database_url=database_url,
+        statement_cache_size=0,
+        http_port=0,
+    )
+    await late_lower_id(conn, database_url, services, topic, settings)

@@ -17,6 +17,8 @@ import asyncpg
 import orjson
 import pytest
 
+from outbox_dispatcher.settings import Settings
+
 from .helpers import (
     Services,
     check,
@@ -54,10 +56,21 @@ async def test_a_lower_id_that_commits_late_is_published_after_higher_ids_never_
     topic: str,
     make_settings: Any,
 ) -> None:
+    await late_lower_id(conn, database_url, services, topic, make_settings(http_port=0))
+
+
+async def late_lower_id(
+    conn: asyncpg.Connection,
+    database_url: str,
+    services: Services,
+    topic: str,
+    settings: Settings,
+) -> None:
+    """The scenario, for any dispatcher settings (test_pgbouncer runs it through PgBouncer)."""
     t1 = await asyncpg.connect(database_url)
     t2 = await asyncpg.connect(database_url)
     try:
-        async with running(make_settings(http_port=0)):
+        async with running(settings):
             # T1 takes id n and stays open; T2 takes n+1 and commits.
             tx1 = t1.transaction()
             await tx1.start()
