@@ -12,10 +12,11 @@ touching the service other tests use. Faults:
   middlebox that lost its state); untouched ones carry on.
 * ``stall()``: like a blackhole for the client (a hang, no reset), but nothing is lost: bytes
   wait in the proxy and are delivered, in order, on ``restore()``, like a partition that heals
-  while TCP keeps retransmitting. ``stall_on(pattern)`` stalls the proxy the moment a chunk from
-  the client contains `pattern` (that chunk is held too): a fault aimed at one statement, e.g.
-  the dispatcher's mark. Patterns are matched within one read, which suits protocol messages
-  far smaller than CHUNK.
+  while TCP keeps retransmitting.
+* ``fault_on(pattern)``: stall (or, with drop=True, blackhole) the proxy the moment a chunk from
+  the client contains `pattern`; that chunk is held (or dropped) too. A fault aimed at one
+  statement, e.g. the dispatcher's mark. Patterns are matched within one read, which suits
+  protocol messages far smaller than CHUNK.
 * ``delay(seconds)``: each chunk waits that long before it is forwarded (0 turns it off).
 """
 
@@ -72,8 +73,9 @@ class FaultProxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self._restored = asyncio.Event()
         self._restored.set()
-        self._stall_pattern: bytes | None = None
-        self.stalled = asyncio.Event()  # set when a stall began (stall() or stall_on's pattern)
+        self._pattern: bytes | None = None
+        self._pattern_drops = False
+        self.tripped = asyncio.Event()  # set when fault_on's pattern went by
         # Counters a test can assert on (e.g. "the client really talked through the proxy").
         self.accepted = 0
         self.forwarded_bytes = 0
@@ -129,11 +131,12 @@ class FaultProxy:
         """Hold every byte, both ways, until restore() delivers them."""
         self.mode = Mode.STALL
         self._restored.clear()
-        self.stalled.set()
 
-    def stall_on(self, pattern: bytes | None) -> None:
-        """Stall as soon as the client sends `pattern` (None disarms)."""
-        self._stall_pattern = pattern
+    def fault_on(self, pattern: bytes | None, *, drop: bool = False) -> None:
+        """Stall (drop=False) or blackhole (drop=True) as soon as the client sends `pattern`;
+        None disarms. Fires once."""
+        self._pattern = pattern
+        self._pattern_drops = drop
 
     def delay(self, seconds: float) -> None:
         self._delay = seconds
@@ -146,7 +149,7 @@ class FaultProxy:
             if link.tainted:
                 link.abort()
         self.mode = Mode.FORWARD
-        self.stalled.clear()
+        self.tripped.clear()
         self._restored.set()
 
     async def _close_listener(self) -> None:
@@ -208,9 +211,13 @@ class FaultProxy:
     ) -> None:
         with contextlib.suppress(OSError, ConnectionError):
             while data := await reader.read(CHUNK):
-                if from_client and self._stall_pattern and self._stall_pattern in data:
-                    self._stall_pattern = None
-                    self.stall()
+                if from_client and self._pattern and self._pattern in data:
+                    self._pattern = None
+                    if self._pattern_drops:
+                        self.blackhole()
+                    else:
+                        self.stall()
+                    self.tripped.set()
                 if self.mode is Mode.STALL:
                     await self._restored.wait()
                 if self.mode is Mode.BLACKHOLE:

@@ -189,7 +189,9 @@ async def test_kafka_cut_longer_than_a_lease_under_load_loses_and_reorders_nothi
     )
 
 
-async def test_database_stalled_while_marking_lets_another_dispatcher_take_over_fenced(
+@pytest.mark.parametrize("fault", ["stall", "blackhole"])
+async def test_database_cut_while_marking_lets_another_dispatcher_take_over_fenced(
+    fault: str,
     conn: asyncpg.Connection,
     database_url: str,
     services: Services,
@@ -197,16 +199,19 @@ async def test_database_stalled_while_marking_lets_another_dispatcher_take_over_
     make_settings: Any,
     tmp_path: Path,
 ) -> None:
-    """Dispatcher A reaches PostgreSQL through the proxy, which stalls the moment A sends its
+    """Dispatcher A reaches PostgreSQL through the proxy, which hangs the moment A sends its
     first mark (after the broker acknowledged the batch): the mark cannot land, A's leases
     cannot be extended and expire, dispatcher B (direct) takes the rows over and publishes them
-    again. On restore A's held mark reaches the server late, with A's old lease token: it must
-    change nothing."""
+    again. Then the proxy is restored.
+
+    stall: the held mark reaches the server late, with A's old lease token, and must change
+    nothing. blackhole: the mark's bytes were dropped; on restore A's connections are reset, A
+    gives the mark up (its lease is long gone) and changes nothing either."""
     await insert_sequenced(conn, topic, keys=10, per_key=20)
     a_port = urlsplit(database_url).port
     assert a_port is not None
     async with FaultProxy("127.0.0.1", a_port) as proxy:
-        proxy.stall_on(b"SET published_at = now(), lease_token = NULL")
+        proxy.fault_on(b"SET published_at = now(), lease_token = NULL", drop=fault == "blackhole")
         common: dict[str, Any] = {
             "lease_seconds": LEASE,
             "batch_size": 500,
@@ -220,8 +225,8 @@ async def test_database_stalled_while_marking_lets_another_dispatcher_take_over_
         log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
         processes = [spawn(settings_a, log_a)]
         try:
-            await asyncio.wait_for(proxy.stalled.wait(), 60)
-            stalled_at = time.monotonic()
+            await asyncio.wait_for(proxy.tripped.wait(), 60)
+            faulted_at = time.monotonic()
             # A published every row (its batch took them all) and is stuck marking.
             assert await count(conn, "published_at IS NOT NULL") == 0
             batch_a = await count(conn, "lease_token IS NOT NULL")
@@ -230,7 +235,7 @@ async def test_database_stalled_while_marking_lets_another_dispatcher_take_over_
             processes.append(spawn(settings_b, log_b))
             await wait_started([log_b])
             await wait_all_settled(conn, 60)
-            takeover = time.monotonic() - stalled_at
+            takeover = time.monotonic() - faulted_at
             before = await conn.fetch(
                 "SELECT id, published_at, lease_owner, lease_token, attempts FROM outbox "
                 "ORDER BY id"
@@ -248,16 +253,19 @@ async def test_database_stalled_while_marking_lets_another_dispatcher_take_over_
                 "SELECT id, published_at, lease_owner, lease_token, attempts FROM outbox "
                 "ORDER BY id"
             )
-            # A keeps working after the restore.
+            # Both keep running after the restore; later rows go out as usual.
             await insert_sequenced(conn, topic, keys=10, per_key=5, first_seq=20)
             await wait_all_settled(conn, 60)
         finally:
             # Off the event loop: A's shutdown needs the proxy, which runs on this loop.
             codes = await asyncio.to_thread(_stop, processes)
     assert codes == [0, 0], (log_a.read_text()[-3000:], log_b.read_text()[-3000:])
-    assert not _events(log_a, "settle_failed"), "the late mark must reach the server"
-    lost = _events(log_a, "lease_lost")
-    assert [e["rows"] for e in lost] == [batch_a], "the stale mark changed 0 of its rows"
+    if fault == "stall":
+        assert not _events(log_a, "settle_failed"), "the late mark must reach the server"
+        lost = _events(log_a, "lease_lost")
+        assert [e["rows"] for e in lost] == [batch_a], "the stale mark changed 0 of its rows"
+    else:
+        assert [e["rows"] for e in _events(log_a, "settle_failed")] == [batch_a]
     assert [dict(r) for r in after] == [dict(r) for r in before], "nothing changed by A's mark"
     assert await count(conn, "dead_at IS NOT NULL") == 0
     verdict = check(
@@ -268,7 +276,7 @@ async def test_database_stalled_while_marking_lets_another_dispatcher_take_over_
     assert verdict.delivered == 250
     assert 0 < verdict.duplicates <= batch_a
     print(
-        f"\npostgres stalled while marking: A's batch {batch_a} rows, B took over "
-        f"{takeover:.1f}s after the stall (lease {LEASE:.0f}s), A's late mark settled 0 rows, "
+        f"\npostgres {fault} while marking: A's batch {batch_a} rows, B took over "
+        f"{takeover:.1f}s after the fault (lease {LEASE:.0f}s), A's mark settled 0 rows, "
         f"duplicates {verdict.duplicates} (all with their event id), lost 0, reordered 0"
     )

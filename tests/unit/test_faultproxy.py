@@ -137,16 +137,29 @@ async def test_stall_hangs_then_delivers_everything_in_order(proxy: FaultProxy) 
     await _close(writer)
 
 
-async def test_stall_on_a_pattern_holds_that_chunk_and_later_ones(proxy: FaultProxy) -> None:
+async def test_fault_on_a_pattern_stalls_that_chunk_and_later_ones(proxy: FaultProxy) -> None:
     reader, writer = await _open(proxy)
-    proxy.stall_on(b"MARK")
+    proxy.fault_on(b"MARK")
     assert await _roundtrip(reader, writer, b"claim") == b"claim"
-    assert not proxy.stalled.is_set()
+    assert not proxy.tripped.is_set()
     writer.write(b"MARK 1")
-    await asyncio.wait_for(proxy.stalled.wait(), 2)
+    await asyncio.wait_for(proxy.tripped.wait(), 2)
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(reader.read(10), 0.4)
     await proxy.restore()
     assert await asyncio.wait_for(reader.readexactly(6), 2) == b"MARK 1"
     assert await _roundtrip(reader, writer, b"MARK 2") == b"MARK 2"  # disarmed after one
+    await _close(writer)
+
+
+async def test_fault_on_a_pattern_with_drop_blackholes_from_that_chunk(proxy: FaultProxy) -> None:
+    reader, writer = await _open(proxy)
+    proxy.fault_on(b"MARK", drop=True)
+    writer.write(b"MARK 1")
+    await asyncio.wait_for(proxy.tripped.wait(), 2)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(reader.read(10), 0.4)
+    assert proxy.dropped_bytes == 6
+    await proxy.restore()  # the stream lost bytes: aborted, never delivered
+    assert await asyncio.wait_for(reader.read(10), 2) == b""
     await _close(writer)
