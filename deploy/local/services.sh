@@ -2,17 +2,16 @@
 # Local backing services for outbox-dispatcher development and CI:
 #   * PostgreSQL (our own cluster, 127.0.0.1:5432, role/database "outbox")
 #   * Kafka 4.x, single KRaft node (broker+controller), 127.0.0.1:9092
+#   * PgBouncer (transaction pooling in front of that PostgreSQL), 127.0.0.1:6432
 #
 # Usage: deploy/local/services.sh COMMAND
-#   start        start PostgreSQL and Kafka (installing/fetching what is missing)
-#   stop         stop Kafka, then PostgreSQL
-#   status       report whether each service is up (exit 0 only if both are)
+#   start        start PostgreSQL, Kafka and PgBouncer (installing/fetching what is missing)
+#   stop         stop PgBouncer, Kafka, then PostgreSQL
+#   status       report whether each service is up (exit 0 only if all are)
 #   pg-start     | pg-stop      only PostgreSQL
 #   kafka-start  | kafka-stop   only Kafka (tests use these to simulate an outage;
 #                               kafka-start never reformats existing storage)
 #   env          print the environment variables a test run needs
-#   pgbouncer-start | pgbouncer-stop   only PgBouncer (transaction pooling in front of
-#                               our PostgreSQL; `start` and `stop` include it)
 #   pgbouncer-start | pgbouncer-stop   only PgBouncer (transaction pooling in front of
 #                               our PostgreSQL; `start` and `stop` include it)
 #
@@ -32,14 +31,6 @@
 #                                        client bootstrapped there goes through the proxy
 #                                        (defaults KAFKA_PORT+10002 and +10003; PROXY_PORT=0
 #                                        turns the listener off)
-#   OUTBOX_SERVICES_PGBOUNCER_PORT       PgBouncer's port (default 6432)
-#   OUTBOX_SERVICES_KAFKA_PROXIED_PORT, OUTBOX_SERVICES_KAFKA_PROXY_PORT
-#                                        a second broker listener on PROXIED_PORT that
-#                                        advertises 127.0.0.1:PROXY_PORT, where network-fault
-#                                        tests run their proxy, so that every connection of a
-#                                        client bootstrapped there goes through the proxy
-#                                        (defaults KAFKA_PORT+10002 and +10003; PROXY_PORT=0
-#                                        turns the listener off)
 #
 # State lives in <repo>/.services/ (git-ignored):
 #   .services/pg/data         PostgreSQL data directory (server log in data/log/)
@@ -47,7 +38,6 @@
 #   .services/kafka/libs      broker jars fetched by Maven from deploy/local/kafka/pom.xml
 #   .services/kafka/data      Kafka log.dirs (KRaft metadata included)
 #   .services/kafka/logs      broker log (kafka.log, previous run in kafka.log.1)
-#   .services/pgbouncer       PgBouncer's config, auth file, log and pid file
 #   .services/pgbouncer       PgBouncer's config, auth file, log and pid file
 # If the postgres system user cannot reach <repo> (e.g. a clone under /root or in
 # a 0700 temp dir), the PostgreSQL files live in
