@@ -125,6 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"outbox-dispatcher: {_explain(exc)}", file=sys.stderr)  # noqa: T201
         return EXIT_CONFIG
+    except errors.ConfigurationError as exc:  # an unreadable *_FILE or OUTBOX_SECRETS_DIR
+        print(f"outbox-dispatcher: {exc}", file=sys.stderr)  # noqa: T201
+        return EXIT_CONFIG
     logs.configure(settings.log_format, settings.log_level)
     command: Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]] = {
         "run": _run,

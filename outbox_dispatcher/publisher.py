@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import structlog
 from aiokafka import AIOKafkaProducer
 from aiokafka import errors as kafka_errors
-from aiokafka.helpers import create_ssl_context
+from aiokafka.conn import create_conn
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.models import OutboxRecord
@@ -53,11 +53,8 @@ class KafkaPublisher:
         self._router = Router(settings.default_topic, settings.topic_template)
         self._producer: AIOKafkaProducer | None = None
 
-    def _build(self) -> AIOKafkaProducer:
+    def _build(self, context: ssl.SSLContext | None) -> AIOKafkaProducer:
         s = self._settings
-        ssl_context: ssl.SSLContext | None = None
-        if s.kafka_security_protocol in ("SSL", "SASL_SSL"):
-            ssl_context = create_ssl_context(cafile=s.kafka_ssl_cafile)
         return AIOKafkaProducer(
             bootstrap_servers=s.kafka_bootstrap_servers.split(","),
             client_id=s.kafka_client_id,
@@ -69,7 +66,7 @@ class KafkaPublisher:
             compression_type=None if s.kafka_compression == "none" else s.kafka_compression,
             request_timeout_ms=int(s.publish_timeout_seconds * 1000),
             security_protocol=s.kafka_security_protocol,
-            ssl_context=ssl_context,
+            ssl_context=context,
             sasl_mechanism=s.kafka_sasl_mechanism or "PLAIN",
             sasl_plain_username=s.kafka_sasl_username,
             sasl_plain_password=(
@@ -85,7 +82,11 @@ class KafkaPublisher:
         return self._producer
 
     async def start(self) -> None:
-        producer = self._build()
+        context = ssl_context(self._settings)
+        problem = await diagnose(self._settings, context)
+        if problem is not None:
+            raise problem
+        producer = self._build(context)
         try:
             await producer.start()
         except (
@@ -93,8 +94,7 @@ class KafkaPublisher:
             kafka_errors.AuthenticationFailedError,
         ) as exc:
             await producer.stop()
-            msg = f"Kafka rejected the credentials (OUTBOX_KAFKA_SASL_*): {exc}"
-            raise errors.ConfigurationError(msg) from exc
+            raise errors.ConfigurationError(_SASL_REJECTED.format(errors.describe(exc))) from exc
         except (kafka_errors.KafkaError, OSError) as exc:
             await producer.stop()
             msg = (
@@ -231,6 +231,132 @@ class KafkaPublisher:
                 )
             log.warning("broker_unreachable_waiting", unacknowledged=len(pending))
         return self.outcomes(sent, NotAttempted())
+
+
+_SASL_REJECTED = (
+    "Kafka rejected the SASL credentials ({}): check OUTBOX_KAFKA_SASL_USERNAME, "
+    "OUTBOX_KAFKA_SASL_PASSWORD and OUTBOX_KAFKA_SASL_MECHANISM"
+)
+
+
+def ssl_context(settings: Settings) -> ssl.SSLContext | None:
+    """The TLS context for SSL and SASL_SSL: the broker verified against kafka_ssl_cafile (the
+    system CAs without it), a client certificate when one is configured."""
+    s = settings
+    if s.kafka_security_protocol not in ("SSL", "SASL_SSL"):
+        return None
+    try:
+        context = ssl.create_default_context(cafile=s.kafka_ssl_cafile)
+    except (OSError, ssl.SSLError) as exc:
+        msg = (
+            f"cannot load the CA file OUTBOX_KAFKA_SSL_CAFILE={s.kafka_ssl_cafile!r} "
+            f"({errors.describe(exc)}): give a readable PEM bundle"
+        )
+        raise errors.ConfigurationError(msg) from exc
+    context.check_hostname = s.kafka_ssl_check_hostname
+    if s.kafka_ssl_certfile:
+        key_password = s.kafka_ssl_key_password
+        try:
+            # Never let OpenSSL prompt on a terminal for a missing key password.
+            context.load_cert_chain(
+                s.kafka_ssl_certfile,
+                s.kafka_ssl_keyfile,
+                password=key_password.get_secret_value() if key_password else _no_password,
+            )
+        except (OSError, ssl.SSLError) as exc:
+            msg = (
+                f"cannot load the client certificate OUTBOX_KAFKA_SSL_CERTFILE="
+                f"{s.kafka_ssl_certfile!r} with OUTBOX_KAFKA_SSL_KEYFILE={s.kafka_ssl_keyfile!r} "
+                f"({errors.describe(exc)}): check both files and OUTBOX_KAFKA_SSL_KEY_PASSWORD"
+            )
+            raise errors.ConfigurationError(msg) from exc
+    return context
+
+
+def _no_password() -> bytes:
+    return b""
+
+
+async def diagnose(
+    settings: Settings, context: ssl.SSLContext | None
+) -> errors.ConfigurationError | None:
+    """Connect once to the first bootstrap server the way the producer will, and turn a refused
+    login or certificate into one clear configuration error. The producer itself would only
+    report "Unable to bootstrap", which reads like an outage. Anything else (the broker is down)
+    is left to the producer's own start."""
+    s = settings
+    host, _, port = s.kafka_bootstrap_servers.split(",")[0].rpartition(":")
+    password = s.kafka_sasl_password.get_secret_value() if s.kafka_sasl_password else None
+    try:
+        async with asyncio.timeout(min(10.0, s.publish_timeout_seconds)):
+            conn = await create_conn(
+                host,
+                int(port),
+                client_id=s.kafka_client_id,
+                request_timeout_ms=int(s.publish_timeout_seconds * 1000),
+                ssl_context=context,
+                security_protocol=s.kafka_security_protocol,
+                sasl_mechanism=s.kafka_sasl_mechanism or "PLAIN",
+                sasl_plain_username=s.kafka_sasl_username,
+                sasl_plain_password=password,
+            )
+    except (kafka_errors.SaslAuthenticationFailed, kafka_errors.AuthenticationFailedError) as exc:
+        return errors.ConfigurationError(_SASL_REJECTED.format(errors.describe(exc)))
+    except kafka_errors.UnsupportedSaslMechanismError as exc:
+        return errors.ConfigurationError(
+            f"the broker does not accept OUTBOX_KAFKA_SASL_MECHANISM={s.kafka_sasl_mechanism} "
+            f"({errors.describe(exc)}): use one it enables"
+        )
+    except ssl.SSLCertVerificationError as exc:
+        return errors.ConfigurationError(_certificate_rejected(exc))
+    except ssl.SSLError as exc:
+        return errors.ConfigurationError(_tls_failed(exc))
+    except (kafka_errors.KafkaError, OSError, TimeoutError, ValueError):
+        if context is not None:
+            return await _diagnose_tls(host, int(port), context)
+        return None
+    conn.close()
+    return None
+
+
+async def _diagnose_tls(
+    host: str, port: int, context: ssl.SSLContext
+) -> errors.ConfigurationError | None:
+    """With TLS 1.3 a broker that wants a client certificate lets the handshake finish and then
+    closes the connection: read once to receive its alert."""
+    writer: asyncio.StreamWriter | None = None
+    try:
+        async with asyncio.timeout(5.0):
+            reader, writer = await asyncio.open_connection(host, port, ssl=context)
+            await reader.read(1)
+    except ssl.SSLCertVerificationError as exc:
+        return errors.ConfigurationError(_certificate_rejected(exc))
+    except ssl.SSLError as exc:
+        return errors.ConfigurationError(_tls_failed(exc))
+    except (OSError, TimeoutError):
+        return None
+    finally:
+        if writer is not None:
+            writer.close()
+    return None
+
+
+def _certificate_rejected(exc: ssl.SSLCertVerificationError) -> str:
+    return (
+        f"the Kafka broker's TLS certificate was not accepted ({exc.verify_message or exc}): "
+        "OUTBOX_KAFKA_SSL_CAFILE must name the CA that signed it, and the certificate must name "
+        "the host in OUTBOX_KAFKA_BOOTSTRAP_SERVERS (or set OUTBOX_KAFKA_SSL_CHECK_HOSTNAME=false)"
+    )
+
+
+def _tls_failed(exc: ssl.SSLError) -> str:
+    hint = (
+        "the broker wants a client certificate: set OUTBOX_KAFKA_SSL_CERTFILE and "
+        "OUTBOX_KAFKA_SSL_KEYFILE"
+        if "CERTIFICATE_REQUIRED" in str(exc).upper()
+        else "check OUTBOX_KAFKA_SECURITY_PROTOCOL and the OUTBOX_KAFKA_SSL_* settings"
+    )
+    return f"the TLS handshake with Kafka failed ({errors.describe(exc)}): {hint}"
 
 
 def _consume(future: asyncio.Future[object]) -> None:
