@@ -310,29 +310,42 @@ async def diagnose(
     except ssl.SSLCertVerificationError as exc:
         return errors.ConfigurationError(_certificate_rejected(exc))
     except ssl.SSLError as exc:
-        return errors.ConfigurationError(_tls_failed(exc))
+        return errors.ConfigurationError(_tls_failed(s, exc))
     except (kafka_errors.KafkaError, OSError, TimeoutError, ValueError):
         if context is not None:
-            return await _diagnose_tls(host, int(port), context)
+            return await _diagnose_tls(s, host, int(port), context)
         return None
     conn.close()
     return None
 
 
 async def _diagnose_tls(
-    host: str, port: int, context: ssl.SSLContext
+    settings: Settings, host: str, port: int, context: ssl.SSLContext
 ) -> errors.ConfigurationError | None:
-    """With TLS 1.3 a broker that wants a client certificate lets the handshake finish and then
-    closes the connection: read once to receive its alert."""
+    """What aiokafka reports as a closed connection. With TLS 1.3 a broker that refuses the
+    client's certificate (or its absence) lets the handshake finish and sends its alert after
+    the client's first bytes; a listener that does not speak TLS drops the handshake."""
     writer: asyncio.StreamWriter | None = None
+    handshake_done = False
     try:
         async with asyncio.timeout(5.0):
             reader, writer = await asyncio.open_connection(host, port, ssl=context)
+            handshake_done = True
+            writer.write(b"\x00\x00\x00\x00")  # an empty Kafka request: the broker closes
+            await writer.drain()
             await reader.read(1)
     except ssl.SSLCertVerificationError as exc:
         return errors.ConfigurationError(_certificate_rejected(exc))
     except ssl.SSLError as exc:
-        return errors.ConfigurationError(_tls_failed(exc))
+        return errors.ConfigurationError(_tls_failed(settings, exc))
+    except ConnectionResetError as exc:
+        if handshake_done:
+            return None
+        return errors.ConfigurationError(
+            f"{host}:{port} dropped the TLS handshake ({errors.describe(exc)}): it is probably "
+            "not a TLS listener; check OUTBOX_KAFKA_SECURITY_PROTOCOL and the port in "
+            "OUTBOX_KAFKA_BOOTSTRAP_SERVERS"
+        )
     except (OSError, TimeoutError):
         return None
     finally:
@@ -349,13 +362,20 @@ def _certificate_rejected(exc: ssl.SSLCertVerificationError) -> str:
     )
 
 
-def _tls_failed(exc: ssl.SSLError) -> str:
-    hint = (
-        "the broker wants a client certificate: set OUTBOX_KAFKA_SSL_CERTFILE and "
-        "OUTBOX_KAFKA_SSL_KEYFILE"
-        if "CERTIFICATE_REQUIRED" in str(exc).upper()
-        else "check OUTBOX_KAFKA_SECURITY_PROTOCOL and the OUTBOX_KAFKA_SSL_* settings"
-    )
+def _tls_failed(settings: Settings, exc: ssl.SSLError) -> str:
+    alert = str(exc).upper()
+    if "CERTIFICATE" in alert and not settings.kafka_ssl_certfile:
+        hint = (
+            "the broker wants a client certificate: set OUTBOX_KAFKA_SSL_CERTFILE and "
+            "OUTBOX_KAFKA_SSL_KEYFILE"
+        )
+    elif "CERTIFICATE" in alert:
+        hint = (
+            "the broker refused the client certificate OUTBOX_KAFKA_SSL_CERTFILE: it must be "
+            "signed by a CA the broker trusts"
+        )
+    else:
+        hint = "check OUTBOX_KAFKA_SECURITY_PROTOCOL and the OUTBOX_KAFKA_SSL_* settings"
     return f"the TLS handshake with Kafka failed ({errors.describe(exc)}): {hint}"
 
 
