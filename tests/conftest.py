@@ -7,7 +7,9 @@ import os
 from outbox_dispatcher import logs
 
 for _name in list(os.environ):
-    if _name.startswith("OUTBOX_") and not _name.startswith("OUTBOX_TEST_"):
+    # OUTBOX_SERVICES_* (the ports of deploy/local/services.sh) must reach the outage tests'
+    # kafka-stop/kafka-start, or those act on the default ports.
+    if _name.startswith("OUTBOX_") and not _name.startswith(("OUTBOX_TEST_", "OUTBOX_SERVICES_")):
         del os.environ[_name]
 
 logs.configure("console", "INFO")

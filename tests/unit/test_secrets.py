@@ -182,3 +182,32 @@ def test_no_secret_in_any_output_of_a_failing_cli(
     assert returncode == code, output
     assert expected in output
     assert SECRET not in output
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"kafka_security_protocol": "SASL_SSL"}, "needs OUTBOX_KAFKA_SASL_MECHANISM"),
+        ({"kafka_ssl_cafile": "/ca.crt"}, "OUTBOX_KAFKA_SSL_CAFILE set but"),
+        (
+            {"kafka_security_protocol": "SSL", "kafka_ssl_keyfile": "/k.pem"},
+            "need OUTBOX_KAFKA_SSL_CERTFILE",
+        ),
+        (
+            {"kafka_security_protocol": "SASL_PLAINTEXT", "kafka_ssl_key_password": SECRET},
+            "OUTBOX_KAFKA_SSL_KEY_PASSWORD set but",
+        ),
+    ],
+)
+def test_tls_and_sasl_settings_the_protocol_would_ignore_are_refused(
+    values: dict[str, str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A CA file or credentials with a protocol that does not use them would mean plaintext."""
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in values.items()]
+    if values.get("kafka_security_protocol", "").startswith("SASL_") and "ssl_key" in str(values):
+        flags += ["--kafka-sasl-mechanism=PLAIN", "--kafka-sasl-username=u"]
+        flags += [f"--kafka-sasl-password={SECRET}"]
+    assert cli.main(["status", *flags]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert message in err
+    assert SECRET not in err
