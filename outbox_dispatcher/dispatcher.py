@@ -18,7 +18,7 @@ from typing import Any
 import asyncpg
 import structlog
 
-from outbox_dispatcher import db, errors, listener, migrations, reclaimer
+from outbox_dispatcher import cleanup, db, errors, listener, migrations, reclaimer
 from outbox_dispatcher.claimer import Claimer, Wakeup, pause
 from outbox_dispatcher.marker import Marker
 from outbox_dispatcher.models import Batch, OutboxRecord, Outcome, Result
@@ -97,6 +97,8 @@ class Dispatcher:
             }
             if s.listen:
                 side["listener"] = listener.listen(s, self.wakeup)
+            if s.retention_seconds > 0 and not s.delete_on_publish:
+                side["retention"] = cleanup.retention(pool, self.queries, s)
             side_tasks = [
                 tg.create_task(self._guard(coro, name), name=name) for name, coro in side.items()
             ]
