@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import getpass
+import logging
 import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -128,7 +129,7 @@ async def dead_list(
     conn: asyncpg.Connection, queries: Queries, filters: Filters, limit: int
 ) -> list[dict[str, Any]]:
     rows = await conn.fetch(queries.dead_list, *filters.dead_args(), limit)
-    return [dict(row) for row in rows]
+    return [{**dict(row), "event_id": str(row["event_id"])} for row in rows]
 
 
 async def _walk(
@@ -443,6 +444,10 @@ async def _check_database(
 
 async def _check_broker(settings: Settings, report: Report, needed: dict[str, str]) -> None:
     publisher = KafkaPublisher(settings)
+    # The client logs each failed connection itself; the report line says it once.
+    client_log = logging.getLogger("aiokafka")
+    level = client_log.level
+    client_log.setLevel(logging.CRITICAL)
     try:
         async with asyncio.timeout(CHECK_BROKER_SECONDS):
             await publisher.start()
@@ -453,6 +458,7 @@ async def _check_broker(settings: Settings, report: Report, needed: dict[str, st
         return
     finally:
         await publisher.stop()
+        client_log.setLevel(level)
     report.ok(f"broker {settings.kafka_bootstrap_servers} is reachable")
     existing = cluster.topics()
     missing = sorted(t for t in needed if t not in existing)
