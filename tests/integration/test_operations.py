@@ -137,7 +137,7 @@ async def test_pause_holds_a_topic_while_others_flow_and_resume_publishes_in_ord
         assert f"still paused: {paused_topic}" in lifted.out
 
         async def others_published() -> bool:
-            return await count(conn, f"topic = '{other}' AND published_at IS NOT NULL") == 50
+            return await _published(conn, f"topic = '{other}' AND ordering_key LIKE 'other-%'")
 
         await wait_until(others_published, 30, "the other topic's rows")
         await wait_until(
