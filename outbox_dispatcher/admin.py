@@ -81,6 +81,17 @@ def seconds(text: str) -> float:
     return value
 
 
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        msg = f"{text!r} is not a whole number >= 1"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
 def topic_name(text: str) -> str:
     if not routing.valid_topic(text):
         msg = f"{text!r} is not a valid Kafka topic name"
@@ -504,7 +515,7 @@ def add_parsers(
     dead_commands = dead.add_subparsers(dest="dead_command", required=True, metavar="ACTION")
     listing = dead_commands.add_parser("list", help="show dead rows", description="Dead rows.")
     _filter_flags(listing, ids=True, everything=False)
-    listing.add_argument("--limit", type=int, default=100, help="at most this many (100)")
+    listing.add_argument("--limit", type=positive, default=100, help="at most this many (100)")
     listing.add_argument("--json", action="store_true", help="print JSON")
     listing.set_defaults(handler=_dead_list)
     requeue = dead_commands.add_parser(
