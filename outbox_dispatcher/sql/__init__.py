@@ -49,6 +49,7 @@ class Queries:
     count_expired_leases: str
     schema_version: str
     status: str
+    gauges: str
     inbox_record: str
     # Operator commands and table hygiene.
     status_keys: str
