@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help install services services-stop services-status migrate run lint test test-unit bench
+.PHONY: help install services services-stop services-status migrate run lint test test-unit bench tools
 
 help:
 	@echo "make run            set everything up, then run the dispatcher in the foreground"
@@ -53,7 +53,7 @@ test-unit: install
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
 # pytest exits 5 when it collected nothing: for this project that is a broken suite, not a pass.
-test: lint services
+test: lint services tools
 	@rc=0; $(BIN)/pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is broken" >&2; exit 1; fi; \
 	exit $$rc
@@ -61,3 +61,15 @@ test: lint services
 # Throughput, latency and cost against the local stack; writes benchmarks/results/latest.json.
 bench: install services
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
+
+# helm for the chart tests (tests/unit/test_deploy.py), built once from the Go module proxy into
+# the ignored .tools/bin (about 5 minutes cold, seconds with Go's build cache); skipped when it is
+# there, and when Go is missing (the chart tests then skip and say so).
+HELM_VERSION ?= v3.22.0
+GO ?= $(shell command -v go || echo /usr/local/go/bin/go)
+
+tools:
+	@if [ -x .tools/bin/helm ]; then exit 0; fi; \
+	if [ ! -x "$(GO)" ]; then echo "Go not found: the Helm chart tests will be skipped" >&2; exit 0; fi; \
+	echo "building helm $(HELM_VERSION) into .tools/bin (minutes the first time)" >&2; \
+	GOBIN="$(CURDIR)/.tools/bin" "$(GO)" install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
