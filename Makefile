@@ -62,14 +62,20 @@ test: lint services tools
 bench: install services
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
-# helm for the chart tests (tests/unit/test_deploy.py), built once from the Go module proxy into
-# the ignored .tools/bin (about 5 minutes cold, seconds with Go's build cache); skipped when it is
-# there, and when Go is missing (the chart tests then skip and say so).
+# Go tools for tests/unit/test_deploy.py, built into the ignored .tools/bin through the Go module
+# proxy: helm (chart lint and rendering; about 5 minutes cold, seconds with Go's build cache) and
+# promqlcheck (PromQL parser for the alerts and the dashboard; about a minute cold). Each is skipped
+# when present; without Go nothing is built and those tests skip and say so.
 HELM_VERSION ?= v3.22.0
 GO ?= $(shell command -v go || echo /usr/local/go/bin/go)
 
 tools:
-	@if [ -x .tools/bin/helm ]; then exit 0; fi; \
-	if [ ! -x "$(GO)" ]; then echo "Go not found: the Helm chart tests will be skipped" >&2; exit 0; fi; \
-	echo "building helm $(HELM_VERSION) into .tools/bin (minutes the first time)" >&2; \
-	GOBIN="$(CURDIR)/.tools/bin" "$(GO)" install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
+	@if [ ! -x "$(GO)" ]; then echo "Go not found: the Helm and PromQL tests will be skipped" >&2; exit 0; fi; \
+	if [ ! -x .tools/bin/helm ]; then \
+		echo "building helm $(HELM_VERSION) into .tools/bin (minutes the first time)" >&2; \
+		GOBIN="$(CURDIR)/.tools/bin" "$(GO)" install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION); \
+	fi; \
+	if [ ! -x .tools/bin/promqlcheck ]; then \
+		echo "building promqlcheck into .tools/bin" >&2; \
+		cd deploy/prometheus/promqlcheck && "$(GO)" build -o "$(CURDIR)/.tools/bin/promqlcheck" .; \
+	fi

@@ -2,8 +2,9 @@
 the dashboard use only settings the dispatcher reads, ports and probe paths it serves, and metric
 names and labels it exports.
 
-The Helm tests need .tools/bin/helm (`make tools` builds it from the Go module proxy; `make test`
-does so first); without it they are skipped and say so.
+The Helm and PromQL-syntax tests need .tools/bin/helm and .tools/bin/promqlcheck (`make tools`
+builds them from the Go module proxy; `make test` does so first); without them they are skipped and
+say so.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from tests.deploy_files import (
 )
 
 HELM = ROOT / ".tools" / "bin" / "helm"
+PROMQLCHECK = ROOT / ".tools" / "bin" / "promqlcheck"
 CHART = DEPLOY / "helm" / "outbox-dispatcher"
 IMAGE = "outbox-dispatcher"
 DEFAULT_PORT = Settings.model_fields["http_port"].default
@@ -187,9 +189,10 @@ def test_dockerfile_runtime_stage_is_slim_non_root_and_execs_the_dispatcher() ->
 def test_dockerfile_has_no_package_index_and_dockerignore_keeps_the_context_small() -> None:
     text = DOCKERFILE.read_text()
     assert not re.search(r"index-url|--extra-index|https?://(?!127\.0\.0\.1)", text)
-    ignore = (ROOT / ".dockerignore").read_text().split()
-    assert ignore[ignore.index("*") :][:1] == ["*"], "deny everything first, then allow"
-    allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    assert patterns[0] == "*", "deny everything first, then allow what the build needs"
+    allowed = {line[1:].rstrip("/") for line in patterns if line.startswith("!")}
     copied = {
         word.rstrip("/")
         for args in parse_dockerfile()[0].all("COPY")
@@ -526,3 +529,30 @@ def test_promql_checker_catches_wrong_names_and_labels() -> None:
     ]
     assert promql_problems("sum by (reason) (outbox_published_total)", exported)
     assert promql_problems("outbox_claim_duration_seconds_bucket", exported) == []
+
+
+needs_promqlcheck = pytest.mark.skipif(
+    not PROMQLCHECK.exists(), reason="no .tools/bin/promqlcheck: `make tools` builds it (needs Go)"
+)
+
+
+def promql_parse_errors(expressions: list[str]) -> subprocess.CompletedProcess[str]:
+    lines = "\n".join(" ".join(expr.split()) for expr in expressions) + "\n"
+    return subprocess.run(
+        [str(PROMQLCHECK)], input=lines, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+@needs_promqlcheck
+def test_alert_and_dashboard_expressions_parse_as_promql() -> None:
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yaml").read_text())
+    expressions = [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    dashboard = json.loads((DEPLOY / "grafana" / "outbox-dispatcher.json").read_text())
+    panels = [expr for expr, _ in dashboard_queries(dashboard) if "label_values(" not in expr]
+    # Grafana's interval variables stand for a duration; $job and $instance sit inside strings.
+    expressions += [e.replace("$__rate_interval", "5m") for e in panels]
+    assert len(expressions) > 30
+    result = promql_parse_errors(expressions)
+    assert result.returncode == 0, result.stdout + result.stderr
+    broken = promql_parse_errors(["sum by (topic (rate(outbox_published_total[5m]))"])
+    assert broken.returncode == 1 and "parse error" in broken.stdout
