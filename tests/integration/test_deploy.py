@@ -201,9 +201,14 @@ async def test_image_command_as_pid_1_publishes_the_demo_writers_events_and_stop
         await wait_all_settled(conn, 60)
         assert await count(conn, "published_at IS NOT NULL") == written
 
-        status, body = await http_get(port, "/metrics")
-        assert status == 200
-        assert f'outbox_published_total{{topic="{topic}"}} {float(written)}'.encode() in body
+        # The counter follows the mark's commit by a moment.
+        sample = f'outbox_published_total{{topic="{topic}"}} {float(written)}'.encode()
+
+        async def counted() -> bool:
+            status, body = await http_get(port, "/metrics")
+            return status == 200 and sample in body
+
+        await wait_until(counted, 30, "/metrics to count the published rows")
 
         os.kill(init, signal.SIGTERM)
         try:

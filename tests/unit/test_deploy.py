@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -419,6 +420,33 @@ def test_helm_existing_secret_is_used_and_none_is_created() -> None:
     job_labels = job["spec"]["template"]["metadata"]["labels"]
     selector = deployment["spec"]["selector"]["matchLabels"]
     assert not selector.items() <= job_labels.items()
+
+
+@needs_helm
+def test_helm_notes_render(tmp_path: Path) -> None:
+    """`helm template` skips NOTES.txt (and `install --dry-run` wants a cluster): render it through
+    tpl in a copy of the chart."""
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    shutil.copy(chart / "templates" / "NOTES.txt", chart / "notes.txt")
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n  notes: |\n"
+        '    {{- tpl (.Files.Get "notes.txt") . | nindent 4 }}\n'
+    )
+
+    def notes(*sets: str) -> str:
+        flags = [flag for s in sets for flag in ("--set", s)]
+        only = ["--show-only", "templates/zz-notes.yaml"]
+        result = helm("template", "orders", str(chart), "-n", "shop", *only, *flags)
+        assert result.returncode == 0, result.stderr
+        return str(load_all(result.stdout)[0]["data"]["notes"])
+
+    default = notes()
+    assert "OUTBOX_DATABASE_URL_FILE" in default and "WARNING" in default
+    assert "port-forward service/orders-outbox-dispatcher 9646:9646" in default
+    existing = notes("existingSecret=orders-outbox", "migrate.mode=hook", "httpPort=9700")
+    assert "Secret orders-outbox (existing)" in existing and "WARNING" not in existing
+    assert "hook Job" in existing and "9700:9700" in existing
 
 
 @needs_helm
