@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help install services services-stop services-status migrate run lint test test-unit bench tools
+.PHONY: help install services services-stop services-status migrate run lint test test-unit bench
 
 help:
 	@echo "make run            set everything up, then run the dispatcher in the foreground"
@@ -58,10 +58,6 @@ test: lint services tools
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is broken" >&2; exit 1; fi; \
 	exit $$rc
 
-# Throughput, latency and cost against the local stack; writes benchmarks/results/latest.json.
-bench: install services
-	$(BIN)/python -m benchmarks $(BENCH_ARGS)
-
 # Go tools for tests/unit/test_deploy.py, built into the ignored .tools/bin through the Go module
 # proxy: helm (chart lint and rendering; about 5 minutes cold, seconds with Go's build cache) and
 # promqlcheck (PromQL parser for the alerts and the dashboard; about a minute cold). Each is skipped
@@ -69,8 +65,10 @@ bench: install services
 HELM_VERSION ?= v3.22.0
 GO ?= $(shell command -v go || echo /usr/local/go/bin/go)
 
+.PHONY: tools
 tools:
-	@if [ ! -x "$(GO)" ]; then echo "Go not found: the Helm and PromQL tests will be skipped" >&2; exit 0; fi; \
+	@mkdir -p .tools && echo '*' > .tools/.gitignore; \
+	if [ ! -x "$(GO)" ]; then echo "Go not found: the Helm and PromQL tests will be skipped" >&2; exit 0; fi; \
 	if [ ! -x .tools/bin/helm ]; then \
 		echo "building helm $(HELM_VERSION) into .tools/bin (minutes the first time)" >&2; \
 		GOBIN="$(CURDIR)/.tools/bin" "$(GO)" install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION); \
@@ -79,3 +77,7 @@ tools:
 		echo "building promqlcheck into .tools/bin" >&2; \
 		cd deploy/prometheus/promqlcheck && "$(GO)" build -o "$(CURDIR)/.tools/bin/promqlcheck" .; \
 	fi
+
+# Throughput, latency and cost against the local stack; writes benchmarks/results/latest.json.
+bench: install services
+	$(BIN)/python -m benchmarks $(BENCH_ARGS)
