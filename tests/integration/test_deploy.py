@@ -22,6 +22,7 @@ from typing import Any
 
 import asyncpg
 import pytest
+import yaml
 
 from outbox_dispatcher.settings import Settings
 from tests.deploy_files import DEPLOY, exec_form, healthcheck_command, parse_dockerfile
@@ -41,17 +42,21 @@ from .helpers import (
 pytestmark = pytest.mark.integration
 
 DEMO_WRITER = DEPLOY / "compose" / "demo_writer.py"
+COMPOSE = DEPLOY / "compose" / "compose.yaml"
+
+
+def image_entrypoint() -> list[str]:
+    """ENTRYPOINT of the runtime stage, the console script resolved in this venv's bin/ (the image
+    puts its venv's bin/ first on PATH)."""
+    entrypoint = exec_form(parse_dockerfile()[-1].last("ENTRYPOINT") or "")
+    script = Path(sys.executable).parent / entrypoint[0]
+    assert script.exists(), f"{entrypoint[0]} is not a console script of this venv"
+    return [str(script), *entrypoint[1:]]
 
 
 def image_command() -> list[str]:
-    """ENTRYPOINT + CMD of the runtime stage, the console script resolved in this venv's bin/
-    (the image puts its venv's bin/ first on PATH)."""
-    final = parse_dockerfile()[-1]
-    entrypoint = exec_form(final.last("ENTRYPOINT") or "")
-    cmd = exec_form(final.last("CMD") or "")
-    script = Path(sys.executable).parent / entrypoint[0]
-    assert script.exists(), f"{entrypoint[0]} is not a console script of this venv"
-    return [str(script), *entrypoint[1:], *cmd]
+    """ENTRYPOINT + CMD of the runtime stage: what a container of the image runs by default."""
+    return [*image_entrypoint(), *exec_form(parse_dockerfile()[-1].last("CMD") or "")]
 
 
 def pid_namespace_works() -> bool:
@@ -237,3 +242,28 @@ async def test_image_command_as_pid_1_publishes_the_demo_writers_events_and_stop
         f"\nPID 1 in a new PID namespace: {isolated}; DSN from a file: {from_file}; "
         f"{written} events; exit {code}"
     )
+
+
+async def test_compose_migrate_service_exits_0_and_is_idempotent(
+    empty_database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """compose's dispatcher waits for `migrate` to complete successfully: its command (the image's
+    ENTRYPOINT + the service's command, with the service's environment) creates the schema in an
+    empty database and exits 0, and exits 0 again when there is nothing to do."""
+    service = yaml.safe_load(COMPOSE.read_text())["services"]["migrate"]
+    command = [*image_entrypoint(), *service["command"]]
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env = {**base_env, **{k: str(v) for k, v in service["environment"].items()}}
+    dsn_file = tmp_path / "database_url"
+    dsn_file.write_text(empty_database_url + "\n")
+    env["OUTBOX_DATABASE_URL_FILE"] = str(dsn_file)
+    if not file_settings_supported(monkeypatch, tmp_path):
+        env["OUTBOX_DATABASE_URL"] = empty_database_url
+    first = await asyncio.to_thread(exit_code, command, env)
+    second = await asyncio.to_thread(exit_code, command, env)
+    assert (first, second) == (0, 0)
+    conn = await asyncpg.connect(empty_database_url)
+    try:
+        assert await conn.fetchval("SELECT to_regclass('public.outbox') IS NOT NULL")
+    finally:
+        await conn.close()
