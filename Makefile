@@ -59,9 +59,10 @@ test: lint services tools
 	exit $$rc
 
 # Go tools for tests/unit/test_deploy.py, built into the ignored .tools/bin through the Go module
-# proxy: helm (chart lint and rendering; about 5 minutes cold, seconds with Go's build cache) and
-# promqlcheck (PromQL parser for the alerts and the dashboard; about a minute cold). Each is skipped
-# when present; without Go nothing is built and those tests skip and say so.
+# proxy: helm (chart lint and rendering; about 5 minutes cold, seconds with Go's build cache),
+# promqlcheck (PromQL parser for the alerts and the dashboard) and manifestcheck (strict decoding
+# of the Kubernetes manifests; about a minute cold each). Each is skipped when present; without Go
+# nothing is built and those tests skip and say so.
 HELM_VERSION ?= v3.22.0
 GO ?= $(shell command -v go || echo /usr/local/go/bin/go)
 
@@ -75,7 +76,11 @@ tools:
 	fi; \
 	if [ ! -x .tools/bin/promqlcheck ]; then \
 		echo "building promqlcheck into .tools/bin" >&2; \
-		cd deploy/prometheus/promqlcheck && "$(GO)" build -o "$(CURDIR)/.tools/bin/promqlcheck" .; \
+		(cd deploy/prometheus/promqlcheck && "$(GO)" build -o "$(CURDIR)/.tools/bin/promqlcheck" .); \
+	fi; \
+	if [ ! -x .tools/bin/manifestcheck ]; then \
+		echo "building manifestcheck into .tools/bin" >&2; \
+		(cd deploy/kubernetes/manifestcheck && "$(GO)" build -o "$(CURDIR)/.tools/bin/manifestcheck" .); \
 	fi
 
 # Throughput, latency and cost against the local stack; writes benchmarks/results/latest.json.

@@ -2,9 +2,9 @@
 the dashboard use only settings the dispatcher reads, ports and probe paths it serves, and metric
 names and labels it exports.
 
-The Helm and PromQL-syntax tests need .tools/bin/helm and .tools/bin/promqlcheck (`make tools`
-builds them from the Go module proxy; `make test` does so first); without them they are skipped and
-say so.
+The Helm, PromQL-syntax and strict-decoding tests need .tools/bin/helm, promqlcheck and
+manifestcheck (`make tools` builds them through the Go module proxy; `make test` does so first);
+without them they are skipped and say so.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from tests.deploy_files import (
 
 HELM = ROOT / ".tools" / "bin" / "helm"
 PROMQLCHECK = ROOT / ".tools" / "bin" / "promqlcheck"
+MANIFESTCHECK = ROOT / ".tools" / "bin" / "manifestcheck"
 CHART = DEPLOY / "helm" / "outbox-dispatcher"
 IMAGE = "outbox-dispatcher"
 DEFAULT_PORT = Settings.model_fields["http_port"].default
@@ -584,3 +585,45 @@ def test_alert_and_dashboard_expressions_parse_as_promql() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     broken = promql_parse_errors(["sum by (topic (rate(outbox_published_total[5m]))"])
     assert broken.returncode == 1 and "parse error" in broken.stdout
+
+
+needs_manifestcheck = pytest.mark.skipif(
+    not MANIFESTCHECK.exists() or not HELM.exists(),
+    reason="no .tools/bin/manifestcheck or helm: `make tools` builds them (needs Go)",
+)
+
+
+def decode_errors(text: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(MANIFESTCHECK)], input=text, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+@needs_manifestcheck
+def test_manifests_decode_strictly_as_kubernetes_objects() -> None:
+    """Every object as the API server reads it with strict field validation: misspelt or misplaced
+    fields, wrong types and bad quantities fail (the checks above only look at chosen fields)."""
+    texts = {p.name: p.read_text() for p in (DEPLOY / "kubernetes").glob("*.yaml")}
+    for name, sets in {
+        "chart defaults": [],
+        "chart monitors": ["serviceMonitor.enabled=true", "podMonitor.enabled=true"],
+        "chart hook": ["existingSecret=orders-outbox", "migrate.mode=hook"],
+    }.items():
+        flags = [flag for s in sets for flag in ("--set", s)]
+        rendered = helm("template", "orders", str(CHART), *flags)
+        assert rendered.returncode == 0, rendered.stderr
+        texts[name] = rendered.stdout
+    assert {"sidecar.yaml", "deployment.yaml"} <= set(texts)
+    for name, text in texts.items():
+        result = decode_errors(text)
+        assert result.returncode == 0, f"{name}: {result.stdout}"
+        skipped = {line.split()[2].split("/")[0] for line in result.stderr.splitlines() if line}
+        assert skipped <= {"ServiceMonitor", "PodMonitor"}, (name, result.stderr)
+    # A misspelling the case-insensitive Go default would accept, a field one level off.
+    sidecar = texts["sidecar.yaml"]
+    for broken in (
+        sidecar.replace("readOnlyRootFilesystem", "readOnlyRootFileSystem", 1),
+        sidecar.replace("\n          restartPolicy: Always", "\n          grace: 1", 1),
+    ):
+        assert broken != sidecar
+        assert decode_errors(broken).returncode == 1
