@@ -130,6 +130,8 @@ def check_workloads(
         for container in filter(is_ours, containers):
             here = f"{where}/{container['name']}"
             env = env_of(container)
+            names = [e["name"] for e in container.get("env", [])]
+            assert len(names) == len(set(names)), f"{here}: a variable set twice: {names}"
             bad = [name for name in env if name.startswith("OUTBOX_") and not valid_env_name(name)]
             assert not bad, f"{here}: the dispatcher reads no {bad}"
             check_security(container, pod, here)
@@ -417,6 +419,8 @@ def test_helm_existing_secret_is_used_and_none_is_created() -> None:
     assert env_of(container)["OUTBOX_KAFKA_SASL_PASSWORD_FILE"].endswith("/kafka_sasl_password")
     [migrate] = job["spec"]["template"]["spec"]["containers"]
     assert env_of(migrate)["OUTBOX_DATABASE_URL_FILE"].endswith("/migrate_database_url")
+    # The migration reads the same settings (it validates them as the dispatcher does).
+    assert env_of(migrate)["OUTBOX_KAFKA_SASL_PASSWORD_FILE"].endswith("/kafka_sasl_password")
     # The hook's pods are not the Deployment's: the Service and the PDB must not select them.
     job_labels = job["spec"]["template"]["metadata"]["labels"]
     selector = deployment["spec"]["selector"]["matchLabels"]
