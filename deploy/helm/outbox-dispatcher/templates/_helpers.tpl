@@ -84,15 +84,14 @@ app.kubernetes.io/part-of: outbox-dispatcher
 {{- .Values.terminationGracePeriodSeconds | default (add (int (ceil .Values.shutdownGraceSeconds)) 15) }}
 {{- end }}
 
-{{/* Environment of the dispatcher container. */}}
-{{- define "outbox-dispatcher.env" -}}
-- name: OUTBOX_HTTP_PORT
-  value: {{ .Values.httpPort | quote }}
-- name: OUTBOX_SHUTDOWN_GRACE_SECONDS
-  value: {{ .Values.shutdownGraceSeconds | quote }}
+{{/* Settings shared by the dispatcher and the migration: secret files (but database_url), env,
+extraEnv. The migration gets them all, so that it validates the same settings. */}}
+{{- define "outbox-dispatcher.settingsEnv" -}}
 {{- range .Values.secretSettings }}
+{{- if ne . "database_url" }}
 - name: {{ printf "OUTBOX_%s_FILE" (upper .) }}
   value: {{ printf "%s/%s" (include "outbox-dispatcher.secretsDir" $) . | quote }}
+{{- end }}
 {{- end }}
 {{- range $name, $value := .Values.env }}
 - name: {{ $name }}
@@ -101,6 +100,19 @@ app.kubernetes.io/part-of: outbox-dispatcher
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
+{{- end }}
+
+{{/* Environment of the dispatcher container. */}}
+{{- define "outbox-dispatcher.env" -}}
+- name: OUTBOX_HTTP_PORT
+  value: {{ .Values.httpPort | quote }}
+- name: OUTBOX_SHUTDOWN_GRACE_SECONDS
+  value: {{ .Values.shutdownGraceSeconds | quote }}
+{{- if has "database_url" .Values.secretSettings }}
+- name: OUTBOX_DATABASE_URL_FILE
+  value: {{ printf "%s/database_url" (include "outbox-dispatcher.secretsDir" .) | quote }}
+{{- end }}
+{{- include "outbox-dispatcher.settingsEnv" . | trim | nindent 0 }}
 {{- end }}
 
 {{- define "outbox-dispatcher.secretVolume" -}}
@@ -125,12 +137,7 @@ app.kubernetes.io/part-of: outbox-dispatcher
   env:
     - name: OUTBOX_DATABASE_URL_FILE
       value: {{ printf "%s/%s" (include "outbox-dispatcher.secretsDir" .) .Values.migrate.databaseUrlKey | quote }}
-    {{- range $name, $value := .Values.env }}
-    {{- if or (eq $name "OUTBOX_SCHEMA") (eq $name "OUTBOX_TABLE") (eq $name "OUTBOX_LOG_FORMAT") (eq $name "OUTBOX_LOG_LEVEL") }}
-    - name: {{ $name }}
-      value: {{ $value | toString | quote }}
-    {{- end }}
-    {{- end }}
+    {{- include "outbox-dispatcher.settingsEnv" . | trim | nindent 4 }}
   volumeMounts:
     {{- include "outbox-dispatcher.secretMount" . | nindent 4 }}
   securityContext:
