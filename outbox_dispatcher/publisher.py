@@ -70,6 +70,9 @@ class KafkaPublisher:
         self._router = Router(settings.default_topic, settings.topic_template)
         self._producer: AIOKafkaProducer | None = None
         self._tracer = Tracer(settings.tracing)
+        self._context: ssl.SSLContext | None = None
+        self._broken: BaseException | None = None  # the producer's state is lost: replace it
+        self._replacing = asyncio.Lock()
 
     def _build(self, context: ssl.SSLContext | None) -> AIOKafkaProducer:
         s = self._settings
@@ -104,6 +107,7 @@ class KafkaPublisher:
         problem = await diagnose(self._settings, context)
         if problem is not None:
             raise problem
+        self._context = context
         producer = self._build(context)
         try:
             await producer.start()
@@ -126,6 +130,33 @@ class KafkaPublisher:
         if self._producer is not None:
             producer, self._producer = self._producer, None
             await producer.stop()
+
+    def _note(self, outcome: BaseException | None) -> None:
+        if isinstance(outcome, errors.PRODUCER_STATE_ERRORS):
+            self._broken = outcome
+
+    async def _replace_if_broken(self) -> None:
+        """An idempotent producer whose sequence state the broker no longer accepts (e.g. after
+        the broker restarted and lost its producer state) fails every later send: start a fresh
+        producer (new producer id). Its failed records are retried in order, never counted."""
+        async with self._replacing:
+            if self._broken is None:
+                return
+            reason = errors.describe(self._broken)
+            fresh = self._build(self._context)
+            try:
+                await fresh.start()
+            except (kafka_errors.KafkaError, OSError) as exc:
+                await fresh.stop()
+                raise errors.BrokerUnavailableError(errors.describe(exc)) from exc
+            old, self._producer = self._producer, fresh
+            self._broken = None
+            log.warning("producer_replaced", reason=reason)
+            if old is not None:
+                try:
+                    await old.stop()
+                except kafka_errors.KafkaError as exc:
+                    log.debug("old_producer_stop_failed", error=errors.describe(exc))
 
     async def broker_reachable(self, seconds: float = 5.0) -> bool:
         try:
@@ -174,6 +205,12 @@ class KafkaPublisher:
     async def send(self, records: Sequence[OutboxRecord], sent: Sent) -> None:
         """Hand every record to the producer in order, filling `sent` as it goes (so that a
         cancelled send still knows what it sent); a key stops at its first failure."""
+        if self._broken is not None:
+            try:
+                await self._replace_if_broken()
+            except errors.BrokerUnavailableError as exc:
+                sent.futures.extend([exc] * len(records))
+                return
         producer = self.producer
         header_name = self._settings.event_id_header
         cloudevents = self._settings.cloudevents
@@ -203,6 +240,7 @@ class KafkaPublisher:
                     )
                 except (kafka_errors.KafkaError, ValueError, TypeError, AssertionError) as exc:
                     problem = exc
+                    self._note(exc)
                     tracer.fail(span, exc)
                 else:
                     tracer.end_on_ack(span, future)
@@ -261,7 +299,10 @@ class KafkaPublisher:
                     ),
                 )
             log.warning("broker_unreachable_waiting", unacknowledged=len(pending))
-        return self.outcomes(sent, NotAttempted())
+        outcomes = self.outcomes(sent, NotAttempted())
+        for outcome in outcomes:
+            self._note(outcome)
+        return outcomes
 
 
 _SASL_REJECTED = (
