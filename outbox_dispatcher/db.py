@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
 import socket
+import urllib.parse
 from typing import Any
 
 import asyncpg
@@ -70,22 +73,45 @@ def server_settings(settings: Settings) -> dict[str, str]:
     }
 
 
-def translate(exc: BaseException) -> errors.OutboxDispatcherError | None:
-    """The dispatcher's error for a failure to connect, or None if exc is something else."""
+def redact(text: str, dsn: str) -> str:
+    """`text` without the password of `dsn`: a driver's message may quote parts of the URL."""
+    secrets = {dsn}
+    with contextlib.suppress(ValueError):
+        parts = urllib.parse.urlsplit(dsn)
+        secrets.add(parts.password or "")
+        secrets.update(urllib.parse.parse_qs(parts.query).get("password", []))
+    secrets.update(re.findall(r"password\s*=\s*'?([^'\s&]+)", dsn))
+    for secret in sorted((s for s in secrets if s), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+def translate(
+    exc: BaseException, dsn: str = "", setting: str = "OUTBOX_DATABASE_URL"
+) -> errors.OutboxDispatcherError | None:
+    """The dispatcher's error for a failure to connect, or None if exc is something else. The
+    message names the setting and never contains the password."""
+    reason = redact(f"{type(exc).__name__}: {exc}", dsn) if dsn else f"{type(exc).__name__}: {exc}"
     if isinstance(
         exc, asyncpg.InvalidPasswordError | asyncpg.InvalidAuthorizationSpecificationError
     ):
         return errors.ConfigurationError(
-            f"PostgreSQL rejected the credentials in OUTBOX_DATABASE_URL: {exc}"
+            f"PostgreSQL rejected the credentials in {setting} ({reason}): fix the user or "
+            "password in the URL"
         )
     if isinstance(exc, asyncpg.InvalidCatalogNameError):
         return errors.ConfigurationError(
-            f"the database named in OUTBOX_DATABASE_URL does not exist: {exc}"
+            f"the database named in {setting} does not exist ({reason}): fix the URL or create "
+            "the database"
+        )
+    if isinstance(exc, asyncpg.ClientConfigurationError | ValueError):
+        return errors.ConfigurationError(
+            f"{setting} is not a usable PostgreSQL URL ({reason}): expected "
+            "postgresql://user:password@host:port/database[?option=value]"
         )
     if isinstance(exc, CONNECTION_ERRORS):
         return errors.DatabaseUnavailableError(
-            f"cannot reach PostgreSQL ({type(exc).__name__}: {exc}): check "
-            "OUTBOX_DATABASE_URL and that the server is up"
+            f"cannot reach PostgreSQL ({reason}): check {setting} and that the server is up"
         )
     return None
 
@@ -103,19 +129,29 @@ async def create_pool(settings: Settings) -> asyncpg.Pool:
             statement_cache_size=settings.statement_cache_size,
         )
     except Exception as exc:
-        raise (translate(exc) or exc) from exc
+        translated = translate(exc, settings.database_url.get_secret_value())
+        if translated is None:
+            raise
+        # Not chained: the driver's own exception may quote the URL.
+        raise translated from None
     if pool is None:  # only with a pool that is already closed
         raise errors.DatabaseUnavailableError
     return pool
 
 
-async def connect(dsn: str, settings: Settings) -> asyncpg.Connection:
-    """A single connection outside the pool (LISTEN, migrations, status)."""
+async def connect(
+    dsn: str, settings: Settings, setting: str = "OUTBOX_DATABASE_URL"
+) -> asyncpg.Connection:
+    """A single connection outside the pool (LISTEN, migrations, status); `setting` names where
+    the DSN came from, for the error message."""
     try:
         conn: asyncpg.Connection = await asyncpg.connect(
             dsn, server_settings=server_settings(settings), timeout=10
         )
     except Exception as exc:
-        raise (translate(exc) or exc) from exc
+        translated = translate(exc, dsn, setting)
+        if translated is None:
+            raise
+        raise translated from None
     await init_connection(conn)
     return conn

@@ -44,6 +44,10 @@ class RoutingError(OutboxDispatcherError):
     default topic, then requeue it."""
 
 
+class UnpublishableRowError(OutboxDispatcherError):
+    """The row can never become a Kafka record as it is: fix it, then requeue it."""
+
+
 class LoopDiedError(OutboxDispatcherError):
     """A dispatcher loop stopped unexpectedly; the process exits so that it is restarted."""
 
@@ -64,6 +68,7 @@ class Failure(enum.Enum):
 
 _PERMANENT = (
     RoutingError,
+    UnpublishableRowError,
     kafka_errors.MessageSizeTooLargeError,
     kafka_errors.RecordTooLargeError,
     kafka_errors.RecordListTooLargeError,

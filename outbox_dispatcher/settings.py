@@ -183,6 +183,14 @@ class Settings(BaseSettings):
     kafka_ssl_check_hostname: bool = Field(
         default=True, description="Verify that the broker's certificate names its host."
     )
+    kafka_allow_auto_create_topics: bool = Field(
+        default=True,
+        description=(
+            "Let the broker auto-create a missing topic (if it is configured to). When false, "
+            "the dispatcher looks topics up without auto-creation, and a row for a missing topic "
+            "is retried, then dead-lettered, with a message saying to create it."
+        ),
+    )
 
     # Database session
     listen: bool = Field(default=True, description="Use LISTEN/NOTIFY as a wake-up hint.")
