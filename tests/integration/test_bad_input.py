@@ -26,7 +26,7 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from hypothesis import HealthCheck, Phase, event, given, settings
+from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
 from outbox_dispatcher.settings import Settings
@@ -533,6 +533,22 @@ def _event_id(record: ConsumerRecord[bytes, bytes]) -> str:
     ],
 )
 @given(specs=st.lists(SPECS, min_size=1, max_size=12))
+# Regressions, always run first: each of these once got through or stopped the dispatcher.
+@example(
+    specs=[
+        Spec(("main", ""), "k", {"a": ["x"]}, ("binary", 1), reuse_event_id=False),
+        Spec(("main", ""), "k", {"a": []}, ("binary", 2), reuse_event_id=False),
+        Spec(("main", ""), ("over_limit", 3), {}, ("binary", 3), reuse_event_id=False),
+        Spec(("main", ""), ("100k_repeat", 4), {}, ("binary", 4), reuse_event_id=False),
+        Spec(("main", ""), None, {}, ("null", 0), reuse_event_id=False),
+        Spec(("main", ""), "", {EVENT_ID_HEADER: "forged", "": ""}, ("null", 0), False),
+        Spec(("missing", "x"), "k", {}, ("near", 5), reuse_event_id=False),
+        Spec(("routed_missing", ""), "k", {}, ("binary", 6), reuse_event_id=False),
+        Spec(("internal", ""), "k", {}, ("binary", 7), reuse_event_id=False),
+        Spec(("long", ""), "k", {}, ("over", 8), reuse_event_id=False),
+        Spec(("main", ""), "k", {}, ("binary", 9), reuse_event_id=True),
+    ]
+)
 async def test_every_row_is_rejected_published_or_dead_lettered_as_the_rules_say(
     world: World, specs: list[Spec]
 ) -> None:
@@ -761,3 +777,34 @@ async def test_missing_topics_with_and_without_auto_creation(
         with contextlib.suppress(Exception):
             await admin.delete_topics([canary, collider, created])
         await admin.close()
+
+
+async def test_a_stored_row_with_non_string_headers_is_dead_lettered_not_a_crash(
+    conn: asyncpg.Connection, services: Services, topic: str, make_settings: Callable[..., Settings]
+) -> None:
+    """Schema version 2's lax check stored {"a": ["x"]}; such a row used to stop the dispatcher
+    (AttributeError in the claim loop) on every start. Now it is dead-lettered and others flow."""
+    await conn.execute("ALTER TABLE outbox DROP CONSTRAINT outbox_headers_valid")  # as in v2
+    bad = await conn.fetchval(
+        'SELECT outbox_enqueue($1, \'k\', \'x\', \'{"a": ["x"], "b": "c"}\')', topic
+    )
+    good = {
+        str(await conn.fetchval("SELECT outbox_enqueue($1, 'k', $2)", topic, orjson.dumps(n)))
+        for n in ({"key": "k", "seq": 1}, {"key": "k", "seq": 2})
+    }
+    async with running(make_settings(http_port=0)) as dispatcher:
+
+        async def settled() -> bool:
+            left: int = await conn.fetchval(
+                "SELECT count(*) FROM outbox WHERE published_at IS NULL AND dead_at IS NULL"
+            )
+            return left == 0
+
+        await wait_until(settled, 30, "every row settled")
+        assert not dispatcher.stopping.is_set()
+    row = await conn.fetchrow("SELECT * FROM outbox WHERE event_id = $1", bad)
+    assert row["dead_at"] is not None and row["attempts"] == 1
+    assert row["last_error"].startswith("permanent error, not retried: UnpublishableRowError")
+    assert "header 'a' is a JSON list, not a string" in row["last_error"]
+    verdict = check(await consume(services.kafka_bootstrap_servers, topic, 2), good)
+    assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], [])
