@@ -74,12 +74,19 @@ def server_settings(settings: Settings) -> dict[str, str]:
 
 
 def redact(text: str, dsn: str) -> str:
-    """`text` without the password of `dsn`: a driver's message may quote parts of the URL."""
+    """`text` without the password of `dsn`: a driver's message may quote parts of the URL. The
+    password is what the writer meant (up to the last '@'), and its pieces between '/', '?' and
+    '#', which, unescaped, end the URL's host part early and show up in parse errors."""
     secrets = {dsn}
+    _, sep, rest = dsn.partition("://")
+    userinfo = rest.rpartition("@")[0] if sep else ""
+    if ":" in userinfo:
+        password = userinfo.split(":", 1)[1]
+        secrets.add(password)
+        secrets.update(piece for piece in re.split(r"[/?#]", password) if len(piece) >= 4)
     with contextlib.suppress(ValueError):
-        parts = urllib.parse.urlsplit(dsn)
-        secrets.add(parts.password or "")
-        secrets.update(urllib.parse.parse_qs(parts.query).get("password", []))
+        query = urllib.parse.urlsplit(dsn).query
+        secrets.update(urllib.parse.parse_qs(query).get("password", []))
     secrets.update(re.findall(r"password\s*=\s*'?([^'\s&]+)", dsn))
     for secret in sorted((s for s in secrets if s), key=len, reverse=True):
         text = text.replace(secret, "***")

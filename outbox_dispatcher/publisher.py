@@ -116,6 +116,13 @@ class KafkaPublisher:
                 f"({errors.describe(exc)}): check OUTBOX_KAFKA_BOOTSTRAP_SERVERS and the broker"
             )
             raise errors.BrokerUnavailableError(msg) from exc
+        except ValueError as exc:
+            await producer.stop()
+            msg = (
+                f"the Kafka client refused the settings ({errors.describe(exc)}): check the "
+                "OUTBOX_KAFKA_* settings"
+            )
+            raise errors.ConfigurationError(msg) from exc
         self._producer = producer
 
     async def stop(self) -> None:

@@ -327,8 +327,16 @@ class Settings(BaseSettings):
     @classmethod
     def _check_bootstrap(cls, value: str) -> str:
         servers = [s.strip() for s in value.split(",") if s.strip()]
-        if not servers or any(":" not in s for s in servers):
-            msg = f"OUTBOX_KAFKA_BOOTSTRAP_SERVERS {value!r}: expected host:port[,host:port...]"
+
+        def usable(server: str) -> bool:
+            host, _, port = server.rpartition(":")
+            return bool(host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536
+
+        if not servers or not all(usable(s) for s in servers):
+            msg = (
+                f"OUTBOX_KAFKA_BOOTSTRAP_SERVERS {value!r}: expected host:port[,host:port...] "
+                "with ports 1-65535"
+            )
             raise ValueError(msg)
         return ",".join(servers)
 

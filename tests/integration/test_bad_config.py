@@ -130,6 +130,8 @@ INVALID = [
     ("OUTBOX_BATCH_SIZE", "-5", "--batch-size"),
     ("OUTBOX_DEAD_LETTER_POLICY", "sometimes", "--dead-letter-policy"),
     ("OUTBOX_KAFKA_BOOTSTRAP_SERVERS", "localhost", "--kafka-bootstrap-servers"),
+    ("OUTBOX_KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:abc", "--kafka-bootstrap-servers"),
+    ("OUTBOX_KAFKA_BOOTSTRAP_SERVERS", "kafka:99999", "--kafka-bootstrap-servers"),
     ("OUTBOX_TOPIC_TEMPLATE", "events.{aggregate", "--topic-template"),
     ("OUTBOX_TOPIC_TEMPLATE", "events.{aggregate}/x", "--topic-template"),
     ("OUTBOX_LEASE_SECONDS", "soon", "--lease-seconds"),
@@ -171,6 +173,9 @@ async def test_a_malformed_database_url_names_the_setting_not_the_password(
         scheme_host.rsplit(":", 1)[0] + ":notaport/" + database,  # port is not a number
         url.replace("postgresql://", "postgresql//"),  # no scheme
         f"{url}?sslmode=sometimes",
+        # A password with an unescaped '/' ends the host part early: the driver then reports
+        # the password's first part as a bad port number.
+        _with_password(url, f"{DB_SECRET}/tail"),
         f"{scheme_host.split('@')[0].rsplit(':', 1)[0]}@127.0.0.1/x?password={DB_SECRET}"
         "&sslmode=bogus",
     ]
