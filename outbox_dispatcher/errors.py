@@ -112,4 +112,8 @@ def describe(exc: BaseException) -> str:
     """A one-line reason for last_error and the logs."""
     text = str(exc).strip()
     name = type(exc).__name__
+    if isinstance(exc, kafka_errors.BrokerResponseError) and text.endswith(f"] {name}"):
+        # A bare broker error code ("[Error 17] InvalidTopicError") says little: add what the
+        # code means.
+        text = f"{text} ({str(getattr(exc, 'description', '')).strip()})".removesuffix(" ()")
     return f"{name}: {text}" if text and text != name else name

@@ -389,6 +389,8 @@ def concretize(spec: Spec, world: World, previous: list[uuid.UUID]) -> Row:
             + ("|MessageSizeTooLargeError" if ambiguous else "")
             + ")"
         ]
+        if not ambiguous:
+            expected.reasons.append(r"write to an internal topic")
     return row
 
 
