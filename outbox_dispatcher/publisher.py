@@ -116,7 +116,7 @@ class KafkaPublisher:
                 f"({errors.describe(exc)}): check OUTBOX_KAFKA_BOOTSTRAP_SERVERS and the broker"
             )
             raise errors.BrokerUnavailableError(msg) from exc
-        except ValueError as exc:
+        except (ValueError, OverflowError) as exc:  # e.g. a port the socket layer refuses
             await producer.stop()
             msg = (
                 f"the Kafka client refused the settings ({errors.describe(exc)}): check the "
