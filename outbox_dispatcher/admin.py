@@ -503,7 +503,7 @@ def _filter_flags(parser: argparse.ArgumentParser, *, ids: bool, everything: boo
 
 
 def add_parsers(
-    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    commands: argparse._SubParsersAction[Any],
     add_setting_flags: Callable[[argparse.ArgumentParser], None],
 ) -> None:
     """The operator commands, each with the setting flags (as run and status have)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import enum
+import re
 import signal
 import sys
 import types
@@ -37,6 +38,20 @@ def _env_name(field: str) -> str:
 
 def _flag_name(field: str) -> str:
     return "--schema" if field == "db_schema" else "--" + field.replace("_", "-")
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad value of a setting flag is one line naming the variable and the flag (as for the
+    environment), not the whole usage text; other usage errors stay argparse's."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        match = re.match(r"argument (--[a-z0-9-]+)(?:/--[a-z0-9-]+)?: (.*)", message, re.DOTALL)
+        fields = {_flag_name(name): name for name in Settings.model_fields}
+        if match and match.group(1) in fields:
+            field = fields[match.group(1)]
+            where = f"{_env_name(field)} / {match.group(1)}"
+            self.exit(EXIT_CONFIG, f"outbox-dispatcher: invalid setting {where}: {match[2]}\n")
+        super().error(message)
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +85,7 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="outbox-dispatcher",
         description=(
             "Moves events from a PostgreSQL transactional outbox table to Kafka: at-least-once, "

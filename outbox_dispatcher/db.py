@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
 import socket
 import ssl
+import urllib.parse
 from typing import Any
 
 import asyncpg
@@ -71,37 +74,54 @@ def server_settings(settings: Settings) -> dict[str, str]:
     }
 
 
-def translate(exc: BaseException) -> errors.OutboxDispatcherError | None:
-    """The dispatcher's error for a failure to connect, or None if exc is something else."""
+def redact(text: str, dsn: str) -> str:
+    """`text` without the password of `dsn`: a driver's message may quote parts of the URL. The
+    password is what the writer meant (up to the last '@'), and its pieces between '/', '?' and
+    '#', which, unescaped, end the URL's host part early and show up in parse errors."""
+    secrets = {dsn}
+    _, sep, rest = dsn.partition("://")
+    userinfo = rest.rpartition("@")[0] if sep else ""
+    if ":" in userinfo:
+        password = userinfo.split(":", 1)[1]
+        secrets.add(password)
+        secrets.update(piece for piece in re.split(r"[/?#]", password) if len(piece) >= 4)
+    with contextlib.suppress(ValueError):
+        query = urllib.parse.urlsplit(dsn).query
+        secrets.update(urllib.parse.parse_qs(query).get("password", []))
+    secrets.update(re.findall(r"password\s*=\s*'?([^'\s&]+)", dsn))
+    for secret in sorted((s for s in secrets if s), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+def translate(
+    exc: BaseException, dsn: str = "", setting: str = "OUTBOX_DATABASE_URL"
+) -> errors.OutboxDispatcherError | None:
+    """The dispatcher's error for a failure to connect, or None if exc is something else. The
+    message names the setting and never contains the password."""
+    reason = redact(f"{type(exc).__name__}: {exc}", dsn) if dsn else f"{type(exc).__name__}: {exc}"
     if isinstance(exc, ssl.SSLCertVerificationError):
         return errors.ConfigurationError(
             f"PostgreSQL's TLS certificate was not accepted ({exc.verify_message or exc}): "
-            "sslrootcert in OUTBOX_DATABASE_URL must name the CA that signed the server's "
+            f"sslrootcert in {setting} must name the CA that signed the server's "
             "certificate, and with sslmode=verify-full the certificate must name the host"
         )
     if isinstance(exc, ssl.SSLError):
         return errors.ConfigurationError(
             f"the TLS handshake with PostgreSQL failed ({errors.describe(exc)}): check sslmode, "
-            "sslrootcert, sslcert and sslkey in OUTBOX_DATABASE_URL"
+            f"sslrootcert, sslcert and sslkey in {setting}"
         )
     if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError):
         return errors.ConfigurationError(
-            f"a file named in OUTBOX_DATABASE_URL (sslrootcert, sslcert or sslkey) cannot be read "
+            f"a file named in {setting} (sslrootcert, sslcert or sslkey) cannot be read "
             f"({errors.describe(exc)}): fix the path or the file's permissions"
-        )
-    if isinstance(exc, asyncpg.ClientConfigurationError):
-        return errors.ConfigurationError(f"OUTBOX_DATABASE_URL: {exc}")
-    if isinstance(exc, ValueError):
-        # The text of a DSN parsing error may quote the DSN, password included: leave it out.
-        return errors.ConfigurationError(
-            f"OUTBOX_DATABASE_URL is not a valid PostgreSQL URL ({type(exc).__name__}): expected "
-            "postgresql://user:password@host:port/database[?sslmode=verify-full&sslrootcert=...]"
         )
     if isinstance(
         exc, asyncpg.InvalidPasswordError | asyncpg.InvalidAuthorizationSpecificationError
     ):
         return errors.ConfigurationError(
-            f"PostgreSQL rejected the credentials in OUTBOX_DATABASE_URL: {exc}"
+            f"PostgreSQL rejected the credentials in {setting} ({reason}): fix the user or "
+            "password in the URL"
         )
     if isinstance(exc, asyncpg.ProtocolViolationError) and "startup parameter" in str(exc):
         return errors.ConfigurationError(
@@ -113,12 +133,17 @@ def translate(exc: BaseException) -> errors.OutboxDispatcherError | None:
         )
     if isinstance(exc, asyncpg.InvalidCatalogNameError):
         return errors.ConfigurationError(
-            f"the database named in OUTBOX_DATABASE_URL does not exist: {exc}"
+            f"the database named in {setting} does not exist ({reason}): fix the URL or create "
+            "the database"
+        )
+    if isinstance(exc, asyncpg.ClientConfigurationError | ValueError):
+        return errors.ConfigurationError(
+            f"{setting} is not a usable PostgreSQL URL ({reason}): expected "
+            "postgresql://user:password@host:port/database[?option=value]"
         )
     if isinstance(exc, CONNECTION_ERRORS):
         return errors.DatabaseUnavailableError(
-            f"cannot reach PostgreSQL ({type(exc).__name__}: {exc}): check "
-            "OUTBOX_DATABASE_URL and that the server is up"
+            f"cannot reach PostgreSQL ({reason}): check {setting} and that the server is up"
         )
     return None
 
@@ -136,19 +161,29 @@ async def create_pool(settings: Settings) -> asyncpg.Pool:
             statement_cache_size=settings.statement_cache_size,
         )
     except Exception as exc:
-        raise (translate(exc) or exc) from exc
+        translated = translate(exc, settings.database_url.get_secret_value())
+        if translated is None:
+            raise
+        # Not chained: the driver's own exception may quote the URL.
+        raise translated from None
     if pool is None:  # only with a pool that is already closed
         raise errors.DatabaseUnavailableError
     return pool
 
 
-async def connect(dsn: str, settings: Settings) -> asyncpg.Connection:
-    """A single connection outside the pool (LISTEN, migrations, status)."""
+async def connect(
+    dsn: str, settings: Settings, setting: str = "OUTBOX_DATABASE_URL"
+) -> asyncpg.Connection:
+    """A single connection outside the pool (LISTEN, migrations, status); `setting` names where
+    the DSN came from, for the error message."""
     try:
         conn: asyncpg.Connection = await asyncpg.connect(
             dsn, server_settings=server_settings(settings), timeout=10
         )
     except Exception as exc:
-        raise (translate(exc) or exc) from exc
+        translated = translate(exc, dsn, setting)
+        if translated is None:
+            raise
+        raise translated from None
     await init_connection(conn)
     return conn

@@ -44,6 +44,10 @@ class RoutingError(OutboxDispatcherError):
     default topic, then requeue it."""
 
 
+class UnpublishableRowError(OutboxDispatcherError):
+    """The row can never become a Kafka record as it is: fix it, then requeue it."""
+
+
 class LoopDiedError(OutboxDispatcherError):
     """A dispatcher loop stopped unexpectedly; the process exits so that it is restarted."""
 
@@ -64,6 +68,7 @@ class Failure(enum.Enum):
 
 _PERMANENT = (
     RoutingError,
+    UnpublishableRowError,
     kafka_errors.MessageSizeTooLargeError,
     kafka_errors.RecordTooLargeError,
     kafka_errors.RecordListTooLargeError,
@@ -120,4 +125,8 @@ def describe(exc: BaseException) -> str:
     """A one-line reason for last_error and the logs."""
     text = str(exc).strip()
     name = type(exc).__name__
+    if isinstance(exc, kafka_errors.BrokerResponseError) and text.endswith(f"] {name}"):
+        # A bare broker error code ("[Error 17] InvalidTopicError") says little: add what the
+        # code means.
+        text = f"{text} ({str(getattr(exc, 'description', '')).strip()})".removesuffix(" ()")
     return f"{name}: {text}" if text and text != name else name

@@ -34,8 +34,12 @@ def channel_name(settings: Settings) -> str:
 async def listen(settings: Settings, wakeup: Wakeup) -> None:
     """Forever: hold a LISTEN connection, reconnecting with backoff; pass each hint on."""
     secret = settings.listen_database_url or settings.database_url
+    setting = (
+        "OUTBOX_LISTEN_DATABASE_URL" if settings.listen_database_url else "OUTBOX_DATABASE_URL"
+    )
     channel = channel_name(settings)
     pause = 0.5
+    listened = False
 
     def wake(*_: object) -> None:
         wakeup.notify()
@@ -43,11 +47,12 @@ async def listen(settings: Settings, wakeup: Wakeup) -> None:
     while True:
         conn: asyncpg.Connection | None = None
         try:
-            conn = await db.connect(secret.get_secret_value(), settings)
+            conn = await db.connect(secret.get_secret_value(), settings, setting)
             lost = asyncio.Event()
             conn.add_termination_listener(_setter(lost))
             await conn.add_listener(channel, wake)
             log.info("listening", channel=channel)
+            listened = True
             wake()  # rows may have arrived while we were not listening
             pause = 0.5
             while not lost.is_set():
@@ -57,6 +62,10 @@ async def listen(settings: Settings, wakeup: Wakeup) -> None:
                     # A silently dropped connection is only noticed by using it.
                     await asyncio.wait_for(conn.execute("SELECT 1"), PING_SECONDS)
             log.warning("listen_connection_lost", channel=channel)
+        except errors.ConfigurationError as exc:
+            if not listened:
+                raise  # wrong from the start (e.g. its password): stop with the message, exit 2
+            log.warning("listen_unavailable", channel=channel, error=repr(exc), retry_in=pause)
         except _UNAVAILABLE as exc:
             log.warning("listen_unavailable", channel=channel, error=repr(exc), retry_in=pause)
         finally:

@@ -15,6 +15,7 @@ import structlog
 from aiokafka import AIOKafkaProducer
 from aiokafka import errors as kafka_errors
 from aiokafka.conn import create_conn
+from aiokafka.protocol.metadata import MetadataRequest
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.models import OutboxRecord
@@ -41,10 +42,22 @@ class Sent:
 
 
 def record_headers(record: OutboxRecord, event_id_header: str) -> list[tuple[str, bytes]]:
-    """The row's headers unchanged (traceparent included), then the event id, which always wins."""
-    headers = [
-        (name, value.encode()) for name, value in record.headers.items() if name != event_id_header
-    ]
+    """The row's headers, then the event id. The schema admits only string values; a row stored
+    under an older, laxer check may still hold others, and is dead-lettered, not a crash."""
+    if not isinstance(record.headers, dict):
+        msg = f"headers must be a JSON object of strings, not {type(record.headers).__name__}"
+        raise errors.UnpublishableRowError(msg)
+    headers = []
+    for name, value in record.headers.items():
+        if name == event_id_header:
+            continue
+        if not isinstance(value, str):
+            msg = (
+                f"header {name!r} is a JSON {type(value).__name__}, not a string: Kafka header "
+                "values are strings; fix the row's headers, then requeue it"
+            )
+            raise errors.UnpublishableRowError(msg)
+        headers.append((name, value.encode()))
     headers.append((event_id_header, str(record.event_id).encode()))
     return headers
 
@@ -124,6 +137,13 @@ class KafkaPublisher:
                 f"({errors.describe(exc)}): check OUTBOX_KAFKA_BOOTSTRAP_SERVERS and the broker"
             )
             raise errors.BrokerUnavailableError(msg) from exc
+        except (ValueError, OverflowError) as exc:  # e.g. a port the socket layer refuses
+            await producer.stop()
+            msg = (
+                f"the Kafka client refused the settings ({errors.describe(exc)}): check the "
+                "OUTBOX_KAFKA_* settings"
+            )
+            raise errors.ConfigurationError(msg) from exc
         self._producer = producer
 
     async def stop(self) -> None:
@@ -173,6 +193,14 @@ class KafkaPublisher:
         if not unknown:
             return {}
         timeout = min(self._settings.publish_timeout_seconds, 10.0)
+        absent: dict[str, BaseException] = {}
+        if not self._settings.kafka_allow_auto_create_topics:
+            # The producer's own metadata requests always allow auto-creation: only topics the
+            # broker confirms may reach them.
+            absent = await self._without_auto_creation(unknown, timeout)
+            unknown = [t for t in unknown if t not in absent]
+            if not unknown:
+                return absent
 
         async def lookup(topic: str) -> BaseException | None:
             try:
@@ -200,7 +228,38 @@ class KafkaPublisher:
                     )
                 else:
                     failed[topic] = errors.BrokerUnavailableError()
-        return failed
+        return absent | failed
+
+    async def _without_auto_creation(
+        self, topics: list[str], seconds: float
+    ) -> dict[str, BaseException]:
+        """Ask the broker about topics with allow_auto_topic_creation=false (Metadata v4+); a
+        topic it does not know is missing. If the broker cannot be asked, every topic waits
+        (transient): looking it up through the producer would auto-create it."""
+        client = self.producer.client
+        node = client.get_random_node()
+        unavailable: dict[str, BaseException] = {
+            topic: errors.BrokerUnavailableError() for topic in topics
+        }
+        if node is None:
+            return unavailable
+        try:
+            async with asyncio.timeout(seconds):
+                response = await client.send(
+                    node, MetadataRequest(topics, allow_auto_topic_creation=False)
+                )
+        except (kafka_errors.KafkaError, OSError, TimeoutError):
+            return unavailable
+        missing: dict[str, BaseException] = {}
+        for entry in response.topics:
+            code, topic = entry[0], entry[1]
+            if code == kafka_errors.UnknownTopicOrPartitionError.errno:
+                missing[topic] = TopicMissingError(
+                    f"topic {topic!r} does not exist and OUTBOX_KAFKA_ALLOW_AUTO_CREATE_TOPICS is "
+                    "false: create the topic (the row is retried until max_attempts), or requeue "
+                    "the row with an existing topic"
+                )
+        return missing
 
     async def send(self, records: Sequence[OutboxRecord], sent: Sent) -> None:
         """Hand every record to the producer in order, filling `sent` as it goes (so that a
@@ -224,21 +283,32 @@ class KafkaPublisher:
                 sent.futures.append(NotAttempted())
                 continue
             problem = topic if isinstance(topic, BaseException) else topic_errors.get(topic)
+            if problem is None and key is None and record.payload is None:
+                problem = errors.UnpublishableRowError(
+                    "a tombstone (NULL payload) needs an ordering_key: Kafka clients refuse a "
+                    "record with neither key nor value; give the row a key or a payload"
+                )
             if problem is None and isinstance(topic, str):
-                headers = record_headers(record, header_name)
-                if cloudevents:
-                    headers = [h for h in headers if h[0] != "ce_id"] + cloudevents_headers(
-                        record, self._settings
-                    )
                 span = tracer.start(record, topic)
                 try:
+                    headers = record_headers(record, header_name)
+                    if cloudevents:
+                        headers = [h for h in headers if h[0] != "ce_id"] + cloudevents_headers(
+                            record, self._settings
+                        )
                     future = await producer.send(
                         topic,
                         value=record.payload,
                         key=key.encode() if key is not None else None,
                         headers=headers,
                     )
-                except (kafka_errors.KafkaError, ValueError, TypeError, AssertionError) as exc:
+                except (
+                    kafka_errors.KafkaError,
+                    errors.UnpublishableRowError,
+                    ValueError,
+                    TypeError,
+                    AssertionError,
+                ) as exc:
                     problem = exc
                     self._note(exc)
                     tracer.fail(span, exc)

@@ -190,6 +190,14 @@ class Settings(BaseSettings):
     kafka_ssl_check_hostname: bool = Field(
         default=True, description="Verify that the broker's certificate names its host."
     )
+    kafka_allow_auto_create_topics: bool = Field(
+        default=True,
+        description=(
+            "Let the broker auto-create a missing topic (if it is configured to). When false, "
+            "the dispatcher looks topics up without auto-creation, and a row for a missing topic "
+            "is retried, then dead-lettered, with a message saying to create it."
+        ),
+    )
 
     # Database session
     listen: bool = Field(default=True, description="Use LISTEN/NOTIFY as a wake-up hint.")
@@ -326,8 +334,16 @@ class Settings(BaseSettings):
     @classmethod
     def _check_bootstrap(cls, value: str) -> str:
         servers = [s.strip() for s in value.split(",") if s.strip()]
-        if not servers or any(":" not in s for s in servers):
-            msg = f"OUTBOX_KAFKA_BOOTSTRAP_SERVERS {value!r}: expected host:port[,host:port...]"
+
+        def usable(server: str) -> bool:
+            host, _, port = server.rpartition(":")
+            return bool(host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536
+
+        if not servers or not all(usable(s) for s in servers):
+            msg = (
+                f"OUTBOX_KAFKA_BOOTSTRAP_SERVERS {value!r}: expected host:port[,host:port...] "
+                "with ports 1-65535"
+            )
             raise ValueError(msg)
         return ",".join(servers)
 

@@ -1,4 +1,4 @@
--- outbox-dispatcher: the full current schema (version 3). Equivalent to applying every file in
+-- outbox-dispatcher: the full current schema (version 4). Equivalent to applying every file in
 -- migrations/ in order; tests/integration/test_schema.py proves it. Placeholders as in the migrations.
 
 CREATE TABLE IF NOT EXISTS ${schema}.${table}_schema_version (
@@ -7,11 +7,12 @@ CREATE TABLE IF NOT EXISTS ${schema}.${table}_schema_version (
     applied_at timestamptz NOT NULL DEFAULT now()
 );
 
--- Writers may only store headers the dispatcher can copy to Kafka unchanged.
+-- Writers may only store headers the dispatcher can copy to Kafka unchanged. Strict mode: a lax
+-- path would unwrap arrays and let {"a": ["x"]} pass.
 CREATE FUNCTION ${schema}.${table}_headers_valid(headers jsonb) RETURNS boolean
     LANGUAGE sql IMMUTABLE PARALLEL SAFE
     RETURN jsonb_typeof(headers) = 'object'
-        AND NOT jsonb_path_exists(headers, '$.* ? (@.type() != "string")');
+        AND NOT jsonb_path_exists(headers, 'strict $.* ? (@.type() != "string")');
 
 CREATE TABLE ${schema}.${table} (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -36,6 +37,8 @@ CREATE TABLE ${schema}.${table} (
         topic ~ '^[A-Za-z0-9._-]{1,249}$' AND topic NOT IN ('.', '..')
     ),
     CONSTRAINT ${table}_headers_valid CHECK (${schema}.${table}_headers_valid(headers)),
+    -- Indexed twice; PostgreSQL's own refusal of long index entries names nothing useful.
+    CONSTRAINT ${table}_ordering_key_length CHECK (octet_length(ordering_key) <= 2048),
     CONSTRAINT ${table}_not_published_and_dead CHECK (published_at IS NULL OR dead_at IS NULL)
 );
 
@@ -351,5 +354,6 @@ BEGIN
 END;
 $fn$;
 
-INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (1, 'initial'), (2, 'routed_topic'), (3, 'operations')
+INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (1, 'initial'), (2, 'routed_topic'),
+    (3, 'operations'), (4, 'stricter_writer_checks')
     ON CONFLICT (version) DO NOTHING;

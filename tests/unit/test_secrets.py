@@ -145,7 +145,7 @@ def _run_cli(env: dict[str, str], *args: str) -> tuple[int, str]:
             {"OUTBOX_DATABASE_URL": f"postgresql://app:{SECRET}@127.0.0.1:notaport/app"},
             ("status",),
             2,
-            "not a valid PostgreSQL URL",
+            "not a usable PostgreSQL URL",
             id="malformed-dsn",
         ),
         pytest.param(
