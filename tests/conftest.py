@@ -7,7 +7,8 @@ import os
 from outbox_dispatcher import logs
 
 for _name in list(os.environ):
-    if _name.startswith("OUTBOX_") and not _name.startswith("OUTBOX_TEST_"):
+    # OUTBOX_SERVICES_* are the local services' ports: the chaos tests' stop/start need them.
+    if _name.startswith("OUTBOX_") and not _name.startswith(("OUTBOX_TEST_", "OUTBOX_SERVICES_")):
         del os.environ[_name]
 
 logs.configure("console", "INFO")
