@@ -136,6 +136,7 @@ async def prefill(url: str, topic: str, rows: int, keys: int) -> None:
 
 
 def settings_for(url: str, stack: Stack, **overrides: Any) -> Settings:
+    overrides.setdefault("http_port", 0)
     return Settings(database_url=url, kafka_bootstrap_servers=stack.bootstrap, **overrides)
 
 

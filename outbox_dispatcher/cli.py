@@ -19,7 +19,7 @@ import orjson
 import structlog
 from pydantic import SecretStr, ValidationError
 
-from outbox_dispatcher import __version__, db, errors, logs, migrations, status
+from outbox_dispatcher import __version__, db, errors, logs, migrations, status, tracing
 from outbox_dispatcher.dispatcher import Dispatcher
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
@@ -153,6 +153,12 @@ def _asyncio_run(coro: Coroutine[Any, Any, int], *, use_uvloop: bool) -> int:
 
 
 async def _run(settings: Settings, _: argparse.Namespace) -> int:
+    if settings.tracing:
+        try:
+            tracing.configure_sdk()
+        except ImportError as missing:
+            msg = "OUTBOX_TRACING needs OpenTelemetry: install outbox-dispatcher[otel]"
+            raise errors.ConfigurationError(msg) from missing
     dispatcher = Dispatcher(settings)
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()

@@ -10,16 +10,18 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 import uuid
 from collections import defaultdict
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import asyncpg
 import structlog
 
-from outbox_dispatcher import db, errors, listener, migrations, reclaimer
+from outbox_dispatcher import db, errors, listener, metrics, migrations, reclaimer
 from outbox_dispatcher.claimer import Claimer, Wakeup, pause
+from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
 from outbox_dispatcher.marker import Marker
 from outbox_dispatcher.models import Batch, OutboxRecord, Outcome, Result
 from outbox_dispatcher.publisher import KafkaPublisher, NotAttempted, Sent
@@ -28,6 +30,12 @@ from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
 
 log = structlog.get_logger(__name__)
+
+READINESS_ERRORS: tuple[type[BaseException], ...] = (
+    TimeoutError,
+    asyncpg.PostgresError,
+    *db.RETRIABLE_ERRORS,
+)
 
 
 def instance_id() -> str:
@@ -46,6 +54,25 @@ class Dispatcher:
         self.published = 0
         self.wakeup = Wakeup()
         self._last_batch = float("-inf")
+        self.metrics = metrics.Metrics()
+        self.metrics.in_flight.set_function(lambda: len(self.in_flight))
+        # A claim loop beats at least once per poll interval (also while it waits out a broker
+        # outage), the lease keeper once per lease/3.
+        self.heartbeats = Heartbeats(
+            settings.liveness_timeout_seconds
+            + max(settings.poll_interval_seconds, settings.lease_seconds / 3)
+        )
+        self._http: HealthServer | None = None
+
+    @property
+    def http_port(self) -> int | None:
+        """The port /metrics, /livez and /readyz listen on, once started (OUTBOX_HTTP_PORT=0
+        picks a free one)."""
+        return None if self._http is None else self._http.port
+
+    def live(self) -> dict[str, object]:
+        stale = self.heartbeats.stale()
+        return {"live": not stale, "stale_loops": stale}
 
     def stop(self) -> None:
         """Begin a graceful shutdown (phase one: stop claiming)."""
@@ -75,6 +102,7 @@ class Dispatcher:
         marker = Marker(
             pool, self.queries, retry_for=s.lease_seconds, delete_on_publish=s.delete_on_publish
         )
+        readiness = ReadinessCache(lambda: self._readiness(pool, publisher))
         log.info(
             "started",
             owner=self.owner,
@@ -86,21 +114,72 @@ class Dispatcher:
         async with asyncio.TaskGroup() as tg:
             claim_tasks = [
                 tg.create_task(
-                    self._guard(self._claim_loop(claimer, publisher, marker), f"claim-{i}"),
+                    self._guard(
+                        self._claim_loop(f"claim-{i}", claimer, publisher, marker), f"claim-{i}"
+                    ),
                     name=f"claim-{i}",
                 )
                 for i in range(s.claim_tasks)
             ]
             side: dict[str, Coroutine[Any, Any, None]] = {
-                "lease-keeper": reclaimer.keep_leases(pool, self.queries, s, self.in_flight),
-                "reclaimer": reclaimer.reclaim(pool, self.queries, s),
+                "lease-keeper": reclaimer.keep_leases(
+                    pool, self.queries, s, self.in_flight, self.heartbeats
+                ),
+                "reclaimer": reclaimer.reclaim(pool, self.queries, s, self.metrics),
+                "metrics": metrics.sample(pool, self.queries, s, self.metrics),
+                "readiness": self._refresh_readiness(readiness),
             }
             if s.listen:
                 side["listener"] = listener.listen(s, self.wakeup)
+            if s.http_enabled:
+                self._http = HealthServer(
+                    s.http_host,
+                    s.http_port,
+                    live=self.live,
+                    ready=readiness,
+                    metrics=self.metrics.exposition,
+                )
+                side["http"] = self._http.serve()
             side_tasks = [
                 tg.create_task(self._guard(coro, name), name=name) for name, coro in side.items()
             ]
             tg.create_task(self._shutdown(claim_tasks, side_tasks), name="shutdown")
+
+    async def _readiness(self, pool: asyncpg.Pool, publisher: KafkaPublisher) -> Readiness:
+        checks: dict[str, str] = {}
+        if self.stopping.is_set():
+            checks["dispatcher"] = "shutting down"
+        try:
+            async with asyncio.timeout(3):
+                [(version,)] = await db.fetch(pool, self.queries.schema_version)
+        except READINESS_ERRORS as exc:
+            checks["database"] = f"unreachable: {errors.describe(exc)}"
+        else:
+            checks["database"] = "ok"
+            expected = migrations.latest_version()
+            checks["schema"] = (
+                "ok"
+                if version == expected
+                else f"version {version}, this dispatcher needs {expected}"
+            )
+        reachable = await publisher.broker_reachable(3.0)
+        checks["broker"] = "ok" if reachable else "unreachable"
+        ready = all(value == "ok" for value in checks.values())
+        self.metrics.ready.set(int(ready))
+        return Readiness(ready, checks)
+
+    async def _refresh_readiness(self, readiness: ReadinessCache) -> None:
+        """Keep outbox_ready current even when nothing probes /readyz; log changes."""
+        was: bool | None = None
+        while True:
+            state = await readiness.get()
+            if state.ready != was:
+                if state.ready:
+                    log.info("ready", checks=state.checks)
+                else:
+                    log.warning("not_ready", checks=state.checks)
+                was = state.ready
+            await asyncio.sleep(min(self.settings.metrics_interval_seconds, 5.0))
 
     async def _guard(self, loop: Coroutine[Any, Any, None], name: str) -> None:
         """A loop that returns while the dispatcher is not stopping is a dead loop."""
@@ -122,41 +201,63 @@ class Dispatcher:
             task.cancel()
 
     async def _claim_loop(
-        self, claimer: Claimer, publisher: KafkaPublisher, marker: Marker
+        self, name: str, claimer: Claimer, publisher: KafkaPublisher, marker: Marker
     ) -> None:
         s = self.settings
+        m = self.metrics
         backoff = s.backoff_initial_seconds
-        while not self.stopping.is_set():
-            try:
-                batch = await claimer.claim()
-            except db.RETRIABLE_ERRORS as exc:
-                log.warning("claim_failed", error=repr(exc), retry_in=backoff)
-                await pause(self.stopping, backoff)
-                backoff = min(backoff * 2, s.backoff_max_seconds)
-                continue
-            backoff = s.backoff_initial_seconds
-            loop = asyncio.get_running_loop()
-            if batch is None:
-                lingering = loop.time() - self._last_batch < s.linger_seconds
-                poll = s.linger_poll_seconds if lingering else s.poll_interval_seconds
-                await self.wakeup.wait(self.stopping, poll)
-                continue
-            self._last_batch = loop.time()
-            if len(batch.records) >= s.batch_size:
-                self.wakeup.notify()  # a full batch: there is probably more for another loop
-            outage = await self._process(batch, publisher, marker)
-            if outage:
-                await pause(self.stopping, outage)
+        loop = asyncio.get_running_loop()
+        try:
+            while not self.stopping.is_set():
+                self.heartbeats.beat(name)
+                started = loop.time()
+                try:
+                    batch = await claimer.claim()
+                except db.RETRIABLE_ERRORS as exc:
+                    log.warning("claim_failed", error=repr(exc), retry_in=backoff)
+                    await pause(self.stopping, backoff)
+                    backoff = min(backoff * 2, s.backoff_max_seconds)
+                    continue
+                m.claim_duration.observe(loop.time() - started)
+                backoff = s.backoff_initial_seconds
+                if batch is None:
+                    lingering = loop.time() - self._last_batch < s.linger_seconds
+                    poll = s.linger_poll_seconds if lingering else s.poll_interval_seconds
+                    await self.wakeup.wait(self.stopping, poll)
+                    continue
+                self._last_batch = loop.time()
+                m.claimed.inc(len(batch.records))
+                if reclaimed := sum(r.reclaimed for r in batch.records):
+                    m.reclaims.inc(reclaimed)
+                if len(batch.records) >= s.batch_size:
+                    self.wakeup.notify()  # a full batch: there is probably more for another loop
+                outage = await self._process(
+                    batch, publisher, marker, lambda: self.heartbeats.beat(name)
+                )
+                if outage:
+                    await pause(self.stopping, outage)
+        finally:
+            self.heartbeats.forget(name)
 
-    async def _process(self, batch: Batch, publisher: KafkaPublisher, marker: Marker) -> float:
+    async def _process(
+        self,
+        batch: Batch,
+        publisher: KafkaPublisher,
+        marker: Marker,
+        heartbeat: Callable[[], None] = lambda: None,
+    ) -> float:
         """Publish one batch and settle it; returns how long to pause for a broker outage."""
+        m = self.metrics
         records = batch.records
+        loop = asyncio.get_running_loop()
         self.in_flight.add(batch.token, [r.id for r in records])
+        claimed_at = loop.time()
         try:
             sent = Sent()
+            started = claimed_at
             try:
                 await publisher.send(records, sent)
-                outcomes = await publisher.wait(sent)
+                outcomes = await publisher.wait(sent, heartbeat)
             except asyncio.CancelledError:
                 # Shutdown past the grace period: mark what was acknowledged, give back the rest.
                 outcomes = publisher.outcomes(
@@ -164,12 +265,18 @@ class Dispatcher:
                 )
                 await marker.settle_shielded(batch, self.retry_policy.results(records, outcomes))
                 raise
+            acked_at = time.time()
+            m.publish_duration.observe(loop.time() - started)
             results = self.retry_policy.results(records, outcomes)
+            started = loop.time()
             settled = await marker.settle_shielded(batch, results)
+            m.mark_duration.observe(loop.time() - started)
         finally:
             self.in_flight.discard(batch.token)
         published = sum(1 for o in outcomes if o is None)
         self.published += published
+        if settled:
+            m.record_batch(records, results, acked_at)
         self._log_failures(records, results)
         log.debug(
             "batch_settled",
@@ -177,6 +284,9 @@ class Dispatcher:
             published=published,
             settled=settled,
             reclaimed=sum(r.reclaimed for r in records),
+            duration_ms=round((loop.time() - claimed_at) * 1000, 1),
+            first_id=records[0].id,
+            last_id=records[-1].id,
         )
         if any(res.error and not res.counted for res in results):
             return self.retry_policy.outage_delay()

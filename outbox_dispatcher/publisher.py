@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -20,6 +20,7 @@ from outbox_dispatcher import errors
 from outbox_dispatcher.models import OutboxRecord
 from outbox_dispatcher.routing import Router
 from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.tracing import Tracer
 
 log = structlog.get_logger(__name__)
 
@@ -40,6 +41,7 @@ class Sent:
 
 
 def record_headers(record: OutboxRecord, event_id_header: str) -> list[tuple[str, bytes]]:
+    """The row's headers unchanged (traceparent included), then the event id, which always wins."""
     headers = [
         (name, value.encode()) for name, value in record.headers.items() if name != event_id_header
     ]
@@ -47,11 +49,27 @@ def record_headers(record: OutboxRecord, event_id_header: str) -> list[tuple[str
     return headers
 
 
+def cloudevents_headers(record: OutboxRecord, settings: Settings) -> list[tuple[str, bytes]]:
+    """CloudEvents Kafka binding, binary mode: the payload is the event data and the attributes
+    travel as ce_* headers. ce_id is always the event id; a row's own ce_* headers win."""
+    extra = [("ce_id", str(record.event_id))]
+    defaults = (
+        ("ce_specversion", "1.0"),
+        ("ce_source", settings.cloudevents_source),
+        ("ce_type", settings.cloudevents_type),
+        ("ce_time", record.created_at.isoformat()),
+        ("content-type", settings.cloudevents_content_type),
+    )
+    extra.extend((name, value) for name, value in defaults if name not in record.headers)
+    return [(name, value.encode()) for name, value in extra]
+
+
 class KafkaPublisher:
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
         self._router = Router(settings.default_topic, settings.topic_template)
         self._producer: AIOKafkaProducer | None = None
+        self._tracer = Tracer(settings.tracing)
 
     def _build(self) -> AIOKafkaProducer:
         s = self._settings
@@ -158,6 +176,8 @@ class KafkaPublisher:
         cancelled send still knows what it sent); a key stops at its first failure."""
         producer = self.producer
         header_name = self._settings.event_id_header
+        cloudevents = self._settings.cloudevents
+        tracer = self._tracer
         topics = [self._route(record) for record in records]
         topic_errors = await self._topic_errors({t for t in topics if isinstance(t, str)})
         failed_keys: set[str] = set()
@@ -168,16 +188,24 @@ class KafkaPublisher:
                 continue
             problem = topic if isinstance(topic, BaseException) else topic_errors.get(topic)
             if problem is None and isinstance(topic, str):
+                headers = record_headers(record, header_name)
+                if cloudevents:
+                    headers = [h for h in headers if h[0] != "ce_id"] + cloudevents_headers(
+                        record, self._settings
+                    )
+                span = tracer.start(record, topic)
                 try:
                     future = await producer.send(
                         topic,
                         value=record.payload,
                         key=key.encode() if key is not None else None,
-                        headers=record_headers(record, header_name),
+                        headers=headers,
                     )
                 except (kafka_errors.KafkaError, ValueError, TypeError, AssertionError) as exc:
                     problem = exc
+                    tracer.fail(span, exc)
                 else:
+                    tracer.end_on_ack(span, future)
                     sent.futures.append(future)
                     continue
             assert problem is not None  # noqa: S101 - a topic either routed or failed
@@ -209,13 +237,16 @@ class KafkaPublisher:
         results.extend([unacknowledged] * max(0, missing))
         return results
 
-    async def wait(self, sent: Sent) -> list[BaseException | None]:
+    async def wait(
+        self, sent: Sent, heartbeat: Callable[[], None] = lambda: None
+    ) -> list[BaseException | None]:
         """Wait for the broker's answers. While the broker is unreachable, keep waiting: the
         producer retries by itself and the lease keeper keeps the rows ours, so an outage ends in
         delivery, not in duplicates. If the broker answers but the records stay unacknowledged
         past publish_timeout, give up on them (they are given back and retried)."""
         pending = {f for f in sent.futures if isinstance(f, asyncio.Future)}
         while pending:
+            heartbeat()  # waiting for a broker is not being stuck
             _, pending = await asyncio.wait(pending, timeout=self._settings.publish_timeout_seconds)
             if not pending:
                 break

@@ -13,6 +13,8 @@ import asyncpg
 import structlog
 
 from outbox_dispatcher import db
+from outbox_dispatcher.health import Heartbeats
+from outbox_dispatcher.metrics import Metrics
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
 
@@ -44,11 +46,16 @@ class InFlight:
 
 
 async def keep_leases(
-    pool: asyncpg.Pool, queries: Queries, settings: Settings, in_flight: InFlight
+    pool: asyncpg.Pool,
+    queries: Queries,
+    settings: Settings,
+    in_flight: InFlight,
+    heartbeats: Heartbeats,
 ) -> None:
     """Extend the leases of in-flight rows every lease/3, for as long as the process lives."""
     interval = settings.lease_seconds / 3
     while True:
+        heartbeats.beat("lease-keeper")
         await asyncio.sleep(interval)
         ids, tokens = in_flight.pairs()
         if not ids:
@@ -63,7 +70,9 @@ async def keep_leases(
             log.debug("lease_extension_partial", extended=len(rows), asked=len(ids))
 
 
-async def reclaim(pool: asyncpg.Pool, queries: Queries, settings: Settings) -> None:
+async def reclaim(
+    pool: asyncpg.Pool, queries: Queries, settings: Settings, metrics: Metrics
+) -> None:
     """Dead-letter rows whose leases keep expiring; report expired leases awaiting takeover."""
     while True:
         await asyncio.sleep(settings.reclaim_interval_seconds)
@@ -74,6 +83,7 @@ async def reclaim(pool: asyncpg.Pool, queries: Queries, settings: Settings) -> N
             log.warning("reclaim_failed", error=repr(exc))
             continue
         for row in dead:
+            metrics.dead_lettered.labels(row["topic"] or "(routed)", "crash_loop").inc()
             log.error(
                 "dead_lettered_crash_loop",
                 id=row["id"],

@@ -49,6 +49,7 @@ class Queries:
     count_expired_leases: str
     schema_version: str
     status: str
+    gauges: str
     inbox_record: str
 
     @classmethod

@@ -84,6 +84,24 @@ SELECT topic,
  GROUP BY topic
  ORDER BY topic
 
+-- gauges --
+-- The table gauges behind /metrics, each from a partial index: pending rows, the age of the oldest
+-- (by id, the claim's order), dead rows, keys waiting out a backoff, and keys blocked by a dead row
+-- when $1 (dead_letter_policy = block).
+SELECT (SELECT count(*) FROM {table} WHERE published_at IS NULL AND dead_at IS NULL) AS pending,
+       (SELECT extract(epoch FROM now() - created_at)::float8 FROM {table}
+         WHERE published_at IS NULL AND dead_at IS NULL ORDER BY id LIMIT 1)
+           AS oldest_pending_age_seconds,
+       (SELECT count(*) FROM {table} WHERE dead_at IS NOT NULL) AS dead,
+       (SELECT count(DISTINCT ordering_key) FROM {table}
+         WHERE published_at IS NULL AND dead_at IS NULL AND attempts > 0
+           AND next_attempt_at > now()) AS backoff_keys,
+       (SELECT count(DISTINCT d.ordering_key) FROM {table} d
+         WHERE $1 AND d.dead_at IS NOT NULL
+           AND EXISTS (SELECT FROM {table} p
+                        WHERE p.ordering_key = d.ordering_key
+                          AND p.published_at IS NULL AND p.dead_at IS NULL)) AS dead_blocked_keys
+
 -- inbox_record --
 -- Consumer side: remember an event id in the same transaction as the handler's writes; no row
 -- back means it was processed before (or is being processed right now by another consumer, whose

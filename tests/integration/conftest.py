@@ -192,6 +192,7 @@ def make_settings(services: Services, database_url: str) -> Any:
             "backoff_max_seconds": 1.0,
             "shutdown_grace_seconds": 10.0,
             "log_format": "console",
+            "http_port": 0,  # a free port: several dispatchers run at once
         }
         values.update(overrides)
         return Settings(**values)

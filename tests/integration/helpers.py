@@ -149,3 +149,17 @@ async def wait_started(log_paths: Sequence[Path], timeout: float = 60) -> None:
 def kill9(process: subprocess.Popen[bytes]) -> None:
     os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=10)
+
+
+async def http_get(port: int, path: str) -> tuple[int, bytes]:
+    """GET http://127.0.0.1:port/path: (status, body)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        await writer.drain()
+        response = await reader.read()
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    head, _, body = response.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body

@@ -2,6 +2,11 @@ from __future__ import annotations
 
 import logging
 
+import orjson
+import pytest
+import structlog
+
+from outbox_dispatcher import logs
 from outbox_dispatcher.logs import RepeatFilter
 
 
@@ -25,3 +30,24 @@ def test_client_library_repeats_pass_once_per_window_with_a_count() -> None:
 def test_our_own_logs_are_never_suppressed() -> None:
     f = RepeatFilter(("aiokafka",))
     assert all(f.filter(record("outbox_dispatcher.x", "same", 0.0)) for _ in range(5))
+
+
+def test_json_lines_for_our_logs_and_the_client_libraries(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    try:
+        logs.configure("json", "INFO")
+        structlog.get_logger("outbox_dispatcher.test").info(
+            "batch_settled", rows=3, event_id="e-1", topic="orders", duration_ms=1.5
+        )
+        logging.getLogger("aiokafka.conn").warning("Unable to connect to %s", "broker:9092")
+        logging.getLogger("asyncpg.pool").info("chatty at INFO, hidden")
+        lines = capsys.readouterr().err.splitlines()
+    finally:
+        logs.configure("console", "INFO")  # as tests/conftest.py has it
+    ours, theirs = (orjson.loads(line) for line in lines)  # exactly two lines, each one object
+    assert ours["event"] == "batch_settled"
+    assert (ours["rows"], ours["event_id"], ours["topic"]) == (3, "e-1", "orders")
+    assert {"level", "logger", "timestamp"} <= ours.keys()
+    assert theirs["event"] == "Unable to connect to broker:9092"
+    assert (theirs["level"], theirs["logger"]) == ("warning", "aiokafka.conn")

@@ -1,0 +1,201 @@
+"""Prometheus metrics: what an operator alerts on (lag, dead rows, no progress, not ready).
+
+Every name has the `outbox_` prefix; labels are limited to topic, reason and step, which stay few.
+Each Dispatcher owns a registry (several dispatchers in one test process do not mix); the table
+gauges are sampled from the database every metrics_interval_seconds by `sample`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import time
+from collections.abc import Sequence
+
+import asyncpg
+import structlog
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+from outbox_dispatcher import __version__, db
+from outbox_dispatcher.models import OutboxRecord, Outcome, Result
+from outbox_dispatcher.settings import DeadLetterPolicy, Settings
+from outbox_dispatcher.sql import Queries
+
+log = structlog.get_logger(__name__)
+
+# Claims and marks take milliseconds; a publish waits for acks=all; commit-to-ack spans polling.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+
+# The names exported (without the _total/_bucket/... suffixes the client adds); deploy/ manifests
+# and alerts are tested against this list.
+NAMES = (
+    "outbox_build_info",
+    "outbox_ready",
+    "outbox_pending_rows",
+    "outbox_oldest_pending_age_seconds",
+    "outbox_dead_rows",
+    "outbox_blocked_keys",
+    "outbox_in_flight_rows",
+    "outbox_claimed_rows_total",
+    "outbox_published_total",
+    "outbox_publish_failures_total",
+    "outbox_dead_lettered_total",
+    "outbox_lease_reclaims_total",
+    "outbox_claim_duration_seconds",
+    "outbox_publish_duration_seconds",
+    "outbox_mark_duration_seconds",
+    "outbox_commit_to_ack_seconds",
+    "outbox_table_sampled_timestamp_seconds",
+)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        r = self.registry
+        self.build_info = Gauge(
+            "outbox_build_info",
+            "Always 1; the labels say which outbox-dispatcher runs.",
+            ["version", "python"],
+            registry=r,
+        )
+        self.build_info.labels(__version__, platform.python_version()).set(1)
+        self.ready = Gauge(
+            "outbox_ready",
+            "1 when the database, the schema version and the broker are all fine (as /readyz).",
+            registry=r,
+        )
+        self.pending = Gauge(
+            "outbox_pending_rows", "Rows neither published nor dead-lettered.", registry=r
+        )
+        self.oldest_pending_age = Gauge(
+            "outbox_oldest_pending_age_seconds",
+            "Age of the oldest pending row: the lag to alert on (0 when nothing is pending).",
+            registry=r,
+        )
+        self.dead = Gauge("outbox_dead_rows", "Dead-lettered rows in the table.", registry=r)
+        self.blocked_keys = Gauge(
+            "outbox_blocked_keys",
+            "Ordering keys whose next row cannot go now: waiting out a retry backoff, or behind "
+            "a dead row under dead_letter_policy=block.",
+            ["reason"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "outbox_in_flight_rows",
+            "Rows this dispatcher has claimed and not yet settled.",
+            registry=r,
+        )
+        self.sampled = Gauge(
+            "outbox_table_sampled_timestamp_seconds",
+            "When the table gauges were last read from the database (Unix time).",
+            registry=r,
+        )
+        self.claimed = Counter(
+            "outbox_claimed_rows", "Rows claimed by this dispatcher.", registry=r
+        )
+        self.published = Counter(
+            "outbox_published",
+            "Rows acknowledged by the broker and marked published.",
+            ["topic"],
+            registry=r,
+        )
+        self.failures = Counter(
+            "outbox_publish_failures",
+            "Failed publish attempts by class: permanent (dead at once), row (counted retry), "
+            "outage (broker unavailable; never counts towards max_attempts).",
+            ["topic", "reason"],
+            registry=r,
+        )
+        self.dead_lettered = Counter(
+            "outbox_dead_lettered",
+            "Rows dead-lettered by this dispatcher, by why: permanent, max_attempts, crash_loop.",
+            ["topic", "reason"],
+            registry=r,
+        )
+        self.reclaims = Counter(
+            "outbox_lease_reclaims",
+            "Rows taken over after their previous owner's lease expired.",
+            registry=r,
+        )
+        self.claim_duration = Histogram(
+            "outbox_claim_duration_seconds",
+            "One claim round trip.",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.publish_duration = Histogram(
+            "outbox_publish_duration_seconds",
+            "Publishing one batch: send to the last acknowledgement.",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.mark_duration = Histogram(
+            "outbox_mark_duration_seconds",
+            "Settling one batch (marking published, scheduling retries, dead-lettering).",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.commit_to_ack = Histogram(
+            "outbox_commit_to_ack_seconds",
+            "From a row's created_at (its writer's transaction, by the database clock) to the "
+            "broker's acknowledgement (by this host's clock).",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def record_batch(
+        self, records: Sequence[OutboxRecord], results: Sequence[Result], acked_at: float
+    ) -> None:
+        """Counters and the commit-to-ack histogram for one settled batch."""
+        published: dict[str, int] = {}
+        for record, result in zip(records, results, strict=True):
+            topic = record.topic or "(routed)"
+            if result.outcome is Outcome.PUBLISHED:
+                published[topic] = published.get(topic, 0) + 1
+                self.commit_to_ack.observe(max(0.0, acked_at - record.created_at.timestamp()))
+                continue
+            if result.error is None:
+                continue  # not attempted: an earlier row of its key failed
+            if result.outcome is Outcome.DEAD:
+                permanent = result.error.startswith("permanent")
+                self.failures.labels(topic, "permanent" if permanent else "row").inc()
+                self.dead_lettered.labels(topic, "permanent" if permanent else "max_attempts").inc()
+            else:
+                self.failures.labels(topic, "row" if result.counted else "outage").inc()
+        for topic, n in published.items():
+            self.published.labels(topic).inc(n)
+
+
+async def sample(pool: asyncpg.Pool, queries: Queries, settings: Settings, m: Metrics) -> None:
+    """Read the table gauges (pending, lag, dead, blocked keys) every metrics interval."""
+    block = settings.dead_letter_policy is DeadLetterPolicy.BLOCK
+    while True:
+        try:
+            [row] = await db.fetch(pool, queries.gauges, block)
+        except db.RETRIABLE_ERRORS as exc:
+            log.warning("metrics_sample_failed", error=repr(exc))
+        else:
+            m.pending.set(row["pending"])
+            m.oldest_pending_age.set(row["oldest_pending_age_seconds"] or 0.0)
+            m.dead.set(row["dead"])
+            m.blocked_keys.labels("backoff").set(row["backoff_keys"])
+            m.blocked_keys.labels("dead").set(row["dead_blocked_keys"])
+            m.sampled.set(time.time())
+        await asyncio.sleep(settings.metrics_interval_seconds)
