@@ -149,6 +149,15 @@ def readyz(port: int) -> tuple[int, dict[str, Any]]:
         return 0, {}
 
 
+@contextlib.asynccontextmanager
+async def restarts(services: Services, service: str) -> AsyncIterator[None]:
+    """The test stops `service` ("pg" or "kafka"); whatever happens, it is started again."""
+    try:
+        yield
+    finally:
+        await control(services, f"{service}-start")
+
+
 async def control(services: Services, action: str) -> None:
     """deploy/local/services.sh pg-stop|pg-start|kafka-stop|kafka-start, off the event loop."""
     if services.control is None:
@@ -473,7 +482,7 @@ async def test_broker_restart_under_load(
     )
     outage = scale(10, 60)
     writer = Writer(database_url, topic, [f"key-{k}" for k in range(50)], rate=200)
-    async with fleet(settings, tmp_path, 2) as f, writing(writer):
+    async with restarts(services, "kafka"), fleet(settings, tmp_path, 2) as f, writing(writer):
         await asyncio.sleep(3)
         await control(services, "kafka-stop")
         await asyncio.sleep(outage)
@@ -557,7 +566,7 @@ async def test_database_restart_under_load(
     outage = scale(8, 30)
     writer = Writer(database_url, topic, [f"key-{k}" for k in range(50)], rate=200)
     readiness: dict[str, Any] = {}
-    async with fleet(settings, tmp_path, 2) as f, writing(writer):
+    async with restarts(services, "pg"), fleet(settings, tmp_path, 2) as f, writing(writer):
         pids = {slot: p.pid for slot, p in f.slots.items()}
         ports = [http_port(f.log_of[slot]) for slot in sorted(f.slots)]
         assert all(ports), "each dispatcher logs http_listening with its port"
