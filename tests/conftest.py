@@ -7,8 +7,10 @@ import os
 from outbox_dispatcher import logs
 
 for _name in list(os.environ):
-    # OUTBOX_SERVICES_* are the local services' ports: the chaos tests' stop/start need them.
-    if _name.startswith("OUTBOX_") and not _name.startswith(("OUTBOX_TEST_", "OUTBOX_SERVICES_")):
+    # Kept: OUTBOX_SERVICES_* (services' ports, for stop/start), OUTBOX_CHAOS* (scale, report).
+    if _name.startswith("OUTBOX_") and not _name.startswith(
+        ("OUTBOX_TEST_", "OUTBOX_SERVICES_", "OUTBOX_CHAOS")
+    ):
         del os.environ[_name]
 
 logs.configure("console", "INFO")
