@@ -506,7 +506,12 @@ async def test_broker_restart_under_load(
         )
 
         async def backlog_done() -> bool:
-            return await count(conn, f"id <= {int(backlog)} AND published_at IS NULL") == 0
+            return (
+                await count(
+                    conn, f"id <= {int(backlog)} AND published_at IS NULL AND dead_at IS NULL"
+                )
+                == 0
+            )
 
         try:
             await wait_until(backlog_done, 60, "the outage's backlog to drain")
@@ -520,6 +525,10 @@ async def test_broker_restart_under_load(
         await wait_all_settled(conn, 120)
         same = all(p.poll() is None for p in f.slots.values())
     dead = await count(conn, "dead_at IS NOT NULL")
+    dead_reasons = await conn.fetch(
+        "SELECT left(last_error, 200) AS error, count(*) AS n FROM outbox"
+        " WHERE dead_at IS NOT NULL GROUP BY 1"
+    )
     verdict = await verdict_for(
         database_url, services.kafka_bootstrap_servers, [topic], timeout=120
     )
@@ -533,6 +542,7 @@ async def test_broker_restart_under_load(
         resume_after_broker_back_s=round(resume_s, 2),
         backlog_drained_after_broker_back_s=round((drained_at - back).total_seconds(), 2),
         dead_lettered=dead,
+        dead_reasons=[dict(r) for r in dead_reasons],
     )
     assert_sound(verdict)
     assert dead == 0, "an outage dead-letters nothing"
@@ -568,9 +578,12 @@ async def test_database_restart_under_load(
     readiness: dict[str, Any] = {}
     async with restarts(services, "pg"), fleet(settings, tmp_path, 2) as f, writing(writer):
         pids = {slot: p.pid for slot, p in f.slots.items()}
-        ports = [http_port(f.log_of[slot]) for slot in sorted(f.slots)]
-        assert all(ports), "each dispatcher logs http_listening with its port"
-        probes = [p for p in ports if p]
+
+        async def listening() -> bool:
+            return all(http_port(f.log_of[slot]) for slot in f.slots)
+
+        await wait_until(listening, 30, "each dispatcher to log http_listening with its port")
+        probes = [http_port(f.log_of[slot]) or 0 for slot in sorted(f.slots)]
 
         async def all_status(code: int) -> bool:
             answers = await asyncio.gather(*(asyncio.to_thread(readyz, p) for p in probes))
