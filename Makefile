@@ -54,10 +54,35 @@ test-unit: install
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
 # pytest exits 5 when it collected nothing: for this project that is a broken suite, not a pass.
-test: lint services
+test: lint services tools
 	@rc=0; $(BIN)/pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is broken" >&2; exit 1; fi; \
 	exit $$rc
+
+# Go tools for tests/unit/test_deploy.py, built into the ignored .tools/bin through the Go module
+# proxy: helm (chart lint and rendering; about 5 minutes cold, seconds with Go's build cache),
+# promqlcheck (PromQL parser for the alerts and the dashboard) and manifestcheck (strict decoding
+# of the Kubernetes manifests; about a minute cold each). Each is skipped when present; without Go
+# nothing is built and those tests skip and say so.
+HELM_VERSION ?= v3.22.0
+GO ?= $(shell command -v go || echo /usr/local/go/bin/go)
+
+.PHONY: tools
+tools:
+	@mkdir -p .tools && echo '*' > .tools/.gitignore; \
+	if [ ! -x "$(GO)" ]; then echo "Go not found: the Helm and PromQL tests will be skipped" >&2; exit 0; fi; \
+	if [ ! -x .tools/bin/helm ]; then \
+		echo "building helm $(HELM_VERSION) into .tools/bin (minutes the first time)" >&2; \
+		GOBIN="$(CURDIR)/.tools/bin" "$(GO)" install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION); \
+	fi; \
+	if [ ! -x .tools/bin/promqlcheck ]; then \
+		echo "building promqlcheck into .tools/bin" >&2; \
+		(cd deploy/prometheus/promqlcheck && "$(GO)" build -o "$(CURDIR)/.tools/bin/promqlcheck" .); \
+	fi; \
+	if [ ! -x .tools/bin/manifestcheck ]; then \
+		echo "building manifestcheck into .tools/bin" >&2; \
+		(cd deploy/kubernetes/manifestcheck && "$(GO)" build -o "$(CURDIR)/.tools/bin/manifestcheck" .); \
+	fi
 
 # Throughput, latency and cost against the local stack; writes benchmarks/results/latest.json.
 bench: install services

@@ -1,4 +1,4 @@
-"""`outbox-dispatcher`: migrate, run, status.
+"""`outbox-dispatcher`: migrate, run, status, and the operator commands of admin.py.
 
 Every setting is an OUTBOX_* environment variable and a flag of the same name; flags win.
 """
@@ -19,9 +19,9 @@ import orjson
 import structlog
 from pydantic import SecretStr, ValidationError
 
-from outbox_dispatcher import __version__, db, errors, logs, migrations, status, tracing
+from outbox_dispatcher import __version__, admin, db, errors, logs, migrations, status, tracing
 from outbox_dispatcher.dispatcher import Dispatcher
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.sql import Queries
 
 log = structlog.get_logger(__name__)
@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true", help="print JSON")
     for sub in (run, migrate, show):
         _add_setting_flags(sub)
+    admin.add_parsers(commands, _add_setting_flags)
     return parser
 
 
@@ -125,12 +126,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"outbox-dispatcher: {_explain(exc)}", file=sys.stderr)  # noqa: T201
         return EXIT_CONFIG
+    except errors.ConfigurationError as exc:  # an unreadable *_FILE or OUTBOX_SECRETS_DIR
+        print(f"outbox-dispatcher: {exc}", file=sys.stderr)  # noqa: T201
+        return EXIT_CONFIG
     logs.configure(settings.log_format, settings.log_level)
-    command: Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]] = {
-        "run": _run,
-        "migrate": _migrate,
-        "status": _status,
-    }[namespace.command]
+    command: Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]] = (
+        admin.handler(namespace)
+        or {
+            "run": _run,
+            "migrate": _migrate,
+            "status": _status,
+        }[namespace.command]
+    )
     try:
         return _asyncio_run(command(settings, namespace), use_uvloop=settings.uvloop)
     except errors.ConfigurationError as exc:
@@ -212,12 +219,16 @@ async def _status(settings: Settings, namespace: argparse.Namespace) -> int:
     conn = await db.connect(settings.database_url.get_secret_value(), settings)
     try:
         await migrations.check_version(conn, settings.db_schema, settings.table)
-        topics = await status.read(conn, Queries.for_table(settings.db_schema, settings.table))
+        queries = Queries.for_table(settings.db_schema, settings.table)
+        pauses = await status.read_pauses(conn, queries)
+        block = settings.dead_letter_policy is DeadLetterPolicy.BLOCK
+        topics = await status.read(conn, queries, block_on_dead=block, pauses=pauses)
     finally:
         await conn.close()
     if namespace.json:
-        sys.stdout.write(orjson.dumps(status.as_json(topics), option=orjson.OPT_INDENT_2).decode())
+        report = status.as_json(topics, pauses)
+        sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(status.as_table(topics) + "\n")
+        sys.stdout.write(status.as_table(topics, pauses) + "\n")
     return EXIT_OK

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import ssl
 from typing import Any
 
 import asyncpg
@@ -72,11 +73,43 @@ def server_settings(settings: Settings) -> dict[str, str]:
 
 def translate(exc: BaseException) -> errors.OutboxDispatcherError | None:
     """The dispatcher's error for a failure to connect, or None if exc is something else."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return errors.ConfigurationError(
+            f"PostgreSQL's TLS certificate was not accepted ({exc.verify_message or exc}): "
+            "sslrootcert in OUTBOX_DATABASE_URL must name the CA that signed the server's "
+            "certificate, and with sslmode=verify-full the certificate must name the host"
+        )
+    if isinstance(exc, ssl.SSLError):
+        return errors.ConfigurationError(
+            f"the TLS handshake with PostgreSQL failed ({errors.describe(exc)}): check sslmode, "
+            "sslrootcert, sslcert and sslkey in OUTBOX_DATABASE_URL"
+        )
+    if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError):
+        return errors.ConfigurationError(
+            f"a file named in OUTBOX_DATABASE_URL (sslrootcert, sslcert or sslkey) cannot be read "
+            f"({errors.describe(exc)}): fix the path or the file's permissions"
+        )
+    if isinstance(exc, asyncpg.ClientConfigurationError):
+        return errors.ConfigurationError(f"OUTBOX_DATABASE_URL: {exc}")
+    if isinstance(exc, ValueError):
+        # The text of a DSN parsing error may quote the DSN, password included: leave it out.
+        return errors.ConfigurationError(
+            f"OUTBOX_DATABASE_URL is not a valid PostgreSQL URL ({type(exc).__name__}): expected "
+            "postgresql://user:password@host:port/database[?sslmode=verify-full&sslrootcert=...]"
+        )
     if isinstance(
         exc, asyncpg.InvalidPasswordError | asyncpg.InvalidAuthorizationSpecificationError
     ):
         return errors.ConfigurationError(
             f"PostgreSQL rejected the credentials in OUTBOX_DATABASE_URL: {exc}"
+        )
+    if isinstance(exc, asyncpg.ProtocolViolationError) and "startup parameter" in str(exc):
+        return errors.ConfigurationError(
+            f"a connection pooler refused the dispatcher's session settings ({exc}): with "
+            "PgBouncer add 'ignore_startup_parameters = extra_float_digits,synchronous_commit,"
+            "idle_in_transaction_session_timeout' to pgbouncer.ini (a transaction pooler cannot "
+            "keep session settings; set them per role with ALTER ROLE ... SET if they matter) "
+            "and OUTBOX_STATEMENT_CACHE_SIZE=0"
         )
     if isinstance(exc, asyncpg.InvalidCatalogNameError):
         return errors.ConfigurationError(

@@ -19,7 +19,7 @@ from typing import Any
 import asyncpg
 import structlog
 
-from outbox_dispatcher import db, errors, listener, metrics, migrations, reclaimer
+from outbox_dispatcher import cleanup, db, errors, listener, metrics, migrations, reclaimer
 from outbox_dispatcher.claimer import Claimer, Wakeup, pause
 from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
 from outbox_dispatcher.marker import Marker
@@ -140,6 +140,8 @@ class Dispatcher:
                     metrics=self.metrics.exposition,
                 )
                 side["http"] = self._http.serve()
+            if s.retention_seconds > 0 and not s.delete_on_publish:
+                side["retention"] = cleanup.retention(pool, self.queries, s)
             side_tasks = [
                 tg.create_task(self._guard(coro, name), name=name) for name, coro in side.items()
             ]

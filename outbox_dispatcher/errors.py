@@ -92,8 +92,21 @@ _TRANSIENT = (
 )
 
 
+# The idempotent producer's own state is broken (typically after a broker restart lost or
+# reset its producer state): no record's fault; the publisher starts a new producer.
+PRODUCER_STATE_ERRORS = (
+    kafka_errors.OutOfOrderSequenceNumber,
+    kafka_errors.UnknownProducerId,
+    kafka_errors.InvalidProducerEpoch,
+    kafka_errors.InvalidProducerIdMapping,
+    kafka_errors.ProducerFenced,
+)
+
+
 def classify(exc: BaseException) -> Failure:
     """Map a publish exception to the way the row is handled."""
+    if isinstance(exc, PRODUCER_STATE_ERRORS):
+        return Failure.TRANSIENT
     if isinstance(exc, _PERMANENT):
         return Failure.PERMANENT
     if isinstance(exc, _TRANSIENT):

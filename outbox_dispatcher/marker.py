@@ -61,9 +61,14 @@ class Marker:
         """Write every result; returns how many rows were still ours. Retries while the database
         is briefly away: a mark that never lands means a re-publish, not a loss."""
         settled = 0
+        failed = False
         for query, args in self._statements(batch, results):
-            settled += await self._execute(query, args, len(batch.records))
-        if settled < len(batch.records):
+            changed = await self._execute(query, args, len(batch.records))
+            if changed is None:
+                failed = True  # settle_failed said what happens; the lease was not lost
+            else:
+                settled += changed
+        if not failed and settled < len(batch.records):
             log.warning(
                 "lease_lost",
                 rows=len(batch.records) - settled,
@@ -74,7 +79,8 @@ class Marker:
             )
         return settled
 
-    async def _execute(self, query: str, args: tuple[object, ...], rows: int) -> int:
+    async def _execute(self, query: str, args: tuple[object, ...], rows: int) -> int | None:
+        """Rows changed, or None if the database stayed away past the retry window."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._retry_for
         pause = 0.1
@@ -89,7 +95,7 @@ class Marker:
                         error=repr(exc),
                         consequence="the leases will expire and the rows be published again",
                     )
-                    return 0
+                    return None
                 log.warning("settle_retrying", rows=rows, error=repr(exc))
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 2.0)

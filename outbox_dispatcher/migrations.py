@@ -66,6 +66,18 @@ def render(sql: str, schema: str, table: str) -> str:
     return sql.replace("${schema}", quote_identifier(schema)).replace("${table}", table)
 
 
+def render_roles(schema: str, table: str, owner_role: str, dispatcher_role: str) -> str:
+    """schema/roles.sql with every placeholder filled by a validated, quoted name."""
+    sql = (schema_dir() / "roles.sql").read_text("utf-8")
+    for role in (owner_role, dispatcher_role):
+        validate_identifier(role, "role")
+    return (
+        render(sql, schema, table)
+        .replace("${owner_role}", quote_identifier(owner_role))
+        .replace("${dispatcher_role}", quote_identifier(dispatcher_role))
+    )
+
+
 def lock_key(schema: str, table: str) -> int:
     """A stable advisory-lock key for one outbox table (migrations and the claim's lock space)."""
     return zlib.crc32(f"outbox-dispatcher:{schema}.{table}".encode()) & 0x7FFFFFFF
@@ -93,7 +105,11 @@ async def migrate(conn: asyncpg.Connection, schema: str, table: str) -> list[int
     # migrator waits, then finds nothing to do.
     await conn.execute("SELECT pg_advisory_lock($1)", lock_key(schema, table))
     try:
-        await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_identifier(schema)}")
+        # Only when missing: CREATE SCHEMA IF NOT EXISTS checks the database's CREATE privilege
+        # even for an existing schema, which a least-privilege owner role (schema/roles.sql)
+        # does not have.
+        if not await conn.fetchval("SELECT to_regnamespace($1) IS NOT NULL", schema):
+            await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_identifier(schema)}")
         version = await current_version(conn, schema, table)
         if version > len(migrations):
             raise errors.SchemaVersionError(_too_new(version, len(migrations)))

@@ -6,13 +6,20 @@ Read once, in the CLI; every component receives the settings object and reads on
 from __future__ import annotations
 
 import enum
+import os
 import re
-from typing import Annotated, Literal
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
-from outbox_dispatcher import routing
+from outbox_dispatcher import errors, routing
 
 # Lowercase only, so that derived names (outbox_claim, outbox_schema_version, ...) stay valid,
 # unquoted-equivalent identifiers; short enough that every derived name fits in 63 bytes.
@@ -334,7 +341,57 @@ class Settings(BaseSettings):
         ):
             msg = "OUTBOX_KAFKA_SASL_MECHANISM needs OUTBOX_KAFKA_SASL_USERNAME and _PASSWORD"
             raise ValueError(msg)
+        self._check_kafka_security()
         return self
+
+    def _check_kafka_security(self) -> None:
+        """Credentials or TLS files that the chosen protocol would silently not use are a
+        mistake that sends data in the clear: refuse them."""
+        protocol = self.kafka_security_protocol
+        sasl = protocol.startswith("SASL_")
+        if sasl and not self.kafka_sasl_mechanism:
+            msg = f"OUTBOX_KAFKA_SECURITY_PROTOCOL={protocol} needs OUTBOX_KAFKA_SASL_MECHANISM"
+            raise ValueError(msg)
+        if not sasl and self.kafka_sasl_mechanism:
+            msg = (
+                f"OUTBOX_KAFKA_SASL_MECHANISM is set but OUTBOX_KAFKA_SECURITY_PROTOCOL={protocol} "
+                "does not use SASL: set SASL_SSL (or SASL_PLAINTEXT)"
+            )
+            raise ValueError(msg)
+        tls_files = {
+            "OUTBOX_KAFKA_SSL_CAFILE": self.kafka_ssl_cafile,
+            "OUTBOX_KAFKA_SSL_CERTFILE": self.kafka_ssl_certfile,
+            "OUTBOX_KAFKA_SSL_KEYFILE": self.kafka_ssl_keyfile,
+            "OUTBOX_KAFKA_SSL_KEY_PASSWORD": self.kafka_ssl_key_password,
+        }
+        given = [name for name, value in tls_files.items() if value]
+        if given and protocol not in ("SSL", "SASL_SSL"):
+            msg = (
+                f"{', '.join(given)} set but OUTBOX_KAFKA_SECURITY_PROTOCOL={protocol} does not "
+                "use TLS: set SSL or SASL_SSL"
+            )
+            raise ValueError(msg)
+        if (self.kafka_ssl_keyfile or self.kafka_ssl_key_password) and not self.kafka_ssl_certfile:
+            msg = "OUTBOX_KAFKA_SSL_KEYFILE and _KEY_PASSWORD need OUTBOX_KAFKA_SSL_CERTFILE"
+            raise ValueError(msg)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Precedence, first wins: flags (init), OUTBOX_* variables, OUTBOX_*_FILE variables,
+        files in OUTBOX_SECRETS_DIR, defaults."""
+        return (
+            init_settings,
+            env_settings,
+            FileVariablesSource(settings_cls),
+            SecretsDirSource(settings_cls),
+        )
 
     @property
     def effective_pool_size(self) -> int:
@@ -343,3 +400,75 @@ class Settings(BaseSettings):
     @property
     def scan_limit(self) -> int:
         return self.batch_size * self.scan_factor
+
+
+SECRETS_DIR_VARIABLE = "OUTBOX_SECRETS_DIR"
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a setting."""
+    return "OUTBOX_SCHEMA" if field == "db_schema" else f"OUTBOX_{field.upper()}"
+
+
+def read_secret_file(path: Path, what: str) -> str:
+    """A file's text without its trailing newline (editors and `echo` add one). The error names
+    the variable and the path, never the content."""
+    try:
+        text = path.read_text("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        msg = f"cannot read {what} ({errors.describe(exc)}): fix the path or the file's permissions"
+        raise errors.ConfigurationError(msg) from exc
+    return text.rstrip("\r\n")
+
+
+class FileVariablesSource(PydanticBaseSettingsSource):
+    """OUTBOX_<SETTING>_FILE=<path>: the setting's value is the file's content (Docker and
+    Kubernetes secrets mounted as files, so that the secret is not in the environment)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        variable = env_name(field_name) + "_FILE"
+        path = os.environ.get(variable)
+        if not path:
+            return None, field_name, False
+        return read_secret_file(Path(path), f"{variable}={path}"), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for name, field in self.settings_cls.model_fields.items():
+            value, key, _ = self.get_field_value(field, name)
+            if value is not None:
+                values[key] = value
+        return values
+
+
+class SecretsDirSource(PydanticBaseSettingsSource):
+    """Files in the directory OUTBOX_SECRETS_DIR (e.g. a mounted Kubernetes Secret), each named
+    like the setting's variable (OUTBOX_DATABASE_URL; case does not matter)."""
+
+    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+        super().__init__(settings_cls)
+        self._files: dict[str, Path] = {}
+        directory = os.environ.get(SECRETS_DIR_VARIABLE)
+        if not directory:
+            return
+        root = Path(directory)
+        if not root.is_dir():
+            msg = f"{SECRETS_DIR_VARIABLE}={directory} is not a directory: mount it or unset it"
+            raise errors.ConfigurationError(msg)
+        # Kubernetes mounts a Secret as symlinks into a hidden ..data directory: skip dot files.
+        self._files = {p.name.upper(): p for p in root.iterdir() if not p.name.startswith(".")}
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        name = env_name(field_name)
+        path = self._files.get(name)
+        if path is None or not path.is_file():
+            return None, field_name, False
+        return read_secret_file(path, f"{name} in {SECRETS_DIR_VARIABLE}"), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for name, field in self.settings_cls.model_fields.items():
+            value, key, _ = self.get_field_value(field, name)
+            if value is not None:
+                values[key] = value
+        return values

@@ -1,4 +1,4 @@
--- outbox-dispatcher: the full current schema (version 2). Equivalent to applying every file in
+-- outbox-dispatcher: the full current schema (version 3). Equivalent to applying every file in
 -- migrations/ in order; tests/integration/test_schema.py proves it. Placeholders as in the migrations.
 
 CREATE TABLE IF NOT EXISTS ${schema}.${table}_schema_version (
@@ -137,6 +137,21 @@ AS $fn$
     );
 $fn$;
 
+-- One row per pause. topic '*' (never a valid Kafka topic name) pauses the whole table, routed
+-- rows included; any other value pauses that topic.
+CREATE TABLE ${schema}.${table}_paused (
+    topic text PRIMARY KEY,
+    paused_at timestamptz NOT NULL DEFAULT now(),
+    paused_by text,
+    reason text,
+    CONSTRAINT ${table}_paused_topic_valid CHECK (
+        topic = '*' OR (topic ~ '^[A-Za-z0-9._-]{1,249}$' AND topic NOT IN ('.', '..'))
+    )
+);
+
+COMMENT ON TABLE ${schema}.${table}_paused IS
+    'Paused topics of the outbox: the claim leaves their rows pending. Topic ''*'' pauses the whole table.';
+
 -- The claim: one round trip, two snapshots.
 --
 -- Statement 1 reads the oldest p_scan pending rows in id order. A key's first row there is its
@@ -150,6 +165,14 @@ $fn$;
 -- us. It re-checks every picked row by primary key (still pending, unleased, due) under FOR UPDATE
 -- SKIP LOCKED; a row that fails ends its key's run for this claim, so a key never has a gap and
 -- never a second owner. The rest is leased, fenced by a fresh token, in one UPDATE.
+--
+-- Pauses (version 3): the paused set is read once per call. A whole-table pause ('*') returns
+-- nothing. Rows of paused topics are left out of the scan, so that a paused backlog never fills
+-- the window and holds back other topics; rows with a NULL topic (routed by the dispatcher) are
+-- paused only with the whole table. A key with rows in several topics keeps its order: while
+-- anything is paused, each ready key is probed once for its first pending row in a paused topic
+-- before the end of its rows in the window; its run ends there, and the key waits when that row
+-- comes before its head.
 CREATE FUNCTION ${schema}.${table}_claim(
     p_limit integer,
     p_scan integer,
@@ -182,13 +205,23 @@ DECLARE
     v_null_ids bigint[];
     v_per_key integer;
     v_token uuid := gen_random_uuid();
+    v_paused text[];         -- paused topics; '*' is the whole table
+    v_stop_keys text[];      -- keys with a paused row before the end of their rows in the window
+    v_stop_ids bigint[];     -- that row
+    v_held_keys text[];      -- keys whose head comes after such a row
 BEGIN
+    SELECT array_agg(p.topic) INTO v_paused FROM ${schema}.${table}_paused p;
+    IF '*' = ANY (v_paused) THEN
+        RETURN;
+    END IF;
+
     WITH seen AS (
         SELECT o.id, o.ordering_key,
                o.next_attempt_at <= now()
                AND (o.lease_expires_at IS NULL OR o.lease_expires_at <= now()) AS ready
           FROM ${schema}.${table} o
          WHERE o.published_at IS NULL AND o.dead_at IS NULL
+           AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
          ORDER BY o.id
          LIMIT p_scan
     ),
@@ -211,6 +244,35 @@ BEGIN
            (SELECT array_agg(s.id ORDER BY s.id) FROM seen s
              WHERE s.ordering_key IS NULL AND s.ready)
       INTO v_keys, v_rows_per_key, v_ids, v_row_keys, v_null_ids;
+
+    IF v_paused IS NOT NULL AND v_keys IS NOT NULL THEN
+        SELECT array_agg(m.k), array_agg(m.stop_id),
+               array_agg(m.k) FILTER (WHERE m.stop_id < m.first_id)
+          INTO v_stop_keys, v_stop_ids, v_held_keys
+          FROM (SELECT r.k, r.first_id,
+                       (SELECT b.id FROM ${schema}.${table} b
+                         WHERE b.ordering_key = r.k
+                           AND b.published_at IS NULL AND b.dead_at IS NULL
+                           AND b.id < r.last_id AND b.topic = ANY (v_paused)
+                         ORDER BY b.id
+                         LIMIT 1) AS stop_id
+                  FROM (SELECT w.k, min(w.id) AS first_id, max(w.id) AS last_id
+                          FROM unnest(v_ids, v_row_keys) AS w(id, k)
+                          JOIN unnest(v_keys) AS mine(k) ON mine.k = w.k
+                         GROUP BY w.k) r) m
+         WHERE m.stop_id IS NOT NULL;
+        IF v_stop_keys IS NOT NULL THEN
+            SELECT array_agg(w.id ORDER BY w.id), array_agg(w.k ORDER BY w.id)
+              INTO v_ids, v_row_keys
+              FROM unnest(v_ids, v_row_keys) AS w(id, k)
+              LEFT JOIN unnest(v_stop_keys, v_stop_ids) AS s(k, stop_id) ON s.k = w.k
+             WHERE s.stop_id IS NULL OR w.id < s.stop_id;
+            SELECT array_agg(u.k ORDER BY u.n) INTO v_keys
+              FROM unnest(v_keys) WITH ORDINALITY AS u(k, n)
+             WHERE NOT EXISTS (SELECT 1 FROM unnest(coalesce(v_held_keys, '{}'::text[])) AS h(k)
+                                WHERE h.k = u.k);
+        END IF;
+    END IF;
 
     IF v_keys IS NULL AND v_null_ids IS NULL THEN
         RETURN;
@@ -289,5 +351,5 @@ BEGIN
 END;
 $fn$;
 
-INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (1, 'initial'), (2, 'routed_topic')
+INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (1, 'initial'), (2, 'routed_topic'), (3, 'operations')
     ON CONFLICT (version) DO NOTHING;

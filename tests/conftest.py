@@ -7,7 +7,9 @@ import os
 from outbox_dispatcher import logs
 
 for _name in list(os.environ):
-    # Kept: OUTBOX_SERVICES_* (services' ports, for stop/start), OUTBOX_CHAOS* (scale, report).
+    # OUTBOX_SERVICES_* (the ports of deploy/local/services.sh) must reach the outage tests'
+    # kafka-stop/kafka-start, or those act on the default ports. OUTBOX_CHAOS=full selects the
+    # long versions of the chaos tests.
     if _name.startswith("OUTBOX_") and not _name.startswith(
         ("OUTBOX_TEST_", "OUTBOX_SERVICES_", "OUTBOX_CHAOS")
     ):

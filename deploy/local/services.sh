@@ -2,15 +2,18 @@
 # Local backing services for outbox-dispatcher development and CI:
 #   * PostgreSQL (our own cluster, 127.0.0.1:5432, role/database "outbox")
 #   * Kafka 4.x, single KRaft node (broker+controller), 127.0.0.1:9092
+#   * PgBouncer (transaction pooling in front of that PostgreSQL), 127.0.0.1:6432
 #
 # Usage: deploy/local/services.sh COMMAND
-#   start        start PostgreSQL and Kafka (installing/fetching what is missing)
-#   stop         stop Kafka, then PostgreSQL
-#   status       report whether each service is up (exit 0 only if both are)
+#   start        start PostgreSQL, Kafka and PgBouncer (installing/fetching what is missing)
+#   stop         stop PgBouncer, Kafka, then PostgreSQL
+#   status       report whether each service is up (exit 0 only if all are)
 #   pg-start     | pg-stop      only PostgreSQL
 #   kafka-start  | kafka-stop   only Kafka (tests use these to simulate an outage;
 #                               kafka-start never reformats existing storage)
 #   env          print the environment variables a test run needs
+#   pgbouncer-start | pgbouncer-stop   only PgBouncer (transaction pooling in front of
+#                               our PostgreSQL; `start` and `stop` include it)
 #
 # Every command is idempotent. Designed for a fresh Debian 12 machine, run as root
 # (CI: from a fresh clone in any folder); no Docker involved.
@@ -20,6 +23,28 @@
 #   OUTBOX_SERVICES_PG_PORT, OUTBOX_SERVICES_KAFKA_PORT, OUTBOX_SERVICES_KAFKA_CONTROLLER_PORT
 #                                        ports (defaults 5432, 9092, 9093): a second clone can
 #                                        run its own services beside the first
+#   OUTBOX_SERVICES_KAFKA_SASL_PORT      SASL_PLAINTEXT listener (default Kafka port + 100)
+#   OUTBOX_SERVICES_KAFKA_SASL_SSL_PORT  SASL_SSL listener (default Kafka port + 101)
+#   OUTBOX_SERVICES_KAFKA_MTLS_PORT      SSL listener that requires a client certificate
+#                                        (default Kafka port + 102)
+#   OUTBOX_SERVICES_PG_SSL=on|off        TLS on the PostgreSQL cluster (default on; plain
+#                                        connections keep working either way)
+#   OUTBOX_SERVICES_PGBOUNCER_PORT       PgBouncer's port (default 6432)
+#   OUTBOX_SERVICES_KAFKA_PROXIED_PORT, OUTBOX_SERVICES_KAFKA_PROXY_PORT
+#                                        a second broker listener on PROXIED_PORT that
+#                                        advertises 127.0.0.1:PROXY_PORT, where network-fault
+#                                        tests run their proxy, so that every connection of a
+#                                        client bootstrapped there goes through the proxy
+#                                        (defaults KAFKA_PORT+10002 and +10003; PROXY_PORT=0
+#                                        turns the listener off)
+#
+# Security test fixtures (docs/security.md), local development only:
+#   Kafka SASL users: outbox_plain (PLAIN, JAAS), outbox_scram256 (SCRAM-SHA-256 only) and
+#   outbox_scram512 (SCRAM-SHA-512 only); each password is the user name + "-secret".
+#   TLS material in .services/tls/: ca.crt (the CA), server.crt/.key (127.0.0.1 and localhost;
+#   the broker's SSL listeners and PostgreSQL), client.crt/.key (mutual TLS; also
+#   client-encrypted.key, password outbox-key-secret), other-ca.crt (a CA that signed nothing
+#   here, for "wrong CA" tests).
 #
 # State lives in <repo>/.services/ (git-ignored):
 #   .services/pg/data         PostgreSQL data directory (server log in data/log/)
@@ -27,6 +52,8 @@
 #   .services/kafka/libs      broker jars fetched by Maven from deploy/local/kafka/pom.xml
 #   .services/kafka/data      Kafka log.dirs (KRaft metadata included)
 #   .services/kafka/logs      broker log (kafka.log, previous run in kafka.log.1)
+#   .services/tls             CA, server and client certificates (generated once)
+#   .services/pgbouncer       PgBouncer's config, auth file, log and pid file
 # If the postgres system user cannot reach <repo> (e.g. a clone under /root or in
 # a 0700 temp dir), the PostgreSQL files live in
 #   /var/lib/outbox-dispatcher-services/<hash of repo path>/pg/
@@ -59,6 +86,17 @@ PG_IN_REPO="$STATE_DIR/pg"
 KAFKA_HOST=127.0.0.1
 KAFKA_PORT=${OUTBOX_SERVICES_KAFKA_PORT:-9092}
 KAFKA_CONTROLLER_PORT=${OUTBOX_SERVICES_KAFKA_CONTROLLER_PORT:-9093}
+# +100: other clones' main ports are commonly 10 apart (9092, 9102, ...).
+KAFKA_SASL_PORT=${OUTBOX_SERVICES_KAFKA_SASL_PORT:-$((KAFKA_PORT + 100))}
+KAFKA_SASL_SSL_PORT=${OUTBOX_SERVICES_KAFKA_SASL_SSL_PORT:-$((KAFKA_PORT + 101))}
+KAFKA_MTLS_PORT=${OUTBOX_SERVICES_KAFKA_MTLS_PORT:-$((KAFKA_PORT + 102))}
+KAFKA_PLAIN_USER=outbox_plain
+KAFKA_SCRAM256_USER=outbox_scram256
+KAFKA_SCRAM512_USER=outbox_scram512
+# Marks storage that holds the SCRAM users (formatted with them, or added to an older storage).
+KAFKA_SCRAM_STAMP_NAME=outbox-scram-users
+KAFKA_PROXIED_PORT=${OUTBOX_SERVICES_KAFKA_PROXIED_PORT:-$((KAFKA_PORT + 10002))}
+KAFKA_PROXY_PORT=${OUTBOX_SERVICES_KAFKA_PROXY_PORT:-$((KAFKA_PORT + 10003))}
 KAFKA_POM="$SCRIPT_DIR/kafka/pom.xml"
 KAFKA_LOG4J="$SCRIPT_DIR/kafka/log4j2.properties"
 KAFKA_DIR="$STATE_DIR/kafka"
@@ -70,6 +108,11 @@ KAFKA_PROPS="$KAFKA_DIR/server.properties"
 KAFKA_PIDFILE="$KAFKA_DIR/kafka.pid"
 KAFKA_START_TIMEOUT=90
 KAFKA_STOP_TIMEOUT=30
+TLS_DIR="$STATE_DIR/tls"
+TLS_DAYS=3650
+TLS_CLIENT_KEY_PASSWORD=outbox-key-secret
+TLS_KEYSTORE_PASSWORD=outbox-keystore-secret
+PG_SSL=${OUTBOX_SERVICES_PG_SSL:-on}
 # Heap sized for a 2-core CI box that also runs PostgreSQL and the test suite.
 # G1 flags are the ones Kafka's own kafka-run-class.sh uses.
 KAFKA_JVM_OPTS=(
@@ -146,6 +189,60 @@ apt_install() {
   fi
   log "apt-get install $*"
   apt-get install -y -q -o Dpkg::Use-Pty=0 --no-install-recommends "$@"
+}
+
+# ---------------------------------------------------------------------------
+# TLS material (local CA, server and client certificates)
+# ---------------------------------------------------------------------------
+# Generated once into .services/tls/ by openssl; everything is built in a temp
+# directory and renamed, so an interrupted run never leaves half a set. EC P-256
+# keys: quick to generate on a small CI box, accepted by Java, OpenSSL and Python.
+tls_ensure() {
+  [[ -f $TLS_DIR/.complete ]] && return 0
+  command -v openssl >/dev/null || apt_install openssl
+  local tmp="$TLS_DIR.tmp"
+  rm -rf "$tmp"
+  mkdir -p "$tmp"
+  log "generating TLS material in $TLS_DIR (CA, server and client certificates)"
+  (
+    cd "$tmp"
+    umask 077
+    tls_make_ca ca "outbox-dispatcher local development CA"
+    tls_make_ca other-ca "outbox-dispatcher untrusted CA (signs nothing here)"
+    tls_make_leaf server localhost "subjectAltName=IP:127.0.0.1,DNS:localhost
+extendedKeyUsage=serverAuth"
+    tls_make_leaf client outbox-dispatcher "extendedKeyUsage=clientAuth"
+    openssl pkcs8 -topk8 -in client.key -out client-encrypted.key \
+      -passout "pass:$TLS_CLIENT_KEY_PASSWORD" 2>/dev/null
+    # The broker's keystore: key, its certificate and the CA, as PKCS#12 (Java reads it natively).
+    openssl pkcs12 -export -in server.crt -inkey server.key -certfile ca.crt -name broker \
+      -out broker.p12 -passout "pass:$TLS_KEYSTORE_PASSWORD"
+    rm -f ./*.csr ./*.srl
+    # Certificates are public; keys stay 0600 (the user running the tests reads them).
+    chmod 0644 ./*.crt
+    touch .complete
+  )
+  chmod 0755 "$tmp"
+  rm -rf "$TLS_DIR"
+  mv "$tmp" "$TLS_DIR"
+}
+
+# tls_make_ca NAME COMMON_NAME: a self-signed CA in NAME.crt / NAME.key.
+tls_make_ca() {
+  openssl req -x509 -new -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+    -keyout "$1.key" -out "$1.crt" -days "$TLS_DAYS" -subj "/CN=$2" \
+    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
+    2>/dev/null
+}
+
+# tls_make_leaf NAME COMMON_NAME EXTENSIONS: a key and a certificate signed by ca.
+tls_make_leaf() {
+  openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+    -keyout "$1.key" -out "$1.csr" -subj "/CN=$2" 2>/dev/null
+  printf '%s\nbasicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n' "$3" >"$1.ext"
+  openssl x509 -req -in "$1.csr" -CA ca.crt -CAkey ca.key -set_serial "0x$(openssl rand -hex 16)" \
+    -days "$TLS_DAYS" -sha256 -extfile "$1.ext" -out "$1.crt" 2>/dev/null
+  rm -f "$1.ext"
 }
 
 # ---------------------------------------------------------------------------
@@ -311,8 +408,28 @@ pg_write_file() {
   return 0
 }
 
-pg_write_config() {
+# TLS for PostgreSQL: the server certificate of .services/tls/, copied into the data
+# directory (the server needs its key owned by the cluster owner, mode 0600). ssl=on
+# does not refuse plain connections (pg_hba has `host` lines, not `hostssl`), so
+# sslmode=disable still works; clients on the default sslmode=prefer get TLS.
+# Sets ssl_lines; returns 0 when a certificate file changed.
+pg_ssl_config() {
   local changed=1
+  case ${PG_SSL,,} in
+    on|true|1)
+      # tls_ensure ran in pg_start: errexit does not apply in here (called in a condition).
+      pg_write_file "$PGDATA/server.crt" "$(<"$TLS_DIR/server.crt")" && changed=0
+      pg_write_file "$PGDATA/server.key" "$(<"$TLS_DIR/server.key")" && changed=0
+      ssl_lines=$(printf "ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'") ;;
+    off|false|0) ssl_lines='ssl = off' ;;
+    *) die "OUTBOX_SERVICES_PG_SSL must be on or off, got '$PG_SSL'" ;;
+  esac
+  return $changed
+}
+
+pg_write_config() {
+  local changed=1 ssl_lines=''
+  pg_ssl_config && changed=0
   pg_write_file "$PGDATA/outbox-dev.conf" "\
 # Managed by deploy/local/services.sh; rewritten on every pg-start.
 # Tuned for a development/test box: many short-lived test connections and
@@ -331,7 +448,8 @@ log_filename = 'postgresql-%a.log'
 log_truncate_on_rotation = on
 log_rotation_age = 1d
 log_rotation_size = 0
-log_line_prefix = '%m [%p] %q%u@%d '" && changed=0
+log_line_prefix = '%m [%p] %q%u@%d '
+$ssl_lines" && changed=0
 
   pg_write_file "$PGDATA/pg_hba.conf" "\
 # Managed by deploy/local/services.sh; rewritten on every pg-start.
@@ -353,15 +471,15 @@ pg_wait_ready() {
 
 pg_ensure_app_role_and_db() {
   # Re-applying the password/attributes keeps a known state even if a test
-  # changed them.
+  # changed them. CREATEROLE: the least-privilege tests create roles (schema/roles.sql).
   as_pg "$PG_BIN/psql" -X -q -v ON_ERROR_STOP=1 -h "$PG_SOCKET_DIR" -p "$PG_PORT" \
     -U "$PG_SUPERUSER" -d postgres <<SQL
 DO \$\$
 BEGIN
   IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '$PG_APP_USER') THEN
-    CREATE ROLE $PG_APP_USER LOGIN PASSWORD '$PG_APP_PASSWORD' CREATEDB;
+    CREATE ROLE $PG_APP_USER LOGIN PASSWORD '$PG_APP_PASSWORD' CREATEDB CREATEROLE;
   ELSE
-    ALTER ROLE $PG_APP_USER LOGIN PASSWORD '$PG_APP_PASSWORD' CREATEDB;
+    ALTER ROLE $PG_APP_USER LOGIN PASSWORD '$PG_APP_PASSWORD' CREATEDB CREATEROLE;
   END IF;
 END
 \$\$;
@@ -375,6 +493,7 @@ pg_start() {
   pg_ensure_installed
   pg_resolve_paths create
   pg_pick_bindir
+  tls_ensure
   if pg_running; then
     if pg_write_config; then
       log "PostgreSQL config changed; reloading (settings needing a restart apply after pg-stop + pg-start)"
@@ -491,6 +610,11 @@ kafka_auto_create_setting() {
   esac
 }
 
+# The PROXIED listener (see header): listens on one port, advertises the fault proxy's.
+kafka_proxied_listener() {
+  [[ $KAFKA_PROXY_PORT == 0 ]] || printf ',PROXIED://%s:%s' "$KAFKA_HOST" "$1"
+}
+
 kafka_write_props() {
   local auto_create=$1
   # Rewritten on every start so env changes (auto-create) take effect; the
@@ -503,10 +627,11 @@ node.id=1
 # Kafka 4.x dynamic quorum; the storage is formatted with --standalone.
 controller.quorum.bootstrap.servers=$KAFKA_HOST:$KAFKA_CONTROLLER_PORT
 controller.listener.names=CONTROLLER
-listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT,CONTROLLER://$KAFKA_HOST:$KAFKA_CONTROLLER_PORT
-advertised.listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT,CONTROLLER://$KAFKA_HOST:$KAFKA_CONTROLLER_PORT
+listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT,CONTROLLER://$KAFKA_HOST:$KAFKA_CONTROLLER_PORT,$(kafka_secure_listeners)$(kafka_proxied_listener "$KAFKA_PROXIED_PORT")
+advertised.listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT,CONTROLLER://$KAFKA_HOST:$KAFKA_CONTROLLER_PORT,$(kafka_secure_listeners)$(kafka_proxied_listener "$KAFKA_PROXY_PORT")
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT,SASL_SSL:SASL_SSL,MTLS:SSL,PROXIED:PLAINTEXT
+$(kafka_security_props)
 
 log.dirs=$KAFKA_DATA
 num.partitions=3
@@ -530,6 +655,63 @@ group.initial.rebalance.delay.ms=0
 EOF
 }
 
+# The listeners for security tests, beside the PLAINTEXT one everything else uses:
+# SASL_PLAINTEXT and SASL_SSL (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512) and MTLS, an
+# SSL listener that requires a client certificate signed by our CA.
+kafka_secure_listeners() {
+  printf 'SASL_PLAINTEXT://%s:%s,SASL_SSL://%s:%s,MTLS://%s:%s' \
+    "$KAFKA_HOST" "$KAFKA_SASL_PORT" "$KAFKA_HOST" "$KAFKA_SASL_SSL_PORT" "$KAFKA_HOST" "$KAFKA_MTLS_PORT"
+}
+
+kafka_security_props() {
+  local listener plain_jaas scram_jaas
+  # PLAIN users live in the JAAS config; SCRAM users in the cluster metadata
+  # (kafka_format_once / kafka_ensure_scram_users).
+  plain_jaas="org.apache.kafka.common.security.plain.PlainLoginModule required user_$KAFKA_PLAIN_USER=\"$KAFKA_PLAIN_USER-secret\";"
+  scram_jaas="org.apache.kafka.common.security.scram.ScramLoginModule required;"
+  cat <<EOF2
+sasl.enabled.mechanisms=PLAIN,SCRAM-SHA-256,SCRAM-SHA-512
+EOF2
+  for listener in sasl_plaintext sasl_ssl; do
+    cat <<EOF2
+listener.name.$listener.plain.sasl.jaas.config=$plain_jaas
+listener.name.$listener.scram-sha-256.sasl.jaas.config=$scram_jaas
+listener.name.$listener.scram-sha-512.sasl.jaas.config=$scram_jaas
+EOF2
+  done
+  cat <<EOF2
+ssl.keystore.type=PKCS12
+ssl.keystore.location=$TLS_DIR/broker.p12
+ssl.keystore.password=$TLS_KEYSTORE_PASSWORD
+ssl.key.password=$TLS_KEYSTORE_PASSWORD
+ssl.truststore.type=PEM
+ssl.truststore.location=$TLS_DIR/ca.crt
+ssl.client.auth=none
+listener.name.mtls.ssl.client.auth=required
+EOF2
+}
+
+kafka_scram_args() {
+  printf -- '--add-scram\nSCRAM-SHA-256=[name=%s,password=%s-secret]\n' "$KAFKA_SCRAM256_USER" "$KAFKA_SCRAM256_USER"
+  printf -- '--add-scram\nSCRAM-SHA-512=[name=%s,password=%s-secret]\n' "$KAFKA_SCRAM512_USER" "$KAFKA_SCRAM512_USER"
+}
+
+# Storage formatted by an older version of this script has no SCRAM users: add
+# them through the running broker's admin API (AlterUserScramCredentials), once.
+kafka_ensure_scram_users() {
+  [[ -f $KAFKA_DATA/$KAFKA_SCRAM_STAMP_NAME ]] && return 0
+  log "adding the SCRAM users to the existing Kafka storage"
+  local user mech
+  for user in "$KAFKA_SCRAM256_USER:SCRAM-SHA-256" "$KAFKA_SCRAM512_USER:SCRAM-SHA-512"; do
+    mech=${user#*:}; user=${user%%:*}
+    java -cp "$KAFKA_LIBS/*" "-Dlog4j2.configurationFile=$KAFKA_LOG4J" kafka.admin.ConfigCommand \
+      --bootstrap-server "$KAFKA_HOST:$KAFKA_PORT" --alter --entity-type users --entity-name "$user" \
+      --add-config "$mech=[password=$user-secret]" >>"$KAFKA_LOGS/scram.log" 2>&1 9>&- \
+      || { tail -n 20 "$KAFKA_LOGS/scram.log" >&2; die "adding SCRAM user $user failed; see $KAFKA_LOGS/scram.log"; }
+  done
+  touch "$KAFKA_DATA/$KAFKA_SCRAM_STAMP_NAME"
+}
+
 # Format the KRaft storage exactly once: reformatting would wipe topics and
 # committed offsets, which outage tests (kafka-stop/kafka-start) rely on.
 kafka_format_once() {
@@ -542,9 +724,12 @@ kafka_format_once() {
     kafka.tools.StorageTool random-uuid 9>&- | tail -n1)
   log "formatting Kafka storage (cluster id $cluster_id)"
   # The tool dumps the whole broker config at INFO; keep that out of the console.
+  local scram=()
+  mapfile -t scram < <(kafka_scram_args)
   java -cp "$KAFKA_LIBS/*" "-Dlog4j2.configurationFile=$KAFKA_LOG4J" kafka.tools.StorageTool \
-    format --standalone -t "$cluster_id" -c "$KAFKA_PROPS" >"$KAFKA_LOGS/format.log" 2>&1 9>&- \
+    format --standalone -t "$cluster_id" -c "$KAFKA_PROPS" "${scram[@]}" >"$KAFKA_LOGS/format.log" 2>&1 9>&- \
     || { tail -n 30 "$KAFKA_LOGS/format.log" >&2; die "formatting Kafka storage failed; see $KAFKA_LOGS/format.log"; }
+  touch "$KAFKA_DATA/$KAFKA_SCRAM_STAMP_NAME"
 }
 
 kafka_start() {
@@ -552,6 +737,11 @@ kafka_start() {
   auto_create=$(kafka_auto_create_setting)
   if pid=$(kafka_pid) && port_open "$KAFKA_HOST" "$KAFKA_PORT"; then
     log "Kafka already running (pid $pid)"
+    if ! port_open "$KAFKA_HOST" "$KAFKA_SASL_PORT"; then
+      log "WARNING: the running broker has no SASL/SSL listeners (started by an older script);" \
+          "run kafka-stop then kafka-start to add them on ports $KAFKA_SASL_PORT-$KAFKA_MTLS_PORT"
+    fi
+    kafka_ensure_scram_users
     if ! grep -qx "auto.create.topics.enable=$auto_create" "$KAFKA_PROPS"; then
       log "WARNING: the running broker was started with a different auto.create.topics.enable;" \
           "run kafka-stop then kafka-start to apply OUTBOX_KAFKA_AUTO_CREATE=$auto_create"
@@ -562,10 +752,14 @@ kafka_start() {
     # Alive but not listening: a previous start that is still coming up.
     log "Kafka (pid $pid) is starting; waiting for it"
   else
-    if port_open "$KAFKA_HOST" "$KAFKA_PORT" || port_open "$KAFKA_HOST" "$KAFKA_CONTROLLER_PORT"; then
-      die "port $KAFKA_PORT or $KAFKA_CONTROLLER_PORT is in use by a process other than our broker ($KAFKA_PROPS)"
-    fi
+    local port
+    for port in "$KAFKA_PORT" "$KAFKA_CONTROLLER_PORT" "$KAFKA_SASL_PORT" "$KAFKA_SASL_SSL_PORT" "$KAFKA_MTLS_PORT"; do
+      if port_open "$KAFKA_HOST" "$port"; then
+        die "port $port is in use by a process other than our broker ($KAFKA_PROPS)"
+      fi
+    done
     kafka_ensure_java
+    tls_ensure
     mkdir -p "$KAFKA_DIR" "$KAFKA_LOGS"
     kafka_ensure_libs
     kafka_write_props "$auto_create"
@@ -581,7 +775,9 @@ kafka_start() {
     echo "$pid" >"$KAFKA_PIDFILE"
   fi
   kafka_wait_ready "$pid"
-  log "Kafka ready on $KAFKA_HOST:$KAFKA_PORT (pid $pid)"
+  kafka_ensure_scram_users
+  log "Kafka ready on $KAFKA_HOST:$KAFKA_PORT (pid $pid; SASL_PLAINTEXT :$KAFKA_SASL_PORT," \
+      "SASL_SSL :$KAFKA_SASL_SSL_PORT, mutual TLS :$KAFKA_MTLS_PORT)"
 }
 
 # Ready = the broker logged "Kafka Server started" (it does so only after it has
@@ -643,12 +839,134 @@ kafka_status() {
 }
 
 # ---------------------------------------------------------------------------
+# PgBouncer (transaction pooling in front of our PostgreSQL)
+# ---------------------------------------------------------------------------
+# Debian's package; its own system service (if any) is left alone: ours runs on
+# its own port from .services/pgbouncer/, as the cluster owner (PgBouncer refuses
+# to run as root). A wildcard database entry forwards every database name,
+# including the per-test databases the test suite creates on the direct server.
+PGB_PORT=${OUTBOX_SERVICES_PGBOUNCER_PORT:-6432}
+PGB_IN_REPO="$STATE_DIR/pgbouncer"
+
+pgb_resolve_dir() {
+  PGB_DIR=$PGB_IN_REPO
+  if [[ -L $PGB_IN_REPO ]] || ! { mkdir -p "$PGB_IN_REPO" && chmod 0755 "$STATE_DIR" && as_pg test -x "$PGB_IN_REPO"; }; then
+    # Same reason as PostgreSQL's fallback: the cluster owner cannot reach the repo.
+    PGB_DIR="$PG_FALLBACK_ROOT/$REPO_HASH/pgbouncer"
+    mkdir -p "$PGB_DIR"
+    [[ -L $PGB_IN_REPO ]] || { rmdir "$PGB_IN_REPO" 2>/dev/null || true; ln -sfn "$PGB_DIR" "$PGB_IN_REPO"; }
+  fi
+  PGB_PIDFILE="$PGB_DIR/pgbouncer.pid"
+}
+
+pgb_pid() {
+  local pid
+  [[ -f ${PGB_PIDFILE:-} ]] || return 1
+  pid=$(<"$PGB_PIDFILE")
+  pid_alive "$pid" && [[ $(pid_comm "$pid") == pgbouncer ]] && echo "$pid"
+}
+
+pgb_write_config() {
+  # ignore_startup_parameters: session settings the dispatcher sends at connect time. A
+  # transaction pooler cannot keep them per client, so it drops them; where they matter set
+  # them per role instead (ALTER ROLE ... SET synchronous_commit = off).
+  cat >"$PGB_DIR/pgbouncer.ini" <<EOF
+; Generated by deploy/local/services.sh on every pgbouncer-start; edit the script, not this file.
+[databases]
+* = host=$PG_HOST port=$PG_PORT
+
+[pgbouncer]
+listen_addr = $PG_HOST
+listen_port = $PGB_PORT
+unix_socket_dir =
+pool_mode = transaction
+auth_type = scram-sha-256
+auth_file = $PGB_DIR/userlist.txt
+max_client_conn = 1000
+default_pool_size = 20
+ignore_startup_parameters = extra_float_digits,synchronous_commit,idle_in_transaction_session_timeout
+logfile = $PGB_DIR/pgbouncer.log
+pidfile = $PGB_PIDFILE
+EOF
+  printf '"%s" "%s"\n' "$PG_APP_USER" "$PG_APP_PASSWORD" >"$PGB_DIR/userlist.txt"
+  chmod 0600 "$PGB_DIR/userlist.txt" "$PGB_DIR/pgbouncer.ini"
+  if is_root; then chown "$PG_OS_USER:" "$PGB_DIR" "$PGB_DIR/userlist.txt" "$PGB_DIR/pgbouncer.ini"; fi
+}
+
+# Debian's package may start its own service on 6432 (systemd, or the init script). Like
+# Debian's PostgreSQL cluster, it would take our port: stop it and keep it from starting.
+pgb_disable_debian_service() {
+  is_root || return 0
+  port_open "$PG_HOST" "$PGB_PORT" || return 0
+  if command -v systemctl >/dev/null && systemctl is-active --quiet pgbouncer.socket pgbouncer.service 2>/dev/null; then
+    log "stopping and disabling Debian's pgbouncer service (it occupies port $PGB_PORT)"
+    systemctl disable --now pgbouncer.socket pgbouncer.service >/dev/null 2>&1 || true
+  elif [[ -x /etc/init.d/pgbouncer && -f /var/run/postgresql/pgbouncer.pid ]]; then
+    log "stopping Debian's pgbouncer service (it occupies port $PGB_PORT)"
+    /etc/init.d/pgbouncer stop >/dev/null 2>&1 || true
+  fi
+  local _
+  for _ in {1..50}; do port_open "$PG_HOST" "$PGB_PORT" || break; sleep 0.1; done
+}
+
+pgbouncer_start() {
+  command -v pgbouncer >/dev/null || apt_install pgbouncer
+  pgb_resolve_dir
+  local pid
+  if pid=$(pgb_pid); then
+    log "PgBouncer already running (pid $pid)"
+    return 0
+  fi
+  pgb_disable_debian_service
+  if port_open "$PG_HOST" "$PGB_PORT"; then
+    die "port $PG_HOST:$PGB_PORT is in use by another process (not our PgBouncer); set OUTBOX_SERVICES_PGBOUNCER_PORT"
+  fi
+  pgb_write_config
+  log "starting PgBouncer on $PG_HOST:$PGB_PORT (transaction pooling; log $PGB_DIR/pgbouncer.log)"
+  as_pg_detached pgbouncer -d "$PGB_DIR/pgbouncer.ini" \
+    || die "PgBouncer failed to start; see $PGB_DIR/pgbouncer.log"
+  local deadline=$((SECONDS + 30))
+  until port_open "$PG_HOST" "$PGB_PORT"; do
+    (( SECONDS < deadline )) || die "PgBouncer not listening after 30 s; see $PGB_DIR/pgbouncer.log"
+    sleep 0.2
+  done
+  log "PgBouncer ready on $PG_HOST:$PGB_PORT"
+}
+
+pgbouncer_stop() {
+  pgb_resolve_dir
+  local pid
+  if ! pid=$(pgb_pid); then
+    log "PgBouncer not running"
+    return 0
+  fi
+  log "stopping PgBouncer (pid $pid)"
+  kill -INT "$pid" 2>/dev/null || true
+  local _
+  for _ in {1..100}; do pid_alive "$pid" || break; sleep 0.1; done
+  if pid_alive "$pid"; then kill -KILL "$pid" 2>/dev/null || true; fi
+}
+
+pgbouncer_status() {
+  pgb_resolve_dir
+  local pid
+  if pid=$(pgb_pid) && port_open "$PG_HOST" "$PGB_PORT"; then
+    printf 'pgbouncer:  up   (pid %s, %s:%s)\n' "$pid" "$PG_HOST" "$PGB_PORT" >&3
+    return 0
+  fi
+  printf 'pgbouncer:  down\n' >&3
+  return 1
+}
+
+# ---------------------------------------------------------------------------
 # Commands
 # ---------------------------------------------------------------------------
 print_env() {
   printf 'OUTBOX_DATABASE_URL=postgresql://%s:%s@%s:%s/%s\n' \
     "$PG_APP_USER" "$PG_APP_PASSWORD" "$PG_HOST" "$PG_PORT" "$PG_APP_DB" >&3
   printf 'OUTBOX_KAFKA_BOOTSTRAP_SERVERS=%s:%s\n' "$KAFKA_HOST" "$KAFKA_PORT" >&3
+  printf 'OUTBOX_PGBOUNCER_DATABASE_URL=postgresql://%s:%s@%s:%s/%s\n' \
+    "$PG_APP_USER" "$PG_APP_PASSWORD" "$PG_HOST" "$PGB_PORT" "$PG_APP_DB" >&3
 }
 
 usage() {
@@ -658,9 +976,11 @@ usage() {
 main() {
   local cmd=${1:-}
   case $cmd in
-    start)       take_lock; pg_start; kafka_start; print_env ;;
-    stop)        take_lock; kafka_stop; pg_stop ;;
-    status)      local rc=0; pg_status || rc=1; kafka_status || rc=1; exit $rc ;;
+    start)       take_lock; pg_start; kafka_start; pgbouncer_start; print_env ;;
+    stop)        take_lock; pgbouncer_stop; kafka_stop; pg_stop ;;
+    status)      local rc=0; pg_status || rc=1; kafka_status || rc=1; pgbouncer_status || rc=1; exit $rc ;;
+    pgbouncer-start) take_lock; pgbouncer_start ;;
+    pgbouncer-stop)  take_lock; pgbouncer_stop ;;
     pg-start)    take_lock; pg_start ;;
     pg-stop)     take_lock; pg_stop ;;
     kafka-start) take_lock; kafka_start ;;

@@ -51,6 +51,22 @@ class Queries:
     status: str
     gauges: str
     inbox_record: str
+    # Operator commands and table hygiene.
+    status_keys: str
+    paused_list: str
+    pause: str
+    resume: str
+    in_flight_rows: str
+    wake: str
+    max_id: str
+    dead_list: str
+    dead_requeue: str
+    dead_discard: str
+    replay_hold: str
+    replay_release: str
+    cleanup_window: str
+    pending_topics: str
+    pending_routed_headers: str
 
     @classmethod
     def for_table(cls, schema: str, table: str, inbox: str = "inbox") -> Queries:
@@ -67,6 +83,7 @@ class Queries:
             "version_table": qualified(f"{table}_schema_version"),
             "claim_fn": qualified(f"{table}_claim"),
             "inbox": qualified(inbox),
+            "paused": qualified(f"{table}_paused"),
         }
         rendered = {name: sql.format_map(names) for name, sql in QUERIES.items()}
         return cls(**rendered)

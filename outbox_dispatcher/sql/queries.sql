@@ -110,3 +110,196 @@ INSERT INTO {inbox} (event_id, topic, kafka_partition, kafka_offset)
 VALUES ($1, $2, $3, $4)
 ON CONFLICT (event_id) DO NOTHING
 RETURNING event_id
+
+-- Operator commands and table hygiene (admin.py, cleanup.py, status.py). Filters are $n
+-- parameters: NULL means "any". Mutating commands work in batches, each its own short
+-- transaction, walking ids upwards from a cursor ($after) to a bound fixed when the command starts.
+
+-- status_keys --
+-- Per topic of a key's head (its oldest pending row): keys whose head waits out a backoff, and
+-- keys held by a dead row when $1 (dead_letter_policy = block).
+WITH heads AS (
+    SELECT DISTINCT ON (ordering_key) ordering_key, topic, next_attempt_at
+      FROM {table}
+     WHERE published_at IS NULL AND dead_at IS NULL AND ordering_key IS NOT NULL
+     ORDER BY ordering_key, id
+),
+flagged AS (
+    SELECT h.topic,
+           h.next_attempt_at > now() AS backoff,
+           $1::boolean AND EXISTS (SELECT 1 FROM {table} d
+                                    WHERE d.ordering_key = h.ordering_key
+                                      AND d.dead_at IS NOT NULL) AS dead_blocked
+      FROM heads h
+)
+SELECT topic,
+       count(*) FILTER (WHERE backoff OR dead_blocked) AS blocked_keys,
+       count(*) FILTER (WHERE dead_blocked) AS dead_blocked_keys
+  FROM flagged
+ GROUP BY topic
+
+-- paused_list --
+SELECT topic, paused_at, paused_by, reason FROM {paused} ORDER BY topic
+
+-- pause --
+-- Pausing again keeps the first paused_at and records the latest who and why.
+INSERT INTO {paused} AS p (topic, paused_by, reason) VALUES ($1, $2, $3)
+ON CONFLICT (topic) DO UPDATE SET paused_by = EXCLUDED.paused_by, reason = EXCLUDED.reason
+RETURNING topic, paused_at, paused_by, reason
+
+-- resume --
+DELETE FROM {paused} WHERE topic = $1
+RETURNING topic, paused_at, paused_by, reason
+
+-- in_flight_rows --
+-- Rows under a live lease (being published right now), of topic $1 or all.
+SELECT count(*) FROM {table}
+ WHERE published_at IS NULL AND dead_at IS NULL AND lease_expires_at > now()
+   AND ($1::text IS NULL OR topic = $1)
+
+-- wake --
+-- The same hint the insert trigger sends: idle dispatchers claim at once.
+SELECT pg_notify($1, '')
+
+-- max_id --
+SELECT coalesce(max(id), 0) FROM {table}
+
+-- dead_list --
+SELECT id, event_id, topic, ordering_key, attempts, created_at, dead_at, last_error
+  FROM {table}
+ WHERE dead_at IS NOT NULL
+   AND ($1::bigint[] IS NULL OR id = ANY ($1))
+   AND ($2::text IS NULL OR ordering_key = $2)
+   AND ($3::text IS NULL OR topic = $3)
+   AND ($4::timestamptz IS NULL OR created_at >= $4)
+   AND ($5::timestamptz IS NULL OR created_at < $5)
+ ORDER BY id
+ LIMIT $6
+
+-- dead_requeue --
+-- One batch: dead rows with ids in ($6, $7], up to $8, become pending again (due now, attempts
+-- reset); last_error keeps a trace. Dead rows are never leased, so no dispatcher races this.
+WITH batch AS (
+    SELECT id FROM {table}
+     WHERE dead_at IS NOT NULL
+       AND ($1::bigint[] IS NULL OR id = ANY ($1))
+       AND ($2::text IS NULL OR ordering_key = $2)
+       AND ($3::text IS NULL OR topic = $3)
+       AND ($4::timestamptz IS NULL OR created_at >= $4)
+       AND ($5::timestamptz IS NULL OR created_at < $5)
+       AND id > $6 AND id <= $7
+     ORDER BY id
+     LIMIT $8
+),
+done AS (
+    UPDATE {table} o
+       SET dead_at = NULL,
+           attempts = 0,
+           next_attempt_at = now(),
+           lease_token = NULL,
+           lease_expires_at = NULL,
+           last_error = format('requeued by operator at %s (dead since %s: %s)',
+                               now(), o.dead_at, coalesce(o.last_error, 'no error recorded'))
+      FROM batch b
+     WHERE o.id = b.id AND o.dead_at IS NOT NULL
+    RETURNING o.id
+)
+SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM done) AS rows
+
+-- dead_discard --
+-- One batch: delete dead rows with ids in ($6, $7], up to $8.
+WITH batch AS (
+    SELECT id FROM {table}
+     WHERE dead_at IS NOT NULL
+       AND ($1::bigint[] IS NULL OR id = ANY ($1))
+       AND ($2::text IS NULL OR ordering_key = $2)
+       AND ($3::text IS NULL OR topic = $3)
+       AND ($4::timestamptz IS NULL OR created_at >= $4)
+       AND ($5::timestamptz IS NULL OR created_at < $5)
+       AND id > $6 AND id <= $7
+     ORDER BY id
+     LIMIT $8
+),
+done AS (
+    DELETE FROM {table} o USING batch b
+     WHERE o.id = b.id AND o.dead_at IS NOT NULL
+    RETURNING o.id
+)
+SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM done) AS rows
+
+-- replay_hold --
+-- One batch of a replay: published rows with ids in ($7, $8], up to $9, become pending again with
+-- their event id, but not due for $10 seconds, so that no dispatcher sends them before the whole
+-- replay is held (replay_release then lets them go in id order). Published rows are never leased.
+WITH batch AS (
+    SELECT id FROM {table}
+     WHERE published_at IS NOT NULL
+       AND ($1::bigint IS NULL OR id >= $1)
+       AND ($2::bigint IS NULL OR id <= $2)
+       AND ($3::text IS NULL OR ordering_key = $3)
+       AND ($4::text IS NULL OR topic = $4)
+       AND ($5::timestamptz IS NULL OR created_at >= $5)
+       AND ($6::timestamptz IS NULL OR created_at < $6)
+       AND id > $7 AND id <= $8
+     ORDER BY id
+     LIMIT $9
+),
+held AS (
+    UPDATE {table} o
+       SET published_at = NULL,
+           attempts = 0,
+           next_attempt_at = now() + $10 * interval '1 second',
+           lease_token = NULL,
+           lease_expires_at = NULL,
+           last_error = format('replayed by operator at %s (published before at %s)',
+                               now(), o.published_at)
+      FROM batch b
+     WHERE o.id = b.id AND o.published_at IS NOT NULL
+    RETURNING o.id
+)
+SELECT (SELECT max(id) FROM batch) AS last_id,
+       (SELECT array_agg(id ORDER BY id) FROM held) AS ids
+
+-- replay_release --
+-- Let one batch of held replay rows go (due now). Called in id order, so a key's replayed rows
+-- leave before its newer ones.
+WITH released AS (
+    UPDATE {table} SET next_attempt_at = now()
+     WHERE id = ANY ($1::bigint[]) AND published_at IS NULL AND dead_at IS NULL
+       AND lease_token IS NULL
+    RETURNING id
+)
+SELECT count(*) FROM released
+
+-- cleanup_window --
+-- One retention batch: of the next $3 rows by id after $1, delete those published more than $2
+-- seconds ago (never pending or dead rows). Rows already locked (a concurrent retention run or an
+-- operator command) are skipped. older_rows says whether the window held rows created before the
+-- cutoff; a window without any means the rest of the table is younger, and the walk can stop.
+WITH win AS (
+    SELECT id, created_at FROM {table} WHERE id > $1 ORDER BY id LIMIT $3
+),
+doomed AS (
+    SELECT o.id FROM {table} o JOIN win w ON w.id = o.id
+     WHERE o.published_at < now() - $2 * interval '1 second'
+       FOR UPDATE OF o SKIP LOCKED
+),
+gone AS (
+    DELETE FROM {table} o USING doomed d WHERE o.id = d.id RETURNING o.id
+)
+SELECT (SELECT max(id) FROM win) AS last_id,
+       (SELECT count(*) FROM win) AS seen,
+       (SELECT count(*) FROM gone) AS deleted,
+       coalesce((SELECT min(created_at) FROM win) < now() - $2 * interval '1 second', false)
+           AS older_rows
+
+-- pending_topics --
+SELECT DISTINCT topic FROM {table}
+ WHERE published_at IS NULL AND dead_at IS NULL AND topic IS NOT NULL
+
+-- pending_routed_headers --
+-- The oldest $1 pending rows the dispatcher routes itself (check routes them as the publisher would).
+SELECT headers FROM {table}
+ WHERE published_at IS NULL AND dead_at IS NULL AND topic IS NULL
+ ORDER BY id
+ LIMIT $1

@@ -50,6 +50,7 @@ def test_secrets_are_never_shown() -> None:
     s = Settings(
         database_url="postgresql://u:hunter2@h/db",
         kafka_sasl_password="s3cret",
+        kafka_security_protocol="SASL_SSL",
         kafka_sasl_mechanism="PLAIN",
         kafka_sasl_username="u",
     )

@@ -1,0 +1,90 @@
+"""Retention: delete published rows older than retention_seconds, in short batches.
+
+A hot queue table stays small only if published rows leave it. Each batch is one statement (its own
+transaction) over the next cleanup_batch_size rows by id, so no lock or snapshot is held for long
+and the WAL comes in small bursts; the walk stops at the first window with no row created before
+the cutoff, so a run costs the old rows it finds plus one window, not a scan of the table. Pending
+and dead rows are never deleted. Vacuum (autovacuum with the table's own settings) reclaims the
+space; docs/operations.md says which.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import asyncpg
+import structlog
+
+from outbox_dispatcher import db
+from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.sql import Queries
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Swept:
+    deleted: int
+    batches: int
+    rows_examined: int
+
+
+async def _fetchrow(
+    executor: asyncpg.Pool | asyncpg.Connection, query: str, *args: object
+) -> asyncpg.Record:
+    if isinstance(executor, asyncpg.Pool):
+        [pooled] = await db.fetch(executor, query, *args)
+        return pooled
+    row = await executor.fetchrow(query, *args)
+    assert row is not None  # noqa: S101 - an aggregate always returns one row
+    return row
+
+
+async def delete_published(
+    executor: asyncpg.Pool | asyncpg.Connection,
+    queries: Queries,
+    older_than_seconds: float,
+    batch_size: int,
+) -> Swept:
+    """Delete rows published more than `older_than_seconds` ago, one window of `batch_size`
+    rows per transaction, until the windows hold nothing older than the cutoff."""
+    after = 0
+    deleted = batches = examined = 0
+    while True:
+        row = await _fetchrow(
+            executor, queries.cleanup_window, after, older_than_seconds, batch_size
+        )
+        if row["last_id"] is None:
+            break
+        batches += 1
+        after = row["last_id"]
+        deleted += row["deleted"]
+        examined += row["seen"]
+        if row["seen"] < batch_size or not row["older_rows"]:
+            break
+    return Swept(deleted=deleted, batches=batches, rows_examined=examined)
+
+
+async def retention(pool: asyncpg.Pool, queries: Queries, settings: Settings) -> None:
+    """Forever, every cleanup_interval_seconds: delete published rows past retention_seconds."""
+    while True:
+        await asyncio.sleep(settings.cleanup_interval_seconds)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            swept = await delete_published(
+                pool, queries, settings.retention_seconds, settings.cleanup_batch_size
+            )
+        except db.RETRIABLE_ERRORS as exc:
+            log.warning("retention_failed", error=repr(exc))
+            continue
+        if swept.deleted:
+            log.info(
+                "retention_deleted",
+                rows=swept.deleted,
+                batches=swept.batches,
+                rows_examined=swept.rows_examined,
+                older_than_seconds=settings.retention_seconds,
+                seconds=round(loop.time() - started, 3),
+            )

@@ -1,0 +1,106 @@
+-- Least-privilege roles for outbox-dispatcher (docs/security.md).
+--
+--   ${owner_role}       owns the outbox objects: runs `outbox-dispatcher migrate` (or your migration
+--                       tool) and `outbox-dispatcher pause`; writers may use it or get INSERT.
+--   ${dispatcher_role}  what `outbox-dispatcher run` and `status` connect as: it reads rows, changes
+--                       only the dispatcher's bookkeeping columns, and deletes published rows
+--                       (retention). No INSERT, no writer columns, no DDL, no TRUNCATE.
+--
+-- Placeholders: ${schema} and ${table} as in schema/migrations, ${owner_role} and
+-- ${dispatcher_role}. `outbox_dispatcher.migrations.render_roles` fills them with validated,
+-- quoted names; with psql, e.g.
+--   sed -e 's/${schema}/public/g; s/${table}/outbox/g' \
+--       -e 's/${owner_role}/outbox_owner/g; s/${dispatcher_role}/outbox_dispatcher/g' \
+--       schema/roles.sql | psql -v ON_ERROR_STOP=1 "$ADMIN_URL"
+--
+-- Run it as a superuser, or as a role with CREATEROLE that owns the database (it then makes
+-- itself a member of the owner role so that it may grant on the owner's objects). Idempotent;
+-- run it twice: before the first migration (creates the roles, lets the owner create objects in
+-- the schema) and again after every migration (grants the dispatcher role on what the migration
+-- created). The roles are NOLOGIN: give them LOGIN and a password, or grant them to login roles:
+--   ALTER ROLE outbox_dispatcher LOGIN PASSWORD '...';
+--   CREATE ROLE dispatcher_app LOGIN PASSWORD '...' IN ROLE outbox_dispatcher;
+
+-- 1. The roles.
+DO $roles$
+BEGIN
+    IF to_regrole('${owner_role}') IS NULL THEN
+        CREATE ROLE ${owner_role} NOLOGIN;
+    END IF;
+    IF to_regrole('${dispatcher_role}') IS NULL THEN
+        CREATE ROLE ${dispatcher_role} NOLOGIN;
+    END IF;
+    -- A non-superuser administrator grants on the owner's objects (part 4) as a member of the
+    -- owner role. PostgreSQL 16+ already makes the creator of a role its admin.
+    IF NOT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+       AND NOT pg_has_role(current_user, to_regrole('${owner_role}')::oid, 'MEMBER') THEN
+        GRANT ${owner_role} TO CURRENT_USER;
+    END IF;
+END
+$roles$;
+
+-- Bounds for every dispatcher session, whatever a statement does (the dispatcher also sets
+-- idle_in_transaction_session_timeout itself). Lock waits are retried by the dispatcher.
+ALTER ROLE ${dispatcher_role} SET statement_timeout = '60s';
+ALTER ROLE ${dispatcher_role} SET lock_timeout = '10s';
+ALTER ROLE ${dispatcher_role} SET idle_in_transaction_session_timeout = '60s';
+
+-- 2. The database: connecting (PUBLIC usually may; some clusters revoke it).
+DO $db$
+BEGIN
+    EXECUTE format('GRANT CONNECT ON DATABASE %I TO %s, %s',
+                   current_database(), '${owner_role}', '${dispatcher_role}');
+END
+$db$;
+
+-- 3. The schema: the owner creates the outbox objects in it, the dispatcher only looks them up.
+CREATE SCHEMA IF NOT EXISTS ${schema};
+GRANT USAGE, CREATE ON SCHEMA ${schema} TO ${owner_role};
+GRANT USAGE ON SCHEMA ${schema} TO ${dispatcher_role};
+
+-- 4. The dispatcher's rights on the outbox objects, once they exist (after migrating).
+DO $grants$
+DECLARE
+    v_fn regprocedure;
+BEGIN
+    IF to_regclass('${schema}.${table}') IS NULL THEN
+        RAISE NOTICE 'no table ${schema}.${table} yet: run outbox-dispatcher migrate as ${owner_role}, then run this script again';
+        RETURN;
+    END IF;
+
+    -- Claim, status and metrics read rows; the startup check reads the schema version.
+    GRANT SELECT ON ${schema}.${table}, ${schema}.${table}_schema_version TO ${dispatcher_role};
+
+    -- Only the bookkeeping columns: never topic, ordering_key, payload, headers, event_id,
+    -- created_at (what writers wrote). Column UPDATE also lets the claim lock rows FOR UPDATE.
+    GRANT UPDATE (attempts, next_attempt_at, lease_owner, lease_token, lease_expires_at,
+                  published_at, dead_at, last_error)
+        ON ${schema}.${table} TO ${dispatcher_role};
+
+    -- DELETE: retention removes published rows older than OUTBOX_RETENTION_SECONDS (default
+    -- 7 days), and OUTBOX_DELETE_ON_PUBLISH removes rows once Kafka acknowledged them. With
+    -- OUTBOX_RETENTION_SECONDS=0 and no delete_on_publish the dispatcher deletes nothing:
+    --   REVOKE DELETE ON <schema>.<table> FROM <dispatcher_role>;
+    GRANT DELETE ON ${schema}.${table} TO ${dispatcher_role};
+
+    -- The claim function. It is SECURITY INVOKER (the default) on purpose: it runs with the
+    -- dispatcher role's own rights (SELECT, the column UPDATEs above; the advisory-lock functions
+    -- and gen_random_uuid are PUBLIC), so a SECURITY DEFINER function, which would lend the
+    -- owner's rights to every caller, is not needed. Only the dispatcher may call it; writers'
+    -- functions (<table>_enqueue...) keep PUBLIC EXECUTE and fail for the dispatcher role
+    -- anyway, as they run with the caller's rights and it has no INSERT.
+    FOR v_fn IN
+        SELECT p.oid::regprocedure FROM pg_proc p
+         WHERE p.pronamespace = to_regnamespace('${schema}') AND p.proname = '${table}_claim'
+    LOOP
+        EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', v_fn);
+        EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO %s', v_fn, '${dispatcher_role}');
+    END LOOP;
+
+    -- Migration 0003 (paused topics): the claim reads <table>_paused, so the dispatcher role
+    -- needs SELECT on it; `outbox-dispatcher pause` writes it and runs as the owner role.
+    IF to_regclass('${schema}.${table}_paused') IS NOT NULL THEN
+        GRANT SELECT ON ${schema}.${table}_paused TO ${dispatcher_role};
+    END IF;
+END
+$grants$;

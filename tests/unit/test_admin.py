@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import argparse
+from datetime import UTC, datetime
+
+import pytest
+
+from outbox_dispatcher import admin, cli
+
+
+def parse(*args: str) -> argparse.Namespace:
+    return cli.build_parser().parse_args(list(args))
+
+
+@pytest.mark.parametrize(
+    ("args", "refused"),
+    [
+        (("dead", "requeue"), "refusing to act without a filter"),
+        (("dead", "discard"), "refusing to act without a filter"),
+        (("replay",), "refusing to act without a filter"),
+        (("dead", "discard", "--all", "--key", "k"), "--all cannot be combined with filters"),
+        (("dead", "requeue", "--all"), None),
+        (("dead", "requeue", "--id", "3", "--id", "4"), None),
+        (("replay", "--from-id", "10"), None),
+    ],
+)
+def test_mass_changes_need_a_filter_or_all(args: tuple[str, ...], refused: str | None) -> None:
+    ns = parse(*args)
+    problem = admin._refuse_unfiltered(admin.Filters.of(ns), ns, "act")
+    if refused is None:
+        assert problem is None
+    else:
+        assert problem is not None and problem.startswith(refused)
+
+
+def test_filters_from_flags() -> None:
+    ns = parse("dead", "list", "--id", "1", "--id", "2", "--key", "k", "--since", "2026-01-02")
+    f = admin.Filters.of(ns)
+    assert f.ids == [1, 2] and f.key == "k" and f.topic is None
+    assert f.since == datetime(2026, 1, 2, tzinfo=UTC), "a bare time is UTC"
+    assert f.dead_args() == ([1, 2], "k", None, f.since, None)
+    ns = parse("replay", "--topic", "t", "--from-id", "5", "--to-id", "9")
+    assert admin.Filters.of(ns).replay_args() == (5, 9, None, "t", None, None)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("dead", "list", "--since", "yesterday"),
+        ("dead", "list", "--limit", "0"),
+        ("cleanup", "--older-than", "-1"),
+        ("pause", "--topic", "not a topic"),
+        ("resume", "--topic", "*"),
+    ],
+)
+def test_bad_arguments_exit_2(args: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse(*args)
+    assert exited.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_every_operator_command_has_the_setting_flags() -> None:
+    for args in (
+        ("dead", "list"),
+        ("dead", "requeue", "--all"),
+        ("replay", "--all"),
+        ("pause",),
+        ("resume",),
+        ("cleanup",),
+        ("check",),
+    ):
+        ns = parse(*args, "--table", "events", "--cleanup-batch-size", "7")
+        settings = cli.load_settings(ns)
+        assert (settings.table, settings.cleanup_batch_size) == ("events", 7)
+        assert admin.handler(ns) is not None
