@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help install services services-stop services-status migrate run lint test test-unit bench
+.PHONY: help install services services-stop services-status migrate run lint test test-unit bench chaos
 
 help:
 	@echo "make run            set everything up, then run the dispatcher in the foreground"
@@ -18,6 +18,7 @@ help:
 	@echo "make services-stop  stop them"
 	@echo "make migrate        create or upgrade the outbox schema"
 	@echo "make bench          the benchmarks (benchmarks/README.md); BENCH_ARGS=--quick for a smoke run"
+	@echo "make chaos          the fault scenarios at full scale (docs/guarantees.md); figures in .chaos/"
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is needed"'
@@ -86,3 +87,11 @@ tools:
 # Throughput, latency and cost against the local stack; writes benchmarks/results/latest.json.
 bench: install services
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
+
+# The fault scenarios of tests/integration/test_chaos.py at full scale (CI runs a short version);
+# one JSON line of figures per scenario in .chaos/results.jsonl (quoted in docs/guarantees.md).
+chaos: install services
+	mkdir -p .chaos
+	rm -f .chaos/results.jsonl
+	OUTBOX_CHAOS=full OUTBOX_CHAOS_REPORT=.chaos/results.jsonl \
+		$(BIN)/pytest tests/integration/test_chaos.py -v -s -rxX $(PYTEST_ARGS)

@@ -100,10 +100,10 @@ async def template_db(services: Services) -> AsyncIterator[str]:
             await migrations.migrate(conn, "public", "outbox")
         finally:
             await conn.close()
-        yield name
-        await drop_database(admin, name)
     finally:
         await admin.close()
+    yield name
+    await _drop_fresh(services.database_url, name)
 
 
 @contextlib.asynccontextmanager
@@ -114,7 +114,17 @@ async def _fresh_database(services: Services, template: str | None) -> AsyncIter
     admin = await asyncpg.connect(services.database_url)
     try:
         await admin.execute(f'CREATE DATABASE "{name}"{clause}')
-        yield _with_database(services.database_url, name)
+    finally:
+        await admin.close()
+    yield _with_database(services.database_url, name)
+    await _drop_fresh(services.database_url, name)
+
+
+async def _drop_fresh(url: str, name: str) -> None:
+    """Drop through a new connection: the one the database was created with may be gone (a
+    chaos test restarts PostgreSQL)."""
+    admin = await asyncpg.connect(url)
+    try:
         await drop_database(admin, name)
     finally:
         await admin.close()

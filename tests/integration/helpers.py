@@ -10,18 +10,21 @@ import signal
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import asyncpg
 import orjson
-from aiokafka import AIOKafkaConsumer, ConsumerRecord
 from pydantic import SecretStr
 
 from outbox_dispatcher.dispatcher import Dispatcher
 from outbox_dispatcher.settings import Settings
+
+# Moved to tests/checker.py; re-exported so that older tests keep importing them from here.
+from tests.checker import Verdict as Verdict
+from tests.checker import check as check
+from tests.checker import consume as consume
 
 
 @dataclass(frozen=True)
@@ -87,82 +90,6 @@ async def wait_all_settled(conn: asyncpg.Connection, timeout: float) -> None:
         return await count(conn, "published_at IS NULL AND dead_at IS NULL") == 0
 
     await wait_until(done, timeout, "every row published or dead-lettered")
-
-
-async def consume(
-    bootstrap: str, topic: str, expected: int, timeout: float = 60.0
-) -> list[ConsumerRecord[bytes, bytes]]:
-    """Read the topic from the start until `expected` records arrived (or fail), then a little
-    longer to catch extra copies."""
-    consumer = AIOKafkaConsumer(
-        topic,
-        bootstrap_servers=bootstrap,
-        auto_offset_reset="earliest",
-        enable_auto_commit=False,
-        isolation_level="read_committed",
-        group_id=None,
-    )
-    await consumer.start()
-    records: list[ConsumerRecord[bytes, bytes]] = []
-    try:
-        deadline = time.monotonic() + timeout
-        quiet_until: float | None = None
-        while time.monotonic() < deadline:
-            batch = await consumer.getmany(timeout_ms=300, max_records=10_000)
-            got = [r for rs in batch.values() for r in rs]
-            records.extend(got)
-            if len(records) >= expected:
-                if quiet_until is None:
-                    quiet_until = time.monotonic() + 1.0
-                elif time.monotonic() > quiet_until and not got:
-                    break
-    finally:
-        await consumer.stop()
-    if len(records) < expected:
-        msg = f"consumed {len(records)} records of {expected} expected from {topic}"
-        raise AssertionError(msg)
-    return records
-
-
-@dataclass
-class Verdict:
-    """What the consumer saw against what was written."""
-
-    delivered: int = 0
-    lost: list[str] = field(default_factory=list)
-    duplicates: int = 0
-    reordered: list[str] = field(default_factory=list)
-    unexpected: list[str] = field(default_factory=list)
-
-
-def check(records: Sequence[ConsumerRecord[bytes, bytes]], expected_event_ids: set[str]) -> Verdict:
-    """Lost, duplicated (same event-id twice), reordered (per key, first deliveries out of seq
-    order) and unexpected records."""
-    verdict = Verdict()
-    seen: set[str] = set()
-    last_seq: dict[bytes | None, int] = defaultdict(lambda: -1)
-    by_partition: dict[int, list[ConsumerRecord[bytes, bytes]]] = defaultdict(list)
-    for record in records:
-        by_partition[record.partition].append(record)
-    for partition_records in by_partition.values():
-        for record in sorted(partition_records, key=lambda r: r.offset):
-            headers = dict(record.headers)
-            event_id = headers.get("event-id", b"").decode()
-            if event_id not in expected_event_ids:
-                verdict.unexpected.append(event_id)
-                continue
-            if event_id in seen:
-                verdict.duplicates += 1
-                continue
-            seen.add(event_id)
-            verdict.delivered += 1
-            assert record.value is not None
-            seq = orjson.loads(record.value)["seq"]
-            if seq <= last_seq[record.key]:
-                verdict.reordered.append(f"{record.key!r}: {seq} after {last_seq[record.key]}")
-            last_seq[record.key] = seq
-    verdict.lost = sorted(expected_event_ids - seen)
-    return verdict
 
 
 async def event_ids(conn: asyncpg.Connection) -> set[str]:
