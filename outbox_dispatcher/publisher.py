@@ -25,6 +25,8 @@ from outbox_dispatcher.tracing import Tracer
 
 log = structlog.get_logger(__name__)
 
+STOP_FLUSH_SECONDS = 5.0
+
 
 class NotAttempted(Exception):  # noqa: N818 - an outcome, not an error
     """The record was not sent because an earlier record of its key failed; it keeps its place."""
@@ -147,9 +149,22 @@ class KafkaPublisher:
         self._producer = producer
 
     async def stop(self) -> None:
-        if self._producer is not None:
-            producer, self._producer = self._producer, None
-            await producer.stop()
+        """Flush and close. aiokafka's stop() waits for every buffered record to be delivered,
+        which never happens while the broker is away: past a bound, fail what is left (those
+        rows were already given back, unmarked, by the shutdown) so that SIGTERM still ends."""
+        if self._producer is None:
+            return
+        producer, self._producer = self._producer, None
+        stopping = asyncio.ensure_future(producer.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=STOP_FLUSH_SECONDS)
+        if not done:
+            log.warning("producer_flush_abandoned", reason="the broker did not take the records")
+            # No public API fails buffered batches; this is what aiokafka itself does when its
+            # sender dies (Sender._fail_all).
+            producer._message_accumulator.fail_all(
+                errors.BrokerUnavailableError("the dispatcher stopped while the broker was away")
+            )
+        await stopping
 
     def _note(self, outcome: BaseException | None) -> None:
         if isinstance(outcome, errors.PRODUCER_STATE_ERRORS):

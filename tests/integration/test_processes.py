@@ -165,6 +165,44 @@ async def test_sigterm_with_rows_in_flight_exits_0_and_leaves_nothing_leased(
     assert "Traceback" not in log
 
 
+async def test_sigterm_while_the_broker_is_away_still_exits_within_the_grace_period(
+    conn: asyncpg.Connection,
+    services: Services,
+    topic: str,
+    make_settings: Any,
+    tmp_path: Path,
+) -> None:
+    """Rows in flight to an unreachable broker: SIGTERM gives them back unmarked and the process
+    ends (the producer's flush is bounded), instead of waiting for a broker that is not there."""
+    settings = make_settings(shutdown_grace_seconds=3, log_format="json", lease_seconds=30)
+    process = spawn(settings, tmp_path / "d.log")
+    try:
+        await wait_started([tmp_path / "d.log"])
+        await services.broker("stop")
+        try:
+            await insert_sequenced(conn, topic, keys=10, per_key=10)
+
+            async def in_flight() -> bool:
+                return await count(conn, "lease_expires_at > now()") > 0
+
+            await wait_until(in_flight, 30, "rows claimed while the broker is away")
+            process.send_signal(signal.SIGTERM)
+            started = time.monotonic()
+            code = await asyncio.to_thread(process.wait, 60)
+            took = time.monotonic() - started
+        finally:
+            await services.broker("start")
+    finally:
+        if process.poll() is None:
+            kill9(process)
+    log = (tmp_path / "d.log").read_text()
+    assert code == 0, log[-3000:]
+    assert '"stopped"' in log
+    assert took < 30, f"took {took:.1f} s to stop"
+    assert await count(conn, "lease_token IS NOT NULL") == 0, "in-flight rows were given back"
+    assert await count(conn, "published_at IS NOT NULL OR dead_at IS NOT NULL") == 0
+
+
 async def test_cli_migrate_status_and_run_refusal(
     empty_database_url: str, make_settings: Any, tmp_path: Path
 ) -> None:
