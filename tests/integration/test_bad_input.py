@@ -8,6 +8,7 @@ dead-lettered with a specific reason in last_error.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import os
@@ -26,6 +27,7 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError
 from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
@@ -412,6 +414,20 @@ async def _create(admin: AIOKafkaAdminClient, name: str, created: list[str]) -> 
     return name
 
 
+async def _ensure_consumer_offsets(admin: AIOKafkaAdminClient) -> None:
+    """The internal-topic case writes to __consumer_offsets, which a fresh broker creates only
+    when a consumer group first asks for its coordinator: ask, until it exists."""
+    for _ in range(120):
+        try:
+            await admin.find_coordinator("outbox-dispatcher-tests")
+        except KafkaError:
+            await asyncio.sleep(0.5)
+        else:
+            return
+    msg = "the broker did not create __consumer_offsets"
+    raise AssertionError(msg)
+
+
 @pytest.fixture
 async def world(
     services: Services, make_settings: Callable[..., Settings], database_url: str
@@ -432,6 +448,7 @@ async def world(
         }
         for name in names.values():
             await _create(admin, name, created)
+        await _ensure_consumer_offsets(admin)
         settings = make_settings(
             kafka_max_request_bytes=LIMIT,
             kafka_allow_auto_create_topics=False,
