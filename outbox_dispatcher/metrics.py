@@ -60,6 +60,7 @@ NAMES = (
     "outbox_mark_duration_seconds",
     "outbox_commit_to_ack_seconds",
     "outbox_table_sampled_timestamp_seconds",
+    "outbox_paused",
 )
 
 
@@ -101,6 +102,13 @@ class Metrics:
         self.in_flight = Gauge(
             "outbox_in_flight_rows",
             "Rows this dispatcher has claimed and not yet settled.",
+            registry=r,
+        )
+        self.paused = Gauge(
+            "outbox_paused",
+            "Pauses set by `outbox-dispatcher pause`: scope=table is 1 while the whole table is "
+            "paused; scope=topic counts paused topics.",
+            ["scope"],
             registry=r,
         )
         self.sampled = Gauge(
@@ -201,5 +209,7 @@ async def sample(pool: asyncpg.Pool, queries: Queries, settings: Settings, m: Me
             m.dead.set(row["dead"])
             m.blocked_keys.labels("backoff").set(row["backoff_keys"])
             m.blocked_keys.labels("dead").set(row["dead_blocked_keys"])
+            m.paused.labels("table").set(int(row["table_paused"]))
+            m.paused.labels("topic").set(row["paused_topics"])
             m.sampled.set(time.time())
         await asyncio.sleep(settings.metrics_interval_seconds)

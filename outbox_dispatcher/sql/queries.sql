@@ -87,7 +87,7 @@ SELECT topic,
 -- gauges --
 -- The table gauges behind /metrics, each from a partial index: pending rows, the age of the oldest
 -- (by id, the claim's order), dead rows, keys waiting out a backoff, and keys blocked by a dead row
--- when $1 (dead_letter_policy = block).
+-- when $1 (dead_letter_policy = block); and the pauses operators set.
 SELECT (SELECT count(*) FROM {table} WHERE published_at IS NULL AND dead_at IS NULL) AS pending,
        (SELECT extract(epoch FROM now() - created_at)::float8 FROM {table}
          WHERE published_at IS NULL AND dead_at IS NULL ORDER BY id LIMIT 1)
@@ -100,7 +100,9 @@ SELECT (SELECT count(*) FROM {table} WHERE published_at IS NULL AND dead_at IS N
          WHERE $1 AND d.dead_at IS NOT NULL
            AND EXISTS (SELECT FROM {table} p
                         WHERE p.ordering_key = d.ordering_key
-                          AND p.published_at IS NULL AND p.dead_at IS NULL)) AS dead_blocked_keys
+                          AND p.published_at IS NULL AND p.dead_at IS NULL)) AS dead_blocked_keys,
+       (SELECT count(*) FROM {paused} WHERE topic <> '*') AS paused_topics,
+       EXISTS (SELECT FROM {paused} WHERE topic = '*') AS table_paused
 
 -- inbox_record --
 -- Consumer side: remember an event id in the same transaction as the handler's writes; no row

@@ -137,9 +137,20 @@ async def test_lag_and_blocked_keys_are_visible(
 
         await wait_until(blocked, 30, "the blocked key to show")
         samples = await scrape(port)
+        await conn.execute(
+            "INSERT INTO outbox_paused (topic, paused_by) VALUES ($1, 'test')", topic
+        )
+
+        async def paused() -> bool:
+            return (await scrape(port)).get(("outbox_paused", (("scope", "topic"),))) == 1
+
+        await wait_until(paused, 30, "the pause to show")
+        after_pause = await scrape(port)
     assert samples[("outbox_pending_rows", ())] == 1
     assert 590 < samples[("outbox_oldest_pending_age_seconds", ())] < 900
     assert samples[("outbox_dead_rows", ())] == 1
+    assert samples[("outbox_paused", (("scope", "topic"),))] == 0
+    assert after_pause[("outbox_paused", (("scope", "table"),))] == 0
 
 
 async def test_readyz_fails_while_the_schema_version_is_wrong(
