@@ -286,11 +286,7 @@ def _dead_table(rows: list[dict[str, Any]]) -> str:
         )
         for r in rows
     ]
-    widths = [max(len(c[i]) for c in [header, *cells]) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(c, widths, strict=True)).rstrip()
-        for c in [header, *cells]
-    )
+    return "\n".join(status.columns(header, cells))
 
 
 def _shorten(text: str, width: int) -> str:

@@ -30,17 +30,6 @@ class Swept:
     rows_examined: int
 
 
-async def _fetchrow(
-    executor: asyncpg.Pool | asyncpg.Connection, query: str, *args: object
-) -> asyncpg.Record:
-    if isinstance(executor, asyncpg.Pool):
-        [pooled] = await db.fetch(executor, query, *args)
-        return pooled
-    row = await executor.fetchrow(query, *args)
-    assert row is not None  # noqa: S101 - an aggregate always returns one row
-    return row
-
-
 async def delete_published(
     executor: asyncpg.Pool | asyncpg.Connection,
     queries: Queries,
@@ -52,7 +41,7 @@ async def delete_published(
     after = 0
     deleted = batches = examined = 0
     while True:
-        row = await _fetchrow(
+        [row] = await db.fetch(
             executor, queries.cleanup_window, after, older_than_seconds, batch_size
         )
         if row["last_id"] is None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import asyncpg
 import orjson
+from asyncpg.pool import PoolConnectionProxy
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.settings import Settings
@@ -43,16 +44,25 @@ RETRIABLE_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-async def fetch(pool: asyncpg.Pool, query: str, *args: object) -> list[asyncpg.Record]:
-    """pool.fetch, except that a connection whose protocol state broke is thrown away instead of
-    going back to the pool: after a backend is terminated mid-statement asyncpg can report
-    InternalClientError and would otherwise hand out the broken connection again (asyncpg#1069)."""
-    async with pool.acquire() as conn:
-        try:
-            return await conn.fetch(query, *args)
-        except asyncpg.InternalClientError:
-            conn.terminate()
-            raise
+# A connection of its own or one lent by the pool.
+Executor = asyncpg.Connection | PoolConnectionProxy
+
+
+async def fetch(
+    executor: asyncpg.Pool | Executor, query: str, *args: object
+) -> list[asyncpg.Record]:
+    """fetch, except that a connection whose protocol state broke is thrown away instead of
+    being used again: after a backend is terminated mid-statement asyncpg can report
+    InternalClientError and a pool would otherwise hand out the broken connection again
+    (asyncpg#1069)."""
+    if isinstance(executor, asyncpg.Pool):
+        async with executor.acquire() as conn:
+            return await fetch(conn, query, *args)
+    try:
+        return await executor.fetch(query, *args)
+    except asyncpg.InternalClientError:
+        executor.terminate()
+        raise
 
 
 async def init_connection(conn: asyncpg.Connection) -> None:

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import asyncpg
 import structlog
-from asyncpg.pool import PoolConnectionProxy
 
-from outbox_dispatcher import errors
+from outbox_dispatcher import db, errors
 from outbox_dispatcher.settings import quote_identifier, validate_identifier
 from outbox_dispatcher.sql import Queries
 
@@ -83,10 +82,7 @@ def lock_key(schema: str, table: str) -> int:
     return zlib.crc32(f"outbox-dispatcher:{schema}.{table}".encode()) & 0x7FFFFFFF
 
 
-Executor = asyncpg.Connection | PoolConnectionProxy
-
-
-async def current_version(conn: Executor, schema: str, table: str) -> int:
+async def current_version(conn: db.Executor, schema: str, table: str) -> int:
     exists = await conn.fetchval(
         "SELECT to_regclass($1) IS NOT NULL",
         f"{quote_identifier(schema)}.{quote_identifier(table + '_schema_version')}",
@@ -124,7 +120,7 @@ async def migrate(conn: asyncpg.Connection, schema: str, table: str) -> list[int
     return applied
 
 
-async def check_version(conn: Executor, schema: str, table: str) -> None:
+async def check_version(conn: db.Executor, schema: str, table: str) -> None:
     """Refuse to run against a schema this version does not understand."""
     expected = latest_version()
     version = await current_version(conn, schema, table)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -141,11 +142,7 @@ def as_table(topics: list[TopicStatus], pauses: list[Pause] | None = None) -> st
             "",
         )
     )
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
-        for r in [header, *rows]
-    ]
+    lines = columns(header, rows)
     for p in pauses or []:
         what = "the whole table" if p.topic == WHOLE_TABLE else f"topic {p.topic}"
         lines.append(
@@ -157,3 +154,12 @@ def as_table(topics: list[TopicStatus], pauses: list[Pause] | None = None) -> st
 
 def _blocked(blocked: int, dead_blocked: int) -> str:
     return f"{blocked} ({dead_blocked} dead)" if dead_blocked else str(blocked)
+
+
+def columns(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Rows of cells as left-aligned columns under their header, for a terminal."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+        for r in [header, *rows]
+    ]

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import orjson
@@ -144,6 +145,33 @@ async def wait_started(log_paths: Sequence[Path], timeout: float = 60) -> None:
         return all(p.exists() and '"started"' in p.read_text() for p in log_paths)
 
     await wait_until(all_started, timeout, "the dispatchers to start")
+
+
+def stop_all(processes: Sequence[subprocess.Popen[bytes]]) -> list[int | None]:
+    """SIGTERM every process still running, then their exit codes (None: killed after 60 s)."""
+    for p in processes:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    codes: list[int | None] = []
+    for p in processes:
+        try:
+            codes.append(p.wait(timeout=60))
+        except subprocess.TimeoutExpired:
+            kill9(p)
+            codes.append(None)
+    return codes
+
+
+def log_events(path: Path, event: str | None = None) -> list[dict[str, Any]]:
+    """The JSON log lines of a spawned dispatcher (all, or those of one event)."""
+    found: list[dict[str, Any]] = []
+    lines = path.read_text().splitlines() if path.exists() else []
+    for line in lines:
+        if not line.startswith("{") or (event is not None and f'"{event}"' not in line):
+            continue
+        with contextlib.suppress(orjson.JSONDecodeError):
+            found.append(orjson.loads(line))
+    return [e for e in found if event is None or e.get("event") == event]
 
 
 def kill9(process: subprocess.Popen[bytes]) -> None:

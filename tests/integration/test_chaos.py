@@ -33,6 +33,7 @@ from .helpers import (
     Services,
     count,
     kill9,
+    log_events,
     settings_env,
     spawn,
     wait_all_settled,
@@ -131,15 +132,6 @@ async def fleet(settings: Settings, logs: Path, n: int) -> AsyncIterator[Fleet]:
                     os.killpg(p.pid, signal.SIGCONT)
         codes = f.stop()
         assert all(c == 0 for c in codes), (codes, f.tails())
-
-
-def log_events(path: Path, event: str) -> list[dict[str, Any]]:
-    found = []
-    for line in path.read_text().splitlines():
-        if f'"{event}"' in line:
-            with contextlib.suppress(orjson.JSONDecodeError):
-                found.append(orjson.loads(line))
-    return [e for e in found if e.get("event") == event]
 
 
 def http_port(log: Path) -> int | None:

@@ -11,7 +11,6 @@ cannot make a PID namespace, the test runs the same command as a plain process a
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import signal
@@ -34,6 +33,7 @@ from .helpers import (
     count,
     event_ids,
     http_get,
+    log_events,
     settings_env,
     wait_all_settled,
     wait_until,
@@ -110,14 +110,6 @@ def file_settings_supported(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     with monkeypatch.context() as patch:
         patch.setenv("OUTBOX_HTTP_HOST_FILE", str(probe))
         return Settings().http_host == "127.0.0.2"
-
-
-def log_events(path: Path) -> list[dict[str, Any]]:
-    events = []
-    for line in path.read_text().splitlines():
-        if line.startswith("{"):
-            events.append(json.loads(line))
-    return events
 
 
 async def test_image_command_as_pid_1_publishes_the_demo_writers_events_and_stops_on_sigterm(

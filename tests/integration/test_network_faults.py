@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -31,9 +28,10 @@ from .helpers import (
     count,
     event_ids,
     insert_sequenced,
-    kill9,
+    log_events,
     running,
     spawn,
+    stop_all,
     wait_all_settled,
     wait_started,
     wait_until,
@@ -74,30 +72,6 @@ def _via(url: str, port: int) -> str:
     query = "&".join(q for q in parts.query.split("&") if q and not q.startswith("sslmode="))
     query = f"{query}&sslmode=disable" if query else "sslmode=disable"
     return urlunsplit(parts._replace(netloc=f"{userinfo}@127.0.0.1:{port}", query=query))
-
-
-def _stop(processes: list[subprocess.Popen[bytes]]) -> list[int | None]:
-    for p in processes:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    codes: list[int | None] = []
-    for p in processes:
-        try:
-            codes.append(p.wait(timeout=60))
-        except subprocess.TimeoutExpired:
-            kill9(p)
-            codes.append(None)
-    return codes
-
-
-def _events(log: Path, event: str) -> list[dict[str, Any]]:
-    lines = log.read_text().splitlines() if log.exists() else []
-    found = []
-    for line in lines:
-        if f'"{event}"' in line:
-            with contextlib.suppress(ValueError):
-                found.append(json.loads(line))
-    return found
 
 
 async def test_kafka_cut_longer_than_a_lease_under_load_loses_and_reorders_nothing(
@@ -252,7 +226,7 @@ async def test_database_cut_while_marking_lets_another_dispatcher_take_over_fenc
             await proxy.restore()
 
             async def a_settled() -> bool:
-                return bool(_events(log_a, "lease_lost") or _events(log_a, "settle_failed"))
+                return bool(log_events(log_a, "lease_lost") or log_events(log_a, "settle_failed"))
 
             await wait_until(a_settled, 60, "A's late mark to come back")
             after = await conn.fetch(
@@ -264,14 +238,14 @@ async def test_database_cut_while_marking_lets_another_dispatcher_take_over_fenc
             await wait_all_settled(conn, 60)
         finally:
             # Off the event loop: A's shutdown needs the proxy, which runs on this loop.
-            codes = await asyncio.to_thread(_stop, processes)
+            codes = await asyncio.to_thread(stop_all, processes)
     assert codes == [0, 0], (log_a.read_text()[-3000:], log_b.read_text()[-3000:])
     if fault == "stall":
-        assert not _events(log_a, "settle_failed"), "the late mark must reach the server"
-        lost = _events(log_a, "lease_lost")
+        assert not log_events(log_a, "settle_failed"), "the late mark must reach the server"
+        lost = log_events(log_a, "lease_lost")
         assert [e["rows"] for e in lost] == [batch_a], "the stale mark changed 0 of its rows"
     else:
-        assert [e["rows"] for e in _events(log_a, "settle_failed")] == [batch_a]
+        assert [e["rows"] for e in log_events(log_a, "settle_failed")] == [batch_a]
     assert [dict(r) for r in after] == [dict(r) for r in before], "nothing changed by A's mark"
     assert await count(conn, "dead_at IS NOT NULL") == 0
     verdict = check(

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from .helpers import (
     insert_sequenced,
     kill9,
     spawn,
+    stop_all,
     wait_all_settled,
     wait_started,
     wait_until,
@@ -65,20 +65,6 @@ async def pgbouncer_url(database_url: str) -> str:
     return url
 
 
-def _stop(processes: list[subprocess.Popen[bytes]]) -> list[int | None]:
-    for p in processes:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    codes: list[int | None] = []
-    for p in processes:
-        try:
-            codes.append(p.wait(timeout=60))
-        except subprocess.TimeoutExpired:
-            kill9(p)
-            codes.append(None)
-    return codes
-
-
 async def test_concurrency_three_processes_through_pgbouncer(
     conn: asyncpg.Connection,
     database_url: str,
@@ -107,7 +93,7 @@ async def test_concurrency_three_processes_through_pgbouncer(
             await insert_sequenced(conn, topic, keys=100, per_key=10, first_seq=first)
         await wait_all_settled(conn, 120)
     finally:
-        codes = await asyncio.to_thread(_stop, processes)
+        codes = await asyncio.to_thread(stop_all, processes)
     texts = [log.read_text() for log in logs]
     assert codes == [0, 0, 0], [t[-3000:] for t in texts]
     assert all("Traceback" not in t for t in texts)
@@ -203,7 +189,7 @@ async def test_crashes_kill_9_and_restart_under_write_load_through_pgbouncer(
         with contextlib.suppress(Exception):
             await load
         await writer.close()
-        codes = await asyncio.to_thread(_stop, processes)
+        codes = await asyncio.to_thread(stop_all, processes)
     # The killed ones report -9; the steady one and the last restart stop cleanly.
     assert codes[0] == 0 and codes[-1] == 0, codes
     assert await count(conn) == written

@@ -27,26 +27,13 @@ from .helpers import (
     kill9,
     settings_env,
     spawn,
+    stop_all,
     wait_all_settled,
     wait_started,
     wait_until,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def _stop(processes: list[subprocess.Popen[bytes]]) -> list[int | None]:
-    for p in processes:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    codes = []
-    for p in processes:
-        try:
-            codes.append(p.wait(timeout=60))
-        except subprocess.TimeoutExpired:
-            kill9(p)
-            codes.append(None)
-    return codes
 
 
 async def test_three_processes_publish_10k_rows_over_200_keys_in_order(
@@ -67,7 +54,7 @@ async def test_three_processes_publish_10k_rows_over_200_keys_in_order(
         await wait_all_settled(conn, 180)
         elapsed = time.monotonic() - started
     finally:
-        codes = _stop(processes)
+        codes = stop_all(processes)
     assert codes == [0, 0, 0], [(tmp_path / f"d{i}.log").read_text()[-3000:] for i in range(3)]
     shares = await conn.fetch(
         "SELECT lease_owner, count(*) AS n FROM outbox GROUP BY 1 ORDER BY 2 DESC"
@@ -116,7 +103,7 @@ async def test_kill_9_mid_batch_loses_nothing_and_keeps_order(
         survivor = spawn(settings, tmp_path / "survivor.log")
         await wait_all_settled(conn, 120)
     finally:
-        codes = _stop([p for p in (victim, survivor) if p is not None])
+        codes = stop_all([p for p in (victim, survivor) if p is not None])
     assert codes[-1] == 0
     assert orphans > 0
     assert await count(conn, "dead_at IS NOT NULL") == 0
