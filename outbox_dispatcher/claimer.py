@@ -3,40 +3,89 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import uuid
 from collections import deque
 
 import asyncpg
+import structlog
 
 from outbox_dispatcher import db
-from outbox_dispatcher.migrations import lock_key
 from outbox_dispatcher.models import Batch, OutboxRecord
 from outbox_dispatcher.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.sql import Queries
 
+log = structlog.get_logger(__name__)
+
 
 class Claimer:
+    """Leases batches through the claim function; keeps the claim's key count fitted to how many
+    rows a key has waiting, and gives back what a claim with a lost reply may have leased."""
+
     def __init__(
         self, pool: asyncpg.Pool, queries: Queries, settings: Settings, owner: str
     ) -> None:
         self._pool = pool
         self._queries = queries
         s = settings
-        self._args = (
-            s.batch_size,
-            s.scan_limit,
-            owner,
-            s.lease_seconds,
-            lock_key(s.db_schema, s.table),
-            s.dead_letter_policy is DeadLetterPolicy.BLOCK,
-            s.max_attempts,
-        )
+        self._limit = s.batch_size
+        self._owner = owner
+        self._lease = s.lease_seconds
+        self._block = s.dead_letter_policy is DeadLetterPolicy.BLOCK
+        self._max_attempts = s.max_attempts
+        # Keys asked for per claim: as many as the batch can fill at the rows per key seen last
+        # time (one row per key: batch_size keys; one hot key: a few).
+        self._max_keys = s.batch_size
+        # Tokens of claims that may have committed although their reply never arrived.
+        self._unsure: list[uuid.UUID] = []
 
     async def claim(self) -> Batch | None:
         """Lease up to batch_size rows; one round trip, one short transaction."""
-        rows = await db.fetch(self._pool, self._queries.claim, *self._args)
+        if self._unsure:
+            await self._release_unsure()
+        token = uuid.uuid4()
+        try:
+            rows = await db.fetch(self._pool, self._queries.claim, *self.arguments(token))
+        except asyncpg.OutOfMemoryError as exc:
+            # The lock table or memory of the server is short: ask for fewer keys next time
+            # rather than die and restart into the same state.
+            self._max_keys = max(1, self._max_keys // 2)
+            log.warning("claim_shrunk", error=repr(exc), max_keys=self._max_keys)
+            return None
+        except db.RETRIABLE_ERRORS:
+            self._unsure.append(token)
+            raise
         if not rows:
             return None
-        return Batch(rows[0]["lease_token"], [OutboxRecord.from_row(row) for row in rows])
+        self._fit(rows)
+        return Batch(token, [OutboxRecord.from_row(row) for row in rows])
+
+    def arguments(self, token: uuid.UUID) -> tuple[object, ...]:
+        """The claim statement's parameters for a claim under `token`."""
+        return (
+            self._limit,
+            self._max_keys,
+            self._owner,
+            self._lease,
+            token,
+            self._block,
+            self._max_attempts,
+        )
+
+    def _fit(self, rows: list[asyncpg.Record]) -> None:
+        keys = len({row["ordering_key"] for row in rows})
+        per_key = len(rows) / max(1, keys)
+        full = len(rows) >= self._limit
+        wanted = math.ceil(self._limit / per_key * 1.25) if full else self._limit
+        self._max_keys = max(1, min(self._limit, wanted))
+
+    async def _release_unsure(self) -> None:
+        while self._unsure:
+            token = self._unsure[0]
+            [(rows,)] = await db.fetch(self._pool, self._queries.release_claim, token)
+            self._unsure.pop(0)
+            if rows:
+                log.info("lost_claim_released", rows=rows, token=str(token))
 
 
 class Wakeup:

@@ -1,4 +1,5 @@
-"""Records the outcome of a published batch: one statement, fenced by the lease token."""
+"""Records the outcome of a published batch and releases its keys: one statement, fenced by the
+lease token."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import asyncpg
 import structlog
 
 from outbox_dispatcher import db
-from outbox_dispatcher.models import Batch, Outcome, Result
+from outbox_dispatcher.models import Batch, Result
 from outbox_dispatcher.sql import Queries
 
 log = structlog.get_logger(__name__)
@@ -29,55 +30,39 @@ class Marker:
         self._retry_for = retry_for
         self._delete = delete_on_publish
 
-    def _statements(
-        self, batch: Batch, results: Sequence[Result]
-    ) -> list[tuple[str, tuple[object, ...]]]:
-        """The statements that record `results`: usually one (every row acknowledged)."""
-        pairs = list(zip((r.id for r in batch.records), results, strict=True))
-        published = [row_id for row_id, res in pairs if res.outcome is Outcome.PUBLISHED]
-        rest = pairs
-        statements: list[tuple[str, tuple[object, ...]]] = []
-        if published and (self._delete or len(published) == len(pairs)):
-            query = self._queries.delete_published if self._delete else self._queries.mark_published
-            statements.append((query, (published, batch.token)))
-            rest = [(row_id, res) for row_id, res in pairs if res.outcome is not Outcome.PUBLISHED]
-        if rest:
-            statements.append(
-                (
-                    self._queries.settle,
-                    (
-                        [row_id for row_id, _ in rest],
-                        [res.outcome.value for _, res in rest],
-                        [res.error for _, res in rest],
-                        [res.delay for _, res in rest],
-                        [int(res.counted) for _, res in rest],
-                        batch.token,
-                    ),
-                )
-            )
-        return statements
+    def arguments(self, batch: Batch, results: Sequence[Result]) -> tuple[object, ...]:
+        """The settle's parameters: each row's outcome, and the batch's keys to release."""
+        keys = sorted({r.ordering_key for r in batch.records if r.ordering_key is not None})
+        return (
+            batch.token,
+            keys,
+            [r.id for r in batch.records],
+            [res.outcome.value for res in results],
+            [res.error for res in results],
+            [res.delay for res in results],
+            [int(res.counted) for res in results],
+            self._delete,
+        )
 
     async def settle(self, batch: Batch, results: Sequence[Result]) -> int:
-        """Write every result; returns how many rows were still ours. Retries while the database
-        is briefly away: a mark that never lands means a re-publish, not a loss."""
-        settled = 0
-        failed = False
-        for query, args in self._statements(batch, results):
-            changed = await self._execute(query, args, len(batch.records))
-            if changed is None:
-                failed = True  # settle_failed said what happens; the lease was not lost
-            else:
-                settled += changed
-        if not failed and settled < len(batch.records):
+        """Write every result in one statement; returns how many rows were still ours. Retries
+        while the database is briefly away: a mark that never lands means a re-publish, not a
+        loss."""
+        changed = await self._execute(
+            self._queries.settle, self.arguments(batch, results), len(batch.records)
+        )
+        if changed is None:
+            return 0  # settle_failed said what happens; the lease was not lost
+        if changed < len(batch.records):
             log.warning(
                 "lease_lost",
-                rows=len(batch.records) - settled,
+                rows=len(batch.records) - changed,
                 consequence=(
                     "another dispatcher took these rows over after the lease expired; they are "
                     "published again with the same event id"
                 ),
             )
-        return settled
+        return changed
 
     async def _execute(self, query: str, args: tuple[object, ...], rows: int) -> int | None:
         """Rows changed, or None if the database stayed away past the retry window."""

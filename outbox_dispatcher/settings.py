@@ -85,7 +85,10 @@ class Settings(BaseSettings):
         default=2,
         ge=1,
         le=100,
-        description="A claim looks at the oldest batch_size x scan_factor pending rows.",
+        description=(
+            "Unused since the claim engine of schema version 5 (claims pick ready keys, not a "
+            "window of the oldest rows); accepted so that existing configurations still start."
+        ),
     )
     pool_size: int = Field(
         default=0,
@@ -412,10 +415,6 @@ class Settings(BaseSettings):
     @property
     def effective_pool_size(self) -> int:
         return self.pool_size or self.claim_tasks + 2
-
-    @property
-    def scan_limit(self) -> int:
-        return self.batch_size * self.scan_factor
 
 
 SECRETS_DIR_VARIABLE = "OUTBOX_SECRETS_DIR"

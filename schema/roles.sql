@@ -83,19 +83,27 @@ BEGIN
     --   REVOKE DELETE ON <schema>.<table> FROM <dispatcher_role>;
     GRANT DELETE ON ${schema}.${table} TO ${dispatcher_role};
 
-    -- The claim function. It is SECURITY INVOKER (the default) on purpose: it runs with the
-    -- dispatcher role's own rights (SELECT, the column UPDATEs above; the advisory-lock functions
-    -- and gen_random_uuid are PUBLIC), so a SECURITY DEFINER function, which would lend the
+    -- The claim, settle, lease and release functions. They are SECURITY INVOKER (the default) on
+    -- purpose: they run with the dispatcher role's own rights (SELECT, the column UPDATEs above,
+    -- the registry; the advisory-lock functions are PUBLIC), so a SECURITY DEFINER function, which would lend the
     -- owner's rights to every caller, is not needed. Only the dispatcher may call it; writers'
     -- functions (<table>_enqueue...) keep PUBLIC EXECUTE and fail for the dispatcher role
     -- anyway, as they run with the caller's rights and it has no INSERT.
     FOR v_fn IN
         SELECT p.oid::regprocedure FROM pg_proc p
-         WHERE p.pronamespace = to_regnamespace('${schema}') AND p.proname = '${table}_claim'
+         WHERE p.pronamespace = to_regnamespace('${schema}')
+           AND p.proname IN ('${table}_claim', '${table}_claim_keys', '${table}_settle',
+                             '${table}_extend', '${table}_release', '${table}_key_forget')
     LOOP
         EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', v_fn);
         EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO %s', v_fn, '${dispatcher_role}');
     END LOOP;
+
+    -- Migration 0005 (claim engine v2): the per-key registry is the dispatcher's own
+    -- bookkeeping (writers reach it only through SECURITY DEFINER trigger functions).
+    IF to_regclass('${schema}.${table}_key') IS NOT NULL THEN
+        GRANT SELECT, INSERT, UPDATE, DELETE ON ${schema}.${table}_key TO ${dispatcher_role};
+    END IF;
 
     -- Migration 0003 (paused topics): the claim reads <table>_paused, so the dispatcher role
     -- needs SELECT on it; `outbox-dispatcher pause` writes it and runs as the owner role.

@@ -42,9 +42,8 @@ class Queries:
 
     claim: str
     settle: str
-    mark_published: str
-    delete_published: str
     extend_leases: str
+    release_claim: str
     dead_letter_crash_loops: str
     count_expired_leases: str
     schema_version: str
@@ -81,7 +80,11 @@ class Queries:
             "schema": quote_identifier(schema),
             "table": qualified(table),
             "version_table": qualified(f"{table}_schema_version"),
-            "claim_fn": qualified(f"{table}_claim"),
+            "claim_fn": qualified(f"{table}_claim_keys"),
+            "settle_fn": qualified(f"{table}_settle"),
+            "extend_fn": qualified(f"{table}_extend"),
+            "release_fn": qualified(f"{table}_release"),
+            "keys": qualified(f"{table}_key"),
             "inbox": qualified(inbox),
             "paused": qualified(f"{table}_paused"),
         }

@@ -3,49 +3,25 @@
 -- $n parameter.
 
 -- claim --
--- Lease up to $1 rows (see the claim function in schema/); one round trip.
+-- Lease up to $1 rows of at most $2 ready keys under the token $5 the dispatcher chose (see the
+-- claim function in schema/); one round trip.
 SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts, lease_token,
        lease_expires_at, reclaimed
   FROM {claim_fn}($1, $2, $3, $4, $5, $6, $7)
 
 -- settle --
--- Record the outcome of one published batch in one statement, fenced by the batch's lease token:
--- a dispatcher that lost its lease changes nothing.
-UPDATE {table} o
-   SET published_at = CASE WHEN r.outcome = 'published' THEN now() END,
-       dead_at = CASE WHEN r.outcome = 'dead' THEN now() END,
-       last_error = CASE WHEN r.outcome = 'published' THEN o.last_error ELSE coalesce(r.error, o.last_error) END,
-       attempts = o.attempts + r.attempt,
-       next_attempt_at = CASE WHEN r.outcome = 'retry'
-                              THEN now() + r.delay * interval '1 second'
-                              ELSE o.next_attempt_at END,
-       lease_token = NULL,
-       lease_expires_at = NULL
-  FROM unnest($1::bigint[], $2::text[], $3::text[], $4::double precision[], $5::integer[])
-       AS r(id, outcome, error, delay, attempt)
- WHERE o.id = r.id AND o.lease_token = $6
-RETURNING o.id
-
--- mark_published --
--- The common case of settle: every row of the batch acknowledged. Same fencing, fewer arrays.
-UPDATE {table}
-   SET published_at = now(), lease_token = NULL, lease_expires_at = NULL
- WHERE id = ANY($1::bigint[]) AND lease_token = $2
-RETURNING id
-
--- delete_published --
--- With delete_on_publish: acknowledged rows go away instead of being marked. Same fencing.
-DELETE FROM {table}
- WHERE id = ANY($1::bigint[]) AND lease_token = $2
-RETURNING id
+-- Record the outcome of one published batch and release its keys, fenced by the batch's lease
+-- token: a dispatcher that lost its lease changes nothing. Returns the rows that were still ours.
+SELECT * FROM {settle_fn}($1, $2, $3, $4, $5, $6, $7, $8)
 
 -- extend_leases --
--- Keep the leases of rows still in flight while their owner is alive.
-UPDATE {table} o
-   SET lease_expires_at = now() + $3 * interval '1 second'
-  FROM unnest($1::bigint[], $2::uuid[]) AS r(id, token)
- WHERE o.id = r.id AND o.lease_token = r.token
-RETURNING o.id
+-- Keep the leases of rows (and their keys) still in flight while their owner is alive; a lease
+-- that already expired is not revived.
+SELECT * FROM {extend_fn}($1, $2, $3)
+
+-- release_claim --
+-- Give back whatever a claim whose reply was lost leased under token $1.
+SELECT {release_fn}($1)
 
 -- dead_letter_crash_loops --
 -- Rows whose every owner died or hung while publishing them: dead-letter instead of taking them

@@ -4,6 +4,7 @@ leases and fencing, backoff, dead-letter policies. No Kafka involved."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import defaultdict
 from typing import Any
 
@@ -77,21 +78,25 @@ async def test_claim_leases_a_prefix_of_each_key_in_id_order(
 async def test_a_key_has_one_owner_while_its_claim_is_open_and_while_leased(
     pool: asyncpg.Pool, conn: asyncpg.Connection, database_url: str, make_settings: Any
 ) -> None:
-    ids = await insert(conn, ["k"] * 10 + ["other"] * 2)
+    ids = await insert(conn, ["k"] * 10)
     settings = make_settings(batch_size=3)
     holder = await asyncpg.connect(database_url)
     try:
         tx = holder.transaction()
         await tx.start()
-        held = await holder.fetch(QUERIES.claim, *claimer(pool, settings)._args)
+        token = uuid.uuid4()
+        held = await holder.fetch(QUERIES.claim, *claimer(pool, settings).arguments(token))
         assert [r["id"] for r in held] == ids[:3]
-        # The claimer owns k: nobody else can take k's lock until the claim commits.
-        probe = "SELECT pg_try_advisory_lock($1, hashtext($2))"
-        space = claimer(pool, settings)._args[4]
-        assert await conn.fetchval(probe, space, "k") is False
-        assert await conn.fetchval(probe, space, "other") is True
-        await conn.execute("SELECT pg_advisory_unlock_all()")
-        # The holder's claim is not committed: its advisory lock and row locks are held.
+        ids += await insert(conn, ["other"] * 2)
+        # The claimer owns k: its registry row stays locked until the claim commits.
+        probe = (
+            "SELECT count(*) FROM (SELECT FROM outbox_key WHERE ordering_key = $1 "
+            "FOR UPDATE SKIP LOCKED) s"
+        )
+        async with conn.transaction():
+            assert await conn.fetchval(probe, "k") == 0
+            assert await conn.fetchval(probe, "other") == 1
+        # The holder's claim is not committed: a concurrent claim skips k and takes the rest.
         concurrent = await claimer(pool, make_settings(batch_size=20), "b").claim()
         assert by_key(concurrent) == {"other": ids[10:]}
         await tx.commit()
@@ -99,6 +104,8 @@ async def test_a_key_has_one_owner_while_its_claim_is_open_and_while_leased(
         await holder.close()
     # Committed: the lease now carries the ownership; k's later rows wait for its head.
     assert await claimer(pool, make_settings(batch_size=20), "c").claim() is None
+    owners = await conn.fetch("SELECT ordering_key, lease_token FROM outbox_key ORDER BY 1")
+    assert [tuple(r) for r in owners] == [("k", token), ("other", concurrent.token)]
 
 
 async def test_a_key_resumes_where_its_settled_prefix_ended(
@@ -121,6 +128,7 @@ async def test_expired_lease_is_taken_over_and_the_stale_owner_is_fenced(
     stale = await claimer(pool, settings, "stale").claim()
     assert stale is not None
     await conn.execute("UPDATE outbox SET lease_expires_at = now() - interval '1 second'")
+    await conn.execute("UPDATE outbox_key SET lease_expires_at = now() - interval '1 second'")
     fresh = await claimer(pool, settings, "fresh").claim()
     assert fresh is not None and [r.id for r in fresh.records] == ids
     assert all(r.reclaimed and r.attempts == 1 for r in fresh.records)
@@ -128,6 +136,50 @@ async def test_expired_lease_is_taken_over_and_the_stale_owner_is_fenced(
     assert await settle(pool, stale, [Result(Outcome.PUBLISHED)] * 2) == 0
     assert await conn.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 2
     assert await settle(pool, fresh, [Result(Outcome.PUBLISHED)] * 2) == 2
+
+
+async def test_extending_a_lease_that_expired_changes_nothing(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    """The lease keeper of an owner that hung past its lease must not revive it: after a partial
+    takeover that would give the key two owners (review finding F5)."""
+    ids = await insert(conn, ["k"] * 4)
+    stale = await claimer(pool, make_settings(batch_size=4), "stale").claim()
+    assert stale is not None and [r.id for r in stale.records] == ids
+    for table in ("outbox", "outbox_key"):
+        await conn.execute(f"UPDATE {table} SET lease_expires_at = now() - interval '1 second'")
+    fresh = await claimer(pool, make_settings(batch_size=2), "fresh").claim()
+    assert fresh is not None and [r.id for r in fresh.records] == ids[:2]
+    extended = await pool.fetch(QUERIES.extend_leases, ids, [stale.token] * 4, 60.0)
+    assert extended == []
+    live = await conn.fetch(
+        "SELECT DISTINCT lease_owner FROM outbox WHERE lease_expires_at > now() "
+        "UNION SELECT lease_owner FROM outbox_key WHERE lease_expires_at > now()"
+    )
+    assert [r["lease_owner"] for r in live] == ["fresh"]
+    # The live owner's own extension works, for its rows and its key.
+    ours = [r.id for r in fresh.records]
+    assert len(await pool.fetch(QUERIES.extend_leases, ours, [fresh.token] * 2, 60.0)) == 2
+    assert await conn.fetchval(
+        "SELECT lease_expires_at > now() + interval '50 seconds' FROM outbox_key"
+    )
+
+
+async def test_a_claim_whose_reply_was_lost_is_released_by_its_token(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    """The claim committed but its reply never arrived: the dispatcher chose the token, so its
+    next claim gives those rows back at once instead of leaving their keys stalled for a lease
+    and counting an attempt (review finding F12)."""
+    ids = await insert(conn, ["k", "k", None])
+    c = claimer(pool, make_settings())
+    lost = uuid.uuid4()
+    assert len(await pool.fetch(QUERIES.claim, *c.arguments(lost))) == 3
+    c._unsure.append(lost)  # what claim() records when the call fails mid-flight
+    batch = await c.claim()
+    assert batch is not None and [r.id for r in batch.records] == ids
+    assert all(not r.reclaimed and r.attempts == 0 for r in batch.records)
+    assert c._unsure == []
 
 
 async def test_a_key_in_backoff_does_not_hold_back_other_keys(
@@ -233,27 +285,34 @@ async def test_settle_records_each_outcome(
     assert ids
 
 
-async def test_a_claim_that_loses_the_race_for_a_key_takes_nothing_of_it(
+async def test_a_takeover_in_progress_fences_the_stale_owners_late_settle(
     pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
 ) -> None:
-    """Another claimer commits between this claim's two statements: the re-check in the second
-    statement (fresh snapshot) must see the new lease. A copy of the claim function that pauses
-    between its statements makes the race happen on purpose."""
+    """The stale owner's acknowledgement arrives while a new claim is between its two statements
+    (key locked, rows not yet read): the settle waits for the key, then finds it taken over and
+    changes nothing. A copy of the claim function that pauses between its statements makes the
+    race happen on purpose."""
     ids = await insert(conn, ["k", "k", "k"])
-    source = await conn.fetchval("SELECT pg_get_functiondef('public.outbox_claim'::regproc)")
-    marker = "    IF v_keys IS NULL AND v_null_ids IS NULL THEN"
+    settings = make_settings(batch_size=10)
+    stale = await claimer(pool, settings, "stale").claim()
+    assert stale is not None and [r.id for r in stale.records] == ids
+    await conn.execute("UPDATE outbox SET lease_expires_at = now() - interval '1 second'")
+    await conn.execute("UPDATE outbox_key SET lease_expires_at = now() - interval '1 second'")
+    source = await conn.fetchval("SELECT pg_get_functiondef('public.outbox_claim_keys'::regproc)")
+    marker = "    v_per_key := greatest("
     assert marker in source
-    slow = source.replace("public.outbox_claim(", "public.outbox_claim_slow(", 1).replace(
+    slow = source.replace("public.outbox_claim_keys(", "public.outbox_claim_slow(", 1).replace(
         marker, "    PERFORM pg_sleep(1);\n" + marker, 1
     )
     await conn.execute(slow)
-    settings = make_settings(batch_size=10)
     late = claimer(pool, settings, "late")
-    slow_claim = QUERIES.claim.replace('"outbox_claim"', '"outbox_claim_slow"')
-    racing = asyncio.create_task(pool.fetch(slow_claim, *late._args))
-    await asyncio.sleep(0.3)  # its first statement saw k ready; now it sleeps
-    winner = await claimer(pool, settings, "winner").claim()
-    assert winner is not None and [r.id for r in winner.records] == ids
-    assert await racing == []
-    owners = await conn.fetch("SELECT DISTINCT lease_owner FROM outbox")
-    assert [r["lease_owner"] for r in owners] == ["winner"]
+    slow_claim = QUERIES.claim.replace('"outbox_claim_keys"', '"outbox_claim_slow"')
+    token = uuid.uuid4()
+    racing = asyncio.create_task(pool.fetch(slow_claim, *late.arguments(token)))
+    await asyncio.sleep(0.3)  # it holds k's registry row now, and sleeps
+    assert await settle(pool, stale, [Result(Outcome.PUBLISHED)] * 3) == 0
+    taken = await racing
+    assert [r["id"] for r in taken] == ids
+    assert all(r["reclaimed"] and r["attempts"] == 1 for r in taken)
+    rows = await conn.fetch("SELECT lease_owner, published_at IS NULL AS pending FROM outbox")
+    assert {tuple(r) for r in rows} == {("late", True)}

@@ -1,5 +1,6 @@
-"""Property-based: any interleaving of claims, acknowledgements, failures and lease expiries by
-several claimers keeps the per-key invariants, and a final drain loses nothing."""
+"""Property-based: any interleaving of claims, acknowledgements, failures, lease expiries and
+lease extensions (the lease keeper, also with a token that expired) by several claimers keeps the
+per-key invariants, and a final drain loses nothing."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ KEYS = st.sampled_from(["a", "b", "c", None])
 @dataclass(frozen=True)
 class Op:
     claimer: int
-    action: str  # claim | ack | fail | dead | expire
+    action: str  # claim | ack | fail | dead | expire | extend
     limit: int
     cut: int  # where in the batch the failure happens
 
@@ -36,7 +37,7 @@ class Op:
 OPS = st.builds(
     Op,
     claimer=st.integers(0, 2),
-    action=st.sampled_from(["claim", "claim", "ack", "fail", "dead", "expire"]),
+    action=st.sampled_from(["claim", "claim", "ack", "fail", "dead", "expire", "extend"]),
     limit=st.integers(1, 6),
     cut=st.integers(0, 5),
 )
@@ -55,6 +56,12 @@ SELECT 'leased row after an unleased one', l.id FROM outbox l
        SELECT 1 FROM outbox e WHERE e.ordering_key = l.ordering_key AND e.id < l.id
           AND e.published_at IS NULL AND e.dead_at IS NULL
           AND (e.lease_expires_at IS NULL OR e.lease_expires_at <= now()))
+UNION ALL
+-- Every key with a pending row is in the registry (else no claim would ever find it).
+SELECT 'key missing from the registry', min(o.id) FROM outbox o
+ WHERE o.ordering_key IS NOT NULL AND o.published_at IS NULL AND o.dead_at IS NULL
+   AND NOT EXISTS (SELECT 1 FROM outbox_key k WHERE k.ordering_key = o.ordering_key)
+ GROUP BY o.ordering_key
 """
 
 
@@ -124,7 +131,7 @@ async def scenario(url: str, keys: list[str | None], ops: list[Op]) -> None:
     assert pool is not None
     try:
         async with pool.acquire() as conn:
-            await conn.execute("TRUNCATE outbox RESTART IDENTITY")
+            await conn.execute("TRUNCATE outbox, outbox_key RESTART IDENTITY")
             await conn.executemany(
                 "INSERT INTO outbox (topic, ordering_key, payload) VALUES ('t', $1, 'x')",
                 [(k,) for k in keys],
@@ -138,7 +145,7 @@ async def scenario(url: str, keys: list[str | None], ops: list[Op]) -> None:
                     claimer = Claimer(
                         pool,
                         QUERIES,
-                        Settings(batch_size=op.limit, scan_factor=2),
+                        Settings(batch_size=op.limit),
                         f"c{op.claimer}",
                     )
                     before = await pool.fetch(PENDING)
@@ -150,11 +157,19 @@ async def scenario(url: str, keys: list[str | None], ops: list[Op]) -> None:
                 # The claimer hangs past its lease; it keeps its batch and may settle it late.
                 batch = batches.get(op.claimer)
                 if batch is not None:
-                    await pool.execute(
-                        "UPDATE outbox SET lease_expires_at = now() - interval '1 second' "
-                        "WHERE lease_token = $1",
-                        batch.token,
-                    )
+                    for table in ("outbox", "outbox_key"):
+                        await pool.execute(
+                            f"UPDATE {table} SET lease_expires_at = now() - interval '1 second' "
+                            "WHERE lease_token = $1",
+                            batch.token,
+                        )
+            elif op.action == "extend":
+                # The lease keeper of a claimer that may have lost its lease: it must only ever
+                # extend a lease that is still live and still its own.
+                batch = batches.get(op.claimer)
+                if batch is not None:
+                    ids = [r.id for r in batch.records]
+                    await pool.fetch(QUERIES.extend_leases, ids, [batch.token] * len(ids), 60.0)
             elif op.claimer in batches:
                 batch = batches.pop(op.claimer)
                 results = results_for(batch, op)
@@ -166,6 +181,10 @@ async def scenario(url: str, keys: list[str | None], ops: list[Op]) -> None:
         await pool.execute(
             "UPDATE outbox SET next_attempt_at = now(), lease_expires_at = now() - interval '1s' "
             "WHERE published_at IS NULL AND dead_at IS NULL"
+        )
+        await pool.execute(
+            "UPDATE outbox_key SET not_before = '-infinity', "
+            "lease_expires_at = now() - interval '1s' WHERE lease_token IS NOT NULL"
         )
         drainer = Claimer(pool, QUERIES, Settings(batch_size=50, max_attempts=100), "drain")
         for _ in range(len(keys) + 1):

@@ -1,0 +1,558 @@
+-- Version 5: claim engine v2. The claim no longer reads the oldest N pending rows (a window that a
+-- single stuck key could fill, and that every claimer shared); it picks keys that can move now
+-- from a per-key registry, so a key that is blocked, backing off, paused, held or leased costs a
+-- claim one index entry at most, however many rows it has, and every claimer gets keys of its own.
+-- Writers' contract is unchanged: same columns, plain INSERT or <table>_enqueue.
+--
+-- The registry holds hints, the rows hold the truth: the claim re-checks every row it takes
+-- (pending, due, unleased, not paused, not behind a dead row under `block`) and repairs the hint of
+-- a key that yields nothing. The one thing a hint must never do is miss a key that has pending
+-- rows; the writer trigger and the bucket locks below make sure of that.
+
+CREATE TABLE ${schema}.${table}_key (
+    ordering_key text PRIMARY KEY,
+    -- A hint of the key's oldest pending row: keys are claimed oldest first.
+    head_id bigint NOT NULL,
+    -- The topic of that row: keys whose head is in a paused topic are passed over.
+    head_topic text,
+    -- The key is not claimable before this (its head waits out a backoff or a replay hold).
+    not_before timestamptz NOT NULL DEFAULT '-infinity',
+    -- The key has a dead row (holds it under dead_letter_policy=block).
+    has_dead boolean NOT NULL DEFAULT false,
+    -- The key's owner: the lease of the batch that holds its rows (the rows carry the same lease).
+    lease_owner text,
+    lease_token uuid,
+    lease_expires_at timestamptz
+);
+
+ALTER TABLE ${schema}.${table}_key SET (
+    fillfactor = 50,
+    autovacuum_vacuum_scale_factor = 0.01,
+    autovacuum_vacuum_threshold = 500,
+    autovacuum_analyze_scale_factor = 0.02,
+    autovacuum_vacuum_cost_delay = 1
+);
+
+COMMENT ON TABLE ${schema}.${table}_key IS
+    'outbox-dispatcher bookkeeping: one row per ordering key that may have pending rows (kept by a trigger and by the dispatcher; never written by hand).';
+
+-- Unleased keys, oldest head first (the claim's scan), and leased keys by expiry (takeovers).
+CREATE INDEX ${table}_key_ready_idx ON ${schema}.${table}_key (head_id) WHERE lease_token IS NULL;
+CREATE INDEX ${table}_key_leased_idx ON ${schema}.${table}_key (lease_expires_at)
+    WHERE lease_token IS NOT NULL;
+
+-- Rows without an ordering key have no order: claimed straight from this index.
+CREATE INDEX ${table}_pending_keyless_idx ON ${schema}.${table} (id)
+    WHERE ordering_key IS NULL AND published_at IS NULL AND dead_at IS NULL;
+
+-- Bucket of a key for the registry's writer locks (512 buckets, so a bulk load of any number of
+-- keys takes at most 512 locks).
+CREATE FUNCTION ${schema}.${table}_key_bucket(k text) RETURNS integer
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    RETURN hashtext(k) & 511;
+
+-- Writers: make sure every key they add rows to has a registry row. A statement trigger, so one
+-- call per INSERT statement whatever its row count. Each transaction holds a shared lock on the
+-- buckets of its keys until it commits; the dispatcher forgets an emptied key only under the
+-- exclusive lock of its bucket and in a snapshot taken after it, so it can never forget a key
+-- whose new rows are not committed yet. SECURITY DEFINER: writers need no grant on the registry.
+CREATE FUNCTION ${schema}.${table}_key_track() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtext('${schema}.${table}_key'), b.bucket)
+       FROM (SELECT DISTINCT ${schema}.${table}_key_bucket(n.ordering_key) AS bucket
+               FROM new_rows n
+              WHERE n.ordering_key IS NOT NULL
+              ORDER BY 1) b;
+    -- Sorted, and DO NOTHING: concurrent writers of the same new keys cannot deadlock.
+    INSERT INTO ${schema}.${table}_key (ordering_key, head_id, head_topic)
+    SELECT DISTINCT ON (n.ordering_key) n.ordering_key, n.id, n.topic
+      FROM new_rows n
+     WHERE n.ordering_key IS NOT NULL
+     ORDER BY n.ordering_key, n.id
+    ON CONFLICT (ordering_key) DO NOTHING;
+    RETURN NULL;
+END;
+$fn$;
+
+CREATE TRIGGER ${table}_key_track
+    AFTER INSERT ON ${schema}.${table}
+    REFERENCING NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION ${schema}.${table}_key_track();
+
+-- Rows that become pending again (a dead row requeued, a published row replayed, a held row
+-- released) and dead rows that go away (discard): register their keys, wake them up (their
+-- not_before and head hints are stale) and refresh the dead flag. SECURITY DEFINER for the same
+-- reason as the writer trigger.
+CREATE FUNCTION ${schema}.${table}_key_touch(p_keys text[]) RETURNS void
+    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtext('${schema}.${table}_key'), b.bucket)
+       FROM (SELECT DISTINCT ${schema}.${table}_key_bucket(u.k) AS bucket
+               FROM unnest(p_keys) AS u(k) WHERE u.k IS NOT NULL ORDER BY 1) b;
+    INSERT INTO ${schema}.${table}_key AS k (ordering_key, head_id, head_topic, has_dead)
+    SELECT u.k, h.id, h.topic,
+           EXISTS (SELECT 1 FROM ${schema}.${table} d WHERE d.ordering_key = u.k AND d.dead_at IS NOT NULL)
+      FROM (SELECT DISTINCT k FROM unnest(p_keys) AS x(k) WHERE k IS NOT NULL ORDER BY k) u(k)
+     CROSS JOIN LATERAL (
+        SELECT o.id, o.topic FROM ${schema}.${table} o
+         WHERE o.ordering_key = u.k AND o.published_at IS NULL AND o.dead_at IS NULL
+         ORDER BY o.id LIMIT 1) h
+     ORDER BY u.k
+    ON CONFLICT (ordering_key) DO UPDATE
+       SET head_id = EXCLUDED.head_id, head_topic = EXCLUDED.head_topic,
+           not_before = '-infinity', has_dead = EXCLUDED.has_dead;
+END;
+$fn$;
+
+-- Fires only on those transitions (the dispatcher's own claims and settles never match the WHEN
+-- clauses), so operator commands keep the registry right whatever statement they use.
+CREATE FUNCTION ${schema}.${table}_key_rearm() RETURNS trigger
+    LANGUAGE plpgsql
+AS $fn$
+BEGIN
+    IF TG_OP = 'DELETE' THEN
+        PERFORM ${schema}.${table}_key_touch(ARRAY[OLD.ordering_key]);
+    ELSE
+        PERFORM ${schema}.${table}_key_touch(ARRAY[NEW.ordering_key]);
+    END IF;
+    RETURN NULL;
+END;
+$fn$;
+
+CREATE TRIGGER ${table}_key_rearm
+    AFTER UPDATE OF published_at, dead_at, next_attempt_at ON ${schema}.${table}
+    FOR EACH ROW
+    WHEN (NEW.ordering_key IS NOT NULL AND NEW.published_at IS NULL AND NEW.dead_at IS NULL
+          AND (OLD.published_at IS NOT NULL OR OLD.dead_at IS NOT NULL
+               OR (NEW.next_attempt_at < OLD.next_attempt_at AND NEW.lease_token IS NULL)))
+    EXECUTE FUNCTION ${schema}.${table}_key_rearm();
+
+CREATE TRIGGER ${table}_key_rearm_dead
+    AFTER DELETE ON ${schema}.${table}
+    FOR EACH ROW
+    WHEN (OLD.ordering_key IS NOT NULL AND OLD.dead_at IS NOT NULL)
+    EXECUTE FUNCTION ${schema}.${table}_key_rearm();
+
+-- Forget registry rows of keys that have no pending row (at most 64 per call). Only under the
+-- exclusive lock of the key's bucket (no writer of it is in flight) and in a snapshot taken after
+-- the lock; a key whose bucket is busy stays and is tried again by a later claim.
+CREATE FUNCTION ${schema}.${table}_key_forget(p_keys text[]) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    v_locked text[];
+BEGIN
+    IF p_keys IS NULL OR cardinality(p_keys) = 0 THEN
+        RETURN;
+    END IF;
+    SELECT array_agg(u.k) INTO v_locked
+      FROM (SELECT k FROM unnest(p_keys[1:64]) AS x(k) ORDER BY k) u(k)
+     WHERE pg_try_advisory_xact_lock(hashtext('${schema}.${table}_key'),
+                                     ${schema}.${table}_key_bucket(u.k));
+    IF v_locked IS NULL THEN
+        RETURN;
+    END IF;
+    DELETE FROM ${schema}.${table}_key k
+     WHERE k.ordering_key = ANY (v_locked)
+       AND (k.lease_token IS NULL OR k.lease_expires_at <= now())
+       AND NOT EXISTS (SELECT 1 FROM ${schema}.${table} o
+                        WHERE o.ordering_key = k.ordering_key
+                          AND o.published_at IS NULL AND o.dead_at IS NULL);
+END;
+$fn$;
+
+-- The claim: one round trip, one short transaction, several statements (each its own snapshot).
+--
+-- 1. Keys: up to p_max_keys unleased keys whose hints say they can move (due, not blocked under
+--    `block`, head not in a paused topic), oldest head first, plus keys whose lease expired (their
+--    owner died), each locked FOR UPDATE SKIP LOCKED: another claim's keys are skipped, never
+--    waited for, and each claimer finds keys of its own. No advisory locks.
+-- 2. Rows: each key's oldest pending rows (a fair share of p_limit per key), re-checked one by one
+--    by primary key under FOR UPDATE SKIP LOCKED (pending, due, lease free or expired, topic not
+--    paused, not a crash loop, no dead row of the key under `block`); a row that fails ends its
+--    key's run here, so a run is always a prefix with no gap. Rows without a key come from their
+--    own index. The oldest p_limit rows are leased (rows and keys, one token chosen by the
+--    dispatcher, so that a claim whose reply was lost can be released by that token).
+-- 3. Keys that yielded nothing get their hints repaired from their head row, or are forgotten if
+--    they have no pending row.
+CREATE FUNCTION ${schema}.${table}_claim_keys(
+    p_limit integer,
+    p_max_keys integer,
+    p_owner text,
+    p_lease_seconds double precision,
+    p_token uuid,
+    p_block_on_dead boolean,
+    p_max_attempts integer
+) RETURNS TABLE (
+    id bigint,
+    topic text,
+    ordering_key text,
+    payload bytea,
+    headers jsonb,
+    event_id uuid,
+    created_at timestamptz,
+    attempts integer,
+    lease_token uuid,
+    lease_expires_at timestamptz,
+    reclaimed boolean
+)
+    LANGUAGE plpgsql VOLATILE
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_paused text[];
+    v_keys text[];
+    v_per_key integer;
+    v_idle text[];
+    v_empty text[];
+BEGIN
+    SELECT array_agg(p.topic) INTO v_paused FROM ${schema}.${table}_paused p;
+    IF '*' = ANY (v_paused) THEN
+        RETURN;
+    END IF;
+
+    WITH ready AS (
+        SELECT k.ordering_key, k.head_id
+          FROM ${schema}.${table}_key k
+         WHERE k.lease_token IS NULL
+           AND k.not_before <= now()
+           AND NOT (p_block_on_dead AND k.has_dead)
+           AND (v_paused IS NULL OR k.head_topic IS NULL OR k.head_topic <> ALL (v_paused))
+         ORDER BY k.head_id
+         LIMIT p_max_keys
+           FOR UPDATE SKIP LOCKED
+    ),
+    expired AS (
+        SELECT k.ordering_key, k.head_id
+          FROM ${schema}.${table}_key k
+         WHERE k.lease_token IS NOT NULL
+           AND k.lease_expires_at <= now()
+         ORDER BY k.lease_expires_at
+         LIMIT p_max_keys
+           FOR UPDATE SKIP LOCKED
+    )
+    SELECT array_agg(c.ordering_key ORDER BY c.head_id) INTO v_keys
+      FROM (SELECT * FROM ready UNION ALL SELECT * FROM expired) c;
+
+    v_per_key := greatest(1, ceil(p_limit::numeric / greatest(1, coalesce(cardinality(v_keys), 0))))::integer;
+
+    RETURN QUERY
+    WITH cand AS (
+        SELECT r.id, u.k AS ordering_key
+          FROM unnest(coalesce(v_keys, '{}'::text[])) AS u(k)
+         CROSS JOIN LATERAL (
+            SELECT o.id FROM ${schema}.${table} o
+             WHERE o.ordering_key = u.k AND o.published_at IS NULL AND o.dead_at IS NULL
+             ORDER BY o.id
+             LIMIT v_per_key) r
+         WHERE NOT (p_block_on_dead AND EXISTS (
+                SELECT 1 FROM ${schema}.${table} d
+                 WHERE d.ordering_key = u.k AND d.dead_at IS NOT NULL))
+    ),
+    locked AS (
+        -- One primary-key probe per candidate row, whatever the statistics say.
+        SELECT x.id, x.ordering_key, x.old_lease
+          FROM cand c
+         CROSS JOIN LATERAL (
+            SELECT o.id, o.ordering_key, o.lease_expires_at AS old_lease
+              FROM ${schema}.${table} o
+             WHERE o.id = c.id
+               AND o.published_at IS NULL AND o.dead_at IS NULL
+               AND (o.lease_expires_at IS NULL OR o.lease_expires_at <= now())
+               AND o.next_attempt_at <= now()
+               AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
+               -- A row whose owners keep dying with it is left to the reclaimer to dead-letter.
+               AND NOT (o.lease_expires_at IS NOT NULL AND o.attempts + 1 >= p_max_attempts)
+               FOR UPDATE OF o SKIP LOCKED
+         ) x
+    ),
+    gaps AS (
+        SELECT c.ordering_key, min(c.id) AS first_gap
+          FROM cand c
+         WHERE NOT EXISTS (SELECT 1 FROM locked l WHERE l.id = c.id)
+         GROUP BY c.ordering_key
+    ),
+    keyless AS (
+        SELECT o.id, NULL::text AS ordering_key, o.lease_expires_at AS old_lease
+          FROM ${schema}.${table} o
+         WHERE o.ordering_key IS NULL AND o.published_at IS NULL AND o.dead_at IS NULL
+           AND (o.lease_expires_at IS NULL OR o.lease_expires_at <= now())
+           AND o.next_attempt_at <= now()
+           AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
+           AND NOT (o.lease_expires_at IS NOT NULL AND o.attempts + 1 >= p_max_attempts)
+         ORDER BY o.id
+         LIMIT p_limit
+           FOR UPDATE OF o SKIP LOCKED
+    ),
+    taken AS (
+        -- The oldest p_limit rows: dropping a key's newest rows keeps its run a prefix.
+        SELECT t.id, t.ordering_key, t.old_lease
+          FROM (SELECT l.id, l.ordering_key, l.old_lease
+                  FROM locked l
+                  LEFT JOIN gaps g ON g.ordering_key = l.ordering_key
+                 WHERE g.first_gap IS NULL OR l.id < g.first_gap
+                UNION ALL
+                SELECT n.id, n.ordering_key, n.old_lease FROM keyless n) t
+         ORDER BY t.id
+         LIMIT p_limit
+    ),
+    leased_keys AS (
+        UPDATE ${schema}.${table}_key k
+           SET lease_owner = p_owner,
+               lease_token = p_token,
+               lease_expires_at = now() + p_lease_seconds * interval '1 second'
+         WHERE k.ordering_key IN (SELECT t.ordering_key FROM taken t WHERE t.ordering_key IS NOT NULL)
+    ),
+    claimed AS (
+        UPDATE ${schema}.${table} o
+           SET lease_owner = p_owner,
+               lease_token = p_token,
+               lease_expires_at = now() + p_lease_seconds * interval '1 second',
+               -- Taking over an expired lease means its owner died or hung mid-publish.
+               attempts = o.attempts + CASE WHEN t.old_lease IS NULL THEN 0 ELSE 1 END
+          FROM taken t
+         WHERE o.id = t.id
+     RETURNING o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
+               o.attempts, o.lease_token, o.lease_expires_at, t.old_lease IS NOT NULL
+    )
+    SELECT * FROM claimed ORDER BY 1;
+
+    IF v_keys IS NULL THEN
+        RETURN;
+    END IF;
+
+    -- Keys this claim locked but did not lease: their hints were stale. Point them at their head
+    -- row (its due time, live lease, topic, dead flag), or forget them if they have none.
+    SELECT array_agg(u.k) INTO v_idle
+      FROM unnest(v_keys) AS u(k)
+     WHERE NOT EXISTS (SELECT 1 FROM ${schema}.${table}_key k
+                        WHERE k.ordering_key = u.k AND k.lease_token = p_token);
+    IF v_idle IS NULL THEN
+        RETURN;
+    END IF;
+    WITH heads AS (
+        SELECT u.k, h.id, h.topic,
+               greatest(h.next_attempt_at,
+                        CASE WHEN h.lease_expires_at > now() THEN h.lease_expires_at END)
+                   AS not_before
+          FROM unnest(v_idle) AS u(k)
+         CROSS JOIN LATERAL (
+            SELECT o.id, o.topic, o.next_attempt_at, o.lease_expires_at
+              FROM ${schema}.${table} o
+             WHERE o.ordering_key = u.k AND o.published_at IS NULL AND o.dead_at IS NULL
+             ORDER BY o.id LIMIT 1) h
+    )
+    UPDATE ${schema}.${table}_key k
+       SET head_id = h.id,
+           head_topic = h.topic,
+           not_before = coalesce(h.not_before, '-infinity'),
+           has_dead = EXISTS (SELECT 1 FROM ${schema}.${table} d
+                               WHERE d.ordering_key = h.k AND d.dead_at IS NOT NULL),
+           lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+      FROM heads h
+     WHERE k.ordering_key = h.k;
+
+    SELECT array_agg(u.k) INTO v_empty
+      FROM unnest(v_idle) AS u(k)
+     WHERE NOT EXISTS (SELECT 1 FROM ${schema}.${table} o
+                        WHERE o.ordering_key = u.k
+                          AND o.published_at IS NULL AND o.dead_at IS NULL);
+    PERFORM ${schema}.${table}_key_forget(v_empty);
+END;
+$fn$;
+
+-- The settle: record one batch's outcomes, fenced by its token, then release its keys (pointing
+-- each at its new head, or forgetting it when it has none). Lock order everywhere: registry rows
+-- (sorted by key) before outbox rows, so the mark, the lease keeper and the claim never deadlock.
+CREATE FUNCTION ${schema}.${table}_settle(
+    p_token uuid,
+    p_keys text[],
+    p_ids bigint[],
+    p_outcomes text[],
+    p_errors text[],
+    p_delays double precision[],
+    p_counted integer[],
+    p_delete boolean
+) RETURNS SETOF bigint
+    LANGUAGE plpgsql VOLATILE
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_empty text[];
+BEGIN
+    PERFORM 1 FROM ${schema}.${table}_key k
+     WHERE k.ordering_key = ANY (p_keys) AND k.lease_token = p_token
+     ORDER BY k.ordering_key
+       FOR UPDATE;
+
+    IF p_delete THEN
+        RETURN QUERY
+        DELETE FROM ${schema}.${table} o
+         USING unnest(p_ids, p_outcomes) AS r(id, outcome)
+         WHERE o.id = r.id AND r.outcome = 'published' AND o.lease_token = p_token
+        RETURNING o.id;
+    END IF;
+
+    RETURN QUERY
+    UPDATE ${schema}.${table} o
+       SET published_at = CASE WHEN r.outcome = 'published' THEN now() END,
+           dead_at = CASE WHEN r.outcome = 'dead' THEN now() END,
+           last_error = CASE WHEN r.outcome = 'published' THEN o.last_error
+                             ELSE coalesce(r.error, o.last_error) END,
+           attempts = o.attempts + r.attempt,
+           next_attempt_at = CASE WHEN r.outcome = 'retry'
+                                  THEN now() + r.delay * interval '1 second'
+                                  ELSE o.next_attempt_at END,
+           lease_token = NULL,
+           lease_expires_at = NULL
+      FROM unnest(p_ids, p_outcomes, p_errors, p_delays, p_counted)
+           AS r(id, outcome, error, delay, attempt)
+     WHERE o.id = r.id AND o.lease_token = p_token
+       AND NOT (p_delete AND r.outcome = 'published')
+    RETURNING o.id;
+
+    WITH mine AS (
+        SELECT u.k, h.id, h.topic, h.next_attempt_at
+          FROM unnest(p_keys) AS u(k)
+          LEFT JOIN LATERAL (
+            SELECT o.id, o.topic, o.next_attempt_at
+              FROM ${schema}.${table} o
+             WHERE o.ordering_key = u.k AND o.published_at IS NULL AND o.dead_at IS NULL
+             ORDER BY o.id LIMIT 1) h ON true
+    ),
+    released AS (
+        UPDATE ${schema}.${table}_key k
+           SET lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL,
+               head_id = coalesce(m.id, k.head_id),
+               head_topic = CASE WHEN m.id IS NULL THEN k.head_topic ELSE m.topic END,
+               not_before = coalesce(m.next_attempt_at, '-infinity'),
+               has_dead = m.id IS NOT NULL AND EXISTS (
+                   SELECT 1 FROM ${schema}.${table} d
+                    WHERE d.ordering_key = m.k AND d.dead_at IS NOT NULL)
+          FROM mine m
+         WHERE k.ordering_key = m.k AND k.lease_token = p_token
+        RETURNING k.ordering_key, m.id IS NULL AS empty
+    )
+    SELECT array_agg(r.ordering_key) FILTER (WHERE r.empty) INTO v_empty FROM released r;
+
+    PERFORM ${schema}.${table}_key_forget(v_empty);
+END;
+$fn$;
+
+-- The lease keeper: extend only live leases of the caller's tokens (an expired lease may already
+-- belong to someone else). Keys first, in key order, like the settle.
+CREATE FUNCTION ${schema}.${table}_extend(
+    p_ids bigint[],
+    p_tokens uuid[],
+    p_seconds double precision
+) RETURNS SETOF bigint
+    LANGUAGE plpgsql VOLATILE
+AS $fn$
+BEGIN
+    PERFORM 1 FROM ${schema}.${table}_key k
+      JOIN (SELECT DISTINCT o.ordering_key, r.token
+              FROM unnest(p_ids, p_tokens) AS r(id, token)
+              JOIN ${schema}.${table} o ON o.id = r.id
+             WHERE o.ordering_key IS NOT NULL) x
+        ON x.ordering_key = k.ordering_key AND x.token = k.lease_token
+     WHERE k.lease_expires_at > now()
+     ORDER BY k.ordering_key
+       FOR UPDATE OF k;
+
+    UPDATE ${schema}.${table}_key k
+       SET lease_expires_at = now() + p_seconds * interval '1 second'
+      FROM (SELECT DISTINCT o.ordering_key, r.token
+              FROM unnest(p_ids, p_tokens) AS r(id, token)
+              JOIN ${schema}.${table} o ON o.id = r.id
+             WHERE o.ordering_key IS NOT NULL
+               AND o.lease_token = r.token AND o.lease_expires_at > now()) x
+     WHERE k.ordering_key = x.ordering_key AND k.lease_token = x.token
+       AND k.lease_expires_at > now();
+
+    RETURN QUERY
+    UPDATE ${schema}.${table} o
+       SET lease_expires_at = now() + p_seconds * interval '1 second'
+      FROM unnest(p_ids, p_tokens) AS r(id, token)
+     WHERE o.id = r.id AND o.lease_token = r.token AND o.lease_expires_at > now()
+    RETURNING o.id;
+END;
+$fn$;
+
+-- A claim whose reply never arrived (the connection dropped after the commit): its dispatcher
+-- knows the token it chose and gives the rows back at once, instead of stalling their keys for
+-- a whole lease and counting an attempt.
+CREATE FUNCTION ${schema}.${table}_release(p_token uuid) RETURNS integer
+    LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    v_rows integer;
+BEGIN
+    PERFORM 1 FROM ${schema}.${table}_key k
+     WHERE k.lease_token = p_token
+     ORDER BY k.ordering_key
+       FOR UPDATE;
+    UPDATE ${schema}.${table}_key k
+       SET lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+     WHERE k.lease_token = p_token;
+    UPDATE ${schema}.${table} o
+       SET lease_token = NULL, lease_expires_at = NULL
+     WHERE o.lease_token = p_token AND o.published_at IS NULL AND o.dead_at IS NULL;
+    GET DIAGNOSTICS v_rows = ROW_COUNT;
+    RETURN v_rows;
+END;
+$fn$;
+
+-- A dispatcher of an older version still running when this migration commits stops with this
+-- message at its next claim (nothing is lost: its leases expire and are taken over).
+CREATE OR REPLACE FUNCTION ${schema}.${table}_claim(
+    p_limit integer,
+    p_scan integer,
+    p_owner text,
+    p_lease_seconds double precision,
+    p_lock_space integer,
+    p_block_on_dead boolean,
+    p_max_attempts integer
+) RETURNS TABLE (
+    id bigint,
+    topic text,
+    ordering_key text,
+    payload bytea,
+    headers jsonb,
+    event_id uuid,
+    created_at timestamptz,
+    attempts integer,
+    lease_token uuid,
+    lease_expires_at timestamptz,
+    reclaimed boolean
+)
+    LANGUAGE plpgsql VOLATILE
+AS $fn$
+BEGIN
+    RAISE EXCEPTION 'the outbox schema of % was upgraded to version 5 (claim engine v2); this dispatcher is older: upgrade outbox-dispatcher',
+        '${schema}.${table}'
+        USING ERRCODE = 'feature_not_supported';
+END;
+$fn$;
+
+-- Fill the registry from the rows already there (writers wait for this transaction: the trigger
+-- above took its lock on the table). Live leases of older dispatchers become key leases.
+INSERT INTO ${schema}.${table}_key
+       (ordering_key, head_id, head_topic, not_before, has_dead, lease_owner, lease_token,
+        lease_expires_at)
+SELECT h.ordering_key, h.id, h.topic, h.next_attempt_at,
+       EXISTS (SELECT 1 FROM ${schema}.${table} d
+                WHERE d.ordering_key = h.ordering_key AND d.dead_at IS NOT NULL),
+       CASE WHEN h.lease_token IS NOT NULL THEN h.lease_owner END,
+       h.lease_token,
+       CASE WHEN h.lease_token IS NOT NULL THEN h.lease_expires_at END
+  FROM (SELECT DISTINCT ON (o.ordering_key) o.ordering_key, o.id, o.topic, o.next_attempt_at,
+               o.lease_owner, o.lease_token, o.lease_expires_at
+          FROM ${schema}.${table} o
+         WHERE o.ordering_key IS NOT NULL AND o.published_at IS NULL AND o.dead_at IS NULL
+         ORDER BY o.ordering_key, o.id) h;
+
+INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (5, 'claim_engine')
+    ON CONFLICT (version) DO NOTHING;
