@@ -103,6 +103,12 @@ class Dispatcher:
             pool, self.queries, retry_for=s.lease_seconds, delete_on_publish=s.delete_on_publish
         )
         readiness = ReadinessCache(lambda: self._readiness(pool, publisher))
+        # Without LISTEN nobody hears a notification: writers are never asked to send one.
+        waiting = (
+            listener.Waiting(pool, self.queries, self.owner, ttl=2 * s.poll_interval_seconds + 5)
+            if s.listen
+            else None
+        )
         log.info(
             "started",
             owner=self.owner,
@@ -115,7 +121,8 @@ class Dispatcher:
             claim_tasks = [
                 tg.create_task(
                     self._guard(
-                        self._claim_loop(f"claim-{i}", claimer, publisher, marker), f"claim-{i}"
+                        self._claim_loop(f"claim-{i}", claimer, publisher, marker, waiting),
+                        f"claim-{i}",
                     ),
                     name=f"claim-{i}",
                 )
@@ -203,7 +210,12 @@ class Dispatcher:
             task.cancel()
 
     async def _claim_loop(
-        self, name: str, claimer: Claimer, publisher: KafkaPublisher, marker: Marker
+        self,
+        name: str,
+        claimer: Claimer,
+        publisher: KafkaPublisher,
+        marker: Marker,
+        waiting: listener.Waiting | None = None,
     ) -> None:
         s = self.settings
         m = self.metrics
@@ -224,10 +236,14 @@ class Dispatcher:
                 backoff = s.backoff_initial_seconds
                 if batch is None:
                     lingering = loop.time() - self._last_batch < s.linger_seconds
+                    if not lingering and waiting is not None and await waiting.announce():
+                        continue  # claim once more before waiting: see Waiting.announce
                     poll = s.linger_poll_seconds if lingering else s.poll_interval_seconds
                     await self.wakeup.wait(self.stopping, poll)
                     continue
                 self._last_batch = loop.time()
+                if waiting is not None:
+                    await waiting.withdraw()
                 m.claimed.inc(len(batch.records))
                 if reclaimed := sum(r.reclaimed for r in batch.records):
                     m.reclaims.inc(reclaimed)

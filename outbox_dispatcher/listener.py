@@ -12,6 +12,7 @@ import structlog
 from outbox_dispatcher import db, errors
 from outbox_dispatcher.claimer import Wakeup
 from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.sql import Queries
 
 log = structlog.get_logger(__name__)
 
@@ -73,3 +74,41 @@ async def listen(settings: Settings, wakeup: Wakeup) -> None:
                 conn.terminate()
         await asyncio.sleep(pause)
         pause = min(pause * 2, 10.0)
+
+
+class Waiting:
+    """Tells writers' trigger that this dispatcher waits for a wake-up, so that writers pay for
+    a notification only while someone listens for it. Best effort: a lost announcement only
+    means the next poll finds the rows."""
+
+    def __init__(self, pool: asyncpg.Pool, queries: Queries, owner: str, ttl: float) -> None:
+        self._pool = pool
+        self._queries = queries
+        self._owner = owner
+        self._ttl = ttl
+        self._until = 0.0  # this process's clock; 0: not announced
+
+    async def announce(self) -> bool:
+        """Announce (or refresh) the wait; True if it was not announced a moment ago, so that the
+        caller claims once more (rows committed before the announcement sent no notification)."""
+        now = asyncio.get_running_loop().time()
+        if now < self._until - self._ttl / 2:
+            return False
+        try:
+            await db.fetch(self._pool, self._queries.waiting_announce, self._owner, self._ttl)
+        except db.RETRIABLE_ERRORS as exc:
+            log.debug("waiting_announce_failed", error=repr(exc))
+            return False
+        fresh = now >= self._until
+        self._until = now + self._ttl
+        return fresh
+
+    async def withdraw(self) -> None:
+        """Busy again: writers can stop notifying (a no-op when nothing was announced)."""
+        if not self._until:
+            return
+        self._until = 0.0
+        try:
+            await db.fetch(self._pool, self._queries.waiting_withdraw, self._owner)
+        except db.RETRIABLE_ERRORS as exc:
+            log.debug("waiting_withdraw_failed", error=repr(exc))

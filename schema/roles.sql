@@ -103,6 +103,7 @@ BEGIN
     -- bookkeeping (writers reach it only through SECURITY DEFINER trigger functions).
     IF to_regclass('${schema}.${table}_key') IS NOT NULL THEN
         GRANT SELECT, INSERT, UPDATE, DELETE ON ${schema}.${table}_key TO ${dispatcher_role};
+        GRANT SELECT, INSERT, UPDATE, DELETE ON ${schema}.${table}_waiting TO ${dispatcher_role};
     END IF;
 
     -- Migration 0003 (paused topics): the claim reads <table>_paused, so the dispatcher role

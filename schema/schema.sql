@@ -81,34 +81,6 @@ CREATE INDEX ${table}_pending_key_idx ON ${schema}.${table} (ordering_key, id)
 CREATE INDEX ${table}_dead_key_idx ON ${schema}.${table} (ordering_key)
     WHERE dead_at IS NOT NULL;
 
--- Wake-up hint for dispatchers: a notification per inserting statement, but at most one per
--- session every outbox_dispatcher.notify_cooldown_ms (default 50; 0 notifies every statement).
--- A committing transaction that notified holds a cluster-wide lock through its commit, so
--- notifying on every commit caps the writers' commit rate; a dispatcher keeps polling briefly
--- after each batch (linger), so the rows a cooldown leaves unannounced are found all the same.
--- The session setting is transactional: a rolled-back notification does not start a cooldown.
-CREATE FUNCTION ${schema}.${table}_notify() RETURNS trigger
-    LANGUAGE plpgsql
-AS $fn$
-DECLARE
-    v_now double precision := extract(epoch FROM clock_timestamp());
-    v_last text := current_setting('outbox_dispatcher.last_notify', true);
-    v_cooldown text := current_setting('outbox_dispatcher.notify_cooldown_ms', true);
-BEGIN
-    IF v_last IS NULL OR v_last = ''
-       OR v_now - v_last::double precision
-          >= coalesce(nullif(v_cooldown, '')::double precision, 50) / 1000 THEN
-        PERFORM pg_notify(TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME, '');
-        PERFORM set_config('outbox_dispatcher.last_notify', v_now::text, false);
-    END IF;
-    RETURN NULL;
-END;
-$fn$;
-
-CREATE TRIGGER ${table}_notify
-    AFTER INSERT ON ${schema}.${table}
-    FOR EACH STATEMENT EXECUTE FUNCTION ${schema}.${table}_notify();
-
 -- One call to enqueue from any language, inside the caller's transaction.
 CREATE FUNCTION ${schema}.${table}_enqueue(
     topic text,
@@ -190,6 +162,14 @@ CREATE INDEX ${table}_key_ready_idx ON ${schema}.${table}_key (head_id) WHERE le
 CREATE INDEX ${table}_key_leased_idx ON ${schema}.${table}_key (lease_expires_at)
     WHERE lease_token IS NOT NULL;
 
+-- Dispatchers that wait for a wake-up (each refreshes its row while it waits, so a crashed one
+-- stops costing writers a notification once `until` passes). Replaces version 1's trigger, which
+-- notified on every statement (at most once per 50 ms per session).
+CREATE TABLE ${schema}.${table}_waiting (
+    owner text PRIMARY KEY,
+    until timestamptz NOT NULL
+);
+
 -- Rows without an ordering key have no order: claimed straight from this index.
 CREATE INDEX ${table}_pending_keyless_idx ON ${schema}.${table} (id)
     WHERE ordering_key IS NULL AND published_at IS NULL AND dead_at IS NULL;
@@ -221,6 +201,12 @@ BEGIN
      WHERE n.ordering_key IS NOT NULL
      ORDER BY n.ordering_key, n.id
     ON CONFLICT (ordering_key) DO NOTHING;
+    -- The wake-up: only while a dispatcher has said that it waits for one (it polls meanwhile
+    -- anyway); a busy dispatcher finds the rows by itself, and writers skip the notification,
+    -- whose commit-time lock is what capped their commit rate.
+    IF EXISTS (SELECT 1 FROM ${schema}.${table}_waiting w WHERE w.until > now()) THEN
+        PERFORM pg_notify(TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME, '');
+    END IF;
     RETURN NULL;
 END;
 $fn$;

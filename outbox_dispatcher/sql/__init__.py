@@ -44,6 +44,8 @@ class Queries:
     settle: str
     extend_leases: str
     release_claim: str
+    waiting_announce: str
+    waiting_withdraw: str
     dead_letter_crash_loops: str
     count_expired_leases: str
     schema_version: str
@@ -85,6 +87,7 @@ class Queries:
             "extend_fn": qualified(f"{table}_extend"),
             "release_fn": qualified(f"{table}_release"),
             "keys": qualified(f"{table}_key"),
+            "waiting": qualified(f"{table}_waiting"),
             "inbox": qualified(inbox),
             "paused": qualified(f"{table}_paused"),
         }

@@ -23,6 +23,15 @@ SELECT * FROM {extend_fn}($1, $2, $3)
 -- Give back whatever a claim whose reply was lost leased under token $1.
 SELECT {release_fn}($1)
 
+-- waiting_announce --
+-- This dispatcher waits for a wake-up until $2 seconds from now: writers' trigger notifies while
+-- any dispatcher waits, and only then.
+INSERT INTO {waiting} AS w (owner, until) VALUES ($1, now() + $2 * interval '1 second')
+ON CONFLICT (owner) DO UPDATE SET until = EXCLUDED.until
+
+-- waiting_withdraw --
+DELETE FROM {waiting} WHERE owner = $1
+
 -- dead_letter_crash_loops --
 -- Rows whose every owner died or hung while publishing them: dead-letter instead of taking them
 -- over again (the claim leaves them alone).

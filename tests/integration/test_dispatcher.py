@@ -105,6 +105,32 @@ async def test_a_notification_wakes_the_dispatcher_long_before_the_next_poll(
         await wait_until(published, 20, "the row to be published on NOTIFY")
 
 
+async def test_writers_notify_only_while_a_dispatcher_waits(
+    conn: asyncpg.Connection, database_url: str, topic: str
+) -> None:
+    """The notification's commit-time lock is what capped writers' commit rate: writers send one
+    only while some dispatcher has announced that it waits (and not after its announcement
+    lapsed)."""
+    heard: list[str] = []
+    listener = await asyncpg.connect(database_url)
+    try:
+        await listener.add_listener("public.outbox", lambda *args: heard.append(args[2]))
+
+        async def write_and_listen() -> int:
+            heard.clear()
+            await conn.fetchval("SELECT outbox_enqueue($1, 'k', 'v'::bytea)", topic)
+            await asyncio.sleep(0.5)
+            return len(heard)
+
+        assert await write_and_listen() == 0
+        await conn.execute("INSERT INTO outbox_waiting VALUES ('d1', now() + interval '1 minute')")
+        assert await write_and_listen() == 1
+        await conn.execute("UPDATE outbox_waiting SET until = now() - interval '1 second'")
+        assert await write_and_listen() == 0
+    finally:
+        await listener.close()
+
+
 async def test_polling_still_works_without_listen(
     conn: asyncpg.Connection, topic: str, make_settings: Any
 ) -> None:

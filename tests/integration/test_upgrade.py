@@ -1,0 +1,236 @@
+"""Upgrading a live table to the claim engine of schema version 5 (`outbox-dispatcher migrate`):
+rows in every state end as they should, and a dispatcher of the previous version still running
+when the migration commits stops with a clear message while nothing is lost or reordered."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from outbox_dispatcher import migrations
+from outbox_dispatcher.settings import DeadLetterPolicy
+
+from .helpers import (
+    Services,
+    check,
+    consume,
+    count,
+    event_ids,
+    insert_sequenced,
+    running,
+    settings_env,
+    spawn,
+    stop_all,
+    wait_all_settled,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+# The last commit of schema version 4 (claim engine v1): the dispatcher users run before upgrading.
+PREVIOUS_RELEASE = "3975be7"
+
+
+@pytest.fixture
+async def v4_url(empty_database_url: str) -> AsyncIterator[str]:
+    """A database at schema version 4, as the previous release left it."""
+    conn = await asyncpg.connect(empty_database_url)
+    try:
+        for migration in migrations.load_migrations()[:4]:
+            sql = migrations.render(migration.path.read_text("utf-8"), "public", "outbox")
+            async with conn.transaction():
+                await conn.execute(sql)
+        assert await migrations.current_version(conn, "public", "outbox") == 4
+    finally:
+        await conn.close()
+    yield empty_database_url
+
+
+async def migrate(url: str) -> list[int]:
+    conn = await asyncpg.connect(url)
+    try:
+        return await migrations.migrate(conn, "public", "outbox")
+    finally:
+        await conn.close()
+
+
+async def test_rows_in_every_state_end_as_they_should_after_the_upgrade(
+    v4_url: str, services: Services, topic: str, make_settings: Any
+) -> None:
+    conn = await asyncpg.connect(v4_url)
+    try:
+        insert = (
+            "INSERT INTO outbox (topic, ordering_key, payload) VALUES ($1, $2, $3) RETURNING id"
+        )
+        ids: dict[str, list[int]] = {}
+        for key, n in [("pending", 3), ("leased", 2), ("backoff", 2), ("blocked", 2), ("old", 1)]:
+            ids[key] = [
+                await conn.fetchval(insert, topic, key, f"{key}-{i}".encode()) for i in range(n)
+            ]
+        ids["keyless"] = [await conn.fetchval(insert, topic, None, b"x") for _ in range(2)]
+        # A lease of a previous-version dispatcher that vanished, a head in backoff, a dead head
+        # (holds its key under `block`) and a row published long ago.
+        await conn.execute(
+            "UPDATE outbox SET lease_owner = 'old-dispatcher', lease_token = $2, "
+            "lease_expires_at = now() + interval '3 seconds' WHERE id = ANY($1)",
+            ids["leased"],
+            uuid.uuid4(),
+        )
+        await conn.execute(
+            "UPDATE outbox SET attempts = 1, next_attempt_at = now() + interval '2 seconds', "
+            "last_error = 'broker down' WHERE id = $1",
+            ids["backoff"][0],
+        )
+        await conn.execute(
+            "UPDATE outbox SET dead_at = now(), attempts = 5, last_error = 'poison' WHERE id = $1",
+            ids["blocked"][0],
+        )
+        await conn.execute(
+            "UPDATE outbox SET published_at = now() - interval '1 day' WHERE id = $1", ids["old"][0]
+        )
+
+        assert await migrate(v4_url) == [5]
+        registry = {
+            r["ordering_key"]: r
+            for r in await conn.fetch(
+                "SELECT ordering_key, head_id, not_before > now() AS waits, has_dead, "
+                "lease_token IS NOT NULL AS leased FROM outbox_key"
+            )
+        }
+        assert set(registry) == {"pending", "leased", "backoff", "blocked"}
+        assert registry["leased"]["leased"] and registry["backoff"]["waits"]
+        assert (
+            registry["blocked"]["has_dead"] and registry["blocked"]["head_id"] == ids["blocked"][1]
+        )
+
+        settings = make_settings(database_url=v4_url, dead_letter_policy=DeadLetterPolicy.BLOCK)
+        async with running(settings):
+
+            async def drained() -> bool:
+                return await count(conn, "published_at IS NULL AND dead_at IS NULL") == 1
+
+            await wait_until(drained, 60, "every row but the blocked one to be published")
+        rows = {
+            r["id"]: r
+            for r in await conn.fetch(
+                "SELECT id, published_at IS NOT NULL AS published, dead_at IS NOT NULL AS dead, "
+                "attempts, published_at < now() - interval '1 hour' AS long_ago FROM outbox"
+            )
+        }
+    finally:
+        await conn.close()
+    for key in ("pending", "leased", "backoff", "keyless"):
+        assert all(rows[i]["published"] for i in ids[key]), key
+    # The vanished owner's rows were taken over once its lease expired: one counted attempt.
+    assert [rows[i]["attempts"] for i in ids["leased"]] == [1, 1]
+    assert rows[ids["blocked"][0]]["dead"] and not rows[ids["blocked"][1]]["published"]
+    assert rows[ids["old"][0]]["long_ago"]
+    records = await consume(services.kafka_bootstrap_servers, topic, 9, timeout=60)
+    assert sorted(r.value for r in records if r.key == b"pending") == [
+        b"pending-0",
+        b"pending-1",
+        b"pending-2",
+    ]
+    by_key: dict[bytes | None, list[bytes | None]] = {}
+    for record in records:
+        by_key.setdefault(record.key, []).append(record.value)
+    for key in (b"pending", b"leased", b"backoff"):
+        assert by_key[key] == sorted(by_key[key]), by_key[key]
+
+
+def previous_release(tmp_path: Path) -> Path:
+    """The previous release's package and schema, from this repository's history."""
+    if shutil.which("git") is None:
+        pytest.skip("git is needed to run the previous release")
+    target = tmp_path / "previous"
+    target.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", PREVIOUS_RELEASE, "outbox_dispatcher", "schema"],
+        capture_output=True,
+        check=False,
+    )
+    if archive.returncode != 0:
+        pytest.skip(f"commit {PREVIOUS_RELEASE} is not in this clone's history (a shallow clone?)")
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    return target
+
+
+async def test_a_previous_release_running_through_the_migration_stops_and_loses_nothing(
+    v4_url: str, services: Services, topic: str, make_settings: Any, tmp_path: Path
+) -> None:
+    old_code = previous_release(tmp_path)
+    conn = await asyncpg.connect(v4_url)
+    old: subprocess.Popen[bytes] | None = None
+    new: subprocess.Popen[bytes] | None = None
+    try:
+        await insert_sequenced(conn, topic, keys=20, per_key=100)
+        settings = make_settings(
+            database_url=v4_url,
+            batch_size=20,
+            kafka_linger_ms=50,
+            lease_seconds=3,
+            log_format="json",
+        )
+        old_log = tmp_path / "old.log"
+        old = spawn_previous(old_code, settings_env(settings), old_log)
+
+        async def some_published() -> bool:
+            return await count(conn, "published_at IS NOT NULL") >= 200
+
+        await wait_until(some_published, 60, "the previous release to publish some rows")
+        assert await migrate(v4_url) == [5]
+        in_flight_at_migration = await count(
+            conn, "published_at IS NULL AND lease_expires_at > now()"
+        )
+        code = await asyncio_wait_exit(old, 60)
+        assert code not in (0, None), old_log.read_text()[-3000:]
+        assert "upgrade outbox-dispatcher" in old_log.read_text()
+        # The current release takes over: everything is delivered, in order per key.
+        new = spawn(settings, tmp_path / "new.log")
+        await wait_all_settled(conn, 120)
+        records = await consume(services.kafka_bootstrap_servers, topic, 2000, timeout=120)
+        verdict = check(records, await event_ids(conn))
+        assert (len(verdict.lost), verdict.reordered, verdict.unexpected) == (0, [], [])
+        assert (
+            verdict.duplicates
+            <= in_flight_at_migration + settings.batch_size * settings.claim_tasks
+        )
+        assert await count(conn, "dead_at IS NOT NULL") == 0
+    finally:
+        stop_all([p for p in (old, new) if p is not None])
+        await conn.close()
+
+
+def spawn_previous(code: Path, env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """The previous release's `outbox-dispatcher run`, its package first on the path."""
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "outbox_dispatcher", "run"],
+            env=env | {"PYTHONPATH": str(code)},
+            cwd=code,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+async def asyncio_wait_exit(process: subprocess.Popen[bytes], timeout: float) -> int | None:
+    """The process's exit code once it ends by itself, or None after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        code = process.poll()
+        if code is not None:
+            return code
+        await asyncio.sleep(0.2)
+    return None
