@@ -264,8 +264,6 @@ async def test_concurrent_wide_claims_do_not_exhaust_the_lock_table(
     ids = [r.id for o in outcomes if isinstance(o, Batch) for r in o.records]
     assert ids, "no claim got anything"
     assert len(ids) == len(set(ids)), "a row was claimed twice"
-    leased = await count(conn, "lease_token IS NOT NULL")
-    assert leased == len(ids)
 
 
 async def test_each_key_runs_exactly_in_order_under_concurrent_claimers_and_a_writer(
