@@ -8,9 +8,10 @@ statements in Queries, plain INSERTs), so that the tests run unchanged on anothe
 bookkeeping columns are written by hand only to simulate a dead row (dead_at), a backoff
 (next_attempt_at) or rows already published (published_at).
 
-Tests marked xfail(strict=True) fail on the v1 engine (the scan window of the oldest
-batch_size x scan_factor pending rows, one advisory lock per key); the marker goes when the new
-engine lands, and strict=True makes an unexpected pass a failure until then."""
+Each test marked below with a finding of the review failed on the claim engine of schema version 4
+(a scan window of the oldest batch_size x scan_factor pending rows, one advisory lock per key):
+run against that engine, the stuck-key cases time out, the three claimers get [500, 500, 0] and 7 of
+8 wide claims fail with SQLSTATE 53200."""
 
 from __future__ import annotations
 
@@ -125,22 +126,18 @@ async def replay_held_and_never_released(
     return {}
 
 
-def _v1(finding: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=f"claim engine v1: {finding}")
-
-
-F1 = "F1, the scan window holds only the stuck key's rows, so no claim sees other keys"
+# Version 4: F1, the scan window held only the stuck key's rows, so no claim saw other keys.
 
 
 @pytest.mark.parametrize(
     "stuck",
     [
-        pytest.param(dead_head_under_block, id="block-dead-head", marks=_v1(F1)),
-        pytest.param(head_in_backoff_under_skip, id="skip-head-in-backoff", marks=_v1(F1)),
-        # v1 leaves paused topics' rows out of its scan: a regression guard, no marker.
+        pytest.param(dead_head_under_block, id="block-dead-head"),
+        pytest.param(head_in_backoff_under_skip, id="skip-head-in-backoff"),
+        # Version 4 left paused topics' rows out of its scan already: a regression guard.
         pytest.param(rows_in_a_paused_topic, id="paused-topic"),
-        pytest.param(rows_behind_a_paused_row, id="behind-a-paused-row", marks=_v1(F1)),
-        pytest.param(replay_held_and_never_released, id="replay-held", marks=_v1(F1)),
+        pytest.param(rows_behind_a_paused_row, id="behind-a-paused-row"),
+        pytest.param(replay_held_and_never_released, id="replay-held"),
     ],
 )
 async def test_a_stuck_key_with_thousands_of_rows_does_not_hold_back_other_keys(
@@ -158,7 +155,7 @@ async def test_a_stuck_key_with_thousands_of_rows_does_not_hold_back_other_keys(
     others = OTHER_KEYS * OTHER_ROWS_PER_KEY
     # The default batch size and scan factor: the stuck key has more rows than both.
     settings = make_settings(**overrides)
-    assert settings.batch_size < STUCK_ROWS and settings.scan_limit < STUCK_ROWS
+    assert settings.batch_size * settings.scan_factor < STUCK_ROWS
 
     async def others_published() -> bool:
         where = f"ordering_key <> '{STUCK}' AND published_at IS NOT NULL"
@@ -203,7 +200,7 @@ async def insert_single_row_keys(conn: asyncpg.Connection, keys: int) -> None:
     )
 
 
-@_v1("F7, the third claim's window (the oldest 1,000 pending rows) is all leased")
+# Version 4: F7, the third claim's window (the oldest 1,000 pending rows) is all leased.
 async def test_three_claimers_each_get_a_full_batch_under_a_backlog(
     pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
 ) -> None:
@@ -240,7 +237,8 @@ async def lock_table_headroom(database_url: str, headroom: int) -> asyncpg.Conne
     return filler
 
 
-@_v1("F6, one advisory lock per key: concurrent 10,000-key claims fill the lock table (53200)")
+# Version 4: F6, one advisory lock per key: concurrent 10,000-key claims filled the lock
+# table (53200).
 async def test_concurrent_wide_claims_do_not_exhaust_the_lock_table(
     conn: asyncpg.Connection, database_url: str, make_settings: Any
 ) -> None:
