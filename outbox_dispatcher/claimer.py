@@ -80,10 +80,15 @@ class Claimer:
         self._max_keys = max(1, min(self._limit, wanted))
 
     async def _release_unsure(self) -> None:
-        while self._unsure:
-            token = self._unsure[0]
-            [(rows,)] = await db.fetch(self._pool, self._queries.release_claim, token)
-            self._unsure.pop(0)
+        """Give back what claims with a lost reply may hold. The claim loops share this claimer:
+        each takes the tokens it releases, and puts back those it could not."""
+        tokens, self._unsure = self._unsure, []
+        for i, token in enumerate(tokens):
+            try:
+                [(rows,)] = await db.fetch(self._pool, self._queries.release_claim, token)
+            except BaseException:
+                self._unsure.extend(tokens[i:])
+                raise
             if rows:
                 log.info("lost_claim_released", rows=rows, token=str(token))
 
