@@ -6,6 +6,7 @@ import asyncio
 import math
 import uuid
 from collections import deque
+from typing import Any
 
 import asyncpg
 import structlog
@@ -14,6 +15,7 @@ from outbox_dispatcher import db
 from outbox_dispatcher.models import Batch, OutboxRecord
 from outbox_dispatcher.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import OutOfMemoryError, Row, Store
 
 log = structlog.get_logger(__name__)
 
@@ -25,8 +27,7 @@ class Claimer:
     def __init__(
         self, pool: asyncpg.Pool, queries: Queries, settings: Settings, owner: str
     ) -> None:
-        self._pool = pool
-        self._queries = queries
+        self._store = Store(pool, queries)
         s = settings
         self._limit = s.batch_size
         self._owner = owner
@@ -45,8 +46,8 @@ class Claimer:
             await self._release_unsure()
         token = uuid.uuid4()
         try:
-            rows = await db.fetch(self._pool, self._queries.claim, *self.arguments(token))
-        except asyncpg.OutOfMemoryError as exc:
+            rows = await self._store.claim(**self.arguments(token))
+        except OutOfMemoryError as exc:
             # The lock table or memory of the server is short: ask for fewer keys next time
             # rather than die and restart into the same state.
             self._max_keys = max(1, self._max_keys // 2)
@@ -60,19 +61,20 @@ class Claimer:
         self._fit(rows)
         return Batch(token, [OutboxRecord.from_row(row) for row in rows])
 
-    def arguments(self, token: uuid.UUID) -> tuple[object, ...]:
-        """The claim statement's parameters for a claim under `token`."""
-        return (
-            self._limit,
-            self._max_keys,
-            self._owner,
-            self._lease,
-            token,
-            self._block,
-            self._max_attempts,
-        )
+    def arguments(self, token: uuid.UUID) -> dict[str, Any]:
+        """The claim's parameters for a claim under `token` (Store.claim's keywords, in the
+        statement's order)."""
+        return {
+            "limit": self._limit,
+            "max_keys": self._max_keys,
+            "owner": self._owner,
+            "lease_seconds": self._lease,
+            "token": token,
+            "block_on_dead": self._block,
+            "max_attempts": self._max_attempts,
+        }
 
-    def _fit(self, rows: list[asyncpg.Record]) -> None:
+    def _fit(self, rows: list[Row]) -> None:
         keys = len({row["ordering_key"] for row in rows})
         per_key = len(rows) / max(1, keys)
         full = len(rows) >= self._limit
@@ -85,7 +87,7 @@ class Claimer:
         tokens, self._unsure = self._unsure, []
         for i, token in enumerate(tokens):
             try:
-                [(rows,)] = await db.fetch(self._pool, self._queries.release_claim, token)
+                rows = await self._store.release_claim(token=token)
             except BaseException:
                 self._unsure.extend(tokens[i:])
                 raise

@@ -28,6 +28,7 @@ from outbox_dispatcher.publisher import KafkaPublisher, NotAttempted, Sent
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import Store
 
 log = structlog.get_logger(__name__)
 
@@ -160,7 +161,7 @@ class Dispatcher:
             checks["dispatcher"] = "shutting down"
         try:
             async with asyncio.timeout(3):
-                [(version,)] = await db.fetch(pool, self.queries.schema_version)
+                version = await Store(pool, self.queries).schema_version()
         except READINESS_ERRORS as exc:
             checks["database"] = f"unreachable: {errors.describe(exc)}"
         else:

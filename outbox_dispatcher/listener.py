@@ -13,6 +13,7 @@ from outbox_dispatcher import db, errors
 from outbox_dispatcher.claimer import Wakeup
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import Store
 
 log = structlog.get_logger(__name__)
 
@@ -82,8 +83,7 @@ class Waiting:
     means the next poll finds the rows."""
 
     def __init__(self, pool: asyncpg.Pool, queries: Queries, owner: str, ttl: float) -> None:
-        self._pool = pool
-        self._queries = queries
+        self._store = Store(pool, queries)
         self._owner = owner
         self._ttl = ttl
         self._until = 0.0  # this process's clock; 0: not announced
@@ -95,7 +95,7 @@ class Waiting:
         if now < self._until - self._ttl / 2:
             return False
         try:
-            await db.fetch(self._pool, self._queries.waiting_announce, self._owner, self._ttl)
+            await self._store.waiting_announce(owner=self._owner, seconds=self._ttl)
         except db.RETRIABLE_ERRORS as exc:
             log.debug("waiting_announce_failed", error=repr(exc))
             return False
@@ -109,6 +109,6 @@ class Waiting:
             return
         self._until = 0.0
         try:
-            await db.fetch(self._pool, self._queries.waiting_withdraw, self._owner)
+            await self._store.waiting_withdraw(owner=self._owner)
         except db.RETRIABLE_ERRORS as exc:
             log.debug("waiting_withdraw_failed", error=repr(exc))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 import asyncpg
 import structlog
@@ -12,6 +13,7 @@ import structlog
 from outbox_dispatcher import db
 from outbox_dispatcher.models import Batch, Result
 from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import Store
 
 log = structlog.get_logger(__name__)
 
@@ -25,32 +27,28 @@ class Marker:
         *,
         delete_on_publish: bool = False,
     ) -> None:
-        self._pool = pool
-        self._queries = queries
+        self._store = Store(pool, queries)
         self._retry_for = retry_for
         self._delete = delete_on_publish
 
-    def arguments(self, batch: Batch, results: Sequence[Result]) -> tuple[object, ...]:
-        """The settle's parameters: each row's outcome, and the batch's keys to release."""
-        keys = sorted({r.ordering_key for r in batch.records if r.ordering_key is not None})
-        return (
-            batch.token,
-            keys,
-            [r.id for r in batch.records],
-            [res.outcome.value for res in results],
-            [res.error for res in results],
-            [res.delay for res in results],
-            [int(res.counted) for res in results],
-            self._delete,
-        )
+    def arguments(self, batch: Batch, results: Sequence[Result]) -> dict[str, Any]:
+        """Store.settle's keywords: each row's outcome, and the batch's keys to release."""
+        return {
+            "token": batch.token,
+            "keys": sorted({r.ordering_key for r in batch.records if r.ordering_key is not None}),
+            "ids": [r.id for r in batch.records],
+            "outcomes": [res.outcome.value for res in results],
+            "errors": [res.error for res in results],
+            "delays": [res.delay for res in results],
+            "counted": [int(res.counted) for res in results],
+            "delete_published": self._delete,
+        }
 
     async def settle(self, batch: Batch, results: Sequence[Result]) -> int:
         """Write every result in one statement; returns how many rows were still ours. Retries
         while the database is briefly away: a mark that never lands means a re-publish, not a
         loss."""
-        changed = await self._execute(
-            self._queries.settle, self.arguments(batch, results), len(batch.records)
-        )
+        changed = await self._execute(self.arguments(batch, results), len(batch.records))
         if changed is None:
             return 0  # settle_failed said what happens; the lease was not lost
         if changed < len(batch.records):
@@ -64,14 +62,14 @@ class Marker:
             )
         return changed
 
-    async def _execute(self, query: str, args: tuple[object, ...], rows: int) -> int | None:
+    async def _execute(self, arguments: dict[str, Any], rows: int) -> int | None:
         """Rows changed, or None if the database stayed away past the retry window."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._retry_for
         pause = 0.1
         while True:
             try:
-                return len(await db.fetch(self._pool, query, *args))
+                return await self._store.settle(**arguments)
             except db.RETRIABLE_ERRORS as exc:
                 if loop.time() + pause > deadline:
                     log.error(

@@ -30,6 +30,7 @@ from outbox_dispatcher import __version__, db
 from outbox_dispatcher.models import OutboxRecord, Outcome, Result
 from outbox_dispatcher.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import Store
 
 log = structlog.get_logger(__name__)
 
@@ -198,9 +199,10 @@ class Metrics:
 async def sample(pool: asyncpg.Pool, queries: Queries, settings: Settings, m: Metrics) -> None:
     """Read the table gauges (pending, lag, dead, blocked keys) every metrics interval."""
     block = settings.dead_letter_policy is DeadLetterPolicy.BLOCK
+    store = Store(pool, queries)
     while True:
         try:
-            [row] = await db.fetch(pool, queries.gauges, block)
+            row = await store.gauges(block_on_dead=block)
         except db.RETRIABLE_ERRORS as exc:
             log.warning("metrics_sample_failed", error=repr(exc))
         else:

@@ -17,6 +17,7 @@ from outbox_dispatcher.health import Heartbeats
 from outbox_dispatcher.metrics import Metrics
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import Store
 
 log = structlog.get_logger(__name__)
 
@@ -54,6 +55,7 @@ async def keep_leases(
 ) -> None:
     """Extend the leases of in-flight rows every lease/3, for as long as the process lives."""
     interval = settings.lease_seconds / 3
+    store = Store(pool, queries)
     while True:
         heartbeats.beat("lease-keeper")
         await asyncio.sleep(interval)
@@ -61,24 +63,27 @@ async def keep_leases(
         if not ids:
             continue
         try:
-            rows = await db.fetch(pool, queries.extend_leases, ids, tokens, settings.lease_seconds)
+            extended = await store.extend_leases(
+                ids=ids, tokens=tokens, seconds=settings.lease_seconds
+            )
         except db.RETRIABLE_ERRORS as exc:
             log.warning("lease_extension_failed", rows=len(ids), error=repr(exc))
             continue
-        if len(rows) < len(ids):
-            # Settled meanwhile, or taken over after an expiry; the settle will tell which.
-            log.debug("lease_extension_partial", extended=len(rows), asked=len(ids))
+        if extended < len(ids):
+            # Settled meanwhile, or expired and maybe taken over; the settle will tell which.
+            log.debug("lease_extension_partial", extended=extended, asked=len(ids))
 
 
 async def reclaim(
     pool: asyncpg.Pool, queries: Queries, settings: Settings, metrics: Metrics
 ) -> None:
     """Dead-letter rows whose leases keep expiring; report expired leases awaiting takeover."""
+    store = Store(pool, queries)
     while True:
         await asyncio.sleep(settings.reclaim_interval_seconds)
         try:
-            dead = await db.fetch(pool, queries.dead_letter_crash_loops, settings.max_attempts)
-            [(expired,)] = await db.fetch(pool, queries.count_expired_leases)
+            dead = await store.dead_letter_crash_loops(max_attempts=settings.max_attempts)
+            expired = await store.count_expired_leases()
         except db.RETRIABLE_ERRORS as exc:
             log.warning("reclaim_failed", error=repr(exc))
             continue

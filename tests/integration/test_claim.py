@@ -85,7 +85,7 @@ async def test_a_key_has_one_owner_while_its_claim_is_open_and_while_leased(
         tx = holder.transaction()
         await tx.start()
         token = uuid.uuid4()
-        held = await holder.fetch(QUERIES.claim, *claimer(pool, settings).arguments(token))
+        held = await holder.fetch(QUERIES.claim, *claimer(pool, settings).arguments(token).values())
         assert [r["id"] for r in held] == ids[:3]
         ids += await insert(conn, ["other"] * 2)
         # The claimer owns k: its registry row stays locked until the claim commits.
@@ -174,7 +174,7 @@ async def test_a_claim_whose_reply_was_lost_is_released_by_its_token(
     ids = await insert(conn, ["k", "k", None])
     c = claimer(pool, make_settings())
     lost = uuid.uuid4()
-    assert len(await pool.fetch(QUERIES.claim, *c.arguments(lost))) == 3
+    assert len(await pool.fetch(QUERIES.claim, *c.arguments(lost).values())) == 3
     c._unsure.append(lost)  # what claim() records when the call fails mid-flight
     batch = await c.claim()
     assert batch is not None and [r.id for r in batch.records] == ids
@@ -308,7 +308,7 @@ async def test_a_takeover_in_progress_fences_the_stale_owners_late_settle(
     late = claimer(pool, settings, "late")
     slow_claim = QUERIES.claim.replace('"outbox_claim_keys"', '"outbox_claim_slow"')
     token = uuid.uuid4()
-    racing = asyncio.create_task(pool.fetch(slow_claim, *late.arguments(token)))
+    racing = asyncio.create_task(pool.fetch(slow_claim, *late.arguments(token).values()))
     await asyncio.sleep(0.3)  # it holds k's registry row now, and sleeps
     assert await settle(pool, stale, [Result(Outcome.PUBLISHED)] * 3) == 0
     taken = await racing

@@ -21,13 +21,13 @@ def test_settle_arguments_carry_every_row_and_the_distinct_keys_sorted() -> None
     batch = Batch(uuid.uuid4(), records)
     marker = Marker(None, Q, retry_for=1, delete_on_publish=True)  # type: ignore[arg-type]
     args = marker.arguments(batch, [OK, RETRY, OK, OK])
-    assert args == (
-        batch.token,
-        ["a", "b"],
-        [0, 1, 2, 3],
-        ["published", "retry", "published", "published"],
-        [None, "boom", None, None],
-        [0.0, 1.0, 0.0, 0.0],
-        [0, 1, 0, 0],
-        True,
-    )
+    assert args == {
+        "token": batch.token,
+        "keys": ["a", "b"],
+        "ids": [0, 1, 2, 3],
+        "outcomes": ["published", "retry", "published", "published"],
+        "errors": [None, "boom", None, None],
+        "delays": [0.0, 1.0, 0.0, 0.0],
+        "counted": [0, 1, 0, 0],
+        "delete_published": True,
+    }
