@@ -238,7 +238,11 @@ BEGIN
      ORDER BY u.k
     ON CONFLICT (ordering_key) DO UPDATE
        SET head_id = EXCLUDED.head_id, head_topic = EXCLUDED.head_topic,
-           not_before = '-infinity', has_dead = EXCLUDED.has_dead;
+           not_before = '-infinity', has_dead = EXCLUDED.has_dead
+     -- A replay touches one key once per row: write a new version only when something changed,
+     -- or the key's row would grow a chain of versions as long as the replay.
+     WHERE (k.head_id, k.head_topic, k.not_before, k.has_dead)
+           IS DISTINCT FROM (EXCLUDED.head_id, EXCLUDED.head_topic, '-infinity', EXCLUDED.has_dead);
 END;
 $fn$;
 
@@ -247,12 +251,25 @@ $fn$;
 CREATE FUNCTION ${schema}.${table}_key_rearm() RETURNS trigger
     LANGUAGE plpgsql
 AS $fn$
+DECLARE
+    v_key text := CASE WHEN TG_OP = 'DELETE' THEN OLD.ordering_key ELSE NEW.ordering_key END;
 BEGIN
+    -- As a writer would (see <table>_key_track): the key cannot be forgotten under us.
+    PERFORM pg_advisory_xact_lock_shared(hashtext('${schema}.${table}_key'),
+                                         ${schema}.${table}_key_bucket(v_key));
+    -- One command touches a key once per row: once the key points at or before this row and is
+    -- free to move (or, for a dead row removed, is not marked dead), there is nothing to do.
     IF TG_OP = 'DELETE' THEN
-        PERFORM ${schema}.${table}_key_touch(ARRAY[OLD.ordering_key]);
-    ELSE
-        PERFORM ${schema}.${table}_key_touch(ARRAY[NEW.ordering_key]);
+        IF NOT EXISTS (SELECT 1 FROM ${schema}.${table}_key k
+                        WHERE k.ordering_key = v_key AND k.has_dead) THEN
+            RETURN NULL;
+        END IF;
+    ELSIF EXISTS (SELECT 1 FROM ${schema}.${table}_key k
+                   WHERE k.ordering_key = v_key AND k.head_id <= NEW.id
+                     AND k.not_before = '-infinity' AND NOT k.has_dead) THEN
+        RETURN NULL;
     END IF;
+    PERFORM ${schema}.${table}_key_touch(ARRAY[v_key]);
     RETURN NULL;
 END;
 $fn$;
