@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import uuid
 from collections import deque
 from typing import Any
@@ -34,8 +33,8 @@ class Claimer:
         self._lease = s.lease_seconds
         self._block = s.dead_letter_policy is DeadLetterPolicy.BLOCK
         self._max_attempts = s.max_attempts
-        # Keys asked for per claim: as many as the batch can fill at the rows per key seen last
-        # time (one row per key: batch_size keys; one hot key: a few).
+        # Keys asked for per claim, fitted by _fit: batch_size while keys are shallow, a few under
+        # a backlog of deep keys (one hot key: one).
         self._max_keys = s.batch_size
         # Tokens of claims that may have committed although their reply never arrived.
         self._unsure: list[uuid.UUID] = []
@@ -57,6 +56,7 @@ class Claimer:
             self._unsure.append(token)
             raise
         if not rows:
+            self._max_keys = self._limit  # the next rows may be anyone's
             return None
         self._fit(rows)
         return Batch(token, [OutboxRecord.from_row(row) for row in rows])
@@ -75,11 +75,14 @@ class Claimer:
         }
 
     def _fit(self, rows: list[Row]) -> None:
-        keys = len({row["ordering_key"] for row in rows})
-        per_key = len(rows) / max(1, keys)
-        full = len(rows) >= self._limit
-        wanted = math.ceil(self._limit / per_key * 1.25) if full else self._limit
-        self._max_keys = max(1, min(self._limit, wanted))
+        """Keys for the next claim. A full batch means its keys had at least their share of the
+        batch each: ask for half as many (deeper runs, fewer keys to lease and release per row);
+        a batch that is not full asks for twice as many (keys are shallow, or work is scarce)."""
+        if len(rows) >= self._limit:
+            keys = len({row["ordering_key"] for row in rows if row["ordering_key"] is not None})
+            self._max_keys = max(1, min(self._max_keys, keys) // 2)
+        else:
+            self._max_keys = min(self._limit, self._max_keys * 2)
 
     async def _release_unsure(self) -> None:
         """Give back what claims with a lost reply may hold. The claim loops share this claimer:
