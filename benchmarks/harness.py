@@ -85,7 +85,13 @@ class Stack:
         `services.sh env` and the tests' variables too, so a second clone's stack is found)."""
         env = os.environ
         pg_port = env.get("OUTBOX_SERVICES_PG_PORT", "5432")
-        kafka_port = int(env.get("OUTBOX_SERVICES_KAFKA_PORT", "9092"))
+        bootstrap = (
+            env.get("OUTBOX_BENCH_KAFKA_BOOTSTRAP_SERVERS")
+            or env.get("OUTBOX_TEST_KAFKA_BOOTSTRAP_SERVERS")
+            or f"127.0.0.1:{env.get('OUTBOX_SERVICES_KAFKA_PORT', '9092')}"
+        )
+        # The proxied listener's ports, derived from the broker's as services.sh does.
+        kafka_port = int(bootstrap.split(",")[0].rpartition(":")[2])
         proxied = env.get("OUTBOX_TEST_KAFKA_PROXIED_PORT") or env.get(
             "OUTBOX_SERVICES_KAFKA_PROXIED_PORT", str(kafka_port + 10002)
         )
@@ -96,9 +102,7 @@ class Stack:
             admin_url=env.get("OUTBOX_BENCH_DATABASE_URL")
             or env.get("OUTBOX_TEST_DATABASE_URL")
             or f"postgresql://outbox:outbox@127.0.0.1:{pg_port}/outbox",
-            bootstrap=env.get("OUTBOX_BENCH_KAFKA_BOOTSTRAP_SERVERS")
-            or env.get("OUTBOX_TEST_KAFKA_BOOTSTRAP_SERVERS")
-            or f"127.0.0.1:{kafka_port}",
+            bootstrap=bootstrap,
             proxied_port=int(proxied),
             proxy_port=int(proxy),
         )
