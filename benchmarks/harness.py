@@ -46,6 +46,8 @@ TICKS = os.sysconf("SC_CLK_TCK")
 STUCK_KEY = "stuck-key"  # the prefill's keys are key-<n>: no collision
 BROKER_DELAY = 0.02  # the fault proxy's delay, per chunk and direction, for scaling_processes_*
 QUERIES = Queries.for_table("public", "outbox")
+WAIT_LIMIT = 900.0  # seconds a drain may take before the scenario fails
+REPLAY_BATCH = 250  # rows per replay_hold batch of the stuck key
 
 
 @dataclass
@@ -220,10 +222,23 @@ async def make_stuck(url: str, topic: str, kind: str, rows: int) -> dict[str, An
             last = await conn.fetchval(
                 "SELECT max(id) FROM outbox WHERE ordering_key = $1", STUCK_KEY
             )
-            # A replay whose command died between hold and release: held for an hour.
-            await conn.fetchrow(
-                QUERIES.replay_hold, None, None, STUCK_KEY, None, None, None, 0, last, rows, 3600.0
-            )
+            # A replay whose command died between hold and release: held for an hour. In
+            # batches, each its own transaction, as `outbox-dispatcher replay` holds them (one
+            # statement of 100k rows of one key costs minutes: the registry trigger rewrites
+            # the key's row once per row within one transaction).
+            after = 0
+            while True:
+                batch = await conn.fetchrow(
+                    QUERIES.replay_hold,
+                    *(None, None, STUCK_KEY, None, None, None),
+                    after,
+                    last,
+                    REPLAY_BATCH,
+                    3600.0,
+                )
+                if batch is None or batch["last_id"] is None:
+                    break
+                after = batch["last_id"]
         else:
             msg = f"unknown stuck kind {kind!r}"
             raise ValueError(msg)
@@ -310,6 +325,29 @@ async def wait_ready(url: str, group: Dispatchers) -> None:
         await conn.close()
 
 
+@contextlib.asynccontextmanager
+async def connection(url: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(url)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def wait_while(
+    conn: asyncpg.Connection, query: str, *args: Any, interval: float, what: str
+) -> None:
+    """Poll `query` until it returns false: a scenario that stops moving fails, never hangs."""
+    deadline = time.monotonic() + WAIT_LIMIT
+    while await conn.fetchval(query, *args):
+        if time.monotonic() > deadline:
+            msg = (
+                f"{what}: still waiting after {WAIT_LIMIT:.0f} s; see {RESULTS / 'dispatcher.log'}"
+            )
+            raise RuntimeError(msg)
+        await asyncio.sleep(interval)
+
+
 async def backend_cpu_by_pid(conn: asyncpg.Connection) -> dict[int, float]:
     """CPU seconds of each PostgreSQL backend serving a dispatcher (its application_name)."""
     pids = await conn.fetch(
@@ -382,22 +420,26 @@ async def drain(
             async with dispatchers(settings, processes) as group:
                 # The clock starts when the oldest row is gone or published (as the database
                 # clock does with the first published_at), not at process start-up.
-                while await conn.fetchval(
+                await wait_while(
+                    conn,
                     "SELECT EXISTS (SELECT 1 FROM outbox WHERE id = $1 AND published_at IS NULL)",
                     first,
-                ):
-                    await asyncio.sleep(0.005)
+                    interval=0.005,
+                    what="the drain's first row",
+                )
                 started = time.monotonic()
                 cpu0 = group.cpu()
                 pg0 = await backend_cpu_by_pid(conn)
                 # The stuck key's rows are older than `first`: the pending index's range scan
                 # from `first` never reads them.
-                while await conn.fetchval(
+                await wait_while(
+                    conn,
                     "SELECT EXISTS (SELECT 1 FROM outbox "
                     "WHERE published_at IS NULL AND dead_at IS NULL AND id >= $1)",
                     first,
-                ):
-                    await asyncio.sleep(0.02)
+                    interval=0.02,
+                    what="the drain",
+                )
                 wall = time.monotonic() - started
                 cpu = group.cpu() - cpu0
                 pg = backend_cpu_since(pg0, await backend_cpu_by_pid(conn))
@@ -443,10 +485,13 @@ async def hot_key(stack: Stack, rows: int) -> dict[str, float]:
         try:
             async with dispatchers(settings) as group:
                 await wait_ready(url, group)
-                while await conn.fetchval(
-                    "SELECT count(*) FROM outbox WHERE published_at IS NULL AND dead_at IS NULL"
-                ):
-                    await asyncio.sleep(0.05)
+                await wait_while(
+                    conn,
+                    "SELECT EXISTS (SELECT 1 FROM outbox "
+                    "WHERE published_at IS NULL AND dead_at IS NULL)",
+                    interval=0.05,
+                    what="the hot key's drain",
+                )
             span = await conn.fetchval(
                 "SELECT extract(epoch FROM max(published_at) - min(published_at)) FROM outbox"
             )
@@ -500,8 +545,7 @@ async def sustained(
     async with fresh(stack) as (url, topic):
         opts = await make_stuck(url, topic, stuck, stuck_rows) if stuck else {}
         settings = settings_for(url, stack, **opts)
-        conn = await asyncpg.connect(url)
-        async with dispatchers(settings) as group:
+        async with connection(url) as conn, dispatchers(settings) as group:
             await wait_ready(url, group)
             cpu0 = group.cpu()
             pg0 = await backend_cpu_by_pid(conn)
@@ -539,7 +583,6 @@ async def sustained(
                 pg = backend_cpu_since(pg0, await backend_cpu_by_pid(conn))
             finally:
                 await consumer.stop()
-                await conn.close()
     latencies = sorted((received[e] - t) * 1000 for e, t in committed.items() if e in received)
     lost = len(committed) - len(latencies)
     assert lost == 0, f"{lost} committed events not consumed within 30 s"
