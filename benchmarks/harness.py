@@ -36,7 +36,7 @@ from benchmarks.goals import STUCK_KINDS, goals, goals_table
 from outbox_dispatcher import migrations
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
-from tests.faultproxy import FaultProxy
+from tests.faultproxy import CHUNK, FaultProxy, _Link
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -44,7 +44,7 @@ PAYLOAD = 512
 KEYS = 1000
 TICKS = os.sysconf("SC_CLK_TCK")
 STUCK_KEY = "stuck-key"  # the prefill's keys are key-<n>: no collision
-BROKER_DELAY = 0.02  # the fault proxy's delay, per chunk and direction, for scaling_processes_*
+BROKER_DELAY = 0.02  # latency the proxy adds each way (40 ms a round trip): scaling_processes_*
 QUERIES = Queries.for_table("public", "outbox")
 WAIT_LIMIT = 900.0  # seconds a drain may take before the scenario fails
 REPLAY_BATCH = 250  # rows per replay_hold batch of the stuck key
@@ -371,12 +371,55 @@ def backend_cpu_since(before: dict[int, float], after: dict[int, float]) -> floa
     return sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
 
 
+class LatencyProxy(FaultProxy):
+    """The project's fault proxy with latency only: each chunk is forwarded `delay` seconds after
+    it arrived while later chunks keep arriving. (FaultProxy.delay sleeps before forwarding each
+    chunk in turn, which also caps a connection at one chunk per delay: a bandwidth limit that
+    depends on how the kernel happens to split the stream.)"""
+
+    async def _pump(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        link: _Link,
+        *,
+        from_client: bool = False,
+    ) -> None:
+        if not self._delay:
+            await super()._pump(reader, writer, link, from_client=from_client)
+            return
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+
+        async def forward() -> None:
+            while (item := await queue.get()) is not None:
+                due, data = item
+                if (wait := due - loop.time()) > 0:
+                    await asyncio.sleep(wait)
+                writer.write(data)
+                await writer.drain()
+                self.forwarded_bytes += len(data)
+            if writer.can_write_eof():
+                writer.write_eof()
+
+        sender = asyncio.ensure_future(forward())
+        try:
+            with contextlib.suppress(OSError, ConnectionError):
+                while data := await reader.read(CHUNK):
+                    queue.put_nowait((loop.time() + self._delay, data))
+            queue.put_nowait(None)
+            with contextlib.suppress(OSError, ConnectionError):
+                await sender
+        finally:
+            sender.cancel()
+
+
 @contextlib.asynccontextmanager
 async def slow_broker(stack: Stack, delay: float) -> AsyncIterator[str]:
-    """The project's fault proxy in front of the broker's proxied listener, delaying each chunk
-    by `delay` seconds each way. Yields the bootstrap address: the listener advertises the
-    proxy's port, so every connection of a client bootstrapped here crosses the proxy."""
-    proxy = FaultProxy("127.0.0.1", stack.proxied_port, listen_port=stack.proxy_port)
+    """The fault proxy in front of the broker's proxied listener, adding `delay` seconds of
+    latency each way. Yields the bootstrap address: the listener advertises the proxy's port,
+    so every connection of a client bootstrapped here crosses the proxy."""
+    proxy = LatencyProxy("127.0.0.1", stack.proxied_port, listen_port=stack.proxy_port)
     proxy.delay(delay)
     async with proxy:
         yield proxy.address
