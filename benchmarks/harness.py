@@ -711,24 +711,25 @@ async def writer_cost(stack: Stack, seconds: float) -> dict[str, float]:
     Costs in % of (c)."""
     results = {}
     for case in ("outbox", "outbox_dispatcher_waiting", "primary_key_only"):
-        async with fresh(stack) as (url, topic):
-            conn = await asyncpg.connect(url)
-            try:
-                if case == "outbox_dispatcher_waiting":
-                    await conn.execute(
-                        "INSERT INTO outbox_waiting (owner, until) "
-                        "VALUES ('benchmark', now() + interval '1 hour')"
-                    )
-                if case == "primary_key_only":
-                    await conn.execute(
-                        "CREATE TABLE plain (LIKE outbox INCLUDING DEFAULTS INCLUDING IDENTITY); "
-                        "ALTER TABLE plain ADD PRIMARY KEY (id)"
-                    )
-            finally:
-                await conn.close()
+        async with fresh(stack) as (url, topic), connection(url) as conn:
+            if case == "outbox_dispatcher_waiting":
+                await conn.execute(
+                    "INSERT INTO outbox_waiting (owner, until) "
+                    "VALUES ('benchmark', now() + interval '1 hour')"
+                )
+            if case == "primary_key_only":
+                await conn.execute(
+                    "CREATE TABLE plain (LIKE outbox INCLUDING DEFAULTS INCLUDING IDENTITY); "
+                    "ALTER TABLE plain ADD PRIMARY KEY (id)"
+                )
             table = "plain" if case == "primary_key_only" else "outbox"
+            await conn.execute("CHECKPOINT")
+            wal0 = await conn.fetchval("SELECT pg_current_wal_lsn()")
             written = await write_load(url, topic, None, 10, seconds, {}, 4, table)
+            wal = await conn.fetchval("SELECT pg_current_wal_lsn() - $1::pg_lsn", wal0)
             results[f"rows_per_second_{case}"] = written / seconds
+            # The writers' WAL in 10-row transactions (the drain's writer share is one INSERT).
+            results[f"wal_bytes_per_row_{case}"] = float(wal) / max(written, 1)
     plain = results["rows_per_second_primary_key_only"]
     results["cost_percent"] = 100 * (1 - results["rows_per_second_outbox"] / plain)
     results["cost_percent_dispatcher_waiting"] = 100 * (
