@@ -32,14 +32,22 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from benchmarks import baselines, handwritten
+from benchmarks.goals import STUCK_KINDS, goals, goals_table
 from outbox_dispatcher import migrations
 from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.sql import Queries
+from tests.faultproxy import CHUNK, FaultProxy, _Link
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAYLOAD = 512
 KEYS = 1000
 TICKS = os.sysconf("SC_CLK_TCK")
+STUCK_KEY = "stuck-key"  # the prefill's keys are key-<n>: no collision
+BROKER_DELAY = 0.02  # latency the proxy adds each way (40 ms a round trip): scaling_processes_*
+QUERIES = Queries.for_table("public", "outbox")
+WAIT_LIMIT = 900.0  # seconds a drain may take before the scenario fails
+REPLAY_BATCH = 250  # rows per replay_hold batch of the stuck key
 
 
 @dataclass
@@ -52,21 +60,54 @@ class Sizes:
     idle_seconds: float
     writer_seconds: float
     runs: int
+    scaling_latency: int  # the drain of scaling_processes_latency_*
+    stuck_rows: int  # pending rows of the stuck key
+    stuck_drain: int  # the other keys' drain behind it
 
 
-FULL = Sizes(200_000, 50_000, 10_000, 200_000, 10.0, 30.0, 5.0, 3)
-QUICK = Sizes(3_000, 1_000, 300, 3_000, 1.5, 2.0, 1.0, 1)
+FULL = Sizes(200_000, 50_000, 10_000, 200_000, 10.0, 30.0, 5.0, 3, 50_000, 100_000, 20_000)
+QUICK = Sizes(3_000, 1_000, 300, 3_000, 1.5, 2.0, 1.0, 1, 1_000, 2_000, 1_000)
 
 
 @dataclass
 class Stack:
     admin_url: str
     bootstrap: str
+    proxied_port: int  # the broker listener that advertises proxy_port
+    proxy_port: int
     template: str = ""
 
     def url(self, database: str) -> str:
         base, _, _ = self.admin_url.rpartition("/")
         return f"{base}/{database}"
+
+    @classmethod
+    def from_env(cls) -> Stack:
+        """The stack of `deploy/local/services.sh` on the ports its variables choose (those of
+        `services.sh env` and the tests' variables too, so a second clone's stack is found)."""
+        env = os.environ
+        pg_port = env.get("OUTBOX_SERVICES_PG_PORT", "5432")
+        bootstrap = (
+            env.get("OUTBOX_BENCH_KAFKA_BOOTSTRAP_SERVERS")
+            or env.get("OUTBOX_TEST_KAFKA_BOOTSTRAP_SERVERS")
+            or f"127.0.0.1:{env.get('OUTBOX_SERVICES_KAFKA_PORT', '9092')}"
+        )
+        # The proxied listener's ports, derived from the broker's as services.sh does.
+        kafka_port = int(bootstrap.split(",")[0].rpartition(":")[2])
+        proxied = env.get("OUTBOX_TEST_KAFKA_PROXIED_PORT") or env.get(
+            "OUTBOX_SERVICES_KAFKA_PROXIED_PORT", str(kafka_port + 10002)
+        )
+        proxy = env.get("OUTBOX_TEST_KAFKA_PROXY_PORT") or env.get(
+            "OUTBOX_SERVICES_KAFKA_PROXY_PORT", str(kafka_port + 10003)
+        )
+        return cls(
+            admin_url=env.get("OUTBOX_BENCH_DATABASE_URL")
+            or env.get("OUTBOX_TEST_DATABASE_URL")
+            or f"postgresql://outbox:outbox@127.0.0.1:{pg_port}/outbox",
+            bootstrap=bootstrap,
+            proxied_port=int(proxied),
+            proxy_port=int(proxy),
+        )
 
 
 # -- set-up --
@@ -83,6 +124,12 @@ async def make_template(stack: Stack) -> None:
     conn = await asyncpg.connect(stack.url(stack.template))
     try:
         await migrations.migrate(conn, "public", "outbox")
+        # CHECKPOINT before each WAL measurement (so that the writer's insert and the drain both
+        # pay their full-page images alike) needs pg_checkpoint; the local stack's role may
+        # grant it to itself (CREATEROLE).
+        if not await conn.fetchval("SELECT pg_has_role(current_user, 'pg_checkpoint', 'MEMBER')"):
+            await conn.execute("GRANT pg_checkpoint TO CURRENT_USER")
+            print("granted pg_checkpoint to the benchmark's role (CHECKPOINT)", flush=True)
     finally:
         await conn.close()
 
@@ -118,26 +165,92 @@ async def fresh(stack: Stack, partitions: int = 6) -> AsyncIterator[tuple[str, s
         await admin.close()
 
 
-async def prefill(url: str, topic: str, rows: int, keys: int) -> None:
+async def prefill(url: str, topic: str, rows: int, keys: int, key: str | None = None) -> float:
+    """One INSERT of `rows` rows over `keys` keys (or all on `key`); returns its WAL bytes per
+    row, measured after a CHECKPOINT so that it pays its full-page images as the drain does."""
     conn = await asyncpg.connect(url)
     try:
+        await conn.execute("CHECKPOINT")
+        wal0 = await conn.fetchval("SELECT pg_current_wal_lsn()")
         await conn.execute(
             "INSERT INTO outbox (topic, ordering_key, payload, headers) "
-            "SELECT $1, 'key-' || (i % $2), convert_to(lpad(i::text, $3, 'x'), 'UTF8'), "
+            "SELECT $1, coalesce($5, 'key-' || (i % $2)), "
+            "convert_to(lpad(i::text, $3, 'x'), 'UTF8'), "
             "jsonb_build_object('seq', (i / $2)::text) FROM generate_series(0, $4 - 1) i",
             topic,
             keys,
             PAYLOAD,
             rows,
+            key,
         )
+        wal = await conn.fetchval("SELECT pg_current_wal_lsn() - $1::pg_lsn", wal0)
         await conn.execute("VACUUM ANALYZE outbox")
     finally:
         await conn.close()
+    return float(wal) / rows
+
+
+async def make_stuck(url: str, topic: str, kind: str, rows: int) -> dict[str, Any]:
+    """`rows` pending rows of STUCK_KEY that cannot move: `block` (its head dead; the dispatcher
+    runs with dead_letter_policy=block), `backoff` (its head waits an hour), `paused` (its rows
+    in a topic of their own, paused), `replay` (published, then held by an unfinished replay).
+    Returns the settings the dispatcher needs for it."""
+    stuck_topic = f"{topic}-paused" if kind == "paused" else topic
+    await prefill(url, stuck_topic, rows, 1, key=STUCK_KEY)
+    conn = await asyncpg.connect(url)
+    try:
+        head = await conn.fetchval("SELECT min(id) FROM outbox WHERE ordering_key = $1", STUCK_KEY)
+        if kind == "block":
+            await conn.execute(
+                "UPDATE outbox SET dead_at = now(), attempts = 10, last_error = 'benchmark' "
+                "WHERE id = $1",
+                head,
+            )
+            return {"dead_letter_policy": "block"}
+        if kind == "backoff":
+            await conn.execute(
+                "UPDATE outbox SET attempts = 1, next_attempt_at = now() + interval '1 hour', "
+                "last_error = 'benchmark' WHERE id = $1",
+                head,
+            )
+        elif kind == "paused":
+            await conn.fetchrow(QUERIES.pause, stuck_topic, "benchmark", "a stuck key")
+        elif kind == "replay":
+            await conn.execute(
+                "UPDATE outbox SET published_at = now() WHERE ordering_key = $1", STUCK_KEY
+            )
+            last = await conn.fetchval(
+                "SELECT max(id) FROM outbox WHERE ordering_key = $1", STUCK_KEY
+            )
+            # A replay whose command died between hold and release: held for an hour. In
+            # batches, each its own transaction, as `outbox-dispatcher replay` holds them (one
+            # statement of 100k rows of one key costs minutes: the registry trigger rewrites
+            # the key's row once per row within one transaction).
+            after = 0
+            while True:
+                batch = await conn.fetchrow(
+                    QUERIES.replay_hold,
+                    *(None, None, STUCK_KEY, None, None, None),
+                    after,
+                    last,
+                    REPLAY_BATCH,
+                    3600.0,
+                )
+                if batch is None or batch["last_id"] is None:
+                    break
+                after = batch["last_id"]
+        else:
+            msg = f"unknown stuck kind {kind!r}"
+            raise ValueError(msg)
+    finally:
+        await conn.close()
+    return {}
 
 
 def settings_for(url: str, stack: Stack, **overrides: Any) -> Settings:
     overrides.setdefault("http_port", 0)
-    return Settings(database_url=url, kafka_bootstrap_servers=stack.bootstrap, **overrides)
+    overrides.setdefault("kafka_bootstrap_servers", stack.bootstrap)
+    return Settings(database_url=url, **overrides)
 
 
 # -- the dispatcher under test --
@@ -212,59 +325,191 @@ async def wait_ready(url: str, group: Dispatchers) -> None:
         await conn.close()
 
 
-async def backend_cpu(conn: asyncpg.Connection) -> float:
+@contextlib.asynccontextmanager
+async def connection(url: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(url)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def wait_while(
+    conn: asyncpg.Connection, query: str, *args: Any, interval: float, what: str
+) -> None:
+    """Poll `query` until it returns false: a scenario that stops moving fails, never hangs."""
+    deadline = time.monotonic() + WAIT_LIMIT
+    while await conn.fetchval(query, *args):
+        if time.monotonic() > deadline:
+            msg = (
+                f"{what}: still waiting after {WAIT_LIMIT:.0f} s; see {RESULTS / 'dispatcher.log'}"
+            )
+            raise RuntimeError(msg)
+        await asyncio.sleep(interval)
+
+
+async def backend_cpu_by_pid(conn: asyncpg.Connection) -> dict[int, float]:
+    """CPU seconds of each PostgreSQL backend serving a dispatcher (its application_name)."""
     pids = await conn.fetch(
         "SELECT pid FROM pg_stat_activity "
         "WHERE datname = current_database() AND application_name = 'outbox-dispatcher'"
     )
-    total = 0.0
+    cpu = {}
     for row in pids:
         with contextlib.suppress(OSError):
-            total += cpu_seconds(row["pid"])
-    return total
+            cpu[row["pid"]] = cpu_seconds(row["pid"])
+    return cpu
+
+
+async def backend_cpu(conn: asyncpg.Connection) -> float:
+    return sum((await backend_cpu_by_pid(conn)).values())
+
+
+def backend_cpu_since(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU between two samples; a backend that connected meanwhile counts from zero (one that
+    disconnected meanwhile is lost: the dispatcher's pool keeps its connections)."""
+    return sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
+
+
+class LatencyProxy(FaultProxy):
+    """The project's fault proxy with latency only: each chunk is forwarded `delay` seconds after
+    it arrived while later chunks keep arriving. (FaultProxy.delay sleeps before forwarding each
+    chunk in turn, which also caps a connection at one chunk per delay: a bandwidth limit that
+    depends on how the kernel happens to split the stream.)"""
+
+    async def _pump(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        link: _Link,
+        *,
+        from_client: bool = False,
+    ) -> None:
+        if not self._delay:
+            await super()._pump(reader, writer, link, from_client=from_client)
+            return
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+
+        async def forward() -> None:
+            while (item := await queue.get()) is not None:
+                due, data = item
+                if (wait := due - loop.time()) > 0:
+                    await asyncio.sleep(wait)
+                writer.write(data)
+                await writer.drain()
+                self.forwarded_bytes += len(data)
+            if writer.can_write_eof():
+                writer.write_eof()
+
+        sender = asyncio.ensure_future(forward())
+        try:
+            with contextlib.suppress(OSError, ConnectionError):
+                while data := await reader.read(CHUNK):
+                    queue.put_nowait((loop.time() + self._delay, data))
+            queue.put_nowait(None)
+            with contextlib.suppress(OSError, ConnectionError):
+                await sender
+        finally:
+            sender.cancel()
+
+
+@contextlib.asynccontextmanager
+async def slow_broker(stack: Stack, delay: float) -> AsyncIterator[str]:
+    """The fault proxy in front of the broker's proxied listener, adding `delay` seconds of
+    latency each way. Yields the bootstrap address: the listener advertises the proxy's port,
+    so every connection of a client bootstrapped here crosses the proxy."""
+    proxy = LatencyProxy("127.0.0.1", stack.proxied_port, listen_port=stack.proxy_port)
+    proxy.delay(delay)
+    async with proxy:
+        yield proxy.address
+        assert proxy.forwarded_bytes > 0, "the dispatchers did not reach the broker via the proxy"
 
 
 # -- scenarios --
 
 
 async def drain(
-    stack: Stack, rows: int, keys: int, processes: int = 1, **opts: Any
+    stack: Stack,
+    rows: int,
+    keys: int,
+    processes: int = 1,
+    *,
+    stuck: str | None = None,
+    stuck_rows: int = 0,
+    broker_delay: float = 0.0,
+    **opts: Any,
 ) -> dict[str, float]:
-    """Rows already in the table; events/s from the first to the last row marked published."""
-    async with fresh(stack) as (url, topic):
-        await prefill(url, topic, rows, keys)
+    """Rows already in the table; events/s from the first to the last row marked published.
+    With `stuck`, STUCK_KEY's `stuck_rows` rows that cannot move are written first and the
+    figures are those of the other keys' rows; with `broker_delay`, the dispatchers reach the
+    broker through the fault proxy."""
+    async with fresh(stack) as (url, topic), contextlib.AsyncExitStack() as exits:
+        if stuck:
+            opts.update(await make_stuck(url, topic, stuck, stuck_rows))
+        writer_wal = await prefill(url, topic, rows, keys)
+        if broker_delay:
+            bootstrap = await exits.enter_async_context(slow_broker(stack, broker_delay))
+            opts["kafka_bootstrap_servers"] = bootstrap
         settings = settings_for(url, stack, **opts)
         conn = await asyncpg.connect(url)
         try:
-            first = await conn.fetchval("SELECT min(id) FROM outbox")
+            first = await conn.fetchval(
+                "SELECT min(id) FROM outbox WHERE ordering_key IS DISTINCT FROM $1", STUCK_KEY
+            )
+            # No CHECKPOINT here: the prefill's and the drain's changes fall in the checkpoint
+            # cycle that began just before the prefill, as a writer's insert and our claim and
+            # mark of its row do in steady operation (one after a CHECKPOINT would charge the
+            # drain a full-page image of every heap page, which new pages spare the insert).
+            wal0 = await conn.fetchval("SELECT pg_current_wal_lsn()")
+            fpi0 = await conn.fetchval("SELECT wal_fpi FROM pg_stat_wal")
             async with dispatchers(settings, processes) as group:
                 # The clock starts when the oldest row is gone or published (as the database
                 # clock does with the first published_at), not at process start-up.
-                while await conn.fetchval(
+                await wait_while(
+                    conn,
                     "SELECT EXISTS (SELECT 1 FROM outbox WHERE id = $1 AND published_at IS NULL)",
                     first,
-                ):
-                    await asyncio.sleep(0.005)
+                    interval=0.005,
+                    what="the drain's first row",
+                )
                 started = time.monotonic()
                 cpu0 = group.cpu()
-                pg0 = await backend_cpu(conn)
-                wal0 = await conn.fetchval("SELECT pg_current_wal_lsn()")
-                while await conn.fetchval(
+                pg0 = await backend_cpu_by_pid(conn)
+                # The stuck key's rows are older than `first`: the pending index's range scan
+                # from `first` never reads them.
+                await wait_while(
+                    conn,
                     "SELECT EXISTS (SELECT 1 FROM outbox "
-                    "WHERE published_at IS NULL AND dead_at IS NULL)"
-                ):
-                    await asyncio.sleep(0.02)
+                    "WHERE published_at IS NULL AND dead_at IS NULL AND id >= $1)",
+                    first,
+                    interval=0.02,
+                    what="the drain",
+                )
                 wall = time.monotonic() - started
                 cpu = group.cpu() - cpu0
-                pg = await backend_cpu(conn) - pg0
+                pg = backend_cpu_since(pg0, await backend_cpu_by_pid(conn))
                 wal = await conn.fetchval("SELECT pg_current_wal_lsn() - $1::pg_lsn", wal0)
+            # Backends report their WAL counters when they exit (the dispatchers' are gone now).
+            await asyncio.sleep(0.5)
+            fpi = await conn.fetchval("SELECT wal_fpi FROM pg_stat_wal") - fpi0
             span = await conn.fetchval(
-                "SELECT extract(epoch FROM max(published_at) - min(published_at)) FROM outbox"
+                "SELECT extract(epoch FROM max(published_at) - min(published_at)) FROM outbox "
+                "WHERE id >= $1",
+                first,
             )
-            dead = await conn.fetchval("SELECT count(*) FROM outbox WHERE dead_at IS NOT NULL")
+            dead = await conn.fetchval(
+                "SELECT count(*) FROM outbox WHERE dead_at IS NOT NULL AND id >= $1", first
+            )
+            left = await conn.fetchval(
+                "SELECT count(*) FROM outbox WHERE ordering_key = $1 AND published_at IS NULL",
+                STUCK_KEY,
+            )
         finally:
             await conn.close()
     assert dead == 0, f"{dead} rows dead-lettered in a benchmark"
+    assert left == (stuck_rows if stuck else 0), f"the stuck key moved: {left} rows pending"
+    dispatcher_wal = float(wal) / rows
     return {
         # By the database clock, first to last mark; with delete_on_publish (no marks) by this
         # process's clock from the dispatcher's connection to the last row gone.
@@ -272,7 +517,14 @@ async def drain(
         "events_per_second_wall": rows / max(wall, 1e-3),
         "dispatcher_cpu_ms_per_1k": cpu * 1000 / (rows / 1000),
         "postgres_cpu_ms_per_1k": pg * 1000 / (rows / 1000),
-        "wal_bytes_per_event": float(wal) / rows,
+        # The writer's share (its INSERT, right after a CHECKPOINT) and ours (everything from
+        # the dispatcher's start to the last mark: claims, marks, the registry, autovacuum).
+        "wal_bytes_per_event_writer": writer_wal,
+        "wal_bytes_per_event_dispatcher": dispatcher_wal,
+        "wal_bytes_per_event_total": writer_wal + dispatcher_wal,
+        # Full-page images in ours, cluster-wide (pg_stat_wal): near 0 unless a checkpoint fell
+        # inside the drain.
+        "wal_full_page_images_per_1k_events": fpi * 1000 / rows,
     }
 
 
@@ -285,10 +537,13 @@ async def hot_key(stack: Stack, rows: int) -> dict[str, float]:
         try:
             async with dispatchers(settings) as group:
                 await wait_ready(url, group)
-                while await conn.fetchval(
-                    "SELECT count(*) FROM outbox WHERE published_at IS NULL AND dead_at IS NULL"
-                ):
-                    await asyncio.sleep(0.05)
+                await wait_while(
+                    conn,
+                    "SELECT EXISTS (SELECT 1 FROM outbox "
+                    "WHERE published_at IS NULL AND dead_at IS NULL)",
+                    interval=0.05,
+                    what="the hot key's drain",
+                )
             span = await conn.fetchval(
                 "SELECT extract(epoch FROM max(published_at) - min(published_at)) FROM outbox"
             )
@@ -326,15 +581,26 @@ async def consumed_in_order(bootstrap: str, topic: str, rows: int) -> bool:
 
 
 async def sustained(
-    stack: Stack, rate: float | None, rows_per_tx: int, seconds: float
+    stack: Stack,
+    rate: float | None,
+    rows_per_tx: int,
+    seconds: float,
+    *,
+    stuck: str | None = None,
+    stuck_rows: int = 0,
 ) -> dict[str, float]:
     """Writers commit at a fixed offered rate (None: as fast as they can) while the dispatcher
     runs; latency from each writer's COMMIT returning to the record reaching a consumer, both
-    taken with this process's monotonic clock (an upper bound of commit-to-ack by one fetch)."""
+    taken with this process's monotonic clock (an upper bound of commit-to-ack by one fetch).
+    CPU of the dispatcher and of its backends from its start-up to the last record consumed.
+    With `stuck`, STUCK_KEY's rows that cannot move are in the table first."""
     async with fresh(stack) as (url, topic):
-        settings = settings_for(url, stack)
-        async with dispatchers(settings) as group:
+        opts = await make_stuck(url, topic, stuck, stuck_rows) if stuck else {}
+        settings = settings_for(url, stack, **opts)
+        async with connection(url) as conn, dispatchers(settings) as group:
             await wait_ready(url, group)
+            cpu0 = group.cpu()
+            pg0 = await backend_cpu_by_pid(conn)
             committed: dict[str, float] = {}
             received: dict[str, float] = {}
             consumer = AIOKafkaConsumer(
@@ -365,6 +631,8 @@ async def sustained(
                 stop_deadline = time.monotonic() + 30
                 stop.set()
                 await reader
+                cpu = group.cpu() - cpu0
+                pg = backend_cpu_since(pg0, await backend_cpu_by_pid(conn))
             finally:
                 await consumer.stop()
     latencies = sorted((received[e] - t) * 1000 for e, t in committed.items() if e in received)
@@ -380,6 +648,8 @@ async def sustained(
         "p50_ms": pct(50),
         "p95_ms": pct(95),
         "p99_ms": pct(99),
+        "dispatcher_cpu_ms_per_1k": cpu * 1000 / (max(written, 1) / 1000),
+        "postgres_cpu_ms_per_1k": pg * 1000 / (max(written, 1) / 1000),
     }
 
 
@@ -391,6 +661,7 @@ async def write_load(
     seconds: float,
     committed: dict[str, float],
     connections: int = 8,
+    table: str = "outbox",
 ) -> int:
     """Writer transactions of `rows_per_tx` rows, paced to `rate` rows/s over `connections`."""
     pool = await asyncpg.create_pool(url, min_size=connections, max_size=connections)
@@ -400,7 +671,7 @@ async def write_load(
     end = start + seconds
     tx_interval = (rows_per_tx / rate) * connections if rate else 0.0
     sql = (
-        "INSERT INTO outbox (topic, ordering_key, payload) "
+        f"INSERT INTO {table} (topic, ordering_key, payload) "
         "SELECT $1, k, $3 FROM unnest($2::text[]) AS k RETURNING event_id"
     )
 
@@ -442,18 +713,37 @@ async def idle(stack: Stack, seconds: float) -> dict[str, float]:
 
 
 async def writer_cost(stack: Stack, seconds: float) -> dict[str, float]:
-    """Writer throughput (10-row transactions, as fast as possible) with and without the NOTIFY
-    trigger, no dispatcher running."""
+    """Writer throughput, 10-row transactions from 4 connections as fast as they can, no
+    dispatcher running, into (a) the outbox as migrated (indexes, the registry trigger, the
+    wake-up check) with no dispatcher waiting, (b) the same while a dispatcher says it waits
+    (every statement notifies), (c) a table with the same columns and only its primary key.
+    Costs in % of (c)."""
     results = {}
-    for trigger in (True, False):
-        async with fresh(stack) as (url, topic):
-            if not trigger:
-                conn = await asyncpg.connect(url)
-                await conn.execute("ALTER TABLE outbox DISABLE TRIGGER outbox_notify")
-                await conn.close()
-            written = await write_load(url, topic, None, 10, seconds, {})
-            results["with_notify" if trigger else "without_notify"] = written / seconds
-    results["notify_cost_percent"] = 100 * (1 - results["with_notify"] / results["without_notify"])
+    for case in ("outbox", "outbox_dispatcher_waiting", "primary_key_only"):
+        async with fresh(stack) as (url, topic), connection(url) as conn:
+            if case == "outbox_dispatcher_waiting":
+                await conn.execute(
+                    "INSERT INTO outbox_waiting (owner, until) "
+                    "VALUES ('benchmark', now() + interval '1 hour')"
+                )
+            if case == "primary_key_only":
+                await conn.execute(
+                    "CREATE TABLE plain (LIKE outbox INCLUDING DEFAULTS INCLUDING IDENTITY); "
+                    "ALTER TABLE plain ADD PRIMARY KEY (id)"
+                )
+            table = "plain" if case == "primary_key_only" else "outbox"
+            await conn.execute("CHECKPOINT")
+            wal0 = await conn.fetchval("SELECT pg_current_wal_lsn()")
+            written = await write_load(url, topic, None, 10, seconds, {}, 4, table)
+            wal = await conn.fetchval("SELECT pg_current_wal_lsn() - $1::pg_lsn", wal0)
+            results[f"rows_per_second_{case}"] = written / seconds
+            # The writers' WAL in 10-row transactions (the drain's writer share is one INSERT).
+            results[f"wal_bytes_per_row_{case}"] = float(wal) / max(written, 1)
+    plain = results["rows_per_second_primary_key_only"]
+    results["cost_percent"] = 100 * (1 - results["rows_per_second_outbox"] / plain)
+    results["cost_percent_dispatcher_waiting"] = 100 * (
+        1 - results["rows_per_second_outbox_dispatcher_waiting"] / plain
+    )
     return results
 
 
@@ -512,8 +802,23 @@ def plan(stack: Stack, sizes: Sizes) -> dict[str, Scenario]:
         "scaling_4_tasks": lambda: drain(stack, s.drain // 2, KEYS, claim_tasks=4),
         "scaling_2_processes": lambda: drain(stack, s.drain // 2, KEYS, processes=2),
         "idle": lambda: idle(stack, s.idle_seconds),
-        "writer_notify_cost": lambda: writer_cost(stack, s.writer_seconds),
+        "writer_cost": lambda: writer_cost(stack, s.writer_seconds),
     }
+    # Processes against a slow broker (the fault proxy), so the database is not the limit.
+    for n in (1, 2, 4):
+        scenarios[f"scaling_processes_latency_{n}"] = lambda n=n: drain(
+            stack, s.scaling_latency, KEYS, processes=n, broker_delay=BROKER_DELAY
+        )
+    # A key that cannot move, with many pending rows written first; the other keys' drain and
+    # their latency at a steady 1k/s, each also measured without it ("none").
+    for kind in ("none", *STUCK_KINDS):
+        stuck = None if kind == "none" else kind
+        scenarios[f"stuck_key_{kind}"] = lambda stuck=stuck: drain(
+            stack, s.stuck_drain, KEYS, stuck=stuck, stuck_rows=s.stuck_rows
+        )
+        scenarios[f"stuck_key_latency_{kind}"] = lambda stuck=stuck: sustained(
+            stack, 1_000, 10, s.sustained_seconds, stuck=stuck, stuck_rows=s.stuck_rows
+        )
     # Techniques: the drain with one setting changed from the defaults, to see what each is worth.
     techniques: dict[str, dict[str, Any]] = {
         "synchronous_commit_on": {"synchronous_commit": "on"},
@@ -543,15 +848,28 @@ def plan(stack: Stack, sizes: Sizes) -> dict[str, Scenario]:
 
 
 def ratios(results: dict[str, dict[str, float]]) -> dict[str, float]:
-    def eps(name: str) -> float:
-        return results.get(name, {}).get("events_per_second", float("nan"))
+    """Ratios (and differences) between scenarios of the same run; NaN where one is missing."""
 
-    return {
-        "drain_vs_kafka_only": eps("drain") / eps("baseline_kafka_only"),
-        "drain_vs_postgres_only": eps("drain") / eps("baseline_postgres_only"),
-        "drain_vs_handwritten": eps("drain") / eps("baseline_handwritten"),
-        "two_processes_vs_one": eps("scaling_2_processes") / eps("scaling_4_tasks"),
+    def fig(name: str, figure: str = "events_per_second") -> float:
+        return results.get(name, {}).get(figure, float("nan"))
+
+    derived = {
+        "drain_vs_kafka_only": fig("drain") / fig("baseline_kafka_only"),
+        "drain_vs_postgres_only": fig("drain") / fig("baseline_postgres_only"),
+        "drain_vs_handwritten": fig("drain") / fig("baseline_handwritten"),
+        "two_processes_vs_one": fig("scaling_2_processes") / fig("scaling_4_tasks"),
+        "processes_latency_2_vs_1": fig("scaling_processes_latency_2")
+        / fig("scaling_processes_latency_1"),
+        "processes_latency_4_vs_1": fig("scaling_processes_latency_4")
+        / fig("scaling_processes_latency_1"),
     }
+    for kind in STUCK_KINDS:
+        derived[f"stuck_key_{kind}_vs_none"] = fig(f"stuck_key_{kind}") / fig("stuck_key_none")
+        # A difference in ms, not a ratio: how much p99 commit-to-consume rises.
+        derived[f"stuck_key_{kind}_p99_rise_ms"] = fig(f"stuck_key_latency_{kind}", "p99_ms") - fig(
+            "stuck_key_latency_none", "p99_ms"
+        )
+    return derived
 
 
 def machine() -> dict[str, Any]:
@@ -572,29 +890,32 @@ def machine() -> dict[str, Any]:
     }
 
 
-def table(results: dict[str, dict[str, float]], derived: dict[str, float]) -> str:
+def table(
+    results: dict[str, dict[str, float]],
+    derived: dict[str, float],
+    verdicts: list[dict[str, Any]],
+) -> str:
     lines = ["| scenario | figures |", "|---|---|"]
     for name, figures in results.items():
         shown = ", ".join(f"{k} {v:,.1f}" for k, v in figures.items())
         lines.append(f"| {name} | {shown} |")
     for name, value in derived.items():
         lines.append(f"| ratio {name} | {value:.2f} |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n### Goals (issue 14)\n\n" + goals_table(verdicts)
 
 
 async def main_async(args: argparse.Namespace) -> int:
     sizes = QUICK if args.quick else FULL
     runs = args.runs or sizes.runs
-    stack = Stack(
-        admin_url=os.environ.get(
-            "OUTBOX_BENCH_DATABASE_URL", "postgresql://outbox:outbox@127.0.0.1:5432/outbox"
-        ),
-        bootstrap=os.environ.get("OUTBOX_BENCH_KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
-    )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    await make_template(stack)
+    stack = Stack.from_env()
     scenarios = plan(stack, sizes)
     chosen = args.only.split(",") if args.only else list(scenarios)
+    unknown = [name for name in chosen if name not in scenarios]
+    if unknown:
+        print(f"unknown scenarios: {', '.join(unknown)}; known: {', '.join(scenarios)}")
+        return 2
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    await make_template(stack)
     results: dict[str, dict[str, float]] = {}
     try:
         for name in chosen:
@@ -606,6 +927,7 @@ async def main_async(args: argparse.Namespace) -> int:
         await drop_database(admin, stack.template)
         await admin.close()
     derived = ratios(results)
+    verdicts = goals(results, derived)
     report = {
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),
@@ -613,16 +935,18 @@ async def main_async(args: argparse.Namespace) -> int:
         "quick": args.quick,
         "results": results,
         "ratios": derived,
+        "goals": verdicts,
     }
     out = Path(args.out) if args.out else RESULTS / "latest.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     m = report["machine"]
     markdown = (
         f"Run {report['when']} on {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, "
-        f"Python {m['python']} ({m['note']}); median of {runs} runs.\n\n" + table(results, derived)
+        f"Python {m['python']} ({m['note']}); median of {runs} runs.\n\n"
+        + table(results, derived, verdicts)
     )
     out.with_suffix(".md").write_text(markdown + "\n")
-    print(table(results, derived))
+    print(table(results, derived, verdicts))
     print(f"written: {out}")
     return 0
 
