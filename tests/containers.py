@@ -117,7 +117,7 @@ def find_engine() -> Engine | str:
         msg = f"deploy/docker/image.sh engine failed: {result.stderr[-2000:]}"
         raise RuntimeError(msg)
     settings = dict(line.split("=", 1) for line in result.stdout.split())
-    name = settings.pop("OUTBOX_CONTAINER_ENGINE")
+    name = settings.pop("CONTAINER_ENGINE")
     return Engine(name, {**os.environ, **settings})
 
 

@@ -3,13 +3,13 @@
 # (installed from Debian with runc and buildah when neither is there, as deploy/local/services.sh
 # installs PostgreSQL). Used by `make image`, the container tests and deploy/compose.
 #
-#   image.sh engine            print OUTBOX_CONTAINER_ENGINE=... and (podman) CONTAINERS_CONF=...
+#   image.sh engine            print CONTAINER_ENGINE=... and (podman) CONTAINERS_CONF=...
 #                              as shell assignments; exit 3 with one line when no engine can be had
 #   image.sh build             build outbox-dispatcher:latest and :<version>; print the image name
 #   image.sh service-images    build the local PostgreSQL and Kafka images; print their names
 #
 # The dispatcher image's base is the build argument PYTHON_IMAGE (deploy/docker/Dockerfile):
-# OUTBOX_IMAGE_BASE=public keeps the Dockerfile's public python:3.x-slim, OUTBOX_IMAGE_BASE=local
+# IMAGE_BASE=public keeps the Dockerfile's public python:3.x-slim, IMAGE_BASE=local
 # uses a base made here from Debian packages (bookworm's python3, 3.11), and the default `auto`
 # takes the public one when it is present or can be pulled, the local one otherwise.
 # Local bases are made with mmdebstrap from the host's Debian sources and `import`ed, once: each is
@@ -42,8 +42,8 @@ apt_install() {
 
 # ENGINE is docker when its daemon answers, else podman (installed if need be).
 pick_engine() {
-  if [[ -n ${OUTBOX_CONTAINER_ENGINE:-} ]]; then
-    ENGINE=$OUTBOX_CONTAINER_ENGINE
+  if [[ -n ${CONTAINER_ENGINE:-} ]]; then
+    ENGINE=$CONTAINER_ENGINE
   elif command -v docker >/dev/null && docker info >/dev/null 2>&1; then
     ENGINE=docker
   elif command -v podman >/dev/null; then
@@ -124,7 +124,7 @@ public_base() {
 }
 
 python_base() {
-  local mode=${OUTBOX_IMAGE_BASE:-auto} public
+  local mode=${IMAGE_BASE:-auto} public
   public=$(public_base)
   case $mode in
     public) printf '%s' "$public"; return ;;
@@ -134,7 +134,7 @@ python_base() {
         printf '%s' "$public"; return
       fi
       log "$public cannot be pulled here: building on a local Debian $SUITE base (python3 3.11)" ;;
-    *) die "OUTBOX_IMAGE_BASE must be auto, public or local, got '$mode'" ;;
+    *) die "IMAGE_BASE must be auto, public or local, got '$mode'" ;;
   esac
   local_image outbox-python "$LOCAL/python.Dockerfile" "$LOCAL"
 }
@@ -176,13 +176,13 @@ service_images() {
     build "$kafka" "$LOCAL/kafka.Dockerfile" "$tmp" --build-arg "DEBIAN_IMAGE=$debian"
     rm -rf "$tmp"
   fi
-  printf 'OUTBOX_POSTGRES_IMAGE=%s\nOUTBOX_KAFKA_IMAGE=%s\n' "$postgres" "$kafka"
+  printf 'POSTGRES_IMAGE=%s\nKAFKA_IMAGE=%s\n' "$postgres" "$kafka"
 }
 
 case ${1:-} in
   engine)
     pick_engine
-    printf 'OUTBOX_CONTAINER_ENGINE=%s\n' "$ENGINE"
+    printf 'CONTAINER_ENGINE=%s\n' "$ENGINE"
     [[ $ENGINE == podman ]] && printf 'CONTAINERS_CONF=%s\n' "$CONTAINERS_CONF"
     ;;
   build) pick_engine; build_dispatcher ;;

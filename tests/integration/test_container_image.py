@@ -17,7 +17,7 @@ import asyncpg
 import orjson
 import pytest
 
-from tests.containers import Engine, find_engine, free_port, fresh_clone
+from tests.containers import Engine, free_port, fresh_clone
 
 from .helpers import (
     Services,
@@ -34,14 +34,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.container]
 
 GRACE_SECONDS = 10
 UID = 10001
-
-
-@pytest.fixture(scope="session")
-def engine() -> Engine:
-    found = find_engine()
-    if isinstance(found, str):
-        pytest.skip(found)
-    return found
 
 
 @pytest.fixture(scope="session")

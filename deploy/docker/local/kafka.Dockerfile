@@ -3,7 +3,8 @@
 # deploy/local/kafka/pom.xml (deploy/docker/image.sh puts them into the build context).
 ARG DEBIAN_IMAGE=localhost/outbox-debian:bookworm
 FROM ${DEBIAN_IMAGE}
-RUN apt-get update \
+RUN mkdir -p /usr/share/man/man1 \
+ && apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends openjdk-17-jre-headless \
  && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/log/apt /var/log/dpkg.log \
  && groupadd --system --gid 1000 kafka \
