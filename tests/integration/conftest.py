@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from outbox_dispatcher import migrations
 from outbox_dispatcher.settings import Settings
-from tests.containers import Engine, find_engine, free_port
+from tests.containers import Engine, find_engine, free_port, fresh_clone
 
 from .helpers import Services
 
@@ -62,6 +63,23 @@ def engine() -> Engine:
     if isinstance(found, str):
         pytest.skip(found)
     return found
+
+
+@pytest.fixture(scope="session")
+def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh clone of this checkout's HEAD: what `make image` and compose see on a new machine."""
+    return fresh_clone(tmp_path_factory.mktemp("clone") / "outbox-dispatcher")
+
+
+@pytest.fixture(scope="session")
+def dispatcher_image(engine: Engine, checkout: Path) -> str:
+    """outbox-dispatcher:<version>, built once per session from the fresh clone (`make image`)."""
+    started = time.monotonic()
+    image = engine.script(checkout, "build").split()[-1]
+    built = time.monotonic() - started
+    size = int(engine.run("image", "inspect", "--format", "{{.Size}}", image).stdout.strip())
+    print(f"\nimage {image}: {size / 1e6:.0f} MB, built in {built:.0f}s")
+    return image
 
 
 CONTROL_SCRIPT = """#!/usr/bin/env bash

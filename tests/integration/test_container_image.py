@@ -10,14 +10,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import asyncpg
 import orjson
 import pytest
 
-from tests.containers import Engine, free_port, fresh_clone
+from tests.containers import Engine, free_port
 
 from .helpers import (
     Services,
@@ -34,18 +34,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.container]
 
 GRACE_SECONDS = 10
 UID = 10001
-
-
-@pytest.fixture(scope="session")
-def dispatcher_image(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """outbox-dispatcher:<version> built once per session from a clone of HEAD."""
-    clone = fresh_clone(tmp_path_factory.mktemp("clone") / "outbox-dispatcher")
-    started = time.monotonic()
-    image = engine.script(clone, "build").split()[-1]
-    built = time.monotonic() - started
-    size = int(engine.run("image", "inspect", "--format", "{{.Size}}", image).stdout.strip())
-    print(f"\nimage {image}: {size / 1e6:.0f} MB, built in {built:.0f}s")
-    yield image
 
 
 @pytest.fixture
