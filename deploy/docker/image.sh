@@ -51,7 +51,7 @@ pick_engine() {
   elif apt_install podman buildah runc; then
     ENGINE=podman
   else
-    printf 'no container engine: neither docker nor podman is here, and podman cannot be installed\n' >&2
+    printf 'no container engine (no docker, no podman, and podman cannot be installed): container tests skipped\n' >&2
     exit 3
   fi
   if [[ $ENGINE == podman ]]; then

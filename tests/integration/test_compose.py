@@ -23,7 +23,8 @@ from tests.containers import Engine, free_port
 
 from .helpers import http_get, wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.container]
+# Cold, the first test builds the images (a minute or two each on 2 cores).
+pytestmark = [pytest.mark.integration, pytest.mark.container, pytest.mark.timeout(1800)]
 
 CONSUMED = re.compile(r"^consumed (\S+) (\d+)@(\d+) key=(\S+) event_id=(\S+) (\{.*\})$", re.M)
 EVENTS = 10

@@ -30,7 +30,8 @@ from .helpers import (
     wait_until,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.container]
+# Cold, the first test builds the images (a minute or two each on 2 cores).
+pytestmark = [pytest.mark.integration, pytest.mark.container, pytest.mark.timeout(1800)]
 
 GRACE_SECONDS = 10
 UID = 10001
