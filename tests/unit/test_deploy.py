@@ -241,7 +241,7 @@ def test_compose_runs_migrate_then_the_dispatcher_with_a_readiness_healthcheck()
     compose_dir = DEPLOY / "compose"
     compose = yaml.safe_load((compose_dir / "compose.yaml").read_text())
     services = compose["services"]
-    assert {"postgres", "kafka", "migrate", "dispatcher", "writer"} <= set(services)
+    assert {"postgres", "kafka", "migrate", "dispatcher", "writer", "consumer"} <= set(services)
     kafka = services["kafka"]
     assert kafka["image"].startswith("apache/kafka:")
     assert set(kafka["environment"]["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
@@ -273,6 +273,11 @@ def test_compose_runs_migrate_then_the_dispatcher_with_a_readiness_healthcheck()
                 assert (compose_dir / source).exists(), (name, volume)
     writer = services["writer"]
     assert writer["entrypoint"][-1] == "/demo/demo_writer.py"
+    assert services["consumer"]["entrypoint"][-1] == "/demo/demo_consumer.py"
+    # compose.local.yaml only swaps images (and Kafka's settings for the local Kafka image).
+    local = (compose_dir / "compose.local.yaml").read_text()
+    local_services = local.split("\nservices:\n", 1)[1]
+    assert set(re.findall(r"^  (\w+):", local_services, re.M)) <= set(services)
 
 
 # --- Kubernetes manifests -------------------------------------------------------------------------
