@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Container images with whatever engine this machine has: a working `docker`, else `podman`
-# (installed from Debian with runc and buildah when neither is there, as deploy/local/services.sh
-# installs PostgreSQL). Used by `make image`, the container tests and deploy/compose.
+# (installed from Debian with runc, buildah and the dnsname CNI plugin when neither is there, as
+# deploy/local/services.sh installs PostgreSQL). Used by `make image`, the container tests and deploy/compose.
 #
 #   image.sh engine            print CONTAINER_ENGINE=... and (podman) CONTAINERS_CONF=...
 #                              as shell assignments; exit 3 with one line when no engine can be had
@@ -57,7 +57,17 @@ pick_engine() {
   if [[ $ENGINE == podman ]]; then
     export CONTAINERS_CONF=${CONTAINERS_CONF:-$HERE/podman.conf}
     command -v runc >/dev/null || [[ -x /usr/sbin/runc ]] || apt_install runc || die "runc is missing"
+    podman_dns
   fi
+}
+
+# Compose services find each other by name: with podman's CNI network backend (Debian's podman 4)
+# that takes the dnsname plugin; netavark brings its own DNS server.
+podman_dns() {
+  [[ $(podman info --format '{{.Host.NetworkBackend}}' 2>/dev/null) == cni ]] || return 0
+  [[ -x /usr/lib/cni/dnsname ]] && return 0
+  apt_install golang-github-containernetworking-plugin-dnsname \
+    || log "no dnsname CNI plugin: compose services will not resolve each other's names"
 }
 
 engine() { "$ENGINE" "$@"; }

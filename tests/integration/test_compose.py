@@ -72,8 +72,12 @@ async def test_compose_up_publishes_the_writers_events_to_the_consumer_and_comes
         assert process.returncode == 0, f"compose {' '.join(args)}: {text[-3000:]}"
         return text
 
+    def container(service: str) -> str:
+        separator = "_" if engine.name == "podman" else "-"  # podman-compose's names, docker's
+        return separator.join((project, service, "1"))
+
     def logs(service: str) -> str:
-        result = engine.run("logs", f"{project}_{service}_1", check=False)
+        result = engine.run("logs", container(service), check=False)
         return result.stdout + result.stderr
 
     # podman 4.3 cannot start a container whose --requires chain holds an exited one (migrate):
@@ -99,7 +103,7 @@ async def test_compose_up_publishes_the_writers_events_to_the_consumer_and_comes
         records = CONSUMED.findall(logs("consumer"))
         writer = logs("writer")
         migrate = engine.run(
-            "inspect", "--format", "{{.State.ExitCode}}", f"{project}_migrate_1"
+            "inspect", "--format", "{{.State.ExitCode}}", container("migrate")
         ).stdout.strip()
     finally:
         down = await compose("down", "-v", "-t", "30")
