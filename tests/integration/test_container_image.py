@@ -35,6 +35,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.container, pytest.mark.timeou
 
 GRACE_SECONDS = 10
 UID = 10001
+IMAGE_FACTS = """
+import importlib.util, json, pathlib, shutil, sys
+import outbox_dispatcher
+package = pathlib.Path(outbox_dispatcher.__file__).parent
+modules = sorted(p.stem for p in package.glob("*.py"))
+tag = sys.implementation.cache_tag
+compiled = sorted(m for m in modules if (package / "__pycache__" / f"{m}.{tag}.pyc").exists())
+tools = [t for t in ("gcc", "cc", "make", "pip", "pip3") if shutil.which(t)]
+print(json.dumps({"modules": modules, "compiled": compiled, "tools": tools}))
+"""
 
 
 @pytest.fixture
@@ -106,6 +116,10 @@ async def test_image_runs_locked_down_publishes_and_stops_on_sigterm(
         assert inspected["HostConfig"]["ReadonlyRootfs"] is True
         assert inspected["Config"]["User"] == f"{UID}:{UID}"
         assert password not in engine.run("inspect", name).stdout
+        # No compiler or pip on the PATH; every module of the package byte-compiled in the image.
+        facts = orjson.loads(engine.run("exec", name, "python", "-c", IMAGE_FACTS).stdout)
+        assert facts["tools"] == [], facts
+        assert facts["modules"] and facts["modules"] == facts["compiled"], facts
         if engine.name == "podman":  # docker runs HEALTHCHECKs itself, on its own schedule
             assert engine.run("healthcheck", "run", name, check=False).returncode == 0
 
