@@ -1,5 +1,6 @@
 """Real PostgreSQL and Kafka: the local services (`make services`) through OUTBOX_TEST_* variables,
-or testcontainers where a Docker engine exists and those variables are absent.
+or PostgreSQL and Kafka containers started by testcontainers (OUTBOX_TEST_STACK=containers, or
+a container engine installed and those variables absent; `make test` runs a subset that way).
 
 Each test gets a fresh database cloned from a migrated template and its own topic.
 """
@@ -9,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -22,6 +25,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from outbox_dispatcher import migrations
 from outbox_dispatcher.settings import Settings
+from tests.containers import Engine, find_engine, free_port, fresh_clone
 
 from .helpers import Services
 
@@ -31,36 +35,149 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVICES_SCRIPT = ROOT / "deploy" / "local" / "services.sh"
 
 
-def _docker_available() -> bool:
-    try:
-        return (
-            subprocess.run(
-                ["docker", "info"], capture_output=True, timeout=10, check=False
-            ).returncode
-            == 0
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+def _stack() -> str:
+    """OUTBOX_TEST_STACK: `services` (deploy/local/services.sh, through the OUTBOX_TEST_*
+    variables) or `containers` (PostgreSQL and Kafka started by testcontainers). Unset: containers
+    when a container engine is already installed and the service variables are absent."""
+    stack = os.environ.get("OUTBOX_TEST_STACK", "")
+    if stack in ("services", "containers"):
+        return stack
+    if stack:
+        msg = f"OUTBOX_TEST_STACK must be services or containers, got {stack!r}"
+        raise pytest.UsageError(msg)
+    variables = ("OUTBOX_TEST_DATABASE_URL", "OUTBOX_TEST_KAFKA_BOOTSTRAP_SERVERS")
+    if any(name in os.environ for name in variables):
+        return "services"
+    installed = shutil.which("podman") or (
+        shutil.which("docker")
+        and subprocess.run(["docker", "info"], capture_output=True, timeout=10).returncode == 0
+    )
+    return "containers" if installed else "services"
 
 
 @pytest.fixture(scope="session")
-def services() -> Iterator[Services]:
+def engine() -> Engine:
+    """The container engine (deploy/docker/image.sh engine); skips, with its one line of
+    reason, where none is installed and none can be."""
+    found = find_engine()
+    if isinstance(found, str):
+        pytest.skip(found)
+    return found
+
+
+@pytest.fixture(scope="session")
+def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh clone of this checkout's HEAD: what `make image` and compose see on a new machine."""
+    return fresh_clone(tmp_path_factory.mktemp("clone") / "outbox-dispatcher")
+
+
+@pytest.fixture(scope="session")
+def dispatcher_image(engine: Engine, checkout: Path) -> str:
+    """outbox-dispatcher:<version>, built once per session from the fresh clone (`make image`)."""
+    started = time.monotonic()
+    image = engine.script(checkout, "build").split()[-1]
+    built = time.monotonic() - started
+    size = int(engine.run("image", "inspect", "--format", "{{.Size}}", image).stdout.strip())
+    print(f"\nimage {image}: {size / 1e6:.0f} MB, built in {built:.0f}s")
+    return image
+
+
+CONTROL_SCRIPT = """#!/usr/bin/env bash
+# deploy/local/services.sh's pg-/kafka- stop and start, for the containers of this test session.
+set -euo pipefail
+export CONTAINERS_CONF={conf}
+case $1 in
+  pg-stop) {engine} stop --time 30 {pg} >/dev/null ;;
+  kafka-stop) {engine} stop --time 30 {kafka} >/dev/null ;;
+  pg-start|kafka-start)
+    if [[ $1 == pg-start ]]; then name={pg} port={pg_port}; else name={kafka} port={kafka_port}; fi
+    {engine} start "$name" >/dev/null
+    for _ in $(seq 600); do
+      if (exec 7<>/dev/tcp/127.0.0.1/$port) 2>/dev/null; then exit 0; fi
+      sleep 0.2
+    done
+    echo "$name: port $port did not open" >&2; exit 1 ;;
+  *) echo "usage: $0 pg-stop|pg-start|kafka-stop|kafka-start" >&2; exit 2 ;;
+esac
+"""
+
+
+def _container_services(engine: Engine, tmp: Path) -> Iterator[Services]:
+    """PostgreSQL and Kafka from the locally built images (deploy/docker/image.sh
+    service-images), started by testcontainers on the host network on free ports."""
+    images = engine.service_images()
+    pg_port, kafka_port, controller_port = free_port(), free_port(), free_port()
+    with engine.api_socket() as docker_host:
+        # Ryuk's image cannot be pulled everywhere; the containers are removed on exit instead.
+        saved = {k: os.environ.get(k) for k in ("DOCKER_HOST", "TESTCONTAINERS_RYUK_DISABLED")}
+        os.environ.update(DOCKER_HOST=docker_host, TESTCONTAINERS_RYUK_DISABLED="true")
+        try:
+            from testcontainers.core.config import testcontainers_config
+            from testcontainers.core.container import DockerContainer
+            from testcontainers.core.wait_strategies import LogMessageWaitStrategy
+
+            testcontainers_config.ryuk_disabled = True
+            suffix = uuid.uuid4().hex[:8]
+            pg_name, kafka_name = f"outbox-test-postgres-{suffix}", f"outbox-test-kafka-{suffix}"
+            postgres = (
+                DockerContainer(images["POSTGRES_IMAGE"])
+                .with_name(pg_name)
+                .with_envs(
+                    POSTGRES_USER="outbox",
+                    POSTGRES_PASSWORD="outbox",
+                    POSTGRES_DB="outbox",
+                    PGPORT=str(pg_port),
+                )
+                .with_kwargs(network_mode="host")
+                .waiting_for(
+                    LogMessageWaitStrategy(
+                        "database system is ready to accept connections"
+                    ).with_startup_timeout(120)
+                )
+            )
+            kafka = (
+                DockerContainer(images["KAFKA_IMAGE"])
+                .with_name(kafka_name)
+                .with_envs(KAFKA_PORT=str(kafka_port), KAFKA_CONTROLLER_PORT=str(controller_port))
+                .with_kwargs(network_mode="host")
+                .waiting_for(
+                    LogMessageWaitStrategy("Kafka Server started").with_startup_timeout(180)
+                )
+            )
+            with postgres, kafka:
+                control = tmp / "containers.sh"
+                control.write_text(
+                    CONTROL_SCRIPT.format(
+                        conf=engine.env.get("CONTAINERS_CONF", ""),
+                        engine=engine.name,
+                        pg=pg_name,
+                        kafka=kafka_name,
+                        pg_port=pg_port,
+                        kafka_port=kafka_port,
+                    )
+                )
+                yield Services(
+                    database_url=f"postgresql://outbox:outbox@127.0.0.1:{pg_port}/outbox",
+                    kafka_bootstrap_servers=f"127.0.0.1:{kafka_port}",
+                    control=control,
+                )
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
     db_url = os.environ.get("OUTBOX_TEST_DATABASE_URL")
     kafka = os.environ.get("OUTBOX_TEST_KAFKA_BOOTSTRAP_SERVERS")
-    if db_url is None and kafka is None and _docker_available():
-        # A laptop with Docker: containers instead of the local services.
-        from testcontainers.kafka import KafkaContainer
-        from testcontainers.postgres import PostgresContainer
-
-        with (
-            PostgresContainer("postgres:15", driver=None) as pg,
-            KafkaContainer("apache/kafka:4.1.1").with_kraft() as kc,
-        ):
-            yield Services(
-                database_url=pg.get_connection_url(),
-                kafka_bootstrap_servers=kc.get_bootstrap_server(),
-                control=None,
-            )
+    if _stack() == "containers":
+        found = find_engine()
+        if isinstance(found, str):
+            pytest.skip(found)
+        yield from _container_services(found, tmp_path_factory.mktemp("containers"))
         return
     yield Services(
         database_url=db_url or "postgresql://outbox:outbox@127.0.0.1:5432/outbox",

@@ -241,7 +241,7 @@ def test_compose_runs_migrate_then_the_dispatcher_with_a_readiness_healthcheck()
     compose_dir = DEPLOY / "compose"
     compose = yaml.safe_load((compose_dir / "compose.yaml").read_text())
     services = compose["services"]
-    assert {"postgres", "kafka", "migrate", "dispatcher", "writer"} <= set(services)
+    assert {"postgres", "kafka", "migrate", "dispatcher", "writer", "consumer"} <= set(services)
     kafka = services["kafka"]
     assert kafka["image"].startswith("apache/kafka:")
     assert set(kafka["environment"]["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
@@ -273,6 +273,11 @@ def test_compose_runs_migrate_then_the_dispatcher_with_a_readiness_healthcheck()
                 assert (compose_dir / source).exists(), (name, volume)
     writer = services["writer"]
     assert writer["entrypoint"][-1] == "/demo/demo_writer.py"
+    assert services["consumer"]["entrypoint"][-1] == "/demo/demo_consumer.py"
+    # compose.local.yaml only swaps images (and Kafka's settings for the local Kafka image).
+    local = (compose_dir / "compose.local.yaml").read_text()
+    local_services = local.split("\nservices:\n", 1)[1]
+    assert set(re.findall(r"^  (\w+):", local_services, re.M)) <= set(services)
 
 
 # --- Kubernetes manifests -------------------------------------------------------------------------
@@ -631,3 +636,90 @@ def test_manifests_decode_strictly_as_kubernetes_objects() -> None:
     ):
         assert broken != sidecar
         assert decode_errors(broken).returncode == 1
+
+
+# --- the image make image builds, as the manifests name and run it --------------------------------
+
+
+def image_facts() -> dict[str, Any]:
+    """What deploy/docker/image.sh builds (name, version tag) and what the Dockerfile's runtime
+    stage sets (entrypoint, command, user, port, liveness path of its HEALTHCHECK)."""
+    script = (DEPLOY / "docker" / "image.sh").read_text()
+    [name] = re.findall(r"^IMAGE=(\S+)$", script, re.MULTILINE)
+    [version] = re.findall(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    final = parse_dockerfile()[-1]
+    uid, _, gid = (final.last("USER") or "").partition(":")
+    [probe_path] = re.findall(r"/(?:livez|readyz)", " ".join(healthcheck_command(final)))
+    return {
+        "image": f"{name}:{version}",
+        "name": name,
+        "version": version,
+        "entrypoint": exec_form(final.last("ENTRYPOINT") or ""),
+        "cmd": exec_form(final.last("CMD") or ""),
+        "uid": int(uid),
+        "gid": int(gid or uid),
+        "port": int(final.last("EXPOSE") or 0),
+        "healthcheck_path": probe_path,
+    }
+
+
+def check_image_agreement(docs: list[dict[str, Any]], facts: dict[str, Any]) -> list[str]:
+    """Each dispatcher container runs the image make image builds, through its ENTRYPOINT (no
+    `command:`), as its user, on its port, with the HEALTHCHECK's path as liveness probe."""
+    checked: list[str] = []
+    for where, pod in pod_specs(docs):
+        for container in filter(is_ours, [*pod.get("initContainers", []), *pod["containers"]]):
+            here = f"{where}/{container['name']}"
+            assert container["image"] == facts["image"], here
+            assert "command" not in container, f"{here}: replaces the image's ENTRYPOINT"
+            assert (container.get("args") or facts["cmd"])[0] in {"run", "migrate"}, here
+            sc = container["securityContext"]
+            assert (sc["runAsUser"], sc.get("runAsGroup", facts["gid"])) == (
+                facts["uid"],
+                facts["gid"],
+            ), here
+            if pod.get("securityContext", {}).get("fsGroup") is not None:
+                assert pod["securityContext"]["fsGroup"] == facts["gid"], here
+            if command_of(container) != "run":
+                continue
+            if "OUTBOX_HTTP_PORT" not in env_of(container):
+                assert [p["containerPort"] for p in container["ports"]] == [facts["port"]], here
+            for kind in ("livenessProbe", "startupProbe"):
+                assert container[kind]["httpGet"]["path"] == facts["healthcheck_path"], here
+            checked.append(here)
+    return checked
+
+
+def test_manifests_run_the_image_make_image_builds_as_its_dockerfile_defines_it() -> None:
+    facts = image_facts()
+    assert facts["entrypoint"] == ["outbox-dispatcher"]
+    assert facts["cmd"] == ["run"]
+    assert facts["port"] == DEFAULT_PORT
+    assert facts["healthcheck_path"] == "/livez"
+    for manifest in ("sidecar.yaml", "deployment.yaml"):
+        docs = load_all((DEPLOY / "kubernetes" / manifest).read_text())
+        assert check_image_agreement(docs, facts), f"{manifest}: no dispatcher container checked"
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert values["image"]["repository"] == facts["name"]
+    assert chart["appVersion"] == facts["version"]
+    assert values["podSecurityContext"]["fsGroup"] == facts["gid"]
+
+
+def test_image_agreement_check_catches_a_wrong_user_and_a_replaced_entrypoint() -> None:
+    facts = image_facts()
+    docs = load_all((DEPLOY / "kubernetes" / "deployment.yaml").read_text())
+    [(_, pod)] = list(pod_specs(docs))
+    [ours] = [c for c in pod["containers"] if is_ours(c)]
+    ours["securityContext"]["runAsUser"] = facts["uid"] + 1
+    with pytest.raises(AssertionError):
+        check_image_agreement(docs, facts)
+    ours["securityContext"]["runAsUser"] = facts["uid"]
+    ours["command"] = ["python", "-m", "outbox_dispatcher"]
+    with pytest.raises(AssertionError):
+        check_image_agreement(docs, facts)
+
+
+@needs_helm
+def test_helm_chart_runs_the_image_make_image_builds() -> None:
+    assert check_image_agreement(render(), image_facts())
