@@ -234,7 +234,7 @@ BEGIN
      CROSS JOIN LATERAL (
         SELECT o.id, o.topic FROM ${schema}.${table} o
          WHERE o.ordering_key = u.k AND o.published_at IS NULL AND o.dead_at IS NULL
-         ORDER BY o.id LIMIT 1) h
+         ORDER BY o.ordering_key, o.id LIMIT 1) h
      ORDER BY u.k
     ON CONFLICT (ordering_key) DO UPDATE
        SET head_id = EXCLUDED.head_id, head_topic = EXCLUDED.head_topic,
@@ -312,7 +312,8 @@ BEGIN
        AND (k.lease_token IS NULL OR k.lease_expires_at <= now())
        AND NOT EXISTS (SELECT 1 FROM ${schema}.${table} o
                         WHERE o.ordering_key = k.ordering_key
-                          AND o.published_at IS NULL AND o.dead_at IS NULL);
+                          AND o.published_at IS NULL AND o.dead_at IS NULL
+                        ORDER BY o.ordering_key, o.id LIMIT 1);
 END;
 $fn$;
 
@@ -330,6 +331,9 @@ $fn$;
 --    dispatcher, so that a claim whose reply was lost can be released by that token).
 -- 3. Keys that yielded nothing get their hints repaired from their head row, or are forgotten if
 --    they have no pending row.
+-- Every per-key read orders by (ordering_key, id), not by id alone: with one key's rows the oldest
+-- in the table (a stuck key), a plan that walks the pending rows by id and filters on the key
+-- would read all of them for every other key.
 CREATE FUNCTION ${schema}.${table}_claim_keys(
     p_limit integer,
     p_max_keys integer,
@@ -398,7 +402,7 @@ BEGIN
          CROSS JOIN LATERAL (
             SELECT o.id FROM ${schema}.${table} o
              WHERE o.ordering_key = u.k AND o.published_at IS NULL AND o.dead_at IS NULL
-             ORDER BY o.id
+             ORDER BY o.ordering_key, o.id
              LIMIT v_per_key) r
          WHERE NOT (p_block_on_dead AND EXISTS (
                 SELECT 1 FROM ${schema}.${table} d
@@ -495,7 +499,7 @@ BEGIN
             SELECT o.id, o.topic, o.next_attempt_at, o.lease_expires_at
               FROM ${schema}.${table} o
              WHERE o.ordering_key = u.k AND o.published_at IS NULL AND o.dead_at IS NULL
-             ORDER BY o.id LIMIT 1) h
+             ORDER BY o.ordering_key, o.id LIMIT 1) h
     )
     UPDATE ${schema}.${table}_key k
        SET head_id = h.id,
@@ -511,7 +515,8 @@ BEGIN
       FROM unnest(v_idle) AS u(k)
      WHERE NOT EXISTS (SELECT 1 FROM ${schema}.${table} o
                         WHERE o.ordering_key = u.k
-                          AND o.published_at IS NULL AND o.dead_at IS NULL);
+                          AND o.published_at IS NULL AND o.dead_at IS NULL
+                        ORDER BY o.ordering_key, o.id LIMIT 1);
     PERFORM ${schema}.${table}_key_forget(v_empty);
 END;
 $fn$;
@@ -573,7 +578,7 @@ BEGIN
             SELECT o.id, o.topic, o.next_attempt_at
               FROM ${schema}.${table} o
              WHERE o.ordering_key = u.k AND o.published_at IS NULL AND o.dead_at IS NULL
-             ORDER BY o.id LIMIT 1) h ON true
+             ORDER BY o.ordering_key, o.id LIMIT 1) h ON true
     ),
     released AS (
         UPDATE ${schema}.${table}_key k
