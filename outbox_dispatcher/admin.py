@@ -25,7 +25,7 @@ import asyncpg
 import orjson
 import structlog
 
-from outbox_dispatcher import cleanup, db, errors, listener, migrations, routing, status
+from outbox_dispatcher import cleanup, db, display, errors, listener, migrations, routing, status
 from outbox_dispatcher.publisher import KafkaPublisher
 from outbox_dispatcher.routing import Router
 from outbox_dispatcher.settings import Settings
@@ -44,6 +44,12 @@ REPLAY_HOLD_SECONDS = 600.0
 # How many pending routed rows `check` routes to find the topics they need.
 CHECK_ROUTED_ROWS = 1000
 CHECK_BROKER_SECONDS = 15.0
+# dead list without --full: the widths of the key and last_error columns.
+KEY_WIDTH = 40
+ERROR_WIDTH = 160
+# How dead list shows a NULL topic or key (and what --topic / --key accept for them).
+NULL_TOPIC = "(routed)"
+NULL_KEY = "(none)"
 
 Handler = Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]
 
@@ -266,32 +272,35 @@ async def _dead_list(settings: Settings, ns: argparse.Namespace) -> int:
     if ns.json:
         _json(rows)
     else:
-        _out(_dead_table(rows))
+        _out(dead_table(rows, full=ns.full))
     if len(rows) == ns.limit:
         _err(f"showing the first {ns.limit} dead rows; --limit shows more")
     return EXIT_OK
 
 
-def _dead_table(rows: list[dict[str, Any]]) -> str:
-    header = ("id", "event_id", "topic", "key", "attempts", "dead_at", "last_error")
+def dead_table(rows: list[dict[str, Any]], *, full: bool = False) -> str:
+    """Dead rows for a terminal. Keys and errors are cut (a 2 kB key would pad every line)
+    unless `full`; every cell is made inert by display.columns."""
+    key_width, error_width = (None, None) if full else (KEY_WIDTH, ERROR_WIDTH)
+    header = ("id", "event_id", "topic", "key", "attempts", "created_at", "dead_at", "last_error")
     cells = [
         (
             str(r["id"]),
             str(r["event_id"]),
-            "(routed)" if r["topic"] is None else r["topic"],
-            "-" if r["ordering_key"] is None else r["ordering_key"],
+            NULL_TOPIC if r["topic"] is None else r["topic"],
+            NULL_KEY if r["ordering_key"] is None else _cut(r["ordering_key"], key_width),
             str(r["attempts"]),
+            r["created_at"].isoformat(timespec="seconds"),
             r["dead_at"].isoformat(timespec="seconds"),
-            _shorten(r["last_error"] or "", 100),
+            _cut(r["last_error"] or "", error_width),
         )
         for r in rows
     ]
-    return "\n".join(status.columns(header, cells))
+    return "\n".join(display.columns(header, cells))
 
 
-def _shorten(text: str, width: int) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[: width - 3] + "..."
+def _cut(text: str, width: int | None) -> str:
+    return text if width is None else display.shorten(text, width)
 
 
 async def _dead_requeue(settings: Settings, ns: argparse.Namespace) -> int:
@@ -391,14 +400,14 @@ class Report:
     problems: int = 0
 
     def ok(self, line: str) -> None:
-        _out(f"ok: {line}")
+        _out(f"ok: {display.inert(line)}")
 
     def note(self, line: str) -> None:
-        _out(f"note: {line}")
+        _out(f"note: {display.inert(line)}")
 
     def problem(self, line: str) -> None:
         self.problems += 1
-        sys.stderr.write(f"problem: {line}\n")
+        sys.stderr.write(f"problem: {display.inert(line)}\n")
 
 
 async def check(settings: Settings) -> Report:
@@ -513,6 +522,9 @@ def add_parsers(
     _filter_flags(listing, ids=True, everything=False)
     listing.add_argument("--limit", type=positive, default=100, help="at most this many (100)")
     listing.add_argument("--json", action="store_true", help="print JSON")
+    listing.add_argument(
+        "--full", action="store_true", help="do not cut long keys and errors in the table"
+    )
     listing.set_defaults(handler=_dead_list)
     requeue = dead_commands.add_parser(
         "requeue",

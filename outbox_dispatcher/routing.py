@@ -13,7 +13,8 @@ _PLACEHOLDER = re.compile(r"\{([A-Za-z0-9._-]+)\}")
 
 
 def valid_topic(name: str) -> bool:
-    return bool(TOPIC.match(name)) and name not in (".", "..")
+    """Kafka's topic-name rules, and not an internal topic (`__consumer_offsets`, ...)."""
+    return bool(TOPIC.match(name)) and name not in (".", "..") and not name.startswith("__")
 
 
 def check_template(template: str) -> str:

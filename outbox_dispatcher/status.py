@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 
+from outbox_dispatcher.display import columns, inert
 from outbox_dispatcher.sql import Queries
 
 WHOLE_TABLE = "*"  # the topic of a whole-table pause (never a valid Kafka topic name)
@@ -144,22 +144,13 @@ def as_table(topics: list[TopicStatus], pauses: list[Pause] | None = None) -> st
     )
     lines = columns(header, rows)
     for p in pauses or []:
-        what = "the whole table" if p.topic == WHOLE_TABLE else f"topic {p.topic}"
+        what = "the whole table" if p.topic == WHOLE_TABLE else f"topic {inert(p.topic)}"
         lines.append(
             f"paused: {what} since {p.paused_at.isoformat(timespec='seconds')}"
-            f" by {p.paused_by or '?'}" + (f": {p.reason}" if p.reason else "")
+            f" by {inert(p.paused_by or '?')}" + (f": {inert(p.reason)}" if p.reason else "")
         )
     return "\n".join(lines)
 
 
 def _blocked(blocked: int, dead_blocked: int) -> str:
     return f"{blocked} ({dead_blocked} dead)" if dead_blocked else str(blocked)
-
-
-def columns(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """Rows of cells as left-aligned columns under their header, for a terminal."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return [
-        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
-        for r in [header, *rows]
-    ]

@@ -42,3 +42,12 @@ def test_settings_validate_routing() -> None:
     assert Settings(topic_template="events.{type}").topic_template == "events.{type}"
     with pytest.raises(ValidationError, match="OUTBOX_DEFAULT_TOPIC"):
         Settings(default_topic="no spaces")
+
+
+def test_internal_topic_names_are_not_valid_topics() -> None:
+    from outbox_dispatcher import routing
+
+    assert not routing.valid_topic("__consumer_offsets")
+    assert not routing.valid_topic("__transaction_state")
+    assert routing.valid_topic("_single-underscore")
+    assert routing.valid_topic("orders__v2")
