@@ -8,21 +8,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import enum
+import os
 import re
 import signal
 import sys
 import types
 import typing
 from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import Any
 
 import orjson
 import structlog
 from pydantic import SecretStr, ValidationError
 
-from outbox_dispatcher import __version__, admin, db, errors, logs, migrations, status, tracing
+from outbox_dispatcher import (
+    __version__,
+    admin,
+    db,
+    errors,
+    logs,
+    migrations,
+    status,
+    tracing,
+)
 from outbox_dispatcher.dispatcher import Dispatcher
-from outbox_dispatcher.settings import DeadLetterPolicy, Settings
+from outbox_dispatcher.settings import SECRETS_DIR_VARIABLE, DeadLetterPolicy, Settings
 from outbox_dispatcher.sql import Queries
 
 log = structlog.get_logger(__name__)
@@ -40,6 +51,14 @@ def _flag_name(field: str) -> str:
     return "--schema" if field == "db_schema" else "--" + field.replace("_", "-")
 
 
+SECRETS_HELP = (
+    "Secrets (passwords, a database URL with a password) belong in a file named by "
+    "OUTBOX_<SETTING>_FILE (e.g. OUTBOX_DATABASE_URL_FILE) or in OUTBOX_SECRETS_DIR, not in "
+    "flags: every local user can read a process's arguments."
+)
+SETTINGS_HELP = "each flag overrides its environment variable (shown in brackets). " + SECRETS_HELP
+
+
 class _Parser(argparse.ArgumentParser):
     """A bad value of a setting flag is one line naming the variable and the flag (as for the
     environment), not the whole usage text; other usage errors stay argparse's."""
@@ -55,14 +74,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(
-        "settings", "each flag overrides its environment variable (shown in brackets)"
-    )
+    group = parser.add_argument_group("settings", SETTINGS_HELP)
     for name, field in Settings.model_fields.items():
         annotation = field.annotation
         default = field.default
         if isinstance(default, SecretStr):
-            shown = "set" if default.get_secret_value() else "unset"
+            shown = db.redact(default.get_secret_value(), default.get_secret_value(), keep_url=True)
         elif isinstance(default, enum.Enum):
             shown = default.value
         else:
@@ -91,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Moves events from a PostgreSQL transactional outbox table to Kafka: at-least-once, "
             "ordered per ordering key, each record carrying its event id."
         ),
+        epilog="Every setting is an OUTBOX_* environment variable and a flag of each command "
+        "that uses it (COMMAND --help). " + SECRETS_HELP,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -123,12 +142,49 @@ def load_settings(namespace: argparse.Namespace) -> Settings:
     return Settings(**overrides)
 
 
-def _explain(exc: ValidationError) -> str:
+def _field_of(loc: str) -> str:
+    """The settings field of a validation error's location: the field name, or its alias when
+    the value came from the environment (OUTBOX_SCHEMA is db_schema)."""
+    if loc in Settings.model_fields:
+        return loc
+    for name in Settings.model_fields:
+        if _env_name(name) == loc:
+            return name
+    return loc
+
+
+def _from_file(field: str) -> str | None:
+    """The variable naming the file a setting's value came from, if it came from one (and not
+    from a flag or the variable itself, which win)."""
+    variable = _env_name(field)
+    if variable in os.environ:
+        return None
+    if os.environ.get(variable + "_FILE"):
+        return variable + "_FILE"
+    directory = os.environ.get(SECRETS_DIR_VARIABLE)
+    if directory and any(
+        p.name.upper() == variable for p in Path(directory).glob("*") if p.is_file()
+    ):
+        return f"{variable} in {SECRETS_DIR_VARIABLE}"
+    return None
+
+
+def _explain(exc: ValidationError, namespace: argparse.Namespace | None = None) -> str:
+    """One line per invalid setting, naming its variable and flag. A value read from a file
+    (a secret, usually) is never quoted."""
     lines = []
     for error in exc.errors():
-        field = str(error["loc"][0]) if error["loc"] else ""
-        where = f"{_env_name(field)} / {_flag_name(field)}" if field else "settings"
         message = str(error["msg"]).removeprefix("Value error, ")
+        if not error["loc"]:
+            lines.append(f"invalid settings: {message}")
+            continue
+        field = _field_of(str(error["loc"][0]))
+        source = None if getattr(namespace, field, None) is not None else _from_file(field)
+        value = error.get("input")
+        if source and isinstance(value, str) and value:
+            message = message.replace(repr(value), "(the file's content)")
+            message = message.replace(value, "(the file's content)")
+        where = f"{source or _env_name(field)} / {_flag_name(field)}"
         lines.append(f"invalid setting {where}: {message}")
     return "\n".join(lines)
 
@@ -139,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(namespace)
     except ValidationError as exc:
-        print(f"outbox-dispatcher: {_explain(exc)}", file=sys.stderr)  # noqa: T201
+        print(f"outbox-dispatcher: {_explain(exc, namespace)}", file=sys.stderr)  # noqa: T201
         return EXIT_CONFIG
     except errors.ConfigurationError as exc:  # an unreadable *_FILE or OUTBOX_SECRETS_DIR
         print(f"outbox-dispatcher: {exc}", file=sys.stderr)  # noqa: T201

@@ -80,3 +80,30 @@ def test_every_setting_has_a_flag_with_help() -> None:
     for name, field in Settings.model_fields.items():
         assert cli._flag_name(name) in help_text
         assert field.description, f"{name} has no description for --help"
+
+
+def test_an_invalid_value_from_the_environment_names_the_variable_and_flag_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("OUTBOX_SCHEMA", 'x"; drop table outbox;--')
+    assert cli.main(["status"]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "invalid setting OUTBOX_SCHEMA / --schema:" in err
+    assert "OUTBOX_OUTBOX" not in err
+
+
+def test_a_cross_field_error_reads_as_one_sentence(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--backoff-initial-seconds", "5", "--backoff-max-seconds", "1"]
+    assert cli.main(["status", *flags]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "invalid settings: OUTBOX_BACKOFF_MAX_SECONDS must be >=" in err
+    assert "invalid setting settings" not in err
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "Infinity"])
+def test_infinite_seconds_are_refused(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["check", f"--lease-seconds={value}"]) == cli.EXIT_CONFIG
+    assert cli.main(["check", f"--retention-seconds={value}"]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "OUTBOX_LEASE_SECONDS / --lease-seconds" in err
+    assert "OUTBOX_RETENTION_SECONDS / --retention-seconds" in err
