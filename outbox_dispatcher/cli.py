@@ -14,10 +14,12 @@ import signal
 import sys
 import types
 import typing
+import urllib.parse
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import orjson
 import structlog
 from pydantic import SecretStr, ValidationError
@@ -26,9 +28,11 @@ from outbox_dispatcher import (
     __version__,
     admin,
     db,
+    display,
     errors,
     logs,
     migrations,
+    registry,
     status,
     tracing,
 )
@@ -41,6 +45,7 @@ log = structlog.get_logger(__name__)
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
 def _env_name(field: str) -> str:
@@ -211,12 +216,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return _asyncio_run(command(settings, namespace), use_uvloop=settings.uvloop)
+    except KeyboardInterrupt:
+        # Ctrl-C of an operator command (run handles SIGINT itself): one line, not a traceback.
+        said = getattr(namespace, "interrupted", "interrupted")
+        print(f"outbox-dispatcher: {said}", file=sys.stderr)  # noqa: T201
+        return EXIT_INTERRUPTED
+    except asyncpg.InsufficientPrivilegeError as exc:
+        print(f"outbox-dispatcher: {_privilege_hint(namespace, settings, exc)}", file=sys.stderr)  # noqa: T201
+        return EXIT_FAILED
     except errors.ConfigurationError as exc:
         log.error("configuration_error", error=str(exc))
         return EXIT_CONFIG
     except errors.OutboxDispatcherError as exc:
         log.error("failed", error=str(exc), error_type=type(exc).__name__)
         return EXIT_FAILED
+
+
+def _privilege_hint(
+    namespace: argparse.Namespace, settings: Settings, exc: asyncpg.InsufficientPrivilegeError
+) -> str:
+    """One line naming the role a command needs (schema/roles.sql), not a traceback."""
+    role = urllib.parse.urlsplit(settings.database_url.get_secret_value()).username or "?"
+    command = " ".join(
+        str(part) for part in (namespace.command, getattr(namespace, "dead_command", None)) if part
+    )
+    if command in ("pause", "resume", "migrate"):
+        needed = "the owner role of schema/roles.sql (e.g. outbox_owner)"
+    else:
+        needed = (
+            "the dispatcher or the owner role of schema/roles.sql (e.g. outbox_dispatcher; "
+            "after migrating, run roles.sql again so that the roles get the new tables)"
+        )
+    return (
+        f"database role {display.inert(role)!r} may not do what `{command}` needs "
+        f"({exc.message}): run it as {needed}"
+    )
 
 
 def _asyncio_run(coro: Coroutine[Any, Any, int], *, use_uvloop: bool) -> int:
@@ -292,14 +326,25 @@ async def _status(settings: Settings, namespace: argparse.Namespace) -> int:
         await migrations.check_version(conn, settings.db_schema, settings.table)
         queries = Queries.for_table(settings.db_schema, settings.table)
         pauses = await status.read_pauses(conn, queries)
-        block = settings.dead_letter_policy is DeadLetterPolicy.BLOCK
+        dispatchers = await status.read_dispatchers(conn, queries, registry.LIVE_SECONDS)
+        policy = _policy(dispatchers, settings)
+        block = policy == DeadLetterPolicy.BLOCK.value
         topics = await status.read(conn, queries, block_on_dead=block, pauses=pauses)
     finally:
         await conn.close()
     if namespace.json:
-        report = status.as_json(topics, pauses)
+        report = status.as_json(topics, pauses, dispatchers, policy)
         sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(status.as_table(topics, pauses) + "\n")
+        sys.stdout.write(status.as_table(topics, pauses, dispatchers, policy) + "\n")
     return EXIT_OK
+
+
+def _policy(dispatchers: list[status.Dispatcher], settings: Settings) -> str:
+    """The dead-letter policy blocked keys are counted under: the running dispatchers' (block if
+    any of them blocks), else this command's own setting."""
+    if dispatchers:
+        policies = {d.dead_letter_policy for d in dispatchers}
+        return "block" if "block" in policies else "skip"
+    return settings.dead_letter_policy.value

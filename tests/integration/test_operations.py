@@ -210,7 +210,7 @@ async def test_dead_rows_are_listed_requeued_in_order_under_block_and_discarded(
         assert "boom" in plain and "gone-1" not in plain
         requeued = await cli(settings, "dead", "requeue", "--key", "key-0")
         assert requeued.code == 0, requeued.err
-        assert requeued.out.strip() == "requeued 1 dead rows"
+        assert requeued.out.strip() == "requeued 1 dead row"
         await wait_until(
             lambda: _published(conn, "ordering_key = 'key-0'"), 30, "key-0 after the requeue"
         )
@@ -317,7 +317,7 @@ async def test_replay_sends_rows_again_in_order_before_newer_rows_of_their_keys(
             str(bounds[1]["id"]),
         )
         assert again.code == 0, again.err
-        assert "replaying 10 published rows" in again.out
+        assert "replayed 10 published rows" in again.out
         await wait_all_settled(conn, 60)
         row = await conn.fetchrow(
             "SELECT attempts, last_error FROM outbox WHERE event_id = $1", first

@@ -3,15 +3,22 @@ mess, status that tells the truth. Each command runs as a real `python -m outbox
 
 from __future__ import annotations
 
+import asyncio
+import os
+import pty
+import signal
+import sys
 from typing import Any
 
 import asyncpg
 import orjson
 import pytest
 
+from outbox_dispatcher import migrations
 from outbox_dispatcher.settings import Settings
 
-from .helpers import cli
+from .helpers import Services, cli, running, settings_env, wait_until
+from .test_security import _as_role, _roles_database
 
 pytestmark = pytest.mark.integration
 
@@ -75,3 +82,279 @@ async def test_status_prints_a_hostile_pause_note_inert(
     assert "ALL GOOD" in shown.out  # escaped, not hidden
     exact = orjson.loads((await cli(settings, "status", "--json")).out)
     assert exact["pauses"][0]["reason"] == reason
+
+
+# --- Commands that cannot leave a mess ----------------------------------------------------------
+
+
+async def _published_rows(conn: asyncpg.Connection, topic: str, n: int, keys: int = 50) -> None:
+    await conn.execute(
+        "INSERT INTO outbox (topic, ordering_key, payload, published_at)"
+        " SELECT $1, 'k-' || (g % $3), 'x', now() FROM generate_series(1, $2) g",
+        topic,
+        n,
+        keys,
+    )
+
+
+async def _wait_for_lock_wait(conn: asyncpg.Connection) -> None:
+    for _ in range(600):
+        waiting = await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND application_name = 'outbox-dispatcher' AND wait_event_type = 'Lock'"
+        )
+        if waiting:
+            return
+        await asyncio.sleep(0.1)
+    msg = "the replay never reached its audit row"
+    raise AssertionError(msg)
+
+
+async def test_an_interrupted_replay_changes_nothing_and_says_so_in_one_line(
+    conn: asyncpg.Connection, make_settings: Any, database_url: str, topic: str
+) -> None:
+    await _published_rows(conn, topic, 5000)
+    settings = _settings(make_settings, cleanup_batch_size=100)
+    # Hold the audit table: the replay does all its batches, then waits on its last statement,
+    # inside its one transaction; Ctrl-C arrives there.
+    blocker = await asyncpg.connect(database_url)
+    try:
+        lock = blocker.transaction()
+        await lock.start()
+        await blocker.execute("LOCK TABLE outbox_operator_audit IN ACCESS EXCLUSIVE MODE")
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "outbox_dispatcher",
+            "replay",
+            "--topic",
+            topic,
+            env=settings_env(settings),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        await _wait_for_lock_wait(conn)
+        process.send_signal(signal.SIGINT)
+        out, err = await asyncio.wait_for(process.communicate(), 60)
+        await lock.rollback()
+    finally:
+        await blocker.close()
+    assert process.returncode == 130
+    assert err.decode().strip().splitlines() == [
+        "outbox-dispatcher: interrupted: nothing was replayed (a replay is one transaction)"
+    ]
+    assert "Traceback" not in out.decode() + err.decode()
+    assert await conn.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 0
+    assert await conn.fetchval("SELECT count(*) FROM outbox_operator_audit") == 0
+    # Run again: the whole replay, at once, recorded.
+    again = await cli(settings, "replay", "--topic", topic)
+    assert again.code == 0, again.err
+    assert "replayed 5000 published rows" in again.out
+    assert await conn.fetchval("SELECT count(*) FROM outbox WHERE published_at IS NULL") == 5000
+    assert await conn.fetchval("SELECT count(*) FROM outbox WHERE next_attempt_at > now()") == 0
+
+
+async def test_release_held_lets_go_what_an_old_interrupted_replay_held(
+    conn: asyncpg.Connection, make_settings: Any, topic: str
+) -> None:
+    await conn.execute(
+        "INSERT INTO outbox (topic, ordering_key, payload, next_attempt_at, last_error)"
+        " SELECT $1, 'k-' || (g % 5), 'x', now() + interval '10 minutes',"
+        "        'replayed by operator at 2026-11-30 (published before at 2026-11-29)'"
+        "   FROM generate_series(1, 20) g",
+        topic,
+    )
+    # A row in backoff after a failure is not a held replay row: left alone.
+    await conn.execute(
+        "INSERT INTO outbox (topic, ordering_key, payload, attempts, next_attempt_at, last_error)"
+        " VALUES ($1, 'other', 'x', 2, now() + interval '10 minutes', 'broker said no')",
+        topic,
+    )
+    settings = _settings(make_settings)
+    shown = orjson.loads((await cli(settings, "status", "--json")).out)
+    assert shown["totals"]["held_keys"] == 5
+    released = await cli(settings, "replay", "--release-held")
+    assert released.code == 0, released.err
+    assert released.out.strip() == "released 20 held rows"
+    assert await conn.fetchval("SELECT count(*) FROM outbox WHERE next_attempt_at > now()") == 1
+    row = await conn.fetchrow("SELECT command, rows FROM outbox_operator_audit")
+    assert (row["command"], row["rows"]) == ("replay --release-held", 20)
+
+
+def _tty_answering(answer: str) -> int:
+    """A terminal as stdin, with `answer` typed into it; returns the fd for the child."""
+    controller, terminal = pty.openpty()
+    os.write(controller, answer.encode() + b"\n")
+    return terminal
+
+
+async def _cli_on_terminal(settings: Settings, answer: str, *args: str) -> tuple[int, str, str]:
+    terminal = _tty_answering(answer)
+    try:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "outbox_dispatcher",
+            *args,
+            env=settings_env(settings),
+            stdin=terminal,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(process.communicate(), 60)
+    finally:
+        os.close(terminal)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_the_widest_commands_have_a_dry_run_and_ask_on_a_terminal(
+    conn: asyncpg.Connection, make_settings: Any, topic: str
+) -> None:
+    await _dead_rows(conn, ["a", "b", "c"], topic)
+    await _published_rows(conn, topic, 7, keys=2)
+    settings = _settings(make_settings)
+    dead = "SELECT count(*) FROM outbox WHERE dead_at IS NOT NULL"
+    published = "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL"
+
+    dry = await cli(settings, "dead", "discard", "--all", "--dry-run")
+    assert (dry.code, dry.out.strip()) == (0, "would discard 3 dead rows")
+    dry = await cli(settings, "replay", "--all", "--dry-run")
+    assert (dry.code, dry.out.strip()) == (0, "would replay 7 published rows")
+    dry = await cli(settings, "cleanup", "--older-than", "0", "--dry-run")
+    assert (dry.code, dry.out.strip()) == (0, "would delete 7 published rows older than 0s")
+    dry = await cli(settings, "pause", "--dry-run")
+    assert dry.out.startswith("would pause the whole table")
+    assert (await conn.fetchval(dead), await conn.fetchval(published)) == (3, 7)
+
+    for args in (
+        ("dead", "discard", "--all"),
+        ("replay", "--all"),
+        ("cleanup", "--older-than", "0"),
+        ("pause",),
+    ):
+        code, _, err = await _cli_on_terminal(settings, "no", *args)
+        assert code == 1, err
+        assert "Type 'yes' to go on" in err and "not confirmed: nothing changed" in err
+    assert (await conn.fetchval(dead), await conn.fetchval(published)) == (3, 7)
+    assert await conn.fetchval("SELECT count(*) FROM outbox_paused") == 0
+    assert await conn.fetchval("SELECT count(*) FROM outbox_operator_audit") == 0
+
+    code, out, err = await _cli_on_terminal(settings, "yes", "dead", "discard", "--all")
+    assert (code, out.strip()) == (0, "discarded 3 dead rows"), err
+    yes = await cli(settings, "cleanup", "--older-than", "0", "--yes")
+    assert (yes.code, yes.out.strip()) == (0, "deleted 7 published rows older than 0s")
+
+
+async def test_every_operator_action_is_audited_by_database_role_not_environment(
+    conn: asyncpg.Connection, make_settings: Any, topic: str
+) -> None:
+    await _dead_rows(conn, ["a", "b"], topic)
+    await _published_rows(conn, topic, 3, keys=1)
+    settings = _settings(make_settings)
+    spoof = {"LOGNAME": "ceo", "USER": "ceo"}
+    steps = [
+        ("dead", "requeue", "--key", "a"),
+        ("dead", "discard", "--key", "b"),
+        ("replay", "--topic", topic),
+        ("pause", "--topic", topic, "--reason", "smtp down"),
+        ("resume", "--topic", topic),
+        ("cleanup", "--older-than", "3600"),
+    ]
+    for args in steps:
+        ran = await cli(settings, *args, env=spoof)
+        assert ran.code == 0, ran.err
+    rows = await conn.fetch("SELECT * FROM outbox_operator_audit ORDER BY id")
+    assert [(r["command"], r["rows"]) for r in rows] == [
+        ("dead requeue", 1),
+        ("dead discard", 1),
+        ("replay", 3),
+        ("pause", 1),
+        ("resume", 1),
+        ("cleanup", 0),
+    ]
+    assert orjson.loads(rows[0]["filter"]) == {"key": "a"}
+    assert orjson.loads(rows[2]["filter"]) == {"topic": topic}
+    role = await conn.fetchval("SELECT session_user")
+    assert {(r["db_role"], r["session_role"]) for r in rows} == {(role, role)}
+    assert {str(r["client_addr"]) for r in rows} == {"127.0.0.1"}
+    # paused_by: the database role and address, whatever $LOGNAME says.
+    await cli(settings, "pause", "--topic", topic, env=spoof)
+    assert await conn.fetchval("SELECT paused_by FROM outbox_paused") == f"{role}@127.0.0.1"
+    assert not await conn.fetchval("SELECT bool_or(paused_by LIKE '%ceo%') FROM outbox_paused")
+
+
+async def test_a_command_without_the_privilege_names_the_role_it_needs(
+    services: Services, make_settings: Any
+) -> None:
+    async with _roles_database(services) as (url, owner, dispatcher):
+        sql = migrations.render_roles("public", "outbox", owner, dispatcher)
+        admin = await asyncpg.connect(url)
+        try:
+            await admin.execute(sql)
+            for role in (owner, dispatcher):
+                await admin.execute(f"ALTER ROLE \"{role}\" LOGIN PASSWORD 'pw-{role}'")
+            owner_conn = await asyncpg.connect(_as_role(url, owner, f"pw-{owner}"))
+            try:
+                await migrations.migrate(owner_conn, "public", "outbox")
+            finally:
+                await owner_conn.close()
+            await admin.execute(sql)
+            settings = _settings(
+                make_settings, database_url=_as_role(url, dispatcher, f"pw-{dispatcher}")
+            )
+            ran = await cli(settings, "pause", "--topic", "orders", "--yes")
+            assert ran.code == 1
+            lines = ran.err.strip().splitlines()
+            assert len(lines) == 1, ran.err
+            assert f"database role '{dispatcher}'" in lines[0]
+            assert "the owner role of schema/roles.sql" in lines[0]
+            # The dispatcher role may run the others (and they are audited).
+            assert (await cli(settings, "dead", "requeue", "--all")).code == 0
+        finally:
+            await admin.close()
+
+
+# --- Status that tells the truth ----------------------------------------------------------------
+
+
+async def test_status_counts_blocked_keys_under_the_running_dispatchers_policy_and_sees_them(
+    conn: asyncpg.Connection, make_settings: Any, topic: str
+) -> None:
+    operator = _settings(make_settings)  # the operator's own environment: policy skip
+    assert operator.dead_letter_policy.value == "skip"
+    await _dead_rows(conn, ["k"], topic)
+    await conn.execute(
+        "INSERT INTO outbox (topic, ordering_key, payload) VALUES ($1, 'k', 'x')", topic
+    )
+
+    alone = await cli(operator, "status")
+    assert "dispatchers: none alive" in alone.out
+    assert json_status(await cli(operator, "status", "--json"))["dispatchers"] == []
+
+    async with running(_settings(make_settings, dead_letter_policy="block")):
+        await wait_until(
+            lambda: conn.fetchval("SELECT count(*) = 1 FROM outbox_dispatchers"),
+            timeout=30,
+            what="the dispatcher's heartbeat",
+        )
+        shown = await cli(operator, "status")
+        report = json_status(await cli(operator, "status", "--json"))
+    assert shown.code == 0, shown.err
+    assert "dispatchers: 1 alive" in shown.out and "dead-letter policy block" in shown.out
+    header, row = shown.out.splitlines()[:2]
+    assert header.split()[:3] == ["topic", "waiting", "in_flight"]
+    assert row.split()[0] == topic and "1 (1 dead)" in row
+    assert report["dead_letter_policy"] == "block"
+    assert report["totals"]["dead_blocked_keys"] == 1
+    assert (
+        report["totals"]["pending"] == report["totals"]["waiting"] + report["totals"]["in_flight"]
+    )
+    assert [d["dead_letter_policy"] for d in report["dispatchers"]] == ["block"]
+
+
+def json_status(ran: Any) -> dict[str, Any]:
+    assert ran.code == 0, ran.err
+    report: dict[str, Any] = orjson.loads(ran.out)
+    return report
