@@ -647,10 +647,9 @@ def _safety_flags(parser: argparse.ArgumentParser, *, confirms: bool) -> None:
 
 def add_parsers(
     commands: argparse._SubParsersAction[Any],
-    add_setting_flags: Callable[[argparse.ArgumentParser], None],
+    add_setting_flags: Callable[[argparse.ArgumentParser, str], None],
 ) -> None:
     """The operator commands, each with the setting flags (as run and status have)."""
-    leaves: list[argparse.ArgumentParser] = []
 
     dead = commands.add_parser(
         "dead", help="list, requeue or discard dead-lettered rows", description=_DEAD
@@ -679,7 +678,6 @@ def add_parsers(
     _filter_flags(discard, ids=True, everything=True)
     _safety_flags(discard, confirms=True)
     discard.set_defaults(handler=_dead_discard, interrupted=_BATCHED_INTERRUPTED)
-    leaves += [listing, requeue, discard]
 
     again = commands.add_parser(
         "replay",
@@ -740,8 +738,18 @@ def add_parsers(
     )
     doctor.set_defaults(handler=_check)
 
-    for parser in (*leaves, again, hold, go, sweep, doctor):
-        add_setting_flags(parser)
+    named = (
+        ("dead list", listing),
+        ("dead requeue", requeue),
+        ("dead discard", discard),
+        ("replay", again),
+        ("pause", hold),
+        ("resume", go),
+        ("cleanup", sweep),
+        ("check", doctor),
+    )
+    for name, parser in named:
+        add_setting_flags(parser, name)
 
 
 _DEAD = (

@@ -64,9 +64,28 @@ SECRETS_HELP = (
 SETTINGS_HELP = "each flag overrides its environment variable (shown in brackets). " + SECRETS_HELP
 
 
+# The settings each command reads (one registry: its --help and flags show only these; every
+# OUTBOX_* variable is still validated). run and check use them all.
+_CONNECT = ("database_url", "db_schema", "table", "log_format", "log_level", "uvloop")
+_BATCHED = (*_CONNECT, "cleanup_batch_size")
+COMMAND_SETTINGS: dict[str, tuple[str, ...] | None] = {
+    "run": None,
+    "check": None,
+    "migrate": _CONNECT,
+    "status": (*_CONNECT, "dead_letter_policy"),
+    "dead list": _CONNECT,
+    "dead requeue": _BATCHED,
+    "dead discard": _BATCHED,
+    "replay": (*_BATCHED, "delete_on_publish"),
+    "pause": _CONNECT,
+    "resume": _CONNECT,
+    "cleanup": (*_BATCHED, "retention_seconds"),
+}
+
+
 class _Parser(argparse.ArgumentParser):
-    """A bad value of a setting flag is one line naming the variable and the flag (as for the
-    environment), not the whole usage text; other usage errors stay argparse's."""
+    """Usage errors are one line, not the usage text: a bad value of a setting flag names the
+    variable and the flag (as for the environment); any other names the command and --help."""
 
     def error(self, message: str) -> typing.NoReturn:
         match = re.match(r"argument (--[a-z0-9-]+)(?:/--[a-z0-9-]+)?: (.*)", message, re.DOTALL)
@@ -75,16 +94,24 @@ class _Parser(argparse.ArgumentParser):
             field = fields[match.group(1)]
             where = f"{_env_name(field)} / {match.group(1)}"
             self.exit(EXIT_CONFIG, f"outbox-dispatcher: invalid setting {where}: {match[2]}\n")
-        super().error(message)
+        self.exit(
+            EXIT_CONFIG, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n"
+        )
 
 
-def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("settings", SETTINGS_HELP)
+def _add_setting_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """The flags of the settings `command` reads (COMMAND_SETTINGS), after its own options."""
+    used = COMMAND_SETTINGS[command]
+    group = parser.add_argument_group(
+        "settings" if used is None else "settings this command uses", SETTINGS_HELP
+    )
     for name, field in Settings.model_fields.items():
+        if used is not None and name not in used:
+            continue
         annotation = field.annotation
         default = field.default
         if isinstance(default, SecretStr):
-            shown = db.redact(default.get_secret_value(), default.get_secret_value(), keep_url=True)
+            shown = _masked(default.get_secret_value())
         elif isinstance(default, enum.Enum):
             shown = default.value
         else:
@@ -132,10 +159,34 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pending, in-flight, dead and published rows per topic, oldest pending age.",
     )
     show.add_argument("--json", action="store_true", help="print JSON")
-    for sub in (run, migrate, show):
-        _add_setting_flags(sub)
+    for name, sub in (("run", run), ("migrate", migrate), ("status", show)):
+        _add_setting_flags(sub, name)
     admin.add_parsers(commands, _add_setting_flags)
+    for command, leaf in _leaves(parser):
+        if command in COMMAND_SETTINGS:  # a short synopsis, not every flag
+            leaf.usage = f"outbox-dispatcher {command} [options]"
     return parser
+
+
+def _masked(url: str) -> str:
+    """A default URL for --help, its password as ***."""
+    userinfo, at, rest = url.partition("://")[2].rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{url.partition('://')[0]}://{userinfo.split(':', 1)[0]}:***@{rest}"
+
+
+def _leaves(
+    parser: argparse.ArgumentParser, prefix: str = ""
+) -> list[tuple[str, argparse.ArgumentParser]]:
+    """Every command's parser, named as typed ("dead requeue")."""
+    found = []
+    for action in parser._subparsers._group_actions if parser._subparsers else []:
+        for name, sub in getattr(action, "choices", {}).items():
+            full = f"{prefix} {name}".strip()
+            found.append((full, sub))
+            found.extend(_leaves(sub, full))
+    return found
 
 
 def load_settings(namespace: argparse.Namespace) -> Settings:
@@ -317,6 +368,9 @@ async def _migrate(settings: Settings, _: argparse.Namespace) -> int:
     finally:
         await conn.close()
     log.info("schema_ready", version=version, applied=applied)
+    where = f"{settings.db_schema}.{settings.table}"
+    done = f"applied {', '.join(map(str, applied))}" if applied else "nothing to apply"
+    sys.stdout.write(f"schema {where} is at version {version} ({done})\n")
     return EXIT_OK
 
 

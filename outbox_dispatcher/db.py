@@ -84,11 +84,11 @@ def server_settings(settings: Settings) -> dict[str, str]:
     }
 
 
-def redact(text: str, dsn: str, *, keep_url: bool = False) -> str:
+def redact(text: str, dsn: str) -> str:
     """`text` without the password of `dsn`: a driver's message may quote parts of the URL. The
     password is what the writer meant (up to the last '@'), and its pieces between '/', '?' and
     '#', which, unescaped, end the URL's host part early and show up in parse errors."""
-    secrets = set() if keep_url else {dsn}
+    secrets = {dsn}
     _, sep, rest = dsn.partition("://")
     userinfo = rest.rpartition("@")[0] if sep else ""
     if ":" in userinfo:

@@ -212,7 +212,7 @@ def test_tls_and_sasl_settings_the_protocol_would_ignore_are_refused(
     if values.get("kafka_security_protocol", "").startswith("SASL_") and "ssl_key" in str(values):
         flags += ["--kafka-sasl-mechanism=PLAIN", "--kafka-sasl-username=u"]
         flags += [f"--kafka-sasl-password={SECRET}"]
-    assert cli.main(["status", *flags]) == cli.EXIT_CONFIG
+    assert cli.main(["check", *flags]) == cli.EXIT_CONFIG
     err = capsys.readouterr().err
     assert message in err
     assert SECRET not in err
@@ -294,3 +294,7 @@ def test_help_says_secrets_belong_in_files_not_flags() -> None:
         assert "OUTBOX_SECRETS_DIR" in text and "_FILE" in text
     assert "--kafka-sasl-password" in run_help
     assert "outbox:outbox" not in run_help  # the default URL is shown without its password
+    assert "postgresql://outbox:***@127.0.0.1:5432/outbox" in run_help
+    assert "OUTBOX_CLAIM_TASKS" not in " ".join(
+        cli.build_parser()._subparsers._group_actions[0].choices["pause"].format_help().split()  # type: ignore[union-attr]
+    )
