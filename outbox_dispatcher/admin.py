@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import difflib
 import logging
+import os
 import sys
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -27,7 +29,7 @@ from tqdm import tqdm
 from outbox_dispatcher import cleanup, db, display, errors, listener, migrations, routing, status
 from outbox_dispatcher.publisher import KafkaPublisher
 from outbox_dispatcher.routing import Router
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.settings import SECRETS_DIR_VARIABLE, Settings, env_name
 from outbox_dispatcher.sql import Queries
 
 log = structlog.get_logger(__name__)
@@ -528,12 +530,39 @@ class Report:
         self.problems += 1
         sys.stderr.write(f"problem: {display.inert(line)}\n")
 
+    def warning(self, line: str) -> None:
+        sys.stderr.write(f"warning: {display.inert(line)}\n")
+
+
+# OUTBOX_* variables of the development tooling (deploy/local/services.sh, the tests), not settings.
+TOOLING_PREFIXES = ("OUTBOX_TEST_", "OUTBOX_SERVICES_", "OUTBOX_PGBOUNCER_", "OUTBOX_KAFKA_AUTO_")
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """OUTBOX_* variables that name no setting (a misspelling is otherwise silently ignored),
+    each with the closest setting's variable, if one is close."""
+    known = {env_name(name) for name in Settings.model_fields}
+    valid = known | {f"{name}_FILE" for name in known} | {SECRETS_DIR_VARIABLE}
+    found = []
+    for variable in sorted(environ):
+        if not variable.startswith("OUTBOX_") or variable in valid:
+            continue
+        if variable.startswith(TOOLING_PREFIXES):
+            continue
+        close = difflib.get_close_matches(variable, sorted(valid), n=1, cutoff=0.8)
+        found.append((variable, close[0] if close else None))
+    return found
+
 
 async def check(settings: Settings) -> Report:
     """Configuration, database, schema version, broker and the topics rows need."""
     report = Report()
     report.ok(f"settings are valid (table {settings.db_schema}.{settings.table})")
+    for variable, close in unknown_variables(os.environ):
+        hint = f": did you mean {close}?" if close else ""
+        report.warning(f"{variable} is not a setting and is ignored{hint}")
     needed: dict[str, str] = {}
+    dead_topics: set[str] = set()
     if settings.default_topic:
         needed[settings.default_topic] = "OUTBOX_DEFAULT_TOPIC"
     try:
@@ -542,15 +571,19 @@ async def check(settings: Settings) -> Report:
         report.problem(f"database: {exc}")
     else:
         try:
-            await _check_database(conn, settings, report, needed)
+            await _check_database(conn, settings, report, needed, dead_topics)
         finally:
             await conn.close()
-    await _check_broker(settings, report, needed)
+    await _check_broker(settings, report, needed, dead_topics)
     return report
 
 
 async def _check_database(
-    conn: asyncpg.Connection, settings: Settings, report: Report, needed: dict[str, str]
+    conn: asyncpg.Connection,
+    settings: Settings,
+    report: Report,
+    needed: dict[str, str],
+    dead_topics: set[str],
 ) -> None:
     report.ok("database is reachable")
     schema, table = settings.db_schema, settings.table
@@ -563,6 +596,8 @@ async def _check_database(
     queries = Queries.for_table(schema, table)
     for row in await conn.fetch(queries.pending_topics):
         needed.setdefault(row["topic"], "pending rows")
+    for row in await conn.fetch(queries.dead_topics):
+        dead_topics.add(row["topic"])
     router = Router(settings.default_topic, settings.topic_template)
     unroutable: dict[str, int] = {}
     for row in await conn.fetch(queries.pending_routed_headers, CHECK_ROUTED_ROWS):
@@ -577,7 +612,9 @@ async def _check_database(
         report.note(f"{what} is paused since {p.paused_at.isoformat(timespec='seconds')}")
 
 
-async def _check_broker(settings: Settings, report: Report, needed: dict[str, str]) -> None:
+async def _check_broker(
+    settings: Settings, report: Report, needed: dict[str, str], dead_topics: set[str]
+) -> None:
     publisher = KafkaPublisher(settings)
     # The client logs each failed connection itself; the report line says it once.
     client_log = logging.getLogger("aiokafka")
@@ -602,8 +639,17 @@ async def _check_broker(settings: Settings, report: Report, needed: dict[str, st
             f"topic {topic!r} ({needed[topic]}) does not exist on the broker: create it "
             "(or fix the rows or setting that name it)"
         )
+    for topic in sorted(dead_topics - existing - set(needed)):
+        report.note(
+            f"topic {topic!r} of dead rows does not exist: create it before `dead requeue`, or "
+            "the rows die again"
+        )
     if needed and not missing:
-        report.ok(f"all {len(needed)} topics the outbox needs exist")
+        report.ok(
+            "the one topic the outbox needs exists"
+            if len(needed) == 1
+            else f"all {len(needed)} topics the outbox needs exist"
+        )
 
 
 async def _check(settings: Settings, _: argparse.Namespace) -> int:

@@ -276,11 +276,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"outbox-dispatcher: {_privilege_hint(namespace, settings, exc)}", file=sys.stderr)  # noqa: T201
         return EXIT_FAILED
     except errors.ConfigurationError as exc:
-        log.error("configuration_error", error=str(exc))
+        _report_error(namespace, "configuration_error", exc)
         return EXIT_CONFIG
     except errors.OutboxDispatcherError as exc:
-        log.error("failed", error=str(exc), error_type=type(exc).__name__)
+        _report_error(namespace, "failed", exc)
         return EXIT_FAILED
+
+
+def _report_error(namespace: argparse.Namespace, event: str, exc: BaseException) -> None:
+    """`run` logs (its logs are collected); an operator at a terminal gets one plain line."""
+    if namespace.command == "run":
+        log.error(event, error=str(exc), error_type=type(exc).__name__)
+    else:
+        print(f"outbox-dispatcher: {display.inert(str(exc))}", file=sys.stderr)  # noqa: T201
 
 
 def _privilege_hint(

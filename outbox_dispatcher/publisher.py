@@ -274,8 +274,8 @@ class KafkaPublisher:
             if code == kafka_errors.UnknownTopicOrPartitionError.errno:
                 missing[topic] = TopicMissingError(
                     f"topic {topic!r} does not exist and OUTBOX_KAFKA_ALLOW_AUTO_CREATE_TOPICS is "
-                    "false: create the topic (the row is retried until max_attempts), or requeue "
-                    "the row with an existing topic"
+                    "false: create the topic (the row is retried until max_attempts; once "
+                    "dead-lettered, `outbox-dispatcher dead requeue` sends it again)"
                 )
         return missing
 

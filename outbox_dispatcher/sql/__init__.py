@@ -70,6 +70,7 @@ class Queries:
     audit: str
     dispatcher_beat: str
     dispatchers_live: str
+    dead_topics: str
     cleanup_window: str
     pending_topics: str
     pending_routed_headers: str

@@ -348,6 +348,10 @@ SELECT (SELECT max(id) FROM win) AS last_id,
 SELECT DISTINCT topic FROM {table}
  WHERE published_at IS NULL AND dead_at IS NULL AND topic IS NOT NULL
 
+-- dead_topics --
+-- Topics of dead rows: check says which do not exist, so that a requeue would not die again.
+SELECT DISTINCT topic FROM {table} WHERE dead_at IS NOT NULL AND topic IS NOT NULL
+
 -- pending_routed_headers --
 -- The oldest $1 pending rows the dispatcher routes itself (check routes them as the publisher would).
 SELECT headers FROM {table}

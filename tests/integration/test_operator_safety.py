@@ -8,6 +8,7 @@ import os
 import pty
 import signal
 import sys
+import uuid
 from typing import Any
 
 import asyncpg
@@ -358,3 +359,50 @@ def json_status(ran: Any) -> dict[str, Any]:
     assert ran.code == 0, ran.err
     report: dict[str, Any] = orjson.loads(ran.out)
     return report
+
+
+# --- Messages -----------------------------------------------------------------------------------
+
+
+async def test_check_warns_about_unknown_variables_and_missing_topics_of_dead_rows(
+    conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    gone = f"gone-{uuid.uuid4().hex[:10]}"
+    await _dead_rows(conn, ["a"], gone)
+    misspelt = {"OUTBOX_DEADLETTER_POLICY": "block", "OUTBOX_KAFKA_BOOTSTRAP_SERVER": "x:1"}
+    ran = await cli(_settings(make_settings), "check", env=misspelt)
+    assert ran.code == 0, ran.err  # warnings and notes do not fail the check
+    assert (
+        "warning: OUTBOX_DEADLETTER_POLICY is not a setting and is ignored: did you mean "
+        "OUTBOX_DEAD_LETTER_POLICY?" in ran.err
+    )
+    assert "did you mean OUTBOX_KAFKA_BOOTSTRAP_SERVERS?" in ran.err
+    assert f"note: topic '{gone}' of dead rows does not exist" in ran.out
+
+
+async def test_operator_errors_and_empty_results_are_one_plain_line_with_a_hint(
+    conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    settings = _settings(make_settings)
+    typo = await cli(settings, "status", "--table", "nosuch")
+    assert typo.code == 1
+    assert typo.err.strip().splitlines() == [
+        "outbox-dispatcher: there is no outbox table public.nosuch in this database: check "
+        "OUTBOX_SCHEMA, OUTBOX_TABLE and the database in OUTBOX_DATABASE_URL; for a new outbox, "
+        "run `outbox-dispatcher migrate` (or apply schema/migrations with your migration tool)"
+    ]
+    nothing = await cli(settings, "dead", "discard", "--id", "99999")
+    assert (nothing.code, nothing.out.strip()) == (
+        0,
+        "no dead row matches: nothing changed (`outbox-dispatcher dead list` shows the dead rows)",
+    )
+    backwards = await cli(settings, "replay", "--from-id", "10", "--to-id", "1")
+    assert backwards.code == 2
+    assert "--from-id 10 is after --to-id 1" in backwards.err
+    unfiltered = await cli(settings, "replay")
+    assert "give --from-id, --to-id, --key, --topic, --since, --until, or --all" in unfiltered.err
+    unfiltered = await cli(settings, "dead", "requeue")
+    assert "give --id, --key, --topic, --since, --until, or --all" in unfiltered.err
+    assert "replay also" not in unfiltered.err
+    never = await cli(settings, "resume", "--topic", "never-paused")
+    assert never.out.strip() == "topic never-paused was not paused: nothing changed"
