@@ -108,11 +108,14 @@ class Filters:
 
     ids: list[int] | None = None
     key: str | None = None
-    topic: str | None = None
+    topic: str | None = None  # NULL_TOPIC: rows with no topic (routed by the dispatcher)
     since: datetime | None = None
     until: datetime | None = None
     from_id: int | None = None
     to_id: int | None = None
+    keyless: bool | None = None  # True: rows with no ordering key
+    dead_since: datetime | None = None  # dead_at, for dead rows
+    dead_until: datetime | None = None
 
     @classmethod
     def of(cls, ns: argparse.Namespace) -> Filters:
@@ -124,13 +127,25 @@ class Filters:
             until=ns.until,
             from_id=getattr(ns, "from_id", None),
             to_id=getattr(ns, "to_id", None),
+            keyless=getattr(ns, "keyless", None),
+            dead_since=getattr(ns, "dead_since", None),
+            dead_until=getattr(ns, "dead_until", None),
         )
 
     def empty(self) -> bool:
         return all(value is None for value in vars(self).values())
 
     def dead_args(self) -> tuple[object, ...]:
-        return (self.ids, self.key, self.topic, self.since, self.until)
+        return (
+            self.ids,
+            self.key,
+            self.topic,
+            self.since,
+            self.until,
+            self.keyless,
+            self.dead_since,
+            self.dead_until,
+        )
 
     def replay_args(self) -> tuple[object, ...]:
         return (self.from_id, self.to_id, self.key, self.topic, self.since, self.until)
@@ -289,7 +304,7 @@ def _refuse_unfiltered(filters: Filters, ns: argparse.Namespace, what: str) -> s
         flags = (
             "--from-id, --to-id, --key, --topic, --since, --until"
             if what.startswith("replay")
-            else "--id, --key, --topic, --since, --until"
+            else "--id, --key, --keyless, --topic, --since, --until, --dead-since, --dead-until"
         )
         return f"refusing to {what} without a filter: give {flags}, or --all"
     if (
@@ -663,11 +678,26 @@ def _filter_flags(parser: argparse.ArgumentParser, *, ids: bool, everything: boo
             "--id", dest="ids", type=int, action="append", help="a row id (repeatable)"
         )
     parser.add_argument("--key", help="rows of this ordering key")
-    parser.add_argument("--topic", help="rows of this topic")
+    parser.add_argument(
+        "--topic",
+        help=f"rows of this topic ({NULL_TOPIC!r}: rows without one, routed by the dispatcher)"
+        if ids
+        else "rows of this topic",
+    )
     parser.add_argument(
         "--since", type=timestamp, help="rows created at or after this ISO-8601 time (UTC if bare)"
     )
     parser.add_argument("--until", type=timestamp, help="rows created before this ISO-8601 time")
+    if ids:  # the dead-row commands
+        parser.add_argument(
+            "--keyless", action="store_true", default=None, help="rows without an ordering key"
+        )
+        parser.add_argument(
+            "--dead-since", type=timestamp, help="rows dead-lettered at or after this time"
+        )
+        parser.add_argument(
+            "--dead-until", type=timestamp, help="rows dead-lettered before this time"
+        )
     if everything:
         parser.add_argument("--all", action="store_true", help="every row (no filter)")
 

@@ -177,26 +177,32 @@ SELECT id, event_id, topic, ordering_key, attempts, created_at, dead_at, last_er
  WHERE dead_at IS NOT NULL
    AND ($1::bigint[] IS NULL OR id = ANY ($1))
    AND ($2::text IS NULL OR ordering_key = $2)
-   AND ($3::text IS NULL OR topic = $3)
+   AND ($3::text IS NULL OR topic IS NOT DISTINCT FROM nullif($3, '(routed)'))
    AND ($4::timestamptz IS NULL OR created_at >= $4)
    AND ($5::timestamptz IS NULL OR created_at < $5)
+   AND ($6::boolean IS NULL OR ordering_key IS NULL)
+   AND ($7::timestamptz IS NULL OR dead_at >= $7)
+   AND ($8::timestamptz IS NULL OR dead_at < $8)
  ORDER BY id
- LIMIT $6
+ LIMIT $9
 
 -- dead_requeue --
--- One batch: dead rows with ids in ($6, $7], up to $8, become pending again (due now, attempts
+-- One batch: dead rows with ids in ($9, $10], up to $11, become pending again (due now, attempts
 -- reset); last_error keeps a trace. Dead rows are never leased, so no dispatcher races this.
 WITH batch AS (
     SELECT id FROM {table}
      WHERE dead_at IS NOT NULL
        AND ($1::bigint[] IS NULL OR id = ANY ($1))
        AND ($2::text IS NULL OR ordering_key = $2)
-       AND ($3::text IS NULL OR topic = $3)
+       AND ($3::text IS NULL OR topic IS NOT DISTINCT FROM nullif($3, '(routed)'))
        AND ($4::timestamptz IS NULL OR created_at >= $4)
        AND ($5::timestamptz IS NULL OR created_at < $5)
-       AND id > $6 AND id <= $7
+       AND ($6::boolean IS NULL OR ordering_key IS NULL)
+       AND ($7::timestamptz IS NULL OR dead_at >= $7)
+       AND ($8::timestamptz IS NULL OR dead_at < $8)
+       AND id > $9 AND id <= $10
      ORDER BY id
-     LIMIT $8
+     LIMIT $11
 ),
 done AS (
     UPDATE {table} o
@@ -214,18 +220,21 @@ done AS (
 SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM done) AS rows
 
 -- dead_discard --
--- One batch: delete dead rows with ids in ($6, $7], up to $8.
+-- One batch: delete dead rows with ids in ($9, $10], up to $11.
 WITH batch AS (
     SELECT id FROM {table}
      WHERE dead_at IS NOT NULL
        AND ($1::bigint[] IS NULL OR id = ANY ($1))
        AND ($2::text IS NULL OR ordering_key = $2)
-       AND ($3::text IS NULL OR topic = $3)
+       AND ($3::text IS NULL OR topic IS NOT DISTINCT FROM nullif($3, '(routed)'))
        AND ($4::timestamptz IS NULL OR created_at >= $4)
        AND ($5::timestamptz IS NULL OR created_at < $5)
-       AND id > $6 AND id <= $7
+       AND ($6::boolean IS NULL OR ordering_key IS NULL)
+       AND ($7::timestamptz IS NULL OR dead_at >= $7)
+       AND ($8::timestamptz IS NULL OR dead_at < $8)
+       AND id > $9 AND id <= $10
      ORDER BY id
-     LIMIT $8
+     LIMIT $11
 ),
 done AS (
     DELETE FROM {table} o USING batch b
@@ -286,9 +295,12 @@ SELECT count(*) FROM {table}
  WHERE dead_at IS NOT NULL
    AND ($1::bigint[] IS NULL OR id = ANY ($1))
    AND ($2::text IS NULL OR ordering_key = $2)
-   AND ($3::text IS NULL OR topic = $3)
+   AND ($3::text IS NULL OR topic IS NOT DISTINCT FROM nullif($3, '(routed)'))
    AND ($4::timestamptz IS NULL OR created_at >= $4)
    AND ($5::timestamptz IS NULL OR created_at < $5)
+   AND ($6::boolean IS NULL OR ordering_key IS NULL)
+   AND ($7::timestamptz IS NULL OR dead_at >= $7)
+   AND ($8::timestamptz IS NULL OR dead_at < $8)
 
 -- replay_count --
 SELECT count(*) FROM {table}

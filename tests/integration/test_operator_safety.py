@@ -9,6 +9,7 @@ import pty
 import signal
 import sys
 import uuid
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -402,7 +403,37 @@ async def test_operator_errors_and_empty_results_are_one_plain_line_with_a_hint(
     unfiltered = await cli(settings, "replay")
     assert "give --from-id, --to-id, --key, --topic, --since, --until, or --all" in unfiltered.err
     unfiltered = await cli(settings, "dead", "requeue")
-    assert "give --id, --key, --topic, --since, --until, or --all" in unfiltered.err
+    flags = "--id, --key, --keyless, --topic, --since, --until, --dead-since, --dead-until"
+    assert f"give {flags}, or --all" in unfiltered.err
     assert "replay also" not in unfiltered.err
     never = await cli(settings, "resume", "--topic", "never-paused")
     assert never.out.strip() == "topic never-paused was not paused: nothing changed"
+
+
+async def test_dead_rows_are_selected_by_routed_topic_keyless_and_time_of_death(
+    conn: asyncpg.Connection, make_settings: Any, topic: str
+) -> None:
+    await conn.execute(
+        "INSERT INTO outbox (topic, ordering_key, payload, dead_at, last_error) VALUES"
+        " (NULL, 'routed-key', 'x', now(), 'no route'),"
+        " ($1, NULL, 'x', now(), 'keyless'),"
+        " ($1, '-', 'x', now() - interval '2 hours', 'old death')",
+        topic,
+    )
+    settings = _settings(make_settings)
+
+    async def keys(*args: str) -> list[str | None]:
+        ran = await cli(settings, "dead", "list", "--json", *args)
+        assert ran.code == 0, ran.err
+        return [row["ordering_key"] for row in orjson.loads(ran.out)]
+
+    assert await keys("--topic", "(routed)") == ["routed-key"]
+    assert await keys("--keyless") == [None]
+    assert await keys("--key", "-") == ["-"]  # a real key "-" is not the missing key
+    hour_ago = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
+    assert await keys("--dead-until", hour_ago) == ["-"]
+    assert sorted(await keys("--dead-since", hour_ago), key=str) == [None, "routed-key"]
+    table = (await cli(settings, "dead", "list")).out
+    assert "(routed)" in table and "(none)" in table and "created_at" in table
+    discarded = await cli(settings, "dead", "discard", "--topic", "(routed)")
+    assert discarded.out.strip() == "discarded 1 dead row"
