@@ -19,6 +19,14 @@ def valid_topic(name: str) -> bool:
 
 def check_template(template: str) -> str:
     """Validate OUTBOX_TOPIC_TEMPLATE: topic characters around {header-name} placeholders."""
+    depth = 0
+    for char in template:
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        if depth not in (0, 1):
+            break
+    if depth != 0:
+        msg = f"OUTBOX_TOPIC_TEMPLATE {template!r} has an unbalanced '{{' or '}}'"
+        raise ValueError(msg)
     if not _PLACEHOLDER.search(template):
         msg = "OUTBOX_TOPIC_TEMPLATE needs at least one {header-name} placeholder"
         raise ValueError(msg)

@@ -156,7 +156,7 @@ def as_table(
         "in_flight",
         "dead",
         "published",
-        "oldest_pending_s",
+        "oldest_pending",
         "blocked_keys",
         "paused",
     )
@@ -167,7 +167,7 @@ def as_table(
             str(t.in_flight),
             str(t.dead),
             str(t.published),
-            "-" if t.oldest_pending_age_seconds is None else f"{t.oldest_pending_age_seconds:.1f}",
+            age_text(t.oldest_pending_age_seconds),
             _blocked(t.blocked_keys, t.dead_blocked_keys, t.held_keys),
             "yes" if t.paused else "",
         )
@@ -182,7 +182,7 @@ def as_table(
             str(totals["in_flight"]),
             str(totals["dead"]),
             str(totals["published"]),
-            "-" if age is None else f"{age:.1f}",
+            age_text(age),
             _blocked(totals["blocked_keys"], totals["dead_blocked_keys"], totals["held_keys"]),
             "",
         )
@@ -197,6 +197,19 @@ def as_table(
             f" by {inert(p.paused_by or '?')}" + (f": {inert(p.reason)}" if p.reason else "")
         )
     return "\n".join(lines)
+
+
+def age_text(seconds: float | None) -> str:
+    """An age for people: 2.4s, 12m05s, 3h04m, 3d04h (JSON keeps the seconds)."""
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    whole = int(seconds)
+    for unit, size, sub, sub_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60)):
+        if whole >= size:
+            return f"{whole // size}{unit}{whole % size // sub_size:02d}{sub}"
+    return f"{whole // 60}m{whole % 60:02d}s"
 
 
 def _dispatchers_line(dispatchers: list[Dispatcher], policy: str | None) -> str:
