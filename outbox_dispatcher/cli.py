@@ -256,7 +256,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except errors.ConfigurationError as exc:  # an unreadable *_FILE or OUTBOX_SECRETS_DIR
         print(f"outbox-dispatcher: {exc}", file=sys.stderr)  # noqa: T201
         return EXIT_CONFIG
-    logs.configure(settings.log_format, settings.log_level)
+    # An operator command at a terminal logs for a person (its record is the audit table);
+    # `run`, and any command whose stderr is collected, logs JSON as configured.
+    human = namespace.command != "run" and sys.stderr.isatty()
+    logs.configure("console" if human else settings.log_format, settings.log_level)
     command: Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]] = (
         admin.handler(namespace)
         or {

@@ -4,6 +4,7 @@ mess, status that tells the truth. Each command runs as a real `python -m outbox
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pty
 import signal
@@ -437,3 +438,33 @@ async def test_dead_rows_are_selected_by_routed_topic_keyless_and_time_of_death(
     assert "(routed)" in table and "(none)" in table and "created_at" in table
     discarded = await cli(settings, "dead", "discard", "--topic", "(routed)")
     assert discarded.out.strip() == "discarded 1 dead row"
+
+
+async def test_an_operator_command_at_a_terminal_logs_for_a_person_not_json(
+    conn: asyncpg.Connection, make_settings: Any, topic: str
+) -> None:
+    controller, terminal = pty.openpty()
+    try:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "outbox_dispatcher",
+            "pause",
+            "--topic",
+            topic,
+            env=settings_env(_settings(make_settings, log_format="json")),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=terminal,
+        )
+        out, _ = await asyncio.wait_for(process.communicate(), 60)
+    finally:
+        os.close(terminal)
+    err = b""
+    with contextlib.suppress(OSError):  # EIO once the terminal's other end is closed
+        while chunk := os.read(controller, 4096):
+            err += chunk
+    os.close(controller)
+    assert process.returncode == 0
+    assert out.decode().startswith(f"paused topic {topic}")
+    assert b"paused" in err and b'{"' not in err  # a console line, not a JSON object
