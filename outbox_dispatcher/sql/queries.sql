@@ -86,8 +86,9 @@ SELECT topic,
 
 -- gauges --
 -- The table gauges behind /metrics, each from a partial index: pending rows, the age of the oldest
--- (by id, the claim's order), dead rows, keys waiting out a backoff, and keys blocked by a dead row
--- when $1 (dead_letter_policy = block); and the pauses operators set.
+-- (by id, the claim's order), dead rows, keys waiting out a backoff, keys held without a failure
+-- (an interrupted replay of version 0.1), and keys blocked by a dead row when $1
+-- (dead_letter_policy = block); and the pauses operators set.
 SELECT (SELECT count(*) FROM {table} WHERE published_at IS NULL AND dead_at IS NULL) AS pending,
        (SELECT extract(epoch FROM now() - created_at)::float8 FROM {table}
          WHERE published_at IS NULL AND dead_at IS NULL ORDER BY id LIMIT 1)
@@ -96,6 +97,9 @@ SELECT (SELECT count(*) FROM {table} WHERE published_at IS NULL AND dead_at IS N
        (SELECT count(DISTINCT ordering_key) FROM {table}
          WHERE published_at IS NULL AND dead_at IS NULL AND attempts > 0
            AND next_attempt_at > now()) AS backoff_keys,
+       (SELECT count(DISTINCT ordering_key) FROM {table}
+         WHERE published_at IS NULL AND dead_at IS NULL AND attempts = 0
+           AND next_attempt_at > now() AND lease_token IS NULL) AS held_keys,
        (SELECT count(DISTINCT d.ordering_key) FROM {table} d
          WHERE $1 AND d.dead_at IS NOT NULL
            AND EXISTS (SELECT FROM {table} p

@@ -21,6 +21,7 @@ from outbox_dispatcher import migrations
 from outbox_dispatcher.settings import Settings
 
 from .helpers import Services, cli, running, settings_env, wait_until
+from .test_observability import port_of, scrape
 from .test_security import _as_role, _roles_database
 
 pytestmark = pytest.mark.integration
@@ -174,12 +175,29 @@ async def test_release_held_lets_go_what_an_old_interrupted_replay_held(
         " VALUES ($1, 'other', 'x', 2, now() + interval '10 minutes', 'broker said no')",
         topic,
     )
-    settings = _settings(make_settings)
+    settings = _settings(make_settings, metrics_interval_seconds=0.2)
     shown = orjson.loads((await cli(settings, "status", "--json")).out)
     assert shown["totals"]["held_keys"] == 5
-    released = await cli(settings, "replay", "--release-held")
-    assert released.code == 0, released.err
-    assert released.out.strip() == "released 20 held rows"
+    async with running(settings) as dispatcher:
+        port = await port_of(dispatcher)
+        held = ("outbox_blocked_keys", (("reason", "held"),))
+        backoff = ("outbox_blocked_keys", (("reason", "backoff"),))
+
+        async def metrics_show_them() -> bool:
+            samples = await scrape(port)
+            return samples.get(held) == 5 and samples.get(backoff) == 1
+
+        await wait_until(metrics_show_them, 30, "the held keys in /metrics")
+        released = await cli(settings, "replay", "--release-held")
+        assert released.code == 0, released.err
+        assert released.out.strip() == "released 20 held rows"
+        await wait_until(
+            lambda: conn.fetchval(
+                "SELECT count(*) = 20 FROM outbox WHERE published_at IS NOT NULL"
+            ),
+            60,
+            "the released rows to be published",
+        )
     assert await conn.fetchval("SELECT count(*) FROM outbox WHERE next_attempt_at > now()") == 1
     row = await conn.fetchrow("SELECT command, rows FROM outbox_operator_audit")
     assert (row["command"], row["rows"]) == ("replay --release-held", 20)
