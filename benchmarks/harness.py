@@ -47,7 +47,7 @@ STUCK_KEY = "stuck-key"  # the prefill's keys are key-<n>: no collision
 BROKER_DELAY = 0.02  # latency the proxy adds each way (40 ms a round trip): scaling_processes_*
 QUERIES = Queries.for_table("public", "outbox")
 WAIT_LIMIT = 900.0  # seconds a drain may take before the scenario fails
-REPLAY_BATCH = 250  # rows per replay_hold batch of the stuck key
+REPLAY_BATCH = 250  # rows per hold batch of the stuck key's replay (as version 0.1 held)
 
 
 @dataclass
@@ -222,23 +222,24 @@ async def make_stuck(url: str, topic: str, kind: str, rows: int) -> dict[str, An
             last = await conn.fetchval(
                 "SELECT max(id) FROM outbox WHERE ordering_key = $1", STUCK_KEY
             )
-            # A replay whose command died between hold and release: held for an hour. In
-            # batches, each its own transaction, as `outbox-dispatcher replay` holds them (one
-            # statement of 100k rows of one key costs minutes: the registry trigger rewrites
-            # the key's row once per row within one transaction).
+            # A replay of version 0.1 whose command died between hold and release (replay is
+            # one transaction now): held for an hour, in batches, as that version held them.
             after = 0
             while True:
-                batch = await conn.fetchrow(
-                    QUERIES.replay_hold,
-                    *(None, None, STUCK_KEY, None, None, None),
+                after = await conn.fetchval(
+                    "WITH batch AS (SELECT id FROM outbox WHERE ordering_key = $1 "
+                    "AND published_at IS NOT NULL AND id > $2 AND id <= $3 ORDER BY id LIMIT $4), "
+                    "held AS (UPDATE outbox o SET published_at = NULL, attempts = 0, "
+                    "next_attempt_at = now() + interval '1 hour', "
+                    "last_error = 'replayed by operator at (held)' "
+                    "FROM batch b WHERE o.id = b.id RETURNING o.id) SELECT max(id) FROM held",
+                    STUCK_KEY,
                     after,
                     last,
                     REPLAY_BATCH,
-                    3600.0,
                 )
-                if batch is None or batch["last_id"] is None:
+                if after is None:
                     break
-                after = batch["last_id"]
         else:
             msg = f"unknown stuck kind {kind!r}"
             raise ValueError(msg)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import getpass
+import difflib
 import logging
-import socket
+import os
 import sys
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -24,11 +24,12 @@ from typing import Any
 import asyncpg
 import orjson
 import structlog
+from tqdm import tqdm
 
-from outbox_dispatcher import cleanup, db, errors, listener, migrations, routing, status
+from outbox_dispatcher import cleanup, db, display, errors, listener, migrations, routing, status
 from outbox_dispatcher.publisher import KafkaPublisher
 from outbox_dispatcher.routing import Router
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.settings import SECRETS_DIR_VARIABLE, Settings, env_name
 from outbox_dispatcher.sql import Queries
 
 log = structlog.get_logger(__name__)
@@ -37,13 +38,15 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
-# A replay first makes every matching row pending but not due for this long, then lets the rows
-# go batch by batch in id order. If the command dies in between, the held rows go out by
-# themselves when the hold ends, still in id order per key.
-REPLAY_HOLD_SECONDS = 600.0
 # How many pending routed rows `check` routes to find the topics they need.
 CHECK_ROUTED_ROWS = 1000
 CHECK_BROKER_SECONDS = 15.0
+# dead list without --full: the widths of the key and last_error columns.
+KEY_WIDTH = 40
+ERROR_WIDTH = 160
+# How dead list shows a NULL topic or key (and what --topic / --key accept for them).
+NULL_TOPIC = "(routed)"
+NULL_KEY = "(none)"
 
 Handler = Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]
 
@@ -105,11 +108,14 @@ class Filters:
 
     ids: list[int] | None = None
     key: str | None = None
-    topic: str | None = None
+    topic: str | None = None  # NULL_TOPIC: rows with no topic (routed by the dispatcher)
     since: datetime | None = None
     until: datetime | None = None
     from_id: int | None = None
     to_id: int | None = None
+    keyless: bool | None = None  # True: rows with no ordering key
+    dead_since: datetime | None = None  # dead_at, for dead rows
+    dead_until: datetime | None = None
 
     @classmethod
     def of(cls, ns: argparse.Namespace) -> Filters:
@@ -121,16 +127,36 @@ class Filters:
             until=ns.until,
             from_id=getattr(ns, "from_id", None),
             to_id=getattr(ns, "to_id", None),
+            keyless=getattr(ns, "keyless", None),
+            dead_since=getattr(ns, "dead_since", None),
+            dead_until=getattr(ns, "dead_until", None),
         )
 
     def empty(self) -> bool:
         return all(value is None for value in vars(self).values())
 
     def dead_args(self) -> tuple[object, ...]:
-        return (self.ids, self.key, self.topic, self.since, self.until)
+        return (
+            self.ids,
+            self.key,
+            self.topic,
+            self.since,
+            self.until,
+            self.keyless,
+            self.dead_since,
+            self.dead_until,
+        )
 
     def replay_args(self) -> tuple[object, ...]:
         return (self.from_id, self.to_id, self.key, self.topic, self.since, self.until)
+
+    def as_json(self) -> dict[str, object]:
+        """The filter for the audit table: only what was given, times in ISO 8601."""
+        return {
+            name: value.isoformat() if isinstance(value, datetime) else value
+            for name, value in vars(self).items()
+            if value is not None
+        }
 
 
 # --- the commands, usable in-process (tests) and from the CLI ---------------------------------
@@ -149,8 +175,10 @@ async def _walk(
     query: str,
     args: tuple[object, ...],
     batch_size: int,
+    progress: Progress | None = None,
 ) -> int:
-    """Run a cursor-batched statement over ids (0, max id now], one transaction per batch."""
+    """Run a cursor-batched statement over ids (0, max id now], one transaction per batch
+    (unless the caller holds one)."""
     bound: int = await conn.fetchval(queries.max_id)
     after = 0
     total = 0
@@ -161,20 +189,37 @@ async def _walk(
             return total
         after = row["last_id"]
         total += row["rows"]
+        if progress is not None:
+            progress(row["rows"])
+
+
+Progress = Callable[[int], object]
 
 
 async def dead_requeue(
-    conn: asyncpg.Connection, queries: Queries, filters: Filters, batch_size: int
+    conn: asyncpg.Connection,
+    queries: Queries,
+    filters: Filters,
+    batch_size: int,
+    progress: Progress | None = None,
 ) -> int:
     """Make matching dead rows pending again (attempts 0, due now); returns how many."""
-    return await _walk(conn, queries, queries.dead_requeue, filters.dead_args(), batch_size)
+    n = await _walk(conn, queries, queries.dead_requeue, filters.dead_args(), batch_size, progress)
+    await audit(conn, queries, "dead requeue", filters.as_json(), n)
+    return n
 
 
 async def dead_discard(
-    conn: asyncpg.Connection, queries: Queries, filters: Filters, batch_size: int
+    conn: asyncpg.Connection,
+    queries: Queries,
+    filters: Filters,
+    batch_size: int,
+    progress: Progress | None = None,
 ) -> int:
     """Delete matching dead rows; returns how many."""
-    return await _walk(conn, queries, queries.dead_discard, filters.dead_args(), batch_size)
+    n = await _walk(conn, queries, queries.dead_discard, filters.dead_args(), batch_size, progress)
+    await audit(conn, queries, "dead discard", filters.as_json(), n)
+    return n
 
 
 async def replay(
@@ -182,48 +227,46 @@ async def replay(
     queries: Queries,
     filters: Filters,
     batch_size: int,
-    hold_seconds: float = REPLAY_HOLD_SECONDS,
+    progress: Progress | None = None,
 ) -> int:
     """Make matching published rows pending again, with their event ids; returns how many.
 
-    Batches first hold every row (pending, not due), then release them in id order, so that a
-    key's replayed rows go out before any newer pending row of the key, in their original order.
+    One transaction (in batches, for progress): dispatchers see every replayed row at once when
+    it commits, so a key's replayed rows go out in their order and before the key's newer rows;
+    an interrupted replay changes nothing. Published rows are never leased, so the row locks it
+    holds until then delay no dispatcher.
     """
-    bound: int = await conn.fetchval(queries.max_id)
-    after = 0
-    held: list[list[int]] = []
-    while True:
-        row = await conn.fetchrow(
-            queries.replay_hold, *filters.replay_args(), after, bound, batch_size, hold_seconds
+    async with conn.transaction():
+        n = await _walk(
+            conn, queries, queries.replay_batch, filters.replay_args(), batch_size, progress
         )
-        assert row is not None  # noqa: S101 - an aggregate always returns one row
-        if row["last_id"] is None:
-            break
-        after = row["last_id"]
-        if row["ids"]:
-            held.append(list(row["ids"]))
-    for ids in held:
-        await conn.fetchval(queries.replay_release, ids)
-    return sum(len(ids) for ids in held)
+        await audit(conn, queries, "replay", filters.as_json(), n)
+    return n
 
 
-def operator() -> str:
-    """Who pauses: user@host of the command."""
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = "unknown"
-    return f"{user}@{socket.gethostname()}"
+async def release_held(conn: asyncpg.Connection, queries: Queries, topic: str | None) -> int:
+    """Let rows go that an interrupted replay of an earlier version left held; how many."""
+    async with conn.transaction():
+        n: int = await conn.fetchval(queries.release_held, topic)
+        await audit(conn, queries, "replay --release-held", {"topic": topic} if topic else {}, n)
+    return n
+
+
+async def audit(
+    conn: asyncpg.Connection, queries: Queries, command: str, filter: object, rows: int
+) -> None:
+    """Record an operator action in the database (who, from where and when: the database's)."""
+    # As text: the statement works on any connection, with or without our jsonb codec.
+    await conn.execute(queries.audit, command, orjson.dumps(filter).decode(), rows)
 
 
 async def pause(
-    conn: asyncpg.Connection,
-    queries: Queries,
-    topic: str | None,
-    reason: str | None,
-    by: str | None = None,
+    conn: asyncpg.Connection, queries: Queries, topic: str | None, reason: str | None
 ) -> status.Pause:
-    row = await conn.fetchrow(queries.pause, topic or status.WHOLE_TABLE, by or operator(), reason)
+    """Pause a topic or the whole table; paused_by is the database role and client address."""
+    async with conn.transaction():
+        row = await conn.fetchrow(queries.pause, topic or status.WHOLE_TABLE, reason)
+        await audit(conn, queries, "pause", {"topic": topic, "reason": reason}, 1)
     return status.Pause(**dict(row or {}))
 
 
@@ -231,7 +274,9 @@ async def resume(
     conn: asyncpg.Connection, queries: Queries, topic: str | None, channel: str
 ) -> status.Pause | None:
     """Lift a pause and wake idle dispatchers so that the rows go out at once."""
-    row = await conn.fetchrow(queries.resume, topic or status.WHOLE_TABLE)
+    async with conn.transaction():
+        row = await conn.fetchrow(queries.resume, topic or status.WHOLE_TABLE)
+        await audit(conn, queries, "resume", {"topic": topic}, 0 if row is None else 1)
     await conn.execute(queries.wake, channel)
     return None if row is None else status.Pause(**dict(row))
 
@@ -241,7 +286,10 @@ async def resume(
 
 @contextlib.asynccontextmanager
 async def _connected(settings: Settings) -> AsyncIterator[tuple[asyncpg.Connection, Queries]]:
-    conn = await db.connect(settings.database_url.get_secret_value(), settings)
+    """A connection for an operator command: its changes are durable before it reports them
+    (synchronous_commit on, whatever the dispatcher's own setting)."""
+    durable = settings.model_copy(update={"synchronous_commit": "on"})
+    conn = await db.connect(settings.database_url.get_secret_value(), durable)
     try:
         await migrations.check_version(conn, settings.db_schema, settings.table)
         yield conn, Queries.for_table(settings.db_schema, settings.table)
@@ -253,74 +301,137 @@ def _refuse_unfiltered(filters: Filters, ns: argparse.Namespace, what: str) -> s
     if ns.all and not filters.empty():
         return "--all cannot be combined with filters"
     if not ns.all and filters.empty():
-        return (
-            f"refusing to {what} without a filter: give --id, --key, --topic, --since, --until "
-            "(replay also --from-id, --to-id), or --all"
+        flags = (
+            "--from-id, --to-id, --key, --topic, --since, --until"
+            if what.startswith("replay")
+            else "--id, --key, --keyless, --topic, --since, --until, --dead-since, --dead-until"
         )
+        return f"refusing to {what} without a filter: give {flags}, or --all"
+    if (
+        filters.from_id is not None
+        and filters.to_id is not None
+        and filters.from_id > filters.to_id
+    ):
+        return f"--from-id {filters.from_id} is after --to-id {filters.to_id}: no row is between"
     return None
+
+
+def rows(n: int, what: str) -> str:
+    """'1 dead row', '2 dead rows'."""
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def confirm(ns: argparse.Namespace, question: str) -> bool:
+    """The widest commands ask on a terminal unless --yes; in a script (no terminal) they run."""
+    if getattr(ns, "yes", False) or not sys.stdin.isatty():
+        return True
+    sys.stderr.write(f"outbox-dispatcher: {question} Type 'yes' to go on: ")
+    sys.stderr.flush()
+    return sys.stdin.readline().strip().lower() == "yes"
+
+
+@contextlib.contextmanager
+def progress(total: int | None, what: str) -> Iterator[Progress]:
+    """A progress bar on stderr when it is a terminal; nothing otherwise."""
+    bar = tqdm(
+        total=total,
+        desc=what,
+        unit=" rows",
+        file=sys.stderr,
+        disable=not sys.stderr.isatty(),
+        leave=False,
+        dynamic_ncols=True,
+    )
+    try:
+        yield bar.update
+    finally:
+        bar.close()
 
 
 async def _dead_list(settings: Settings, ns: argparse.Namespace) -> int:
     async with _connected(settings) as (conn, queries):
-        rows = await dead_list(conn, queries, Filters.of(ns), ns.limit)
+        found = await dead_list(conn, queries, Filters.of(ns), ns.limit)
     if ns.json:
-        _json(rows)
+        _json(found)
     else:
-        _out(_dead_table(rows))
-    if len(rows) == ns.limit:
+        _out(dead_table(found, full=ns.full))
+    if len(found) == ns.limit:
         _err(f"showing the first {ns.limit} dead rows; --limit shows more")
     return EXIT_OK
 
 
-def _dead_table(rows: list[dict[str, Any]]) -> str:
-    header = ("id", "event_id", "topic", "key", "attempts", "dead_at", "last_error")
+def dead_table(found: list[dict[str, Any]], *, full: bool = False) -> str:
+    """Dead rows for a terminal. Keys and errors are cut (a 2 kB key would pad every line)
+    unless `full`; every cell is made inert by display.columns."""
+    key_width, error_width = (None, None) if full else (KEY_WIDTH, ERROR_WIDTH)
+    header = ("id", "event_id", "topic", "key", "attempts", "created_at", "dead_at", "last_error")
     cells = [
         (
             str(r["id"]),
             str(r["event_id"]),
-            "(routed)" if r["topic"] is None else r["topic"],
-            "-" if r["ordering_key"] is None else r["ordering_key"],
+            NULL_TOPIC if r["topic"] is None else r["topic"],
+            NULL_KEY if r["ordering_key"] is None else _cut(r["ordering_key"], key_width),
             str(r["attempts"]),
+            r["created_at"].isoformat(timespec="seconds"),
             r["dead_at"].isoformat(timespec="seconds"),
-            _shorten(r["last_error"] or "", 100),
+            _cut(r["last_error"] or "", error_width),
         )
-        for r in rows
+        for r in found
     ]
-    return "\n".join(status.columns(header, cells))
+    return "\n".join(display.columns(header, cells))
 
 
-def _shorten(text: str, width: int) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[: width - 3] + "..."
+def _cut(text: str, width: int | None) -> str:
+    return text if width is None else display.shorten(text, width)
+
+
+async def _dead_change(settings: Settings, ns: argparse.Namespace, *, discard: bool) -> int:
+    verb = "discard" if discard else "requeue"
+    filters = Filters.of(ns)
+    if problem := _refuse_unfiltered(filters, ns, f"{verb} dead rows"):
+        _err(problem)
+        return EXIT_USAGE
+    async with _connected(settings) as (conn, queries):
+        matching: int = await conn.fetchval(queries.dead_count, *filters.dead_args())
+        if ns.dry_run or not matching:
+            _out(f"would {verb} {rows(matching, 'dead row')}" if ns.dry_run else _no_dead_rows())
+            return EXIT_OK
+        if ns.all and discard and not confirm(ns, f"discard all {rows(matching, 'dead row')}?"):
+            _err("not confirmed: nothing changed")
+            return EXIT_FAILED
+        operation = dead_discard if discard else dead_requeue
+        with progress(matching, f"{verb} dead rows") as advance:
+            n = await operation(conn, queries, filters, settings.cleanup_batch_size, advance)
+        if n and not discard:
+            await conn.execute(queries.wake, listener.channel_name(settings))
+    log.info("dead_discarded" if discard else "dead_requeued", rows=n, filter=filters.as_json())
+    _out(f"{'discarded' if discard else 'requeued'} {rows(n, 'dead row')}")
+    return EXIT_OK
+
+
+def _no_dead_rows() -> str:
+    return (
+        "no dead row matches: nothing changed (`outbox-dispatcher dead list` shows the dead rows)"
+    )
 
 
 async def _dead_requeue(settings: Settings, ns: argparse.Namespace) -> int:
-    filters = Filters.of(ns)
-    if problem := _refuse_unfiltered(filters, ns, "requeue dead rows"):
-        _err(problem)
-        return EXIT_USAGE
-    async with _connected(settings) as (conn, queries):
-        n = await dead_requeue(conn, queries, filters, settings.cleanup_batch_size)
-        if n:
-            await conn.execute(queries.wake, listener.channel_name(settings))
-    log.info("dead_requeued", rows=n)
-    _out(f"requeued {n} dead rows")
-    return EXIT_OK
+    return await _dead_change(settings, ns, discard=False)
 
 
 async def _dead_discard(settings: Settings, ns: argparse.Namespace) -> int:
-    filters = Filters.of(ns)
-    if problem := _refuse_unfiltered(filters, ns, "discard dead rows"):
-        _err(problem)
-        return EXIT_USAGE
-    async with _connected(settings) as (conn, queries):
-        n = await dead_discard(conn, queries, filters, settings.cleanup_batch_size)
-    log.info("dead_discarded", rows=n)
-    _out(f"discarded {n} dead rows")
-    return EXIT_OK
+    return await _dead_change(settings, ns, discard=True)
 
 
 async def _replay(settings: Settings, ns: argparse.Namespace) -> int:
+    if ns.release_held:
+        async with _connected(settings) as (conn, queries):
+            n = await release_held(conn, queries, ns.topic)
+            if n:
+                await conn.execute(queries.wake, listener.channel_name(settings))
+        log.info("replay_released", rows=n, topic=ns.topic)
+        _out(f"released {rows(n, 'held row')}")
+        return EXIT_OK
     filters = Filters.of(ns)
     if problem := _refuse_unfiltered(filters, ns, "replay published rows"):
         _err(problem)
@@ -332,23 +443,44 @@ async def _replay(settings: Settings, ns: argparse.Namespace) -> int:
         )
         return EXIT_FAILED
     async with _connected(settings) as (conn, queries):
-        n = await replay(conn, queries, filters, settings.cleanup_batch_size)
+        matching: int = await conn.fetchval(queries.replay_count, *filters.replay_args())
+        if ns.dry_run or not matching:
+            _out(
+                f"would replay {rows(matching, 'published row')}"
+                if ns.dry_run
+                else "no published row matches: nothing replayed"
+            )
+            return EXIT_OK
+        if ns.all and not confirm(ns, f"replay all {rows(matching, 'published row')}?"):
+            _err("not confirmed: nothing changed")
+            return EXIT_FAILED
+        with progress(matching, "replay") as advance:
+            n = await replay(conn, queries, filters, settings.cleanup_batch_size, advance)
         if n:
             await conn.execute(queries.wake, listener.channel_name(settings))
-    log.info("replayed", rows=n)
-    _out(f"replaying {n} published rows (they keep their event ids)")
+    log.info("replayed", rows=n, filter=filters.as_json())
+    _out(f"replayed {rows(n, 'published row')}: pending again, with their event ids")
     return EXIT_OK
 
 
 async def _pause(settings: Settings, ns: argparse.Namespace) -> int:
+    what = f"topic {ns.topic}" if ns.topic else "the whole table (every topic, routed rows too)"
+    if ns.dry_run:
+        _out(f"would pause {what}")
+        return EXIT_OK
+    if ns.topic is None and not confirm(ns, f"pause {what}?"):
+        _err("not confirmed: nothing changed")
+        return EXIT_FAILED
     async with _connected(settings) as (conn, queries):
         paused = await pause(conn, queries, ns.topic, ns.reason)
         in_flight: int = await conn.fetchval(queries.in_flight_rows, ns.topic)
-    what = f"topic {ns.topic}" if ns.topic else "the whole table"
     log.info("paused", topic=ns.topic, reason=ns.reason, by=paused.paused_by)
     _out(f"paused {what} (since {paused.paused_at.isoformat(timespec='seconds')})")
     if in_flight:
-        _out(f"{in_flight} rows already claimed are still being published; nothing new is claimed")
+        _out(
+            f"{rows(in_flight, 'row')} already claimed still being published; "
+            "nothing new is claimed"
+        )
     return EXIT_OK
 
 
@@ -358,7 +490,7 @@ async def _resume(settings: Settings, ns: argparse.Namespace) -> int:
         remaining = await status.read_pauses(conn, queries)
     what = f"topic {ns.topic}" if ns.topic else "the whole table"
     if lifted is None:
-        _out(f"{what} was not paused")
+        _out(f"{what} was not paused: nothing changed")
     else:
         log.info("resumed", topic=ns.topic)
         _out(f"resumed {what}")
@@ -378,11 +510,24 @@ async def _cleanup(settings: Settings, ns: argparse.Namespace) -> int:
         )
         return EXIT_OK
     async with _connected(settings) as (conn, queries):
-        swept = await cleanup.delete_published(
-            conn, queries, older_than, settings.cleanup_batch_size
-        )
+        matching: int = await conn.fetchval(queries.cleanup_count, older_than)
+        if ns.dry_run:
+            _out(f"would delete {rows(matching, 'published row')} older than {older_than:g}s")
+            return EXIT_OK
+        if ns.older_than == 0 and matching:
+            question = (
+                f"delete all {rows(matching, 'published row')} (the whole published history)?"
+            )
+            if not confirm(ns, question):
+                _err("not confirmed: nothing changed")
+                return EXIT_FAILED
+        with progress(matching, "cleanup") as advance:
+            swept = await cleanup.delete_published(
+                conn, queries, older_than, settings.cleanup_batch_size, advance
+            )
+        await audit(conn, queries, "cleanup", {"older_than_seconds": older_than}, swept.deleted)
     log.info("cleanup_done", rows=swept.deleted, batches=swept.batches)
-    _out(f"deleted {swept.deleted} published rows older than {older_than:g}s")
+    _out(f"deleted {rows(swept.deleted, 'published row')} older than {older_than:g}s")
     return EXIT_OK
 
 
@@ -391,21 +536,48 @@ class Report:
     problems: int = 0
 
     def ok(self, line: str) -> None:
-        _out(f"ok: {line}")
+        _out(f"ok: {display.inert(line)}")
 
     def note(self, line: str) -> None:
-        _out(f"note: {line}")
+        _out(f"note: {display.inert(line)}")
 
     def problem(self, line: str) -> None:
         self.problems += 1
-        sys.stderr.write(f"problem: {line}\n")
+        sys.stderr.write(f"problem: {display.inert(line)}\n")
+
+    def warning(self, line: str) -> None:
+        sys.stderr.write(f"warning: {display.inert(line)}\n")
+
+
+# OUTBOX_* variables of the development tooling (deploy/local/services.sh, the tests), not settings.
+TOOLING_PREFIXES = ("OUTBOX_TEST_", "OUTBOX_SERVICES_", "OUTBOX_PGBOUNCER_", "OUTBOX_KAFKA_AUTO_")
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """OUTBOX_* variables that name no setting (a misspelling is otherwise silently ignored),
+    each with the closest setting's variable, if one is close."""
+    known = {env_name(name) for name in Settings.model_fields}
+    valid = known | {f"{name}_FILE" for name in known} | {SECRETS_DIR_VARIABLE}
+    found = []
+    for variable in sorted(environ):
+        if not variable.startswith("OUTBOX_") or variable in valid:
+            continue
+        if variable.startswith(TOOLING_PREFIXES):
+            continue
+        close = difflib.get_close_matches(variable, sorted(valid), n=1, cutoff=0.8)
+        found.append((variable, close[0] if close else None))
+    return found
 
 
 async def check(settings: Settings) -> Report:
     """Configuration, database, schema version, broker and the topics rows need."""
     report = Report()
     report.ok(f"settings are valid (table {settings.db_schema}.{settings.table})")
+    for variable, close in unknown_variables(os.environ):
+        hint = f": did you mean {close}?" if close else ""
+        report.warning(f"{variable} is not a setting and is ignored{hint}")
     needed: dict[str, str] = {}
+    dead_topics: set[str] = set()
     if settings.default_topic:
         needed[settings.default_topic] = "OUTBOX_DEFAULT_TOPIC"
     try:
@@ -414,15 +586,19 @@ async def check(settings: Settings) -> Report:
         report.problem(f"database: {exc}")
     else:
         try:
-            await _check_database(conn, settings, report, needed)
+            await _check_database(conn, settings, report, needed, dead_topics)
         finally:
             await conn.close()
-    await _check_broker(settings, report, needed)
+    await _check_broker(settings, report, needed, dead_topics)
     return report
 
 
 async def _check_database(
-    conn: asyncpg.Connection, settings: Settings, report: Report, needed: dict[str, str]
+    conn: asyncpg.Connection,
+    settings: Settings,
+    report: Report,
+    needed: dict[str, str],
+    dead_topics: set[str],
 ) -> None:
     report.ok("database is reachable")
     schema, table = settings.db_schema, settings.table
@@ -435,6 +611,8 @@ async def _check_database(
     queries = Queries.for_table(schema, table)
     for row in await conn.fetch(queries.pending_topics):
         needed.setdefault(row["topic"], "pending rows")
+    for row in await conn.fetch(queries.dead_topics):
+        dead_topics.add(row["topic"])
     router = Router(settings.default_topic, settings.topic_template)
     unroutable: dict[str, int] = {}
     for row in await conn.fetch(queries.pending_routed_headers, CHECK_ROUTED_ROWS):
@@ -449,7 +627,9 @@ async def _check_database(
         report.note(f"{what} is paused since {p.paused_at.isoformat(timespec='seconds')}")
 
 
-async def _check_broker(settings: Settings, report: Report, needed: dict[str, str]) -> None:
+async def _check_broker(
+    settings: Settings, report: Report, needed: dict[str, str], dead_topics: set[str]
+) -> None:
     publisher = KafkaPublisher(settings)
     # The client logs each failed connection itself; the report line says it once.
     client_log = logging.getLogger("aiokafka")
@@ -474,8 +654,17 @@ async def _check_broker(settings: Settings, report: Report, needed: dict[str, st
             f"topic {topic!r} ({needed[topic]}) does not exist on the broker: create it "
             "(or fix the rows or setting that name it)"
         )
+    for topic in sorted(dead_topics - existing - set(needed)):
+        report.note(
+            f"topic {topic!r} of dead rows does not exist: create it before `dead requeue`, or "
+            "the rows die again"
+        )
     if needed and not missing:
-        report.ok(f"all {len(needed)} topics the outbox needs exist")
+        report.ok(
+            "the one topic the outbox needs exists"
+            if len(needed) == 1
+            else f"all {len(needed)} topics the outbox needs exist"
+        )
 
 
 async def _check(settings: Settings, _: argparse.Namespace) -> int:
@@ -489,21 +678,54 @@ def _filter_flags(parser: argparse.ArgumentParser, *, ids: bool, everything: boo
             "--id", dest="ids", type=int, action="append", help="a row id (repeatable)"
         )
     parser.add_argument("--key", help="rows of this ordering key")
-    parser.add_argument("--topic", help="rows of this topic")
+    parser.add_argument(
+        "--topic",
+        help=f"rows of this topic ({NULL_TOPIC!r}: rows without one, routed by the dispatcher)"
+        if ids
+        else "rows of this topic",
+    )
     parser.add_argument(
         "--since", type=timestamp, help="rows created at or after this ISO-8601 time (UTC if bare)"
     )
     parser.add_argument("--until", type=timestamp, help="rows created before this ISO-8601 time")
+    if ids:  # the dead-row commands
+        parser.add_argument(
+            "--keyless", action="store_true", default=None, help="rows without an ordering key"
+        )
+        parser.add_argument(
+            "--dead-since", type=timestamp, help="rows dead-lettered at or after this time"
+        )
+        parser.add_argument(
+            "--dead-until", type=timestamp, help="rows dead-lettered before this time"
+        )
     if everything:
         parser.add_argument("--all", action="store_true", help="every row (no filter)")
 
 
+_BATCHED_INTERRUPTED = (
+    "interrupted: the batches done so far are kept and every row is in a valid state; "
+    "run the command again to finish"
+)
+
+
+def _safety_flags(parser: argparse.ArgumentParser, *, confirms: bool) -> None:
+    parser.add_argument(
+        "--dry-run", action="store_true", help="say what would change, change nothing"
+    )
+    if confirms:
+        parser.add_argument(
+            "--yes",
+            action="store_true",
+            help="do not ask for confirmation on a terminal (--all, the whole table, "
+            "--older-than 0 ask)",
+        )
+
+
 def add_parsers(
     commands: argparse._SubParsersAction[Any],
-    add_setting_flags: Callable[[argparse.ArgumentParser], None],
+    add_setting_flags: Callable[[argparse.ArgumentParser, str], None],
 ) -> None:
     """The operator commands, each with the setting flags (as run and status have)."""
-    leaves: list[argparse.ArgumentParser] = []
 
     dead = commands.add_parser(
         "dead", help="list, requeue or discard dead-lettered rows", description=_DEAD
@@ -513,6 +735,9 @@ def add_parsers(
     _filter_flags(listing, ids=True, everything=False)
     listing.add_argument("--limit", type=positive, default=100, help="at most this many (100)")
     listing.add_argument("--json", action="store_true", help="print JSON")
+    listing.add_argument(
+        "--full", action="store_true", help="do not cut long keys and errors in the table"
+    )
     listing.set_defaults(handler=_dead_list)
     requeue = dead_commands.add_parser(
         "requeue",
@@ -521,13 +746,14 @@ def add_parsers(
         "a trace. They go out before newer rows of their key.",
     )
     _filter_flags(requeue, ids=True, everything=True)
-    requeue.set_defaults(handler=_dead_requeue)
+    _safety_flags(requeue, confirms=False)
+    requeue.set_defaults(handler=_dead_requeue, interrupted=_BATCHED_INTERRUPTED)
     discard = dead_commands.add_parser(
         "discard", help="delete dead rows", description="Delete matching dead rows for good."
     )
     _filter_flags(discard, ids=True, everything=True)
-    discard.set_defaults(handler=_dead_discard)
-    leaves += [listing, requeue, discard]
+    _safety_flags(discard, confirms=True)
+    discard.set_defaults(handler=_dead_discard, interrupted=_BATCHED_INTERRUPTED)
 
     again = commands.add_parser(
         "replay",
@@ -538,7 +764,17 @@ def add_parsers(
     again.add_argument("--from-id", type=int, help="rows with id >= this")
     again.add_argument("--to-id", type=int, help="rows with id <= this")
     _filter_flags(again, ids=False, everything=True)
-    again.set_defaults(handler=_replay)
+    again.add_argument(
+        "--release-held",
+        action="store_true",
+        help="instead of replaying: let go the rows an interrupted replay of version 0.1 left "
+        "held (pending, not due for 10 minutes); with --topic, of that topic only",
+    )
+    _safety_flags(again, confirms=True)
+    again.set_defaults(
+        handler=_replay,
+        interrupted="interrupted: nothing was replayed (a replay is one transaction)",
+    )
 
     hold = commands.add_parser(
         "pause",
@@ -548,6 +784,7 @@ def add_parsers(
     )
     hold.add_argument("--topic", type=topic_name, help="the topic (default: the whole table)")
     hold.add_argument("--reason", help="why, for status and for whoever resumes")
+    _safety_flags(hold, confirms=True)
     hold.set_defaults(handler=_pause)
 
     go = commands.add_parser(
@@ -565,7 +802,8 @@ def add_parsers(
         "in batches of OUTBOX_CLEANUP_BATCH_SIZE; pending and dead rows are kept.",
     )
     sweep.add_argument("--older-than", type=seconds, metavar="SECONDS", help="instead of retention")
-    sweep.set_defaults(handler=_cleanup)
+    _safety_flags(sweep, confirms=True)
+    sweep.set_defaults(handler=_cleanup, interrupted=_BATCHED_INTERRUPTED)
 
     doctor = commands.add_parser(
         "check",
@@ -576,8 +814,18 @@ def add_parsers(
     )
     doctor.set_defaults(handler=_check)
 
-    for parser in (*leaves, again, hold, go, sweep, doctor):
-        add_setting_flags(parser)
+    named = (
+        ("dead list", listing),
+        ("dead requeue", requeue),
+        ("dead discard", discard),
+        ("replay", again),
+        ("pause", hold),
+        ("resume", go),
+        ("cleanup", sweep),
+        ("check", doctor),
+    )
+    for name, parser in named:
+        add_setting_flags(parser, name)
 
 
 _DEAD = (

@@ -11,6 +11,7 @@ space; docs/operations.md says which.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import asyncpg
@@ -35,6 +36,7 @@ async def delete_published(
     queries: Queries,
     older_than_seconds: float,
     batch_size: int,
+    progress: Callable[[int], object] | None = None,
 ) -> Swept:
     """Delete rows published more than `older_than_seconds` ago, one window of `batch_size`
     rows per transaction, until the windows hold nothing older than the cutoff."""
@@ -50,6 +52,8 @@ async def delete_published(
         after = row["last_id"]
         deleted += row["deleted"]
         examined += row["seen"]
+        if progress is not None:
+            progress(row["deleted"])
         if row["seen"] < batch_size or not row["older_rows"]:
             break
     return Swept(deleted=deleted, batches=batches, rows_examined=examined)

@@ -8,21 +8,36 @@ from __future__ import annotations
 import argparse
 import asyncio
 import enum
+import os
 import re
 import signal
 import sys
 import types
 import typing
+import urllib.parse
 from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import Any
 
+import asyncpg
 import orjson
 import structlog
 from pydantic import SecretStr, ValidationError
 
-from outbox_dispatcher import __version__, admin, db, errors, logs, migrations, status, tracing
+from outbox_dispatcher import (
+    __version__,
+    admin,
+    db,
+    display,
+    errors,
+    logs,
+    migrations,
+    registry,
+    status,
+    tracing,
+)
 from outbox_dispatcher.dispatcher import Dispatcher
-from outbox_dispatcher.settings import DeadLetterPolicy, Settings
+from outbox_dispatcher.settings import SECRETS_DIR_VARIABLE, DeadLetterPolicy, Settings
 from outbox_dispatcher.sql import Queries
 
 log = structlog.get_logger(__name__)
@@ -30,6 +45,7 @@ log = structlog.get_logger(__name__)
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
 def _env_name(field: str) -> str:
@@ -40,9 +56,36 @@ def _flag_name(field: str) -> str:
     return "--schema" if field == "db_schema" else "--" + field.replace("_", "-")
 
 
+SECRETS_HELP = (
+    "Secrets (passwords, a database URL with a password) belong in a file named by "
+    "OUTBOX_<SETTING>_FILE (e.g. OUTBOX_DATABASE_URL_FILE) or in OUTBOX_SECRETS_DIR, not in "
+    "flags: every local user can read a process's arguments."
+)
+SETTINGS_HELP = "each flag overrides its environment variable (shown in brackets). " + SECRETS_HELP
+
+
+# The settings each command reads (one registry: its --help and flags show only these; every
+# OUTBOX_* variable is still validated). run and check use them all.
+_CONNECT = ("database_url", "db_schema", "table", "log_format", "log_level", "uvloop")
+_BATCHED = (*_CONNECT, "cleanup_batch_size")
+COMMAND_SETTINGS: dict[str, tuple[str, ...] | None] = {
+    "run": None,
+    "check": None,
+    "migrate": _CONNECT,
+    "status": (*_CONNECT, "dead_letter_policy"),
+    "dead list": _CONNECT,
+    "dead requeue": _BATCHED,
+    "dead discard": _BATCHED,
+    "replay": (*_BATCHED, "delete_on_publish"),
+    "pause": _CONNECT,
+    "resume": _CONNECT,
+    "cleanup": (*_BATCHED, "retention_seconds"),
+}
+
+
 class _Parser(argparse.ArgumentParser):
-    """A bad value of a setting flag is one line naming the variable and the flag (as for the
-    environment), not the whole usage text; other usage errors stay argparse's."""
+    """Usage errors are one line, not the usage text: a bad value of a setting flag names the
+    variable and the flag (as for the environment); any other names the command and --help."""
 
     def error(self, message: str) -> typing.NoReturn:
         match = re.match(r"argument (--[a-z0-9-]+)(?:/--[a-z0-9-]+)?: (.*)", message, re.DOTALL)
@@ -51,18 +94,24 @@ class _Parser(argparse.ArgumentParser):
             field = fields[match.group(1)]
             where = f"{_env_name(field)} / {match.group(1)}"
             self.exit(EXIT_CONFIG, f"outbox-dispatcher: invalid setting {where}: {match[2]}\n")
-        super().error(message)
+        self.exit(
+            EXIT_CONFIG, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n"
+        )
 
 
-def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+def _add_setting_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """The flags of the settings `command` reads (COMMAND_SETTINGS), after its own options."""
+    used = COMMAND_SETTINGS[command]
     group = parser.add_argument_group(
-        "settings", "each flag overrides its environment variable (shown in brackets)"
+        "settings" if used is None else "settings this command uses", SETTINGS_HELP
     )
     for name, field in Settings.model_fields.items():
+        if used is not None and name not in used:
+            continue
         annotation = field.annotation
         default = field.default
         if isinstance(default, SecretStr):
-            shown = "set" if default.get_secret_value() else "unset"
+            shown = _masked(default.get_secret_value())
         elif isinstance(default, enum.Enum):
             shown = default.value
         else:
@@ -91,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Moves events from a PostgreSQL transactional outbox table to Kafka: at-least-once, "
             "ordered per ordering key, each record carrying its event id."
         ),
+        epilog="Every setting is an OUTBOX_* environment variable and a flag of each command "
+        "that uses it (COMMAND --help). " + SECRETS_HELP,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -108,10 +159,34 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pending, in-flight, dead and published rows per topic, oldest pending age.",
     )
     show.add_argument("--json", action="store_true", help="print JSON")
-    for sub in (run, migrate, show):
-        _add_setting_flags(sub)
+    for name, sub in (("run", run), ("migrate", migrate), ("status", show)):
+        _add_setting_flags(sub, name)
     admin.add_parsers(commands, _add_setting_flags)
+    for command, leaf in _leaves(parser):
+        if command in COMMAND_SETTINGS:  # a short synopsis, not every flag
+            leaf.usage = f"outbox-dispatcher {command} [options]"
     return parser
+
+
+def _masked(url: str) -> str:
+    """A default URL for --help, its password as ***."""
+    userinfo, at, rest = url.partition("://")[2].rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{url.partition('://')[0]}://{userinfo.split(':', 1)[0]}:***@{rest}"
+
+
+def _leaves(
+    parser: argparse.ArgumentParser, prefix: str = ""
+) -> list[tuple[str, argparse.ArgumentParser]]:
+    """Every command's parser, named as typed ("dead requeue")."""
+    found = []
+    for action in parser._subparsers._group_actions if parser._subparsers else []:
+        for name, sub in getattr(action, "choices", {}).items():
+            full = f"{prefix} {name}".strip()
+            found.append((full, sub))
+            found.extend(_leaves(sub, full))
+    return found
 
 
 def load_settings(namespace: argparse.Namespace) -> Settings:
@@ -123,12 +198,49 @@ def load_settings(namespace: argparse.Namespace) -> Settings:
     return Settings(**overrides)
 
 
-def _explain(exc: ValidationError) -> str:
+def _field_of(loc: str) -> str:
+    """The settings field of a validation error's location: the field name, or its alias when
+    the value came from the environment (OUTBOX_SCHEMA is db_schema)."""
+    if loc in Settings.model_fields:
+        return loc
+    for name in Settings.model_fields:
+        if _env_name(name) == loc:
+            return name
+    return loc
+
+
+def _from_file(field: str) -> str | None:
+    """The variable naming the file a setting's value came from, if it came from one (and not
+    from a flag or the variable itself, which win)."""
+    variable = _env_name(field)
+    if variable in os.environ:
+        return None
+    if os.environ.get(variable + "_FILE"):
+        return variable + "_FILE"
+    directory = os.environ.get(SECRETS_DIR_VARIABLE)
+    if directory and any(
+        p.name.upper() == variable for p in Path(directory).glob("*") if p.is_file()
+    ):
+        return f"{variable} in {SECRETS_DIR_VARIABLE}"
+    return None
+
+
+def _explain(exc: ValidationError, namespace: argparse.Namespace | None = None) -> str:
+    """One line per invalid setting, naming its variable and flag. A value read from a file
+    (a secret, usually) is never quoted."""
     lines = []
     for error in exc.errors():
-        field = str(error["loc"][0]) if error["loc"] else ""
-        where = f"{_env_name(field)} / {_flag_name(field)}" if field else "settings"
         message = str(error["msg"]).removeprefix("Value error, ")
+        if not error["loc"]:
+            lines.append(f"invalid settings: {message}")
+            continue
+        field = _field_of(str(error["loc"][0]))
+        source = None if getattr(namespace, field, None) is not None else _from_file(field)
+        value = error.get("input")
+        if source and isinstance(value, str) and value:
+            message = message.replace(repr(value), "(the file's content)")
+            message = message.replace(value, "(the file's content)")
+        where = f"{source or _env_name(field)} / {_flag_name(field)}"
         lines.append(f"invalid setting {where}: {message}")
     return "\n".join(lines)
 
@@ -139,12 +251,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(namespace)
     except ValidationError as exc:
-        print(f"outbox-dispatcher: {_explain(exc)}", file=sys.stderr)  # noqa: T201
+        print(f"outbox-dispatcher: {_explain(exc, namespace)}", file=sys.stderr)  # noqa: T201
         return EXIT_CONFIG
     except errors.ConfigurationError as exc:  # an unreadable *_FILE or OUTBOX_SECRETS_DIR
         print(f"outbox-dispatcher: {exc}", file=sys.stderr)  # noqa: T201
         return EXIT_CONFIG
-    logs.configure(settings.log_format, settings.log_level)
+    # An operator command at a terminal logs for a person (its record is the audit table);
+    # `run`, and any command whose stderr is collected, logs JSON as configured.
+    human = namespace.command != "run" and sys.stderr.isatty()
+    logs.configure("console" if human else settings.log_format, settings.log_level)
     command: Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]] = (
         admin.handler(namespace)
         or {
@@ -155,12 +270,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return _asyncio_run(command(settings, namespace), use_uvloop=settings.uvloop)
+    except KeyboardInterrupt:
+        # Ctrl-C of an operator command (run handles SIGINT itself): one line, not a traceback.
+        said = getattr(namespace, "interrupted", "interrupted")
+        print(f"outbox-dispatcher: {said}", file=sys.stderr)  # noqa: T201
+        return EXIT_INTERRUPTED
+    except asyncpg.InsufficientPrivilegeError as exc:
+        print(f"outbox-dispatcher: {_privilege_hint(namespace, settings, exc)}", file=sys.stderr)  # noqa: T201
+        return EXIT_FAILED
     except errors.ConfigurationError as exc:
-        log.error("configuration_error", error=str(exc))
+        _report_error(namespace, "configuration_error", exc)
         return EXIT_CONFIG
     except errors.OutboxDispatcherError as exc:
-        log.error("failed", error=str(exc), error_type=type(exc).__name__)
+        _report_error(namespace, "failed", exc)
         return EXIT_FAILED
+
+
+def _report_error(namespace: argparse.Namespace, event: str, exc: BaseException) -> None:
+    """`run` logs (its logs are collected); an operator at a terminal gets one plain line."""
+    if namespace.command == "run":
+        log.error(event, error=str(exc), error_type=type(exc).__name__)
+    else:
+        print(f"outbox-dispatcher: {display.inert(str(exc))}", file=sys.stderr)  # noqa: T201
+
+
+def _privilege_hint(
+    namespace: argparse.Namespace, settings: Settings, exc: asyncpg.InsufficientPrivilegeError
+) -> str:
+    """One line naming the role a command needs (schema/roles.sql), not a traceback."""
+    role = urllib.parse.urlsplit(settings.database_url.get_secret_value()).username or "?"
+    command = " ".join(
+        str(part) for part in (namespace.command, getattr(namespace, "dead_command", None)) if part
+    )
+    if command in ("pause", "resume", "migrate"):
+        needed = "the owner role of schema/roles.sql (e.g. outbox_owner)"
+    else:
+        needed = (
+            "the dispatcher or the owner role of schema/roles.sql (e.g. outbox_dispatcher; "
+            "after migrating, run roles.sql again so that the roles get the new tables)"
+        )
+    return (
+        f"database role {display.inert(role)!r} may not do what `{command}` needs "
+        f"({exc.message}): run it as {needed}"
+    )
 
 
 def _asyncio_run(coro: Coroutine[Any, Any, int], *, use_uvloop: bool) -> int:
@@ -227,6 +379,9 @@ async def _migrate(settings: Settings, _: argparse.Namespace) -> int:
     finally:
         await conn.close()
     log.info("schema_ready", version=version, applied=applied)
+    where = f"{settings.db_schema}.{settings.table}"
+    done = f"applied {', '.join(map(str, applied))}" if applied else "nothing to apply"
+    sys.stdout.write(f"schema {where} is at version {version} ({done})\n")
     return EXIT_OK
 
 
@@ -236,14 +391,25 @@ async def _status(settings: Settings, namespace: argparse.Namespace) -> int:
         await migrations.check_version(conn, settings.db_schema, settings.table)
         queries = Queries.for_table(settings.db_schema, settings.table)
         pauses = await status.read_pauses(conn, queries)
-        block = settings.dead_letter_policy is DeadLetterPolicy.BLOCK
+        dispatchers = await status.read_dispatchers(conn, queries, registry.LIVE_SECONDS)
+        policy = _policy(dispatchers, settings)
+        block = policy == DeadLetterPolicy.BLOCK.value
         topics = await status.read(conn, queries, block_on_dead=block, pauses=pauses)
     finally:
         await conn.close()
     if namespace.json:
-        report = status.as_json(topics, pauses)
+        report = status.as_json(topics, pauses, dispatchers, policy)
         sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(status.as_table(topics, pauses) + "\n")
+        sys.stdout.write(status.as_table(topics, pauses, dispatchers, policy) + "\n")
     return EXIT_OK
+
+
+def _policy(dispatchers: list[status.Dispatcher], settings: Settings) -> str:
+    """The dead-letter policy blocked keys are counted under: the running dispatchers' (block if
+    any of them blocks), else this command's own setting."""
+    if dispatchers:
+        policies = {d.dead_letter_policy for d in dispatchers}
+        return "block" if "block" in policies else "skip"
+    return settings.dead_letter_policy.value

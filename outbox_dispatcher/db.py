@@ -14,7 +14,7 @@ import orjson
 from asyncpg.pool import PoolConnectionProxy
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.settings import PERCENT_ENCODE, Settings
 
 APPLICATION_NAME = "outbox-dispatcher"
 
@@ -146,10 +146,17 @@ def translate(
             f"the database named in {setting} does not exist ({reason}): fix the URL or create "
             "the database"
         )
-    if isinstance(exc, asyncpg.ClientConfigurationError | ValueError):
+    if isinstance(exc, asyncpg.ClientConfigurationError):  # an option's value, e.g. sslmode
         return errors.ConfigurationError(
             f"{setting} is not a usable PostgreSQL URL ({reason}): expected "
             "postgresql://user:password@host:port/database[?option=value]"
+        )
+    if isinstance(exc, ValueError):
+        # A parse error quotes a piece of the URL, which may be a piece of the password of any
+        # length: say nothing of it (settings.database_url_problem catches most of these first).
+        return errors.ConfigurationError(
+            f"{setting} is not a usable PostgreSQL URL: expected "
+            f"postgresql://user:password@host:port/database[?option=value]; {PERCENT_ENCODE}"
         )
     if isinstance(exc, CONNECTION_ERRORS):
         return errors.DatabaseUnavailableError(

@@ -19,7 +19,16 @@ from typing import Any
 import asyncpg
 import structlog
 
-from outbox_dispatcher import cleanup, db, errors, listener, metrics, migrations, reclaimer
+from outbox_dispatcher import (
+    cleanup,
+    db,
+    errors,
+    listener,
+    metrics,
+    migrations,
+    reclaimer,
+    registry,
+)
 from outbox_dispatcher.claimer import Claimer, Wakeup, pause
 from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
 from outbox_dispatcher.marker import Marker
@@ -136,6 +145,7 @@ class Dispatcher:
                 "reclaimer": reclaimer.reclaim(pool, self.queries, s, self.metrics),
                 "metrics": metrics.sample(pool, self.queries, s, self.metrics),
                 "readiness": self._refresh_readiness(readiness),
+                "heartbeat": registry.heartbeat(pool, self.queries, s, self.owner),
             }
             if s.listen:
                 side["listener"] = listener.listen(s, self.wakeup)

@@ -121,12 +121,33 @@ def classify(exc: BaseException) -> Failure:
     return Failure.ROW
 
 
+_TOO_LARGE = (
+    kafka_errors.MessageSizeTooLargeError,
+    kafka_errors.RecordTooLargeError,
+    kafka_errors.RecordListTooLargeError,
+)
+TOO_LARGE_HINT = (
+    "a record larger than OUTBOX_KAFKA_MAX_REQUEST_BYTES is refused by the producer, one larger "
+    "than the topic's max.message.bytes (broker default 1 MiB) by the broker: raise both, or "
+    "make the payload smaller, then requeue the row"
+)
+
+
 def describe(exc: BaseException) -> str:
-    """A one-line reason for last_error and the logs."""
-    text = str(exc).strip()
+    """A one-line reason for last_error and the logs: the class name once, then the message."""
     name = type(exc).__name__
-    if isinstance(exc, kafka_errors.BrokerResponseError) and text.endswith(f"] {name}"):
-        # A bare broker error code ("[Error 17] InvalidTopicError") says little: add what the
-        # code means.
-        text = f"{text} ({str(getattr(exc, 'description', '')).strip()})".removesuffix(" ()")
-    return f"{name}: {text}" if text and text != name else name
+    text = str(exc).strip()
+    # aiokafka repeats the class name ("[Error 10] MessageSizeTooLargeError: The message ...",
+    # "KafkaConnectionError: KafkaConnectionError: ..."): keep the code, drop the repeats.
+    code, _, rest = text.partition("] ") if text.startswith("[Error ") else ("", "", text)
+    while rest.startswith(name):
+        rest = rest.removeprefix(name).removeprefix(":").strip()
+    if isinstance(exc, kafka_errors.BrokerResponseError) and not rest:
+        # A bare broker error code says little: add what the code means.
+        rest = str(getattr(exc, "description", "")).strip()
+    if isinstance(exc, _TOO_LARGE):
+        # aiokafka names its own max_request_size; ours is OUTBOX_KAFKA_MAX_REQUEST_BYTES.
+        rest = rest.replace("the max_request_size configuration", "OUTBOX_KAFKA_MAX_REQUEST_BYTES")
+        rest = f"{rest} ({TOO_LARGE_HINT})" if rest else TOO_LARGE_HINT
+    text = " ".join(part for part in (f"{code}]" if code else "", rest) if part)
+    return f"{name}: {text}" if text else name

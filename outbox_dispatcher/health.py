@@ -9,6 +9,7 @@ The server is a few lines of asyncio rather than a web framework: three GET rout
 from __future__ import annotations
 
 import asyncio
+import errno
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 import orjson
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST
+
+from outbox_dispatcher import errors
 
 log = structlog.get_logger(__name__)
 
@@ -86,9 +89,24 @@ class HealthServer:
         self.port: int | None = None
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(
-            self._handle, self._host, self._port, limit=MAX_REQUEST_BYTES
-        )
+        try:
+            self._server = await asyncio.start_server(
+                self._handle, self._host, self._port, limit=MAX_REQUEST_BYTES
+            )
+        except OSError as exc:
+            where = f"{self._host}:{self._port}"
+            if exc.errno == errno.EADDRINUSE:
+                msg = (
+                    f"OUTBOX_HTTP_PORT: {where} is already in use (another dispatcher on this "
+                    "host?): give each process its own OUTBOX_HTTP_PORT (0 picks a free one) "
+                    "or set OUTBOX_HTTP_ENABLED=false"
+                )
+            else:
+                msg = (
+                    f"cannot serve /metrics on {where} ({errors.describe(exc)}): check "
+                    "OUTBOX_HTTP_HOST and OUTBOX_HTTP_PORT"
+                )
+            raise errors.ConfigurationError(msg) from None
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("http_listening", host=self._host, port=self.port)
 

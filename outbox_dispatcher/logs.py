@@ -9,6 +9,9 @@ from typing import Any
 
 import orjson
 import structlog
+from structlog.typing import EventDict, WrappedLogger
+
+from outbox_dispatcher.display import inert, inert_multiline
 
 CLIENT_LOGGERS = ("aiokafka", "asyncpg")
 
@@ -38,6 +41,34 @@ class RepeatFilter(logging.Filter):
         return True
 
 
+# aiokafka's messages at error level that are normal operation for us: (logger, template).
+NOT_ERRORS = frozenset(
+    # On every first use of a topic the metadata does not know yet (it is then fetched or
+    # auto-created); a topic that really is missing fails the send, and that we report.
+    {("aiokafka.cluster", "Topic %s not found in cluster metadata")}
+)
+
+
+class NotErrorsFilter(logging.Filter):
+    """Drop a client library's normal-operation messages that it logs at ERROR: they would trip
+    log-based alerting. The client loggers are at WARNING or above, so as INFO they would be
+    dropped anyway."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and (record.name, record.msg) in NOT_ERRORS)
+
+
+def make_inert(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
+    """For the console format: escape control characters in every string field (keys and
+    reasons come from writers); a traceback keeps its lines. JSON escapes them itself."""
+    for name, value in event_dict.items():
+        if isinstance(value, str):
+            event_dict[name] = (
+                inert_multiline(value) if name in ("exception", "stack") else inert(value)
+            )
+    return event_dict
+
+
 def _dumps(obj: Any, default: Any = None) -> str:
     return orjson.dumps(obj, default=default).decode()
 
@@ -49,11 +80,11 @@ def configure(fmt: str = "json", level: str = "INFO") -> None:
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    renderer: Any
+    renderer: list[Any]
     if fmt == "console":
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        renderer = [make_inert, structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
     else:
-        renderer = structlog.processors.JSONRenderer(serializer=_dumps)
+        renderer = [structlog.processors.JSONRenderer(serializer=_dumps)]
     structlog.configure(
         processors=[
             *shared,
@@ -71,10 +102,11 @@ def configure(fmt: str = "json", level: str = "INFO") -> None:
             processors=[
                 structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                 structlog.processors.format_exc_info,
-                renderer,
+                *renderer,
             ],
         )
     )
+    handler.addFilter(NotErrorsFilter())
     handler.addFilter(RepeatFilter(CLIENT_LOGGERS))
     root = logging.getLogger()
     root.handlers[:] = [handler]

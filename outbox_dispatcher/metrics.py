@@ -95,8 +95,9 @@ class Metrics:
         self.dead = Gauge("outbox_dead_rows", "Dead-lettered rows in the table.", registry=r)
         self.blocked_keys = Gauge(
             "outbox_blocked_keys",
-            "Ordering keys whose next row cannot go now: waiting out a retry backoff, or behind "
-            "a dead row under dead_letter_policy=block.",
+            "Ordering keys whose next row cannot go now: waiting out a retry backoff, held "
+            "without a failure (`replay --release-held`), or behind a dead row under "
+            "dead_letter_policy=block.",
             ["reason"],
             registry=r,
         )
@@ -210,6 +211,7 @@ async def sample(pool: asyncpg.Pool, queries: Queries, settings: Settings, m: Me
             m.oldest_pending_age.set(row["oldest_pending_age_seconds"] or 0.0)
             m.dead.set(row["dead"])
             m.blocked_keys.labels("backoff").set(row["backoff_keys"])
+            m.blocked_keys.labels("held").set(row["held_keys"])
             m.blocked_keys.labels("dead").set(row["dead_blocked_keys"])
             m.paused.labels("table").set(int(row["table_paused"]))
             m.paused.labels("topic").set(row["paused_topics"])

@@ -124,6 +124,13 @@ async def check_version(conn: db.Executor, schema: str, table: str) -> None:
     """Refuse to run against a schema this version does not understand."""
     expected = latest_version()
     version = await current_version(conn, schema, table)
+    if version == 0:
+        msg = (
+            f"there is no outbox table {schema}.{table} in this database: check OUTBOX_SCHEMA, "
+            "OUTBOX_TABLE and the database in OUTBOX_DATABASE_URL; for a new outbox, run "
+            "`outbox-dispatcher migrate` (or apply schema/migrations with your migration tool)"
+        )
+        raise errors.SchemaVersionError(msg)
     if version < expected:
         msg = (
             f"the outbox schema of {schema}.{table} is at version {version}, this dispatcher "

@@ -44,14 +44,17 @@ class Sent:
 
 
 def record_headers(record: OutboxRecord, event_id_header: str) -> list[tuple[str, bytes]]:
-    """The row's headers, then the event id. The schema admits only string values; a row stored
-    under an older, laxer check may still hold others, and is dead-lettered, not a crash."""
+    """The row's headers, then the event id. A writer's header named like the event id header
+    in any letter case is dropped: consumers that normalise header names would read it as the
+    id. The schema admits only string values; a row stored under an older, laxer check may still
+    hold others, and is dead-lettered, not a crash."""
     if not isinstance(record.headers, dict):
         msg = f"headers must be a JSON object of strings, not {type(record.headers).__name__}"
         raise errors.UnpublishableRowError(msg)
     headers = []
+    reserved = event_id_header.casefold()
     for name, value in record.headers.items():
-        if name == event_id_header:
+        if name.casefold() == reserved:
             continue
         if not isinstance(value, str):
             msg = (
@@ -271,8 +274,8 @@ class KafkaPublisher:
             if code == kafka_errors.UnknownTopicOrPartitionError.errno:
                 missing[topic] = TopicMissingError(
                     f"topic {topic!r} does not exist and OUTBOX_KAFKA_ALLOW_AUTO_CREATE_TOPICS is "
-                    "false: create the topic (the row is retried until max_attempts), or requeue "
-                    "the row with an existing topic"
+                    "false: create the topic (the row is retried until max_attempts; once "
+                    "dead-lettered, `outbox-dispatcher dead requeue` sends it again)"
                 )
         return missing
 

@@ -13,11 +13,20 @@ _PLACEHOLDER = re.compile(r"\{([A-Za-z0-9._-]+)\}")
 
 
 def valid_topic(name: str) -> bool:
-    return bool(TOPIC.match(name)) and name not in (".", "..")
+    """Kafka's topic-name rules, and not an internal topic (`__consumer_offsets`, ...)."""
+    return bool(TOPIC.match(name)) and name not in (".", "..") and not name.startswith("__")
 
 
 def check_template(template: str) -> str:
     """Validate OUTBOX_TOPIC_TEMPLATE: topic characters around {header-name} placeholders."""
+    depth = 0
+    for char in template:
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        if depth not in (0, 1):
+            break
+    if depth != 0:
+        msg = f"OUTBOX_TOPIC_TEMPLATE {template!r} has an unbalanced '{{' or '}}'"
+        raise ValueError(msg)
     if not _PLACEHOLDER.search(template):
         msg = "OUTBOX_TOPIC_TEMPLATE needs at least one {header-name} placeholder"
         raise ValueError(msg)

@@ -8,10 +8,18 @@ from __future__ import annotations
 import enum
 import os
 import re
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -49,7 +57,35 @@ def quote_identifier(value: str) -> str:
     return '"' + value.replace('"', '""') + '"'
 
 
-PositiveSeconds = Annotated[float, Field(gt=0)]
+# Finite: `inf` would pass a bare `gt=0` and overflow a database interval later.
+PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+PERCENT_ENCODE = (
+    "percent-encode the characters of the user name and password that mean something in a URL "
+    "(@ as %40, : as %3A, / as %2F, ? as %3F, # as %23, % as %25)"
+)
+
+
+def database_url_problem(dsn: str) -> str | None:
+    """Why `dsn` is not a PostgreSQL URL the driver would read as meant, or None. Never quotes
+    any part of it: an unencoded '/', '?', '#' or '@' in the password moves the password's
+    pieces into the host, port or path, where a driver's parse error would quote them."""
+    try:
+        parts = urllib.parse.urlsplit(dsn)
+    except ValueError:
+        return "it does not parse as a URL"
+    if parts.scheme not in ("postgresql", "postgres") or not dsn.startswith(parts.scheme + "://"):
+        return "it must start with postgresql://"
+    netloc = parts.netloc
+    rest = dsn[len(parts.scheme) + 3 + len(netloc) :]
+    if netloc.count("@") > 1 or ("@" not in netloc and "@" in rest):
+        return "an '@', '/', '?' or '#' in the user name or password is not percent-encoded"
+    for host in netloc.rpartition("@")[2].split(","):
+        port = host.rpartition("]")[2].rpartition(":")[2] if ":" in host else ""
+        if port and not port.isdigit():
+            return "a port is not a number (is a character of the password not percent-encoded?)"
+    return None
 
 
 class Settings(BaseSettings):
@@ -65,7 +101,10 @@ class Settings(BaseSettings):
     # Where
     database_url: SecretStr = Field(
         default=SecretStr("postgresql://outbox:outbox@127.0.0.1:5432/outbox"),
-        description="PostgreSQL DSN (libpq URL) of the database that holds the outbox table.",
+        description=(
+            "PostgreSQL URL of the database that holds the outbox table (a secret: use "
+            "OUTBOX_DATABASE_URL_FILE or OUTBOX_SECRETS_DIR; percent-encode the password)."
+        ),
     )
     db_schema: str = Field(
         default="public",
@@ -86,7 +125,7 @@ class Settings(BaseSettings):
         ge=1,
         le=100,
         description=(
-            "Unused since the claim engine of schema version 5 (claims pick ready keys, not a "
+            "Unused since the claim engine of schema version 6 (claims pick ready keys, not a "
             "window of the oldest rows); accepted so that existing configurations still start."
         ),
     )
@@ -109,9 +148,8 @@ class Settings(BaseSettings):
     shutdown_grace_seconds: PositiveSeconds = Field(
         default=20.0, description="On SIGTERM, time to finish in-flight batches before cancelling."
     )
-    linger_seconds: float = Field(
+    linger_seconds: Seconds = Field(
         default=1.0,
-        ge=0,
         description=(
             "After a batch, keep polling every linger_poll_seconds this long: rows whose "
             "notification the trigger's cooldown skipped go out at once."
@@ -177,7 +215,9 @@ class Settings(BaseSettings):
         default=None, description="SASL mechanism, with username and password."
     )
     kafka_sasl_username: str | None = Field(default=None, description="SASL username.")
-    kafka_sasl_password: SecretStr | None = Field(default=None, description="SASL password.")
+    kafka_sasl_password: SecretStr | None = Field(
+        default=None, description="SASL password (a secret: use OUTBOX_KAFKA_SASL_PASSWORD_FILE)."
+    )
     kafka_ssl_cafile: str | None = Field(
         default=None, description="CA bundle that verifies the broker's certificate."
     )
@@ -188,7 +228,9 @@ class Settings(BaseSettings):
         default=None, description="Private key (PEM) of the client certificate."
     )
     kafka_ssl_key_password: SecretStr | None = Field(
-        default=None, description="Password of the client certificate's private key, if any."
+        default=None,
+        description="Password of the client certificate's private key, if any (a secret: use "
+        "OUTBOX_KAFKA_SSL_KEY_PASSWORD_FILE).",
     )
     kafka_ssl_check_hostname: bool = Field(
         default=True, description="Verify that the broker's certificate names its host."
@@ -206,7 +248,10 @@ class Settings(BaseSettings):
     listen: bool = Field(default=True, description="Use LISTEN/NOTIFY as a wake-up hint.")
     listen_database_url: SecretStr | None = Field(
         default=None,
-        description="Direct DSN for LISTEN when database_url goes through a transaction pooler.",
+        description=(
+            "Direct URL for LISTEN when database_url goes through a transaction pooler (a "
+            "secret: use OUTBOX_LISTEN_DATABASE_URL_FILE)."
+        ),
     )
     synchronous_commit: Literal["on", "off", "local"] = Field(
         default="off",
@@ -233,9 +278,8 @@ class Settings(BaseSettings):
     )
 
     # Table hygiene
-    retention_seconds: float = Field(
+    retention_seconds: Seconds = Field(
         default=7 * 24 * 3600,
-        ge=0,
         description=(
             "Delete published rows older than this (dead rows are kept for operators); "
             "0 keeps them forever."
@@ -254,7 +298,12 @@ class Settings(BaseSettings):
     # Observability
     http_host: str = Field(
         default="0.0.0.0",  # noqa: S104 - probes and scrapes come from outside the pod
-        description="Address of the /metrics, /livez and /readyz endpoint.",
+        description=(
+            "Address of the /metrics, /livez and /readyz endpoint. The default, every IPv4 "
+            "interface, is what Kubernetes probes and Prometheus need (they reach the pod's "
+            "address); the endpoint serves no secrets, but on a shared host or without a "
+            "NetworkPolicy set 127.0.0.1 (or '::' for IPv6)."
+        ),
     )
     http_port: int = Field(
         default=9646,
@@ -305,6 +354,18 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="INFO", description="Log level."
     )
+
+    @field_validator("database_url", "listen_database_url")
+    @classmethod
+    def _check_database_url(cls, value: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
+        if value is not None and (problem := database_url_problem(value.get_secret_value())):
+            name = env_name(info.field_name or "database_url")
+            msg = (
+                f"{name} is not a usable PostgreSQL URL ({problem}): expected "
+                f"postgresql://user:password@host:port/database[?option=value]; {PERCENT_ENCODE}"
+            )
+            raise ValueError(msg)
+        return value
 
     @field_validator("db_schema")
     @classmethod
@@ -371,10 +432,20 @@ class Settings(BaseSettings):
         if sasl and not self.kafka_sasl_mechanism:
             msg = f"OUTBOX_KAFKA_SECURITY_PROTOCOL={protocol} needs OUTBOX_KAFKA_SASL_MECHANISM"
             raise ValueError(msg)
-        if not sasl and self.kafka_sasl_mechanism:
+        sasl_given = [
+            name
+            for name, value in (
+                ("OUTBOX_KAFKA_SASL_MECHANISM", self.kafka_sasl_mechanism),
+                ("OUTBOX_KAFKA_SASL_USERNAME", self.kafka_sasl_username),
+                ("OUTBOX_KAFKA_SASL_PASSWORD", self.kafka_sasl_password),
+            )
+            if value
+        ]
+        if not sasl and sasl_given:
             msg = (
-                f"OUTBOX_KAFKA_SASL_MECHANISM is set but OUTBOX_KAFKA_SECURITY_PROTOCOL={protocol} "
-                "does not use SASL: set SASL_SSL (or SASL_PLAINTEXT)"
+                f"{', '.join(sasl_given)} set but OUTBOX_KAFKA_SECURITY_PROTOCOL={protocol} "
+                "does not use SASL (the credentials would go unused and the data in the clear): "
+                "set SASL_SSL (or SASL_PLAINTEXT) and OUTBOX_KAFKA_SASL_MECHANISM"
             )
             raise ValueError(msg)
         tls_files = {

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 
+from outbox_dispatcher import registry
+from outbox_dispatcher.display import columns, inert
 from outbox_dispatcher.sql import Queries
 
 WHOLE_TABLE = "*"  # the topic of a whole-table pause (never a valid Kafka topic name)
@@ -26,7 +27,34 @@ class TopicStatus:
     blocked_keys: int = 0
     # Of those, the keys that wait for an operator (requeue or discard the dead row).
     dead_blocked_keys: int = 0
+    # Of those, keys whose head is held without having failed (`replay --release-held`).
+    held_keys: int = 0
     paused: bool = False
+
+
+@dataclass(frozen=True)
+class Dispatcher:
+    """A running dispatcher, from its heartbeat row."""
+
+    owner: str
+    dead_letter_policy: str
+    started_at: datetime
+    heartbeat_at: datetime
+    heartbeat_age_seconds: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "started_at": self.started_at.isoformat(),
+            "heartbeat_at": self.heartbeat_at.isoformat(),
+        }
+
+
+async def read_dispatchers(
+    conn: asyncpg.Connection, queries: Queries, live_seconds: float
+) -> list[Dispatcher]:
+    """Dispatchers that beat within `live_seconds`."""
+    return [Dispatcher(**dict(r)) for r in await conn.fetch(queries.dispatchers_live, live_seconds)]
 
 
 @dataclass(frozen=True)
@@ -66,6 +94,7 @@ async def read(
                 t,
                 blocked_keys=blocked["blocked_keys"] if blocked else 0,
                 dead_blocked_keys=blocked["dead_blocked_keys"] if blocked else 0,
+                held_keys=blocked["held_keys"] if blocked else 0,
                 # Routed rows (topic NULL) are paused only with the whole table.
                 paused=table_paused or (t.topic is not None and t.topic in paused),
             )
@@ -78,20 +107,29 @@ async def read(
     return sorted(topics, key=lambda t: (t.topic is None, t.topic or ""))
 
 
-def as_json(topics: list[TopicStatus], pauses: list[Pause] | None = None) -> dict[str, object]:
+def as_json(
+    topics: list[TopicStatus],
+    pauses: list[Pause] | None = None,
+    dispatchers: list[Dispatcher] | None = None,
+    policy: str | None = None,
+) -> dict[str, object]:
+    """`pending` includes `in_flight`; `waiting` is pending and not in flight."""
     pauses = pauses or []
     table_pause = next((p for p in pauses if p.topic == WHOLE_TABLE), None)
     return {
         "totals": _totals(topics),
-        "topics": [asdict(t) for t in topics],
+        "topics": [{**asdict(t), "waiting": t.pending - t.in_flight} for t in topics],
         "table_paused": table_pause is not None,
         "pauses": [p.as_json() for p in pauses],
+        "dispatchers": [d.as_json() for d in dispatchers or []],
+        "dead_letter_policy": policy,
     }
 
 
 def _totals(topics: list[TopicStatus]) -> dict[str, Any]:
     return {
         "pending": sum(t.pending for t in topics),
+        "waiting": sum(t.pending - t.in_flight for t in topics),
         "in_flight": sum(t.in_flight for t in topics),
         "dead": sum(t.dead for t in topics),
         "published": sum(t.published for t in topics),
@@ -101,29 +139,36 @@ def _totals(topics: list[TopicStatus]) -> dict[str, Any]:
         ),
         "blocked_keys": sum(t.blocked_keys for t in topics),
         "dead_blocked_keys": sum(t.dead_blocked_keys for t in topics),
+        "held_keys": sum(t.held_keys for t in topics),
     }
 
 
-def as_table(topics: list[TopicStatus], pauses: list[Pause] | None = None) -> str:
+def as_table(
+    topics: list[TopicStatus],
+    pauses: list[Pause] | None = None,
+    dispatchers: list[Dispatcher] | None = None,
+    policy: str | None = None,
+) -> str:
+    """The table for a terminal: `waiting` and `in_flight` together are the pending rows."""
     header = (
         "topic",
-        "pending",
+        "waiting",
         "in_flight",
         "dead",
         "published",
-        "oldest_pending_s",
+        "oldest_pending",
         "blocked_keys",
         "paused",
     )
     rows = [
         (
             "(routed)" if t.topic is None else t.topic,
-            str(t.pending),
+            str(t.pending - t.in_flight),
             str(t.in_flight),
             str(t.dead),
             str(t.published),
-            "-" if t.oldest_pending_age_seconds is None else f"{t.oldest_pending_age_seconds:.1f}",
-            _blocked(t.blocked_keys, t.dead_blocked_keys),
+            age_text(t.oldest_pending_age_seconds),
+            _blocked(t.blocked_keys, t.dead_blocked_keys, t.held_keys),
             "yes" if t.paused else "",
         )
         for t in topics
@@ -133,33 +178,59 @@ def as_table(topics: list[TopicStatus], pauses: list[Pause] | None = None) -> st
     rows.append(
         (
             "TOTAL",
-            str(totals["pending"]),
+            str(totals["waiting"]),
             str(totals["in_flight"]),
             str(totals["dead"]),
             str(totals["published"]),
-            "-" if age is None else f"{age:.1f}",
-            _blocked(totals["blocked_keys"], totals["dead_blocked_keys"]),
+            age_text(age),
+            _blocked(totals["blocked_keys"], totals["dead_blocked_keys"], totals["held_keys"]),
             "",
         )
     )
     lines = columns(header, rows)
+    if dispatchers is not None:
+        lines.append(_dispatchers_line(dispatchers, policy))
     for p in pauses or []:
-        what = "the whole table" if p.topic == WHOLE_TABLE else f"topic {p.topic}"
+        what = "the whole table" if p.topic == WHOLE_TABLE else f"topic {inert(p.topic)}"
         lines.append(
             f"paused: {what} since {p.paused_at.isoformat(timespec='seconds')}"
-            f" by {p.paused_by or '?'}" + (f": {p.reason}" if p.reason else "")
+            f" by {inert(p.paused_by or '?')}" + (f": {inert(p.reason)}" if p.reason else "")
         )
     return "\n".join(lines)
 
 
-def _blocked(blocked: int, dead_blocked: int) -> str:
-    return f"{blocked} ({dead_blocked} dead)" if dead_blocked else str(blocked)
+def age_text(seconds: float | None) -> str:
+    """An age for people: 2.4s, 12m05s, 3h04m, 3d04h (JSON keeps the seconds)."""
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    whole = int(seconds)
+    for unit, size, sub, sub_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60)):
+        if whole >= size:
+            return f"{whole // size}{unit}{whole % size // sub_size:02d}{sub}"
+    return f"{whole // 60}m{whole % 60:02d}s"
 
 
-def columns(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """Rows of cells as left-aligned columns under their header, for a terminal."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return [
-        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
-        for r in [header, *rows]
-    ]
+def _dispatchers_line(dispatchers: list[Dispatcher], policy: str | None) -> str:
+    if not dispatchers:
+        return (
+            "dispatchers: none alive (no heartbeat in the last "
+            f"{registry.LIVE_SECONDS:g}s): nothing is being published; blocked keys counted "
+            f"under policy {policy}"
+        )
+    policies = sorted({d.dead_letter_policy for d in dispatchers})
+    newest = min(d.heartbeat_age_seconds for d in dispatchers)
+    line = (
+        f"dispatchers: {len(dispatchers)} alive (last heartbeat {newest:.0f}s ago), "
+        f"dead-letter policy {'/'.join(policies)}"
+    )
+    if len(policies) > 1:
+        line += f" (they differ: blocked keys counted under {policy})"
+    return line
+
+
+def _blocked(blocked: int, dead_blocked: int, held: int = 0) -> str:
+    """'5 (2 dead, 1 held)': the parts that wait for an operator."""
+    parts = [f"{n} {why}" for n, why in ((dead_blocked, "dead"), (held, "held")) if n]
+    return f"{blocked} ({', '.join(parts)})" if parts else str(blocked)

@@ -111,5 +111,14 @@ BEGIN
     IF to_regclass('${schema}.${table}_paused') IS NOT NULL THEN
         GRANT SELECT ON ${schema}.${table}_paused TO ${dispatcher_role};
     END IF;
+
+    -- Migration 0005: a dispatcher records itself and its heartbeat in <table>_dispatchers
+    -- (and removes its row when it stops). The operator commands the dispatcher role may run
+    -- (dead requeue/discard, replay, cleanup) record themselves in <table>_operator_audit: INSERT only,
+    -- so that no one but the owner can rewrite that record.
+    IF to_regclass('${schema}.${table}_dispatchers') IS NOT NULL THEN
+        GRANT SELECT, INSERT, UPDATE, DELETE ON ${schema}.${table}_dispatchers TO ${dispatcher_role};
+        GRANT INSERT ON ${schema}.${table}_operator_audit TO ${dispatcher_role};
+    END IF;
 END
 $grants$;

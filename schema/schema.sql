@@ -1,4 +1,4 @@
--- outbox-dispatcher: the full current schema (version 5). Equivalent to applying every file in
+-- outbox-dispatcher: the full current schema (version 6). Equivalent to applying every file in
 -- migrations/ in order; tests/integration/test_schema.py proves it. Placeholders as in the migrations.
 
 CREATE TABLE IF NOT EXISTS ${schema}.${table}_schema_version (
@@ -36,6 +36,8 @@ CREATE TABLE ${schema}.${table} (
     CONSTRAINT ${table}_topic_valid CHECK (
         topic ~ '^[A-Za-z0-9._-]{1,249}$' AND topic NOT IN ('.', '..')
     ),
+    -- Internal topic names (__consumer_offsets, ...) belong to the broker.
+    CONSTRAINT ${table}_topic_not_internal CHECK (left(topic, 2) <> '__'),
     CONSTRAINT ${table}_headers_valid CHECK (${schema}.${table}_headers_valid(headers)),
     -- Indexed twice; PostgreSQL's own refusal of long index entries names nothing useful.
     CONSTRAINT ${table}_ordering_key_length CHECK (octet_length(ordering_key) <= 2048),
@@ -127,8 +129,8 @@ CREATE TABLE ${schema}.${table}_paused (
 COMMENT ON TABLE ${schema}.${table}_paused IS
     'Paused topics of the outbox: the claim leaves their rows pending. Topic ''*'' pauses the whole table.';
 
--- Claim engine (version 5): a per-key registry, the claim, the settle, the lease keeper and the
--- release of a lost claim. See schema/migrations/0005_claim_engine.sql for the why of each part.
+-- Claim engine (version 6): a per-key registry, the claim, the settle, the lease keeper and the
+-- release of a lost claim. See schema/migrations/0006_claim_engine.sql for the why of each part.
 
 CREATE TABLE ${schema}.${table}_key (
     ordering_key text PRIMARY KEY,
@@ -688,12 +690,42 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_claim(
     LANGUAGE plpgsql VOLATILE
 AS $fn$
 BEGIN
-    RAISE EXCEPTION 'the outbox schema of % was upgraded to version 5 (claim engine v2); this dispatcher is older: upgrade outbox-dispatcher',
+    RAISE EXCEPTION 'the outbox schema of % was upgraded to version 6 (claim engine v2); this dispatcher is older: upgrade outbox-dispatcher',
         '${schema}.${table}'
         USING ERRCODE = 'feature_not_supported';
 END;
 $fn$;
 
+-- Every operator command that changes something leaves a row here, in the database rather than on
+-- the operator's terminal: who (the database roles, which a client cannot spoof the way it can
+-- $USER), from where, when, the command, its filter and how many rows it changed.
+CREATE TABLE ${schema}.${table}_operator_audit (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    at timestamptz NOT NULL DEFAULT now(),
+    db_role text NOT NULL DEFAULT current_user,
+    session_role text NOT NULL DEFAULT session_user,
+    client_addr inet DEFAULT inet_client_addr(),
+    command text NOT NULL,
+    filter jsonb NOT NULL DEFAULT '{}'::jsonb,
+    rows bigint NOT NULL
+);
+
+COMMENT ON TABLE ${schema}.${table}_operator_audit IS
+    'Operator actions on the outbox (outbox-dispatcher dead requeue/discard, replay, pause, resume, cleanup): who by database role and client address, when, what, how many rows.';
+
+-- Each running dispatcher records itself and beats here, so that `status` tells whether any is
+-- alive and reads blocked keys under the dead-letter policy the dispatchers actually run with.
+CREATE TABLE ${schema}.${table}_dispatchers (
+    owner text PRIMARY KEY,
+    dead_letter_policy text NOT NULL,
+    started_at timestamptz NOT NULL DEFAULT now(),
+    heartbeat_at timestamptz NOT NULL DEFAULT now()
+);
+
+COMMENT ON TABLE ${schema}.${table}_dispatchers IS
+    'Running outbox-dispatcher processes (lease owner id, dead-letter policy, last heartbeat by the database clock); a row whose heartbeat is old is a dispatcher that died.';
+
 INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (1, 'initial'), (2, 'routed_topic'),
-    (3, 'operations'), (4, 'stricter_writer_checks'), (5, 'claim_engine')
+    (3, 'operations'), (4, 'stricter_writer_checks'), (5, 'operator_safety'),
+    (6, 'claim_engine')
     ON CONFLICT (version) DO NOTHING;

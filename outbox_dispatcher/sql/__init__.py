@@ -63,8 +63,15 @@ class Queries:
     dead_list: str
     dead_requeue: str
     dead_discard: str
-    replay_hold: str
-    replay_release: str
+    replay_batch: str
+    release_held: str
+    dead_count: str
+    replay_count: str
+    cleanup_count: str
+    audit: str
+    dispatcher_beat: str
+    dispatchers_live: str
+    dead_topics: str
     cleanup_window: str
     pending_topics: str
     pending_routed_headers: str
@@ -90,6 +97,8 @@ class Queries:
             "waiting": qualified(f"{table}_waiting"),
             "inbox": qualified(inbox),
             "paused": qualified(f"{table}_paused"),
+            "audit": qualified(f"{table}_operator_audit"),
+            "dispatchers": qualified(f"{table}_dispatchers"),
         }
         rendered = {name: sql.format_map(names) for name, sql in QUERIES.items()}
         return cls(**rendered)

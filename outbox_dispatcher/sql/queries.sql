@@ -71,8 +71,9 @@ SELECT topic,
 
 -- gauges --
 -- The table gauges behind /metrics, each from a partial index: pending rows, the age of the oldest
--- (by id, the claim's order), dead rows, keys waiting out a backoff, and keys blocked by a dead row
--- when $1 (dead_letter_policy = block); and the pauses operators set.
+-- (by id, the claim's order), dead rows, keys waiting out a backoff, keys held without a failure
+-- (an interrupted replay of version 0.1), and keys blocked by a dead row when $1
+-- (dead_letter_policy = block); and the pauses operators set.
 SELECT (SELECT count(*) FROM {table} WHERE published_at IS NULL AND dead_at IS NULL) AS pending,
        (SELECT extract(epoch FROM now() - created_at)::float8 FROM {table}
          WHERE published_at IS NULL AND dead_at IS NULL ORDER BY id LIMIT 1)
@@ -81,6 +82,9 @@ SELECT (SELECT count(*) FROM {table} WHERE published_at IS NULL AND dead_at IS N
        (SELECT count(DISTINCT ordering_key) FROM {table}
          WHERE published_at IS NULL AND dead_at IS NULL AND attempts > 0
            AND next_attempt_at > now()) AS backoff_keys,
+       (SELECT count(DISTINCT ordering_key) FROM {table}
+         WHERE published_at IS NULL AND dead_at IS NULL AND attempts = 0
+           AND next_attempt_at > now() AND lease_token IS NULL) AS held_keys,
        (SELECT count(DISTINCT d.ordering_key) FROM {table} d
          WHERE $1 AND d.dead_at IS NOT NULL
            AND EXISTS (SELECT FROM {table} p
@@ -103,25 +107,28 @@ RETURNING event_id
 -- transaction, walking ids upwards from a cursor ($after) to a bound fixed when the command starts.
 
 -- status_keys --
--- Per topic of a key's head (its oldest pending row): keys whose head waits out a backoff, and
--- keys held by a dead row when $1 (dead_letter_policy = block).
+-- Per topic of a key's head (its oldest pending row): keys whose head waits out a backoff after a
+-- failure, keys held (not due, but never failed: what an interrupted replay of version 0.1 left),
+-- and keys held by a dead row when $1 (dead_letter_policy = block).
 WITH heads AS (
-    SELECT DISTINCT ON (ordering_key) ordering_key, topic, next_attempt_at
+    SELECT DISTINCT ON (ordering_key) ordering_key, topic, next_attempt_at, attempts
       FROM {table}
      WHERE published_at IS NULL AND dead_at IS NULL AND ordering_key IS NOT NULL
      ORDER BY ordering_key, id
 ),
 flagged AS (
     SELECT h.topic,
-           h.next_attempt_at > now() AS backoff,
+           h.next_attempt_at > now() AND h.attempts > 0 AS backoff,
+           h.next_attempt_at > now() AND h.attempts = 0 AS held,
            $1::boolean AND EXISTS (SELECT 1 FROM {table} d
                                     WHERE d.ordering_key = h.ordering_key
                                       AND d.dead_at IS NOT NULL) AS dead_blocked
       FROM heads h
 )
 SELECT topic,
-       count(*) FILTER (WHERE backoff OR dead_blocked) AS blocked_keys,
-       count(*) FILTER (WHERE dead_blocked) AS dead_blocked_keys
+       count(*) FILTER (WHERE backoff OR held OR dead_blocked) AS blocked_keys,
+       count(*) FILTER (WHERE dead_blocked) AS dead_blocked_keys,
+       count(*) FILTER (WHERE held AND NOT dead_blocked) AS held_keys
   FROM flagged
  GROUP BY topic
 
@@ -129,8 +136,10 @@ SELECT topic,
 SELECT topic, paused_at, paused_by, reason FROM {paused} ORDER BY topic
 
 -- pause --
--- Pausing again keeps the first paused_at and records the latest who and why.
-INSERT INTO {paused} AS p (topic, paused_by, reason) VALUES ($1, $2, $3)
+-- Pausing again keeps the first paused_at and records the latest who and why. Who is the
+-- database's login role and the client's address, which a client cannot make up.
+INSERT INTO {paused} AS p (topic, paused_by, reason)
+VALUES ($1, session_user || coalesce('@' || host(inet_client_addr()), ''), $2)
 ON CONFLICT (topic) DO UPDATE SET paused_by = EXCLUDED.paused_by, reason = EXCLUDED.reason
 RETURNING topic, paused_at, paused_by, reason
 
@@ -157,26 +166,32 @@ SELECT id, event_id, topic, ordering_key, attempts, created_at, dead_at, last_er
  WHERE dead_at IS NOT NULL
    AND ($1::bigint[] IS NULL OR id = ANY ($1))
    AND ($2::text IS NULL OR ordering_key = $2)
-   AND ($3::text IS NULL OR topic = $3)
+   AND ($3::text IS NULL OR topic IS NOT DISTINCT FROM nullif($3, '(routed)'))
    AND ($4::timestamptz IS NULL OR created_at >= $4)
    AND ($5::timestamptz IS NULL OR created_at < $5)
+   AND ($6::boolean IS NULL OR ordering_key IS NULL)
+   AND ($7::timestamptz IS NULL OR dead_at >= $7)
+   AND ($8::timestamptz IS NULL OR dead_at < $8)
  ORDER BY id
- LIMIT $6
+ LIMIT $9
 
 -- dead_requeue --
--- One batch: dead rows with ids in ($6, $7], up to $8, become pending again (due now, attempts
+-- One batch: dead rows with ids in ($9, $10], up to $11, become pending again (due now, attempts
 -- reset); last_error keeps a trace. Dead rows are never leased, so no dispatcher races this.
 WITH batch AS (
     SELECT id FROM {table}
      WHERE dead_at IS NOT NULL
        AND ($1::bigint[] IS NULL OR id = ANY ($1))
        AND ($2::text IS NULL OR ordering_key = $2)
-       AND ($3::text IS NULL OR topic = $3)
+       AND ($3::text IS NULL OR topic IS NOT DISTINCT FROM nullif($3, '(routed)'))
        AND ($4::timestamptz IS NULL OR created_at >= $4)
        AND ($5::timestamptz IS NULL OR created_at < $5)
-       AND id > $6 AND id <= $7
+       AND ($6::boolean IS NULL OR ordering_key IS NULL)
+       AND ($7::timestamptz IS NULL OR dead_at >= $7)
+       AND ($8::timestamptz IS NULL OR dead_at < $8)
+       AND id > $9 AND id <= $10
      ORDER BY id
-     LIMIT $8
+     LIMIT $11
 ),
 done AS (
     UPDATE {table} o
@@ -194,18 +209,21 @@ done AS (
 SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM done) AS rows
 
 -- dead_discard --
--- One batch: delete dead rows with ids in ($6, $7], up to $8.
+-- One batch: delete dead rows with ids in ($9, $10], up to $11.
 WITH batch AS (
     SELECT id FROM {table}
      WHERE dead_at IS NOT NULL
        AND ($1::bigint[] IS NULL OR id = ANY ($1))
        AND ($2::text IS NULL OR ordering_key = $2)
-       AND ($3::text IS NULL OR topic = $3)
+       AND ($3::text IS NULL OR topic IS NOT DISTINCT FROM nullif($3, '(routed)'))
        AND ($4::timestamptz IS NULL OR created_at >= $4)
        AND ($5::timestamptz IS NULL OR created_at < $5)
-       AND id > $6 AND id <= $7
+       AND ($6::boolean IS NULL OR ordering_key IS NULL)
+       AND ($7::timestamptz IS NULL OR dead_at >= $7)
+       AND ($8::timestamptz IS NULL OR dead_at < $8)
+       AND id > $9 AND id <= $10
      ORDER BY id
-     LIMIT $8
+     LIMIT $11
 ),
 done AS (
     DELETE FROM {table} o USING batch b
@@ -214,10 +232,11 @@ done AS (
 )
 SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM done) AS rows
 
--- replay_hold --
+-- replay_batch --
 -- One batch of a replay: published rows with ids in ($7, $8], up to $9, become pending again with
--- their event id, but not due for $10 seconds, so that no dispatcher sends them before the whole
--- replay is held (replay_release then lets them go in id order). Published rows are never leased.
+-- their event id, due now. The whole replay runs in one transaction (admin.replay), so dispatchers
+-- see all of its rows at once at commit, in id order per key, or, if the command is interrupted,
+-- none. Published rows are never leased, so no dispatcher races this.
 WITH batch AS (
     SELECT id FROM {table}
      WHERE published_at IS NOT NULL
@@ -231,11 +250,11 @@ WITH batch AS (
      ORDER BY id
      LIMIT $9
 ),
-held AS (
+done AS (
     UPDATE {table} o
        SET published_at = NULL,
            attempts = 0,
-           next_attempt_at = now() + $10 * interval '1 second',
+           next_attempt_at = now(),
            lease_token = NULL,
            lease_expires_at = NULL,
            last_error = format('replayed by operator at %s (published before at %s)',
@@ -244,19 +263,65 @@ held AS (
      WHERE o.id = b.id AND o.published_at IS NOT NULL
     RETURNING o.id
 )
-SELECT (SELECT max(id) FROM batch) AS last_id,
-       (SELECT array_agg(id ORDER BY id) FROM held) AS ids
+SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM done) AS rows
 
--- replay_release --
--- Let one batch of held replay rows go (due now). Called in id order, so a key's replayed rows
--- leave before its newer ones.
+-- release_held --
+-- Rows that an interrupted replay of version 0.1 (which held rows pending but not due for ten
+-- minutes, then released them batch by batch) left held: due now, in topic $1 or all.
 WITH released AS (
     UPDATE {table} SET next_attempt_at = now()
-     WHERE id = ANY ($1::bigint[]) AND published_at IS NULL AND dead_at IS NULL
-       AND lease_token IS NULL
+     WHERE published_at IS NULL AND dead_at IS NULL AND lease_token IS NULL
+       AND attempts = 0 AND next_attempt_at > now()
+       AND last_error LIKE 'replayed by operator at %'
+       AND ($1::text IS NULL OR topic = $1)
     RETURNING id
 )
 SELECT count(*) FROM released
+
+-- dead_count --
+-- How many dead rows a requeue or discard with these filters would change (--dry-run, progress).
+SELECT count(*) FROM {table}
+ WHERE dead_at IS NOT NULL
+   AND ($1::bigint[] IS NULL OR id = ANY ($1))
+   AND ($2::text IS NULL OR ordering_key = $2)
+   AND ($3::text IS NULL OR topic IS NOT DISTINCT FROM nullif($3, '(routed)'))
+   AND ($4::timestamptz IS NULL OR created_at >= $4)
+   AND ($5::timestamptz IS NULL OR created_at < $5)
+   AND ($6::boolean IS NULL OR ordering_key IS NULL)
+   AND ($7::timestamptz IS NULL OR dead_at >= $7)
+   AND ($8::timestamptz IS NULL OR dead_at < $8)
+
+-- replay_count --
+SELECT count(*) FROM {table}
+ WHERE published_at IS NOT NULL
+   AND ($1::bigint IS NULL OR id >= $1)
+   AND ($2::bigint IS NULL OR id <= $2)
+   AND ($3::text IS NULL OR ordering_key = $3)
+   AND ($4::text IS NULL OR topic = $4)
+   AND ($5::timestamptz IS NULL OR created_at >= $5)
+   AND ($6::timestamptz IS NULL OR created_at < $6)
+
+-- cleanup_count --
+SELECT count(*) FROM {table} WHERE published_at < now() - $1 * interval '1 second'
+
+-- audit --
+-- One operator action; who (current_user, session_user), from where (inet_client_addr()) and
+-- when are the column defaults, set by the database, not by the client.
+INSERT INTO {audit} (command, filter, rows) VALUES ($1, $2::text::jsonb, $3)
+
+-- dispatcher_beat --
+-- A running dispatcher records itself, its dead-letter policy and a heartbeat (by the database
+-- clock) for `status`.
+INSERT INTO {dispatchers} AS d (owner, dead_letter_policy) VALUES ($1, $2)
+ON CONFLICT (owner) DO UPDATE SET heartbeat_at = now(), dead_letter_policy = EXCLUDED.dead_letter_policy
+
+-- dispatchers_live --
+-- Dispatchers whose heartbeat is younger than $1 seconds.
+SELECT owner, dead_letter_policy, started_at, heartbeat_at,
+       extract(epoch FROM now() - heartbeat_at)::float8 AS heartbeat_age_seconds
+  FROM {dispatchers}
+ WHERE heartbeat_at > now() - $1 * interval '1 second'
+ ORDER BY owner
 
 -- cleanup_window --
 -- One retention batch: of the next $3 rows by id after $1, delete those published more than $2
@@ -283,6 +348,10 @@ SELECT (SELECT max(id) FROM win) AS last_id,
 -- pending_topics --
 SELECT DISTINCT topic FROM {table}
  WHERE published_at IS NULL AND dead_at IS NULL AND topic IS NOT NULL
+
+-- dead_topics --
+-- Topics of dead rows: check says which do not exist, so that a requeue would not die again.
+SELECT DISTINCT topic FROM {table} WHERE dead_at IS NOT NULL AND topic IS NOT NULL
 
 -- pending_routed_headers --
 -- The oldest $1 pending rows the dispatcher routes itself (check routes them as the publisher would).

@@ -126,6 +126,33 @@ def settings_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+@dataclass(frozen=True)
+class Ran:
+    code: int
+    out: str
+    err: str
+
+
+async def cli(
+    settings: Settings, *args: str, env: dict[str, str] | None = None, stdin: bytes | None = None
+) -> Ran:
+    """`outbox-dispatcher ARGS` as a real process with these settings in its environment (plus
+    `env`)."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "outbox_dispatcher",
+        *args,
+        env={**settings_env(settings), **(env or {})},
+        stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(stdin), 120)
+    assert process.returncode is not None
+    return Ran(process.returncode, out.decode(), err.decode())
+
+
 def spawn(settings: Settings, log_path: Path, *args: str) -> subprocess.Popen[bytes]:
     """`outbox-dispatcher run` as a real process (its own process group)."""
     with log_path.open("ab") as log:

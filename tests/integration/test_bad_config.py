@@ -68,12 +68,10 @@ def _with_host(url: str, host: str) -> str:
 
 @pytest.fixture
 def base_env(make_settings: Any) -> dict[str, str]:
-    """A working configuration (fresh migrated database, the test broker), with a SASL password
-    present as it would be in a deployment (PLAINTEXT ignores it)."""
+    """A working configuration (fresh migrated database, the test broker). A SASL password with
+    PLAINTEXT is refused (it would go unused); the secret test sets one where it fits."""
     env = settings_env(make_settings(log_format="json", http_port=0))
-    env = {k: v for k, v in env.items() if k.startswith("OUTBOX_")}
-    env["OUTBOX_KAFKA_SASL_PASSWORD"] = SASL_SECRET
-    return env
+    return {k: v for k, v in env.items() if k.startswith("OUTBOX_")}
 
 
 def _assert_one_clear_error(ran: Ran, code: int, *names: str) -> None:
@@ -207,6 +205,17 @@ async def test_no_secret_appears_in_any_line_in_any_failure_mode(
         ({"OUTBOX_LISTEN_DATABASE_URL": wrong}, ("run",)),
         ({"OUTBOX_BATCH_SIZE": "-1", "OUTBOX_DATABASE_URL": wrong}, ("run",)),
         ({"OUTBOX_KAFKA_SASL_MECHANISM": "PLAIN"}, ("run",)),  # no username
+        ({"OUTBOX_KAFKA_SASL_PASSWORD": SASL_SECRET}, ("check",)),  # no SASL protocol
+        (
+            {
+                "OUTBOX_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+                "OUTBOX_KAFKA_SASL_MECHANISM": "PLAIN",
+                "OUTBOX_KAFKA_SASL_USERNAME": "outbox_plain",
+                "OUTBOX_KAFKA_SASL_PASSWORD": SASL_SECRET,  # wrong, and at a PLAINTEXT listener
+                "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1",
+            },
+            ("run",),
+        ),
     ]
     outputs = await asyncio.gather(
         *(

@@ -89,7 +89,7 @@ COMMON_TOPICS = st.one_of(
             ("main", ""),
             ("other", ""),
             ("long", ""),  # an existing topic with a 249-character name
-            ("internal", ""),  # __consumer_offsets: the table accepts it, the broker refuses
+            ("internal", ""),  # __consumer_offsets: refused at write time (version 5)
             ("routed_default", ""),  # NULL topic, no route header: OUTBOX_DEFAULT_TOPIC
             ("routed_ok", ""),  # NULL topic, the template makes an existing topic
             ("routed_missing", ""),  # NULL topic, the template makes a topic that does not exist
@@ -320,6 +320,8 @@ def concretize(spec: Spec, world: World, previous: list[uuid.UUID]) -> Row:
         broken.append(r'violates check constraint "outbox_headers_valid"')
     if topic is not None and (not TOPIC.match(topic) or topic in (".", "..")):
         broken.append(r'violates check constraint "outbox_topic_valid"')
+    if topic is not None and topic.startswith("__"):
+        broken.append(r'violates check constraint "outbox_topic_not_internal"')
     if key is not None and len(key.encode("utf-8", "surrogatepass")) > KEY_LIMIT:
         broken.append(r'violates check constraint "outbox_ordering_key_length"')
     if event_id is not None:
@@ -327,7 +329,8 @@ def concretize(spec: Spec, world: World, previous: list[uuid.UUID]) -> Row:
     payload_bytes_rest = 0
     sent_headers: list[tuple[str, bytes]] = []
     if headers is not None:
-        sent_headers = [(n, v.encode()) for n, v in headers.items() if n != s.event_id_header]
+        reserved = s.event_id_header.casefold()
+        sent_headers = [(n, v.encode()) for n, v in headers.items() if n.casefold() != reserved]
     key_bytes = None if key is None or "\x00" in key else key.encode()
     payload_bytes_rest = (
         len(key_bytes or b"")
@@ -711,7 +714,7 @@ def test_the_oracle_decides_hand_picked_rows() -> None:
     assert decide(topic=("routed_missing", "")).topic == "test-missing-routed"
     assert decide(topic=("routed_default", "")).topic == "test-o"
     assert decide(topic=("routed_invalid", "a b")).outcome == "dead"
-    assert decide(topic=("internal", "")).outcome == "dead"
+    assert decide(topic=("internal", "")).outcome == "rejected"
     assert len(decide(topic=("invalid", "a b"), headers={"n": 1}).reasons) == 2
     assert decide(key=("at_limit", 1)).outcome == "published"
     assert decide(key=("over_limit", 1)).outcome == "rejected"

@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import asyncpg
 import orjson
 import pytest
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
 
 from outbox_dispatcher.dispatcher import Dispatcher
 from outbox_dispatcher.inbox import Inbox, MissingEventIdError
@@ -121,3 +124,59 @@ async def test_records_without_an_event_id_are_refused(inbox_pool: asyncpg.Pool)
         await inbox.handle(FakeRecord([("other", b"x")]), never)
     with pytest.raises(MissingEventIdError, match="not a UUID"):
         await inbox.handle(FakeRecord([("event-id", b"nope")]), never)
+
+
+def _documented_consumer() -> str:
+    """The Python block of docs/consumers.md's Python section, as it stands."""
+    text = (Path(__file__).parents[2] / "docs" / "consumers.md").read_text("utf-8")
+    section = text.split("## Python: `outbox_dispatcher.inbox.Inbox`", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+async def test_the_documented_python_consumer_runs_as_written(
+    services: Services, database_url: str, conn: asyncpg.Connection, topic: str
+) -> None:
+    code = _documented_consumer()
+    assert "enable_auto_commit=False" in code and "group_id=" in code
+    namespace: dict[str, Any] = {}
+    exec(compile(code, "docs/consumers.md", "exec"), namespace)  # noqa: S102 - our own docs
+
+    ids = [uuid.uuid4() for _ in range(3)]
+    producer = AIOKafkaProducer(bootstrap_servers=services.kafka_bootstrap_servers)
+    await producer.start()
+    try:
+        for event_id in [*ids, ids[0]]:  # the first one redelivered
+            await producer.send_and_wait(
+                topic, b"v", key=b"k", headers=[("event-id", str(event_id).encode())]
+            )
+    finally:
+        await producer.stop()
+    await conn.execute("CREATE TABLE applied (event_id text)")
+
+    async def apply(db: asyncpg.Connection, record: Any) -> None:
+        await db.execute(
+            "INSERT INTO applied VALUES ($1)", dict(record.headers)["event-id"].decode()
+        )
+
+    task = asyncio.create_task(
+        namespace["consume"](database_url, services.kafka_bootstrap_servers, topic, apply)
+    )
+    admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka_bootstrap_servers)
+    await admin.start()
+    try:
+
+        async def committed() -> int:
+            offsets = await admin.list_consumer_group_offsets("orders-projection")
+            return sum(m.offset for tp, m in offsets.items() if tp.topic == topic)
+
+        async def done() -> bool:
+            return await committed() == 4
+
+        await wait_until(done, timeout=60, what="the consumer to commit all four records")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await admin.close()
+    applied = [r["event_id"] for r in await conn.fetch("SELECT event_id FROM applied")]
+    assert sorted(applied) == sorted(str(i) for i in ids)  # the duplicate was skipped
+    assert await conn.fetchval("SELECT count(*) FROM inbox") == 3

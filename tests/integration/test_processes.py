@@ -229,7 +229,7 @@ async def test_cli_migrate_status_and_run_refusal(
     assert report["totals"]["pending"] == 2 and report["totals"]["dead"] == 1
     assert [t["topic"] for t in report["topics"]] == ["a", "b"]
     table = cli("status")
-    assert table.stdout.splitlines()[0].split()[:4] == ["topic", "pending", "in_flight", "dead"]
+    assert table.stdout.splitlines()[0].split()[:4] == ["topic", "waiting", "in_flight", "dead"]
     bad = cli("status", "--table", "x;drop")
     assert bad.returncode == 2
     assert "OUTBOX_TABLE / --table" in bad.stderr

@@ -92,6 +92,8 @@ async def test_enqueue_functions_and_defaults(conn: asyncpg.Connection) -> None:
         ("{}", "bad topic!", "outbox_topic_valid"),
         ("{}", "", "outbox_topic_valid"),
         ("{}", "x" * 250, "outbox_topic_valid"),
+        ("{}", "__consumer_offsets", "outbox_topic_not_internal"),
+        ("{}", "__anything", "outbox_topic_not_internal"),
     ],
 )
 async def test_malformed_rows_are_rejected_at_write_time(

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import orjson
+import pytest
 
 from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
 
@@ -69,3 +70,27 @@ async def test_routes_status_codes_and_readiness_caching() -> None:
         assert (await request(server.port, b"garbage\r\n\r\n"))[0] == 405
     finally:
         await server.close()
+
+
+async def test_a_port_in_use_is_one_configuration_error_with_the_hint() -> None:
+    import socket
+
+    from outbox_dispatcher import errors
+
+    async def check() -> Readiness:
+        return Readiness(True, {})
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = HealthServer(
+            "127.0.0.1",
+            port,
+            live=lambda: {"live": True},
+            ready=ReadinessCache(check),
+            metrics=lambda: b"",
+        )
+        with pytest.raises(errors.ConfigurationError, match="already in use") as raised:
+            await server.start()
+    assert "OUTBOX_HTTP_PORT (0 picks a free one)" in str(raised.value)

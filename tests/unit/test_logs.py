@@ -51,3 +51,34 @@ def test_json_lines_for_our_logs_and_the_client_libraries(
     assert {"level", "logger", "timestamp"} <= ours.keys()
     assert theirs["event"] == "Unable to connect to broker:9092"
     assert (theirs["level"], theirs["logger"]) == ("warning", "aiokafka.conn")
+
+
+def test_console_format_escapes_control_characters_in_every_field(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    try:
+        logs.configure("console", "INFO")
+        structlog.get_logger("outbox_dispatcher.test").error(
+            "dead_lettered", ordering_key="ckey\x1b[41mRED\n999 forged", reason="r\u202egnp"
+        )
+        err = capsys.readouterr().err
+    finally:
+        logs.configure("console", "INFO")
+    assert "\x1b[41m" not in err and "\u202e" not in err
+    assert err.count("\n") == 1  # the key's newline forged no second line
+    # Escaped, once or (inside the renderer's repr of a value with spaces) twice.
+    assert "ckey\\x1b[41mRED" in err.replace("\\\\", "\\")
+    assert "r\\u202egnp" in err
+
+
+def test_aiokafkas_topic_not_in_metadata_is_not_logged_as_an_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    try:
+        logs.configure("json", "INFO")
+        logging.getLogger("aiokafka.cluster").error("Topic %s not found in cluster metadata", "t")
+        logging.getLogger("aiokafka.cluster").error("something else %s", "t")
+        lines = capsys.readouterr().err.splitlines()
+    finally:
+        logs.configure("console", "INFO")
+    assert [orjson.loads(line)["event"] for line in lines] == ["something else t"]

@@ -15,7 +15,7 @@ def test_headers_carry_the_event_id_and_it_cannot_be_forged() -> None:
         "t",
         "k",
         b"x",
-        {"traceparent": "00-ab", "event-id": "forged"},
+        {"traceparent": "00-ab", "event-id": "forged", "Event-ID": "forged", "EVENT-id": "x"},
         event_id,
         datetime.now(UTC),
         0,

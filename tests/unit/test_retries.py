@@ -99,3 +99,17 @@ def test_classify_unknown_errors_as_row_errors() -> None:
     assert errors.classify(RuntimeError("bug")) is errors.Failure.ROW
     assert errors.describe(RuntimeError("bug")) == "RuntimeError: bug"
     assert errors.describe(kafka_errors.KafkaConnectionError()) == "KafkaConnectionError"
+
+
+def test_oversize_errors_name_our_setting_and_the_topic_limit_once() -> None:
+    client_side = kafka_errors.MessageSizeTooLargeError(
+        "The message is 2097355 bytes when serialized which is larger than the maximum request "
+        "size you have configured with the max_request_size configuration"
+    )
+    for exc in (client_side, kafka_errors.MessageSizeTooLargeError()):
+        text = errors.describe(exc)
+        assert "OUTBOX_KAFKA_MAX_REQUEST_BYTES" in text and "max.message.bytes" in text
+        assert "max_request_size" not in text
+        assert text.count("MessageSizeTooLargeError") == 1
+    doubled = kafka_errors.KafkaConnectionError("KafkaConnectionError: Unable to bootstrap")
+    assert errors.describe(doubled) == "KafkaConnectionError: Unable to bootstrap"

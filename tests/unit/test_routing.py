@@ -42,3 +42,23 @@ def test_settings_validate_routing() -> None:
     assert Settings(topic_template="events.{type}").topic_template == "events.{type}"
     with pytest.raises(ValidationError, match="OUTBOX_DEFAULT_TOPIC"):
         Settings(default_topic="no spaces")
+
+
+def test_internal_topic_names_are_not_valid_topics() -> None:
+    from outbox_dispatcher import routing
+
+    assert not routing.valid_topic("__consumer_offsets")
+    assert not routing.valid_topic("__transaction_state")
+    assert routing.valid_topic("_single-underscore")
+    assert routing.valid_topic("orders__v2")
+
+
+def test_an_unbalanced_brace_in_the_template_is_named_as_such() -> None:
+    import pytest
+
+    from outbox_dispatcher import routing
+
+    for template in ("events.{nope", "events.nope}", "events.{{a}}", "a}{b"):
+        with pytest.raises(ValueError, match="unbalanced"):
+            routing.check_template(template)
+    assert routing.check_template("events.{aggregate}") == "events.{aggregate}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,10 @@ def test_secrets_directory_files_are_named_like_the_variables(
     for name in ("OUTBOX_DATABASE_URL", "outbox_kafka_sasl_password"):
         (tmp_path / name).symlink_to(Path("..data") / name)
     monkeypatch.setenv("OUTBOX_SECRETS_DIR", str(tmp_path))
+    # A SASL password needs a SASL protocol (it would go unused otherwise, and is refused).
+    monkeypatch.setenv("OUTBOX_KAFKA_SECURITY_PROTOCOL", "SASL_SSL")
+    monkeypatch.setenv("OUTBOX_KAFKA_SASL_MECHANISM", "PLAIN")
+    monkeypatch.setenv("OUTBOX_KAFKA_SASL_USERNAME", "app")
     s = Settings()
     assert s.database_url.get_secret_value() == f"postgresql://app:{SECRET}@db:5432/app"
     assert s.kafka_sasl_password is not None
@@ -207,7 +212,89 @@ def test_tls_and_sasl_settings_the_protocol_would_ignore_are_refused(
     if values.get("kafka_security_protocol", "").startswith("SASL_") and "ssl_key" in str(values):
         flags += ["--kafka-sasl-mechanism=PLAIN", "--kafka-sasl-username=u"]
         flags += [f"--kafka-sasl-password={SECRET}"]
-    assert cli.main(["status", *flags]) == cli.EXIT_CONFIG
+    assert cli.main(["check", *flags]) == cli.EXIT_CONFIG
     err = capsys.readouterr().err
     assert message in err
     assert SECRET not in err
+
+
+@pytest.mark.parametrize(
+    "password",
+    # Unencoded '/', '?', '#' and '@' move pieces of the password into the host, port or path,
+    # where a driver's parse error would quote them: pieces of every length, down to one.
+    ["Pa/ssLEAK", "hunter2?x", "hunter2#x", "Pa@ssw0rd", "P/a", "x?y", "/", "a@", "@@", "ab/cd?ef"],
+)
+def test_a_url_that_does_not_parse_is_exit_2_saying_to_percent_encode_and_quotes_nothing(
+    password: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", f"postgresql://app:{password}@db.internal:5432/app")
+    assert cli.main(["status"]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "OUTBOX_DATABASE_URL" in err and "percent-encode" in err
+    # The message quotes nothing of the URL: the same URL with other letters gives the same line.
+    other = re.sub(r"[A-Za-z0-9]", "q", password)
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", f"postgresql://qqq:{other}@qq.qqqqqqqq:5432/qqq")
+    assert cli.main(["status"]) == cli.EXIT_CONFIG
+    assert capsys.readouterr().err == err
+
+
+def test_a_percent_encoded_password_is_accepted() -> None:
+    s = _settings("--database-url", "postgresql://app:Pa%2Fss%40w%3Fd@db:5432/app?sslmode=require")
+    assert "Pa%2Fss" in s.database_url.get_secret_value()
+    assert _settings("--database-url", "postgresql:///app?host=/run/pg").database_url
+
+
+def test_a_file_whose_content_does_not_parse_is_never_echoed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shadow = _write(tmp_path / "shadow", f"root:{SECRET}:19000:0:99999:7:::\n")
+    monkeypatch.setenv("OUTBOX_DATABASE_URL_FILE", str(shadow))
+    assert cli.main(["status"]) == cli.EXIT_CONFIG
+    monkeypatch.delenv("OUTBOX_DATABASE_URL_FILE")
+    # Any setting, also one whose check quotes a bad value from the environment.
+    monkeypatch.setenv("OUTBOX_KAFKA_BOOTSTRAP_SERVERS_FILE", str(shadow))
+    assert cli.main(["status"]) == cli.EXIT_CONFIG
+    monkeypatch.delenv("OUTBOX_KAFKA_BOOTSTRAP_SERVERS_FILE")
+    secrets_dir = tmp_path / "secrets"
+    secrets_dir.mkdir()
+    _write(secrets_dir / "OUTBOX_DEFAULT_TOPIC", f"not a topic {SECRET}")
+    monkeypatch.setenv("OUTBOX_SECRETS_DIR", str(secrets_dir))
+    assert cli.main(["status"]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "OUTBOX_DATABASE_URL_FILE / --database-url" in err
+    assert "OUTBOX_KAFKA_BOOTSTRAP_SERVERS_FILE / --kafka-bootstrap-servers" in err
+    assert "OUTBOX_DEFAULT_TOPIC in OUTBOX_SECRETS_DIR / --default-topic" in err
+    assert SECRET not in err and "root" not in err
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--kafka-sasl-username=u", f"--kafka-sasl-password={SECRET}"],
+        [f"--kafka-sasl-password={SECRET}"],
+        ["--kafka-sasl-username=u", "--kafka-security-protocol=SSL"],
+    ],
+)
+def test_sasl_credentials_without_a_sasl_protocol_are_refused(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["check", *flags]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "does not use SASL" in err
+    assert SECRET not in err
+
+
+def test_help_says_secrets_belong_in_files_not_flags() -> None:
+    help_text = " ".join(cli.build_parser().parse_args.__self__.format_help().split())  # type: ignore[attr-defined]
+    run_help = " ".join(
+        cli.build_parser()._subparsers._group_actions[0].choices["run"].format_help().split()  # type: ignore[union-attr]
+    )
+    for text in (help_text, run_help):
+        assert "OUTBOX_SECRETS_DIR" in text and "_FILE" in text
+    assert "--kafka-sasl-password" in run_help
+    assert "outbox:outbox" not in run_help  # the default URL is shown without its password
+    assert "postgresql://outbox:***@127.0.0.1:5432/outbox" in run_help
+    assert "OUTBOX_CLAIM_TASKS" not in " ".join(
+        cli.build_parser()._subparsers._group_actions[0].choices["pause"].format_help().split()  # type: ignore[union-attr]
+    )

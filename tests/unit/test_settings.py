@@ -69,7 +69,7 @@ def test_cli_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
 def test_invalid_setting_gives_one_clear_line_and_exit_2(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert cli.main(["status", "--batch-size", "0"]) == cli.EXIT_CONFIG
+    assert cli.main(["run", "--batch-size", "0"]) == cli.EXIT_CONFIG
     err = capsys.readouterr().err
     assert "OUTBOX_BATCH_SIZE / --batch-size" in err
     assert "greater than or equal to 1" in err
@@ -80,3 +80,52 @@ def test_every_setting_has_a_flag_with_help() -> None:
     for name, field in Settings.model_fields.items():
         assert cli._flag_name(name) in help_text
         assert field.description, f"{name} has no description for --help"
+
+
+def test_an_invalid_value_from_the_environment_names_the_variable_and_flag_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("OUTBOX_SCHEMA", 'x"; drop table outbox;--')
+    assert cli.main(["status"]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "invalid setting OUTBOX_SCHEMA / --schema:" in err
+    assert "OUTBOX_OUTBOX" not in err
+
+
+def test_a_cross_field_error_reads_as_one_sentence(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--backoff-initial-seconds", "5", "--backoff-max-seconds", "1"]
+    assert cli.main(["check", *flags]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "invalid settings: OUTBOX_BACKOFF_MAX_SECONDS must be >=" in err
+    assert "invalid setting settings" not in err
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "Infinity"])
+def test_infinite_seconds_are_refused(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["check", f"--lease-seconds={value}"]) == cli.EXIT_CONFIG
+    assert cli.main(["check", f"--retention-seconds={value}"]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "OUTBOX_LEASE_SECONDS / --lease-seconds" in err
+    assert "OUTBOX_RETENTION_SECONDS / --retention-seconds" in err
+
+
+def test_each_command_shows_its_own_options_first_and_only_the_settings_it_uses() -> None:
+    parser = cli.build_parser()
+    commands = dict(cli._leaves(parser))
+    pause_help = commands["pause"].format_help()
+    assert pause_help.startswith("usage: outbox-dispatcher pause [options]\n")
+    assert pause_help.index("--reason") < pause_help.index("--database-url")
+    assert "--kafka-bootstrap-servers" not in pause_help and "--cloudevents" not in pause_help
+    assert len(pause_help.splitlines()) < 60
+    assert "--cleanup-batch-size" in commands["dead requeue"].format_help()
+    assert "--kafka-bootstrap-servers" in commands["run"].format_help()
+    assert set(cli.COMMAND_SETTINGS) <= set(commands)
+
+
+def test_an_argument_error_is_one_line_not_the_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["dead", "list", "--since", "yesterday"])
+    assert exited.value.code == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("outbox-dispatcher dead list: error: argument --since: 'yesterday' is")

@@ -1,4 +1,4 @@
--- Version 5: claim engine v2. The claim no longer reads the oldest N pending rows (a window that a
+-- Version 6: claim engine v2. The claim no longer reads the oldest N pending rows (a window that a
 -- single stuck key could fill, and that every claimer shared); it picks keys that can move now
 -- from a per-key registry, so a key that is blocked, backing off, paused, held or leased costs a
 -- claim one index entry at most, however many rows it has, and every claimer gets keys of its own.
@@ -569,7 +569,7 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_claim(
     LANGUAGE plpgsql VOLATILE
 AS $fn$
 BEGIN
-    RAISE EXCEPTION 'the outbox schema of % was upgraded to version 5 (claim engine v2); this dispatcher is older: upgrade outbox-dispatcher',
+    RAISE EXCEPTION 'the outbox schema of % was upgraded to version 6 (claim engine v2); this dispatcher is older: upgrade outbox-dispatcher',
         '${schema}.${table}'
         USING ERRCODE = 'feature_not_supported';
 END;
@@ -592,5 +592,5 @@ SELECT h.ordering_key, h.id, h.topic, h.next_attempt_at,
          WHERE o.ordering_key IS NOT NULL AND o.published_at IS NULL AND o.dead_at IS NULL
          ORDER BY o.ordering_key, o.id) h;
 
-INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (5, 'claim_engine')
+INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (6, 'claim_engine')
     ON CONFLICT (version) DO NOTHING;

@@ -1,0 +1,45 @@
+"""Each dispatcher records itself, its dead-letter policy and a heartbeat in <table>_dispatchers,
+so that `status`, run anywhere, can say whether any dispatcher is alive and count blocked keys
+under the policy the dispatchers run with (not the operator's own environment)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import asyncpg
+import structlog
+
+from outbox_dispatcher import db
+from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.sql import Queries
+
+log = structlog.get_logger(__name__)
+
+# The database is away, or the dispatcher role lacks the grants of a newer roles.sql.
+_TOLERATED: tuple[type[BaseException], ...] = (
+    *db.RETRIABLE_ERRORS,
+    asyncpg.InsufficientPrivilegeError,
+)
+
+HEARTBEAT_SECONDS = 10.0
+# A dispatcher whose heartbeat is older than this is taken for dead (three missed beats).
+LIVE_SECONDS = 3 * HEARTBEAT_SECONDS + 5
+
+
+async def heartbeat(pool: asyncpg.Pool, queries: Queries, settings: Settings, owner: str) -> None:
+    """Forever: upsert this dispatcher's row. A failure is logged, never fatal: the registry only
+    informs operators."""
+    warned = False
+    while True:
+        try:
+            await pool.execute(queries.dispatcher_beat, owner, settings.dead_letter_policy.value)
+        except _TOLERATED as exc:
+            if not warned:
+                log.warning(
+                    "heartbeat_failed",
+                    error=repr(exc),
+                    hint="the dispatcher role needs the grants of schema/roles.sql (run it again "
+                    "after migrating); `status` cannot see this dispatcher until then",
+                )
+                warned = True
+        await asyncio.sleep(HEARTBEAT_SECONDS)
