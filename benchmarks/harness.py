@@ -214,7 +214,7 @@ async def make_stuck(url: str, topic: str, kind: str, rows: int) -> dict[str, An
                 head,
             )
         elif kind == "paused":
-            await conn.fetchrow(QUERIES.pause, stuck_topic, "benchmark", "a stuck key")
+            await conn.fetchrow(QUERIES.pause, stuck_topic, "a stuck key")
         elif kind == "replay":
             await conn.execute(
                 "UPDATE outbox SET published_at = now() WHERE ordering_key = $1", STUCK_KEY

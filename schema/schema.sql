@@ -74,10 +74,8 @@ COMMENT ON COLUMN ${schema}.${table}.published_at IS 'Set only after the broker 
 COMMENT ON COLUMN ${schema}.${table}.dead_at IS 'Dead-lettered: never published, see last_error (dispatcher).';
 COMMENT ON COLUMN ${schema}.${table}.last_error IS 'Why the last attempt failed or why the row was dead-lettered (dispatcher).';
 
--- The claim reads unpublished, live rows in id order (the scan window) and per key (the head
--- and the run); dead rows per key (the "block" policy). Nothing else is indexed.
-CREATE INDEX ${table}_pending_idx ON ${schema}.${table} (id)
-    WHERE published_at IS NULL AND dead_at IS NULL;
+-- The claim reads pending rows per key (the head and the run; rows without a key have an index of
+-- their own, below) and dead rows per key (the "block" policy). Nothing else is indexed.
 CREATE INDEX ${table}_pending_key_idx ON ${schema}.${table} (ordering_key, id)
     WHERE published_at IS NULL AND dead_at IS NULL;
 CREATE INDEX ${table}_dead_key_idx ON ${schema}.${table} (ordering_key)
@@ -333,9 +331,6 @@ $fn$;
 --    dispatcher, so that a claim whose reply was lost can be released by that token).
 -- 3. Keys that yielded nothing get their hints repaired from their head row, or are forgotten if
 --    they have no pending row.
--- Every per-key read orders by (ordering_key, id), not by id alone: with one key's rows the oldest
--- in the table (a stuck key), a plan that walks the pending rows by id and filters on the key
--- would read all of them for every other key.
 CREATE FUNCTION ${schema}.${table}_claim_keys(
     p_limit integer,
     p_max_keys integer,

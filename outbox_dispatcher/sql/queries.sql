@@ -71,13 +71,18 @@ SELECT topic,
 
 -- gauges --
 -- The table gauges behind /metrics, each from a partial index: pending rows, the age of the oldest
--- (by id, the claim's order), dead rows, keys waiting out a backoff, keys held without a failure
+-- (by id: from the oldest key head of the registry or the oldest row without a key), dead rows, keys waiting out a backoff, keys held without a failure
 -- (an interrupted replay of version 0.1), and keys blocked by a dead row when $1
 -- (dead_letter_policy = block); and the pauses operators set.
 SELECT (SELECT count(*) FROM {table} WHERE published_at IS NULL AND dead_at IS NULL) AS pending,
-       (SELECT extract(epoch FROM now() - created_at)::float8 FROM {table}
-         WHERE published_at IS NULL AND dead_at IS NULL ORDER BY id LIMIT 1)
-           AS oldest_pending_age_seconds,
+       (SELECT extract(epoch FROM now() - o.created_at)::float8 FROM {table} o
+         WHERE o.published_at IS NULL AND o.dead_at IS NULL
+           AND o.id >= (SELECT least(min(k.head_id),
+                                     (SELECT min(n.id) FROM {table} n
+                                       WHERE n.ordering_key IS NULL
+                                         AND n.published_at IS NULL AND n.dead_at IS NULL))
+                          FROM {keys} k)
+         ORDER BY o.id LIMIT 1) AS oldest_pending_age_seconds,
        (SELECT count(*) FROM {table} WHERE dead_at IS NOT NULL) AS dead,
        (SELECT count(DISTINCT ordering_key) FROM {table}
          WHERE published_at IS NULL AND dead_at IS NULL AND attempts > 0
