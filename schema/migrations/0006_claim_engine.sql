@@ -120,7 +120,8 @@ BEGIN
       FROM (SELECT DISTINCT k FROM unnest(p_keys) AS x(k) WHERE k IS NOT NULL ORDER BY k) u(k)
      CROSS JOIN LATERAL (
         SELECT o.id, o.topic FROM ${schema}.${table} o
-         WHERE o.ordering_key = u.k AND o.published_at IS NULL AND o.dead_at IS NULL
+         WHERE o.ordering_key >= u.k AND o.ordering_key <= u.k
+               AND o.published_at IS NULL AND o.dead_at IS NULL
          ORDER BY o.ordering_key, o.id LIMIT 1) h
      ORDER BY u.k
     ON CONFLICT (ordering_key) DO UPDATE
@@ -198,11 +199,17 @@ BEGIN
      WHERE k.ordering_key = ANY (v_locked)
        AND (k.lease_token IS NULL OR k.lease_expires_at <= now())
        AND NOT EXISTS (SELECT 1 FROM ${schema}.${table} o
-                        WHERE o.ordering_key = k.ordering_key
+                        WHERE o.ordering_key >= k.ordering_key
+                          AND o.ordering_key <= k.ordering_key
                           AND o.published_at IS NULL AND o.dead_at IS NULL
                         ORDER BY o.ordering_key, o.id LIMIT 1);
 END;
 $fn$;
+
+-- Per-key reads say `ordering_key >= k AND ordering_key <= k`, not `= k`, and order by
+-- (ordering_key, id): with an equality the planner drops the key from the ordering and may walk the
+-- primary key by id, filtering on the key, which reads every row of a stuck key (the oldest rows)
+-- for every other key; the range keeps (ordering_key, id) the only order an index provides.
 
 -- The claim: one round trip, one short transaction, several statements (each its own snapshot).
 --
@@ -285,7 +292,8 @@ BEGIN
           FROM unnest(coalesce(v_keys, '{}'::text[])) AS u(k)
          CROSS JOIN LATERAL (
             SELECT o.id FROM ${schema}.${table} o
-             WHERE o.ordering_key = u.k AND o.published_at IS NULL AND o.dead_at IS NULL
+             WHERE o.ordering_key >= u.k AND o.ordering_key <= u.k
+               AND o.published_at IS NULL AND o.dead_at IS NULL
              ORDER BY o.ordering_key, o.id
              LIMIT v_per_key) r
          WHERE NOT (p_block_on_dead AND EXISTS (
@@ -382,7 +390,8 @@ BEGIN
          CROSS JOIN LATERAL (
             SELECT o.id, o.topic, o.next_attempt_at, o.lease_expires_at
               FROM ${schema}.${table} o
-             WHERE o.ordering_key = u.k AND o.published_at IS NULL AND o.dead_at IS NULL
+             WHERE o.ordering_key >= u.k AND o.ordering_key <= u.k
+               AND o.published_at IS NULL AND o.dead_at IS NULL
              ORDER BY o.ordering_key, o.id LIMIT 1) h
     )
     UPDATE ${schema}.${table}_key k
@@ -398,7 +407,7 @@ BEGIN
     SELECT array_agg(u.k) INTO v_empty
       FROM unnest(v_idle) AS u(k)
      WHERE NOT EXISTS (SELECT 1 FROM ${schema}.${table} o
-                        WHERE o.ordering_key = u.k
+                        WHERE o.ordering_key >= u.k AND o.ordering_key <= u.k
                           AND o.published_at IS NULL AND o.dead_at IS NULL
                         ORDER BY o.ordering_key, o.id LIMIT 1);
     PERFORM ${schema}.${table}_key_forget(v_empty);
@@ -461,7 +470,8 @@ BEGIN
           LEFT JOIN LATERAL (
             SELECT o.id, o.topic, o.next_attempt_at
               FROM ${schema}.${table} o
-             WHERE o.ordering_key = u.k AND o.published_at IS NULL AND o.dead_at IS NULL
+             WHERE o.ordering_key >= u.k AND o.ordering_key <= u.k
+               AND o.published_at IS NULL AND o.dead_at IS NULL
              ORDER BY o.ordering_key, o.id LIMIT 1) h ON true
     ),
     released AS (
