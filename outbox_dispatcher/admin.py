@@ -25,7 +25,7 @@ import asyncpg
 import orjson
 import structlog
 
-from outbox_dispatcher import cleanup, db, errors, listener, migrations, routing, status
+from outbox_dispatcher import broker, cleanup, db, errors, listener, migrations, routing, status
 from outbox_dispatcher.publisher import KafkaPublisher
 from outbox_dispatcher.routing import Router
 from outbox_dispatcher.settings import Settings
@@ -459,7 +459,7 @@ async def _check_broker(settings: Settings, report: Report, needed: dict[str, st
         async with asyncio.timeout(CHECK_BROKER_SECONDS):
             await publisher.start()
             # All topics' metadata: naming no topic, so that nothing is auto-created.
-            cluster = await publisher.producer.client.fetch_all_metadata()
+            cluster = await broker.all_metadata(publisher.producer)
     except (errors.OutboxDispatcherError, TimeoutError) as exc:
         report.problem(f"broker: {exc or 'no answer within 15 seconds'}")
         return
