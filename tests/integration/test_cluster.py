@@ -20,6 +20,7 @@ from typing import Any
 import asyncpg
 import orjson
 import pytest
+from aiokafka.partitioner import murmur2
 
 from outbox_dispatcher.settings import Settings
 from tests.checker import Verdict, verdict_for
@@ -302,6 +303,129 @@ async def test_not_enough_replicas_leaves_other_topics_latency_alone(
     )
     normal = max(run["other_p99_latency_before_s"], 0.5)
     expect(run["other_p99_latency_during_s"] <= 2 * normal, run)
+
+
+# --- d. a leaderless partition past publish_timeout, a hot key spanning producer batches -----
+
+
+async def leaderless_run(
+    conn: asyncpg.Connection,
+    database_url: str,
+    cluster: Cluster,
+    cluster_settings: Callable[..., Settings],
+    tmp_path: Path,
+    record_property: Any,
+) -> dict[str, Any]:
+    """One run shared by the tests below. Topic `lonely` has 8 partitions whose only replica is
+    on broker 3, one hot key per partition, each key's claim spanning several producer batches
+    (1 KB rows, 32 KB batches). Broker 3 is away from before the dispatcher's first send (so the
+    broker keeps no state for its producer id) until the first batches have expired unsent."""
+    if "leaderless" in _RUNS:
+        return _RUNS["leaderless"]
+    partitions = 8
+    lonely = await cluster.create_topic(
+        config=APPEND_TIME, assignments={p: [3] for p in range(partitions)}, prefix="lonely"
+    )
+    keys = keys_on_distinct_partitions(partitions)
+    per_key, pad = int(scale(180, 600)), "x" * 1000
+    await cluster.stop(3)
+    await cluster.wait_for(lonely, "no leader", lambda ps: all(p.leader == -1 for p in ps.values()))
+    await conn.executemany(
+        "INSERT INTO outbox (topic, ordering_key, payload) VALUES ($1, $2, $3)",
+        [
+            (lonely, key, orjson.dumps({"key": key, "seq": s, "pad": pad}))
+            for s in range(per_key)
+            for key in keys
+        ],
+    )
+    publish_timeout = 5.0
+    settings = cluster_settings(
+        claim_tasks=1,
+        batch_size=per_key * partitions,
+        kafka_max_batch_bytes=32_768,
+        publish_timeout_seconds=publish_timeout,
+    )
+    async with fleet(settings, tmp_path, 1) as f:
+
+        async def claimed() -> bool:
+            return await count(conn, "lease_token IS NOT NULL") > 0
+
+        await wait_until(claimed, 60, "the first claim", interval=0.05)
+        # The first batch of each partition expires unsent after publish_timeout (consuming its
+        # sequence numbers); the broker returns while later batches of the claim still wait.
+        await asyncio.sleep(publish_timeout + 1)
+        await cluster.start(3)
+        await cluster.wait_fully_replicated(lonely)
+        await wait_all_settled(conn, scale(120, 600))
+    dead = await count(conn, "dead_at IS NOT NULL")
+    verdict = await verdict_for(database_url, cluster.bootstrap, [lonely], timeout=scale(120, 600))
+    figures = {
+        "rows": per_key * partitions,
+        "hot_keys": partitions,
+        "publish_timeout_s": publish_timeout,
+        "rows_given_back_after_publish_timeout": given_back(f),
+        "keys_reordered": len({r.split(":", 1)[0] for r in verdict.reordered}),
+        "dead_lettered": dead,
+    }
+    report("cluster_leaderless_hot_keys", verdict, record_property, **figures)
+    _RUNS["leaderless"] = {"verdict": verdict, "dead": dead, **figures}
+    return _RUNS["leaderless"]
+
+
+def keys_on_distinct_partitions(partitions: int) -> list[str]:
+    """One key per partition under the producer's default partitioner (murmur2, as Java's)."""
+    found: dict[int, str] = {}
+    n = 0
+    while len(found) < partitions:
+        key = f"hot-{n}"
+        found.setdefault((murmur2(key.encode()) & 0x7FFFFFFF) % partitions, key)
+        n += 1
+    return [found[p] for p in range(partitions)]
+
+
+async def test_leaderless_partition_past_publish_timeout_loses_nothing(
+    conn: asyncpg.Connection,
+    database_url: str,
+    cluster: Cluster,
+    cluster_settings: Callable[..., Settings],
+    tmp_path: Path,
+    record_property: Any,
+) -> None:
+    run = await leaderless_run(
+        conn, database_url, cluster, cluster_settings, tmp_path, record_property
+    )
+    verdict = run["verdict"]
+    summary = verdict.summary()
+    assert (verdict.lost, verdict.unexpected) == ([], []), summary
+    assert verdict.duplicates_without_event_id == 0, summary
+    assert run["dead"] == 0, "nothing dead-lettered"
+    # Batches that expire unsent fail their rows, which are retried: no copy is left behind.
+    # Copies could only come from rows given back after publish_timeout (F4).
+    assert verdict.duplicates <= run["rows_given_back_after_publish_timeout"], summary
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=KnownFindingError,
+    reason=(
+        "F3: a batch that expires unsent (no leader past the request timeout) has consumed "
+        "sequence numbers; the next batch of the partition, from a producer id the broker keeps "
+        "no state for, is accepted: later rows of the key are first-delivered first"
+    ),
+)
+async def test_leaderless_partition_past_publish_timeout_keeps_a_hot_key_in_order(
+    conn: asyncpg.Connection,
+    database_url: str,
+    cluster: Cluster,
+    cluster_settings: Callable[..., Settings],
+    tmp_path: Path,
+    record_property: Any,
+) -> None:
+    run = await leaderless_run(
+        conn, database_url, cluster, cluster_settings, tmp_path, record_property
+    )
+    verdict = run["verdict"]
+    expect(verdict.reordered == [], (verdict.reordered[:5], verdict.summary()))
 
 
 # --- c. a key alternating between two topics, one of them failing asynchronously --------------
