@@ -88,14 +88,22 @@ async def latency_p99(conn: asyncpg.Connection, topic: str, since: float, until:
 # --- a. leader failover ----------------------------------------------------------------------
 
 
-async def test_leader_failover_kill_9_under_load(
+_RUNS: dict[str, dict[str, Any]] = {}
+
+
+async def failover_run(
     conn: asyncpg.Connection,
     database_url: str,
     cluster: Cluster,
     cluster_settings: Callable[..., Settings],
     tmp_path: Path,
     record_property: Any,
-) -> None:
+) -> dict[str, Any]:
+    """One run shared by the tests below: the leader of partition 0 of a busy topic is killed
+    (SIGKILL: it is fenced after the session timeout, 6 s, longer than publish_timeout, 4 s),
+    stays down a while, and returns."""
+    if "failover" in _RUNS:
+        return _RUNS["failover"]
     topic = await cluster.create_topic(config=APPEND_TIME)
     settings = cluster_settings(kafka_linger_ms=50)
     writer = Writer(database_url, topic, [f"key-{k}" for k in range(60)], rate=scale(400, 800))
@@ -125,22 +133,62 @@ async def test_leader_failover_kill_9_under_load(
         await wait_all_settled(conn, scale(120, 600))
     dead = await count(conn, "dead_at IS NOT NULL")
     verdict = await verdict_for(database_url, cluster.bootstrap, [topic], timeout=scale(120, 600))
-    report(
-        "cluster_leader_failover",
-        verdict,
-        record_property,
-        events=verdict.delivered,
-        killed_broker=victim,
-        new_leader_after_s=round(moved_after, 2),
-        broker_down_s=round(down, 1),
-        back_in_sync_after_kill_s=round(rejoined_after, 2),
-        writer_rows=writer.attempted,
-        rows_given_back_after_publish_timeout=given_back(f),
-        dead_lettered=dead,
+    figures = {
+        "events": verdict.delivered,
+        "killed_broker": victim,
+        "new_leader_after_s": round(moved_after, 2),
+        "broker_down_s": round(down, 1),
+        "back_in_sync_after_kill_s": round(rejoined_after, 2),
+        "writer_rows": writer.attempted,
+        "rows_given_back_after_publish_timeout": given_back(f),
+        "dead_lettered": dead,
+    }
+    report("cluster_leader_failover", verdict, record_property, **figures)
+    _RUNS["failover"] = {"verdict": verdict, "dead": dead, **figures}
+    return _RUNS["failover"]
+
+
+async def test_leader_failover_kill_9_under_load(
+    conn: asyncpg.Connection,
+    database_url: str,
+    cluster: Cluster,
+    cluster_settings: Callable[..., Settings],
+    tmp_path: Path,
+    record_property: Any,
+) -> None:
+    run = await failover_run(
+        conn, database_url, cluster, cluster_settings, tmp_path, record_property
     )
-    assert_nothing_lost(verdict, dead)
+    verdict = run["verdict"]
+    assert_nothing_lost(verdict, run["dead"])
     assert verdict.reordered_across_topics == []
-    assert verdict.delivered == writer.attempted
+    assert verdict.delivered == run["writer_rows"]
+    # The idempotent producer's own retries to the new leader add no copy: every duplicate is
+    # a row the dispatcher gave back while the producer still held it (F4).
+    assert verdict.duplicates <= run["rows_given_back_after_publish_timeout"], verdict.summary()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=KnownFindingError,
+    reason=(
+        "F4: rows in flight to the killed leader stay unacknowledged past publish_timeout (the "
+        "broker is fenced only after its session timeout); they are given back while the "
+        "producer still retries them: delivered by the producer and again by the re-claim"
+    ),
+)
+async def test_leader_failover_makes_no_duplicates(
+    conn: asyncpg.Connection,
+    database_url: str,
+    cluster: Cluster,
+    cluster_settings: Callable[..., Settings],
+    tmp_path: Path,
+    record_property: Any,
+) -> None:
+    run = await failover_run(
+        conn, database_url, cluster, cluster_settings, tmp_path, record_property
+    )
+    expect(run["verdict"].duplicates == 0, run["verdict"].summary())
 
 
 async def _published_some(conn: asyncpg.Connection) -> bool:
@@ -157,8 +205,6 @@ def given_back(f: Fleet) -> int:
 
 
 # --- b. NotEnoughReplicas for a while, then recovery ------------------------------------------
-
-_RUNS: dict[str, dict[str, Any]] = {}
 
 
 async def not_enough_replicas_run(
