@@ -109,4 +109,5 @@ chaos: install services
 		$(BIN)/pytest tests/integration/test_chaos.py tests/integration/test_network_faults.py \
 		tests/integration/test_pgbouncer.py tests/integration/test_long_transactions.py \
 		tests/integration/test_visibility.py tests/integration/test_bad_input.py \
+		tests/integration/test_cluster.py \
 		-v -s -rxX $(PYTEST_ARGS)
