@@ -1062,7 +1062,15 @@ cluster_start() {
 }
 
 cluster_stop() {
-  local n
+  local n running=0
+  for n in $(seq 1 "$CLUSTER_SIZE"); do
+    node_pid "$(cluster_node_dir "$n")" >/dev/null && running=1
+  done
+  if (( running == 0 )); then
+    log "Kafka cluster not running"
+    return 0
+  fi
+  # In parallel: a controlled shutdown waits for the quorum, which the others still form.
   for n in $(seq 1 "$CLUSTER_SIZE"); do
     node_stop "$(cluster_node_dir "$n")" "$(cluster_port "$n")" TERM &
   done
@@ -1159,6 +1167,10 @@ EOF2
 }
 
 kafka3_stop() {
+  if ! node_pid "$KAFKA3_DIR" >/dev/null; then
+    log "Kafka 3 not running"
+    return 0
+  fi
   node_stop "$KAFKA3_DIR" "$KAFKA3_PORT" TERM
   log "Kafka 3 stopped"
 }

@@ -16,7 +16,8 @@ from tests.checker import verdict_for
 
 from .helpers import insert_sequenced, running, wait_all_settled
 
-pytestmark = pytest.mark.integration
+# The first run on a machine fetches the 3.x jars through Maven (a few minutes, once).
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
 @pytest.fixture
