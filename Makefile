@@ -8,15 +8,19 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
+# 3: also start the three-broker KRaft cluster (deploy/local/services.sh cluster-start) beside
+# the single broker; `make run` always uses the single broker.
+KAFKA_BROKERS ?= 1
 
-.PHONY: help install services services-stop services-status migrate run lint test test-unit bench chaos image
+.PHONY: help install services services-stop services-status migrate run lint test test-unit bench chaos image cluster cluster-stop
 
 help:
 	@echo "make run            set everything up, then run the dispatcher in the foreground"
 	@echo "make test           set everything up, then run the whole suite (lint, types, tests)"
 	@echo "make services       install if missing and start PostgreSQL and Kafka on 127.0.0.1"
 	@echo "make image          build the outbox-dispatcher image (docker, or podman: installed if neither is here)"
-	@echo "make services-stop  stop them"
+	@echo "make services-stop  stop them (and the three-broker cluster and the Kafka 3 broker)"
+	@echo "make cluster        start the three-broker KRaft cluster (also: make services KAFKA_BROKERS=3)"
 	@echo "make migrate        create or upgrade the outbox schema"
 	@echo "make bench          the benchmarks (benchmarks/README.md); BENCH_ARGS=--quick for a smoke run"
 	@echo "make chaos          the fault scenarios at full scale (docs/guarantees.md); figures in .chaos/"
@@ -33,9 +37,17 @@ install: $(STAMP)
 
 services:
 	bash deploy/local/services.sh start
+	@if [ "$(KAFKA_BROKERS)" = 3 ]; then bash deploy/local/services.sh cluster-start; \
+	elif [ "$(KAFKA_BROKERS)" != 1 ]; then echo "KAFKA_BROKERS must be 1 or 3" >&2; exit 2; fi
 
 services-stop:
 	bash deploy/local/services.sh stop
+
+cluster:
+	bash deploy/local/services.sh cluster-start
+
+cluster-stop:
+	bash deploy/local/services.sh cluster-stop
 
 services-status:
 	bash deploy/local/services.sh status
@@ -122,4 +134,5 @@ chaos: install services
 		$(BIN)/pytest tests/integration/test_chaos.py tests/integration/test_network_faults.py \
 		tests/integration/test_pgbouncer.py tests/integration/test_long_transactions.py \
 		tests/integration/test_visibility.py tests/integration/test_bad_input.py \
+		tests/integration/test_cluster.py \
 		-v -s -rxX $(PYTEST_ARGS)

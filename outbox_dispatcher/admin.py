@@ -26,7 +26,17 @@ import orjson
 import structlog
 from tqdm import tqdm
 
-from outbox_dispatcher import cleanup, db, display, errors, listener, migrations, routing, status
+from outbox_dispatcher import (
+    broker,
+    cleanup,
+    db,
+    display,
+    errors,
+    listener,
+    migrations,
+    routing,
+    status,
+)
 from outbox_dispatcher.publisher import KafkaPublisher
 from outbox_dispatcher.routing import Router
 from outbox_dispatcher.settings import SECRETS_DIR_VARIABLE, Settings, env_name
@@ -639,7 +649,7 @@ async def _check_broker(
         async with asyncio.timeout(CHECK_BROKER_SECONDS):
             await publisher.start()
             # All topics' metadata: naming no topic, so that nothing is auto-created.
-            cluster = await publisher.producer.client.fetch_all_metadata()
+            cluster = await broker.all_metadata(publisher.producer)
     except (errors.OutboxDispatcherError, TimeoutError) as exc:
         report.problem(f"broker: {exc or 'no answer within 15 seconds'}")
         return

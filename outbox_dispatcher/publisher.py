@@ -14,10 +14,8 @@ from dataclasses import dataclass, field
 import structlog
 from aiokafka import AIOKafkaProducer
 from aiokafka import errors as kafka_errors
-from aiokafka.conn import create_conn
-from aiokafka.protocol.metadata import MetadataRequest
 
-from outbox_dispatcher import errors
+from outbox_dispatcher import broker, errors
 from outbox_dispatcher.models import OutboxRecord
 from outbox_dispatcher.routing import Router
 from outbox_dispatcher.settings import Settings
@@ -162,10 +160,9 @@ class KafkaPublisher:
         done, _ = await asyncio.wait({stopping}, timeout=STOP_FLUSH_SECONDS)
         if not done:
             log.warning("producer_flush_abandoned", reason="the broker did not take the records")
-            # No public API fails buffered batches; this is what aiokafka itself does when its
-            # sender dies (Sender._fail_all).
-            producer._message_accumulator.fail_all(
-                errors.BrokerUnavailableError("the dispatcher stopped while the broker was away")
+            broker.fail_buffered(
+                producer,
+                errors.BrokerUnavailableError("the dispatcher stopped while the broker was away"),
             )
         await stopping
 
@@ -199,15 +196,15 @@ class KafkaPublisher:
     async def broker_reachable(self, seconds: float = 5.0) -> bool:
         try:
             async with asyncio.timeout(seconds):
-                await self.producer.client.fetch_all_metadata()
+                await broker.all_metadata(self.producer)
         except (kafka_errors.KafkaError, OSError, TimeoutError):
             return False
         return True
 
     async def _topic_errors(self, topics: set[str]) -> dict[str, BaseException]:
         """Fetch metadata for topics not yet known, so that send() never blocks on one."""
-        cluster = self.producer.client.cluster
-        unknown = [t for t in topics if cluster.partitions_for_topic(t) is None]
+        producer = self.producer
+        unknown = [t for t in topics if broker.known_partitions(producer, t) is None]
         if not unknown:
             return {}
         timeout = min(self._settings.publish_timeout_seconds, 10.0)
@@ -254,23 +251,18 @@ class KafkaPublisher:
         """Ask the broker about topics with allow_auto_topic_creation=false (Metadata v4+); a
         topic it does not know is missing. If the broker cannot be asked, every topic waits
         (transient): looking it up through the producer would auto-create it."""
-        client = self.producer.client
-        node = client.get_random_node()
         unavailable: dict[str, BaseException] = {
             topic: errors.BrokerUnavailableError() for topic in topics
         }
-        if node is None:
-            return unavailable
         try:
             async with asyncio.timeout(seconds):
-                response = await client.send(
-                    node, MetadataRequest(topics, allow_auto_topic_creation=False)
-                )
+                codes = await broker.topic_error_codes(self.producer, topics)
         except (kafka_errors.KafkaError, OSError, TimeoutError):
             return unavailable
+        if codes is None:
+            return unavailable
         missing: dict[str, BaseException] = {}
-        for entry in response.topics:
-            code, topic = entry[0], entry[1]
+        for topic, code in codes.items():
             if code == kafka_errors.UnknownTopicOrPartitionError.errno:
                 missing[topic] = TopicMissingError(
                     f"topic {topic!r} does not exist and OUTBOX_KAFKA_ALLOW_AUTO_CREATE_TOPICS is "
@@ -449,7 +441,7 @@ async def diagnose(
     password = s.kafka_sasl_password.get_secret_value() if s.kafka_sasl_password else None
     try:
         async with asyncio.timeout(min(10.0, s.publish_timeout_seconds)):
-            conn = await create_conn(
+            conn = await broker.open_connection(
                 host,
                 int(port),
                 client_id=s.kafka_client_id,

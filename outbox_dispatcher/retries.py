@@ -10,6 +10,13 @@ from outbox_dispatcher.models import OutboxRecord, Outcome, Result
 from outbox_dispatcher.publisher import NotAttempted, TopicMissingError
 from outbox_dispatcher.settings import Settings
 
+# 2**62 times any initial backoff is far past any cap, and still a finite float: without this
+# bound, float(2 ** 1024) raises OverflowError at the 1025th failure (review finding F8), in the
+# middle of a batch (between publish and mark).
+MAX_EXPONENT = 62
+# The outage streak only sets the exponent: counting past it changes nothing but the risk.
+MAX_OUTAGE_STREAK = MAX_EXPONENT + 1
+
 
 class RetryPolicy:
     def __init__(self, settings: Settings, rng: random.Random | None = None) -> None:
@@ -21,18 +28,24 @@ class RetryPolicy:
 
     def backoff(self, attempt: int) -> float:
         """Exponential backoff for the n-th failure (n >= 1), with equal jitter: [d/2, d]."""
-        delay = min(self._max, self._initial * float(2 ** max(0, attempt - 1)))
+        exponent = min(max(0, attempt - 1), MAX_EXPONENT)
+        delay = min(self._max, self._initial * float(2**exponent))
         return delay / 2 + self._rng.uniform(0, delay / 2)
 
     def outage_delay(self) -> float:
         """The claim loop's pause after a broker outage hit a batch; grows while it lasts."""
         return self.backoff(self._outage_streak)
 
+    @property
+    def outage_streak(self) -> int:
+        """Consecutive batches an outage hit (bounded by MAX_OUTAGE_STREAK)."""
+        return self._outage_streak
+
     def results(
         self, records: Sequence[OutboxRecord], outcomes: Sequence[BaseException | None]
     ) -> list[Result]:
         if any(o is not None and _is_outage(o) for o in outcomes):
-            self._outage_streak += 1
+            self._outage_streak = min(self._outage_streak + 1, MAX_OUTAGE_STREAK)
         elif any(o is None for o in outcomes):
             self._outage_streak = 0
         return [self.result(r, o) for r, o in zip(records, outcomes, strict=True)]

@@ -8,8 +8,15 @@ prints a JSON verdict (exit status 0 when nothing was lost, reordered or unexpec
 
 The verdict says which committed rows never arrived (lost), which arrived more than once
 (duplicated, and whether each copy carried the row's event id), which keys had a first delivery
-out of order (reordered), and which records match no committed row (unexpected). Duplicates are
-what at-least-once costs; the other three are failures.
+out of order (reordered: within one partition, by offset; reordered_across_topics: a key whose
+rows went to several topics or partitions, by the records' timestamps), and which records match
+no committed row (unexpected). Duplicates are what at-least-once costs; the others are failures.
+
+Across partitions only the timestamps can order first deliveries. They are exact with topics
+created with message.timestamp.type=LogAppendTime (the broker's clock when it appended the
+record; the multi-broker tests do this); with CreateTime they are the producer's clock when the
+dispatcher handed the record over, so a re-publish shows, a record held in flight does not.
+Equal timestamps (one millisecond) are not counted as a reorder.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ class Delivered(Protocol):
     def value(self) -> bytes | None: ...
     @property
     def headers(self) -> Sequence[tuple[str, bytes]]: ...
+    @property
+    def timestamp(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,7 @@ class Verdict:
     lost: list[str] = field(default_factory=list)
     duplicates: int = 0
     reordered: list[str] = field(default_factory=list)
+    reordered_across_topics: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     duplicate_details: list[Duplicate] = field(default_factory=list)
     dead: list[str] = field(default_factory=list)  # dead-lettered rows: never expected
@@ -96,7 +106,7 @@ class Verdict:
     @property
     def ok(self) -> bool:
         """Nothing lost, reordered or unexpected (duplicates are allowed: at-least-once)."""
-        return not (self.lost or self.reordered or self.unexpected)
+        return not (self.lost or self.reordered or self.reordered_across_topics or self.unexpected)
 
     @property
     def duplicates_without_event_id(self) -> int:
@@ -112,11 +122,13 @@ class Verdict:
             "duplicates_without_event_id": self.duplicates_without_event_id,
             "max_copies": self.max_copies,
             "reordered": len(self.reordered),
+            "reordered_across_topics": len(self.reordered_across_topics),
             "unexpected": len(self.unexpected),
             "dead_lettered": len(self.dead),
             "examples": {
                 "lost": self.lost[:5],
                 "reordered": self.reordered[:5],
+                "reordered_across_topics": self.reordered_across_topics[:5],
                 "unexpected": self.unexpected[:5],
                 "duplicated": [asdict(d) for d in self.duplicate_details[:5]],
             },
@@ -160,6 +172,7 @@ def check(
     first_copy: dict[str, str] = {}
     copies: Counter[str] = Counter()
     last_order: dict[tuple[str, bytes | None], int] = {}
+    firsts: dict[bytes, list[tuple[int, int, tuple[str, int], str]]] = defaultdict(list)
     by_partition: dict[tuple[str, int], list[Delivered]] = defaultdict(list)
     for record in records:
         by_partition[(record.topic, record.partition)].append(record)
@@ -188,16 +201,47 @@ def check(
             order = row.order if row is not None else seq
             if order is None:
                 continue
+            if record.key is not None:
+                firsts[record.key].append(
+                    (order, record.timestamp, (topic, record.partition), _where(record))
+                )
             key_of = (topic, record.key)
             previous = last_order.get(key_of)
             if previous is not None and order <= previous:
                 verdict.reordered.append(f"{record.key!r}: {order} after {previous}")
             last_order[key_of] = order
+    verdict.reordered_across_topics = _across_partitions(firsts)
     verdict.dead = sorted(e for e, w in rows.items() if w is not None and w.dead)
     expected = {e for e, w in rows.items() if w is None or not w.dead}
     verdict.lost = sorted(expected - first_copy.keys())
     verdict.max_copies = max(copies.values(), default=0)
     return verdict
+
+
+def _across_partitions(
+    firsts: Mapping[bytes, Sequence[tuple[int, int, tuple[str, int], str]]],
+) -> list[str]:
+    """Per key, in row order: a first delivery whose timestamp is earlier than that of an
+    earlier row of the key in another partition (same-partition order is the offset check's)."""
+    found: list[str] = []
+    for key, deliveries in firsts.items():
+        if len({partition for _, _, partition, _ in deliveries}) < 2:
+            continue
+        # Per partition, the earlier row with the latest first delivery so far.
+        latest: dict[tuple[str, int], tuple[int, int, str]] = {}
+        for order, timestamp, partition, where in sorted(deliveries):
+            if timestamp < 0:
+                continue
+            for other, (t, o, w) in latest.items():
+                if other != partition and timestamp < t:
+                    found.append(
+                        f"{key!r}: {order} ({where}, t={timestamp}) first-delivered before "
+                        f"{o} ({w}, t={t})"
+                    )
+                    break
+            if partition not in latest or timestamp > latest[partition][0]:
+                latest[partition] = (timestamp, order, where)
+    return found
 
 
 async def written_rows(

@@ -6,7 +6,7 @@
 #
 # Usage: deploy/local/services.sh COMMAND
 #   start        start PostgreSQL, Kafka and PgBouncer (installing/fetching what is missing)
-#   stop         stop PgBouncer, Kafka, then PostgreSQL
+#   stop         stop PgBouncer, Kafka (with the cluster and the Kafka 3 broker), then PostgreSQL
 #   status       report whether each service is up (exit 0 only if all are)
 #   pg-start     | pg-stop      only PostgreSQL
 #   kafka-start  | kafka-stop   only Kafka (tests use these to simulate an outage;
@@ -14,6 +14,17 @@
 #   env          print the environment variables a test run needs
 #   pgbouncer-start | pgbouncer-stop   only PgBouncer (transaction pooling in front of
 #                               our PostgreSQL; `start` and `stop` include it)
+#
+# Multi-broker and Kafka 3.x tests (not part of `start`; the test suite starts them once per
+# run when a test needs them):
+#   cluster-start | cluster-stop | cluster-status
+#                a three-node KRaft cluster (each node broker+controller, a 3-voter quorum,
+#                default.replication.factor=3, min.insync.replicas=2), same jars as the single broker
+#   broker-stop N | broker-start N | broker-kill N
+#                one node of that cluster (N = 1..3; kill = SIGKILL, no controlled shutdown)
+#   cluster-env  print OUTBOX_CLUSTER_BOOTSTRAP_SERVERS=... for it
+#   kafka3-start | kafka3-stop   a single Kafka 3.x broker (deploy/local/kafka3/pom.xml)
+#   kafka3-env   print OUTBOX_KAFKA3_BOOTSTRAP_SERVERS=... for it
 #
 # Every command is idempotent. Designed for a fresh Debian 12 machine, run as root
 # (CI: from a fresh clone in any folder); no Docker involved.
@@ -30,6 +41,12 @@
 #   OUTBOX_SERVICES_PG_SSL=on|off        TLS on the PostgreSQL cluster (default on; plain
 #                                        connections keep working either way)
 #   OUTBOX_SERVICES_PGBOUNCER_PORT       PgBouncer's port (default 6432)
+#   OUTBOX_SERVICES_CLUSTER_PORT         the cluster's node 1 client port; node N uses +N-1
+#                                        (default 29092, so 29092-29094)
+#   OUTBOX_SERVICES_CLUSTER_CONTROLLER_PORT  node 1's controller port, node N +N-1
+#                                        (default cluster port + 10, so 29102-29104)
+#   OUTBOX_SERVICES_KAFKA3_PORT          the Kafka 3.x broker's client port (default 29112;
+#                                        its controller uses +1)
 #   OUTBOX_SERVICES_KAFKA_PROXIED_PORT, OUTBOX_SERVICES_KAFKA_PROXY_PORT
 #                                        a second broker listener on PROXIED_PORT that
 #                                        advertises 127.0.0.1:PROXY_PORT, where network-fault
@@ -54,6 +71,9 @@
 #   .services/kafka/logs      broker log (kafka.log, previous run in kafka.log.1)
 #   .services/tls             CA, server and client certificates (generated once)
 #   .services/pgbouncer       PgBouncer's config, auth file, log and pid file
+#   .services/cluster/nodeN   the cluster's node N: server.properties, data/, logs/kafka.log, pid
+#                             (the jars are the single broker's, .services/kafka/libs)
+#   .services/kafka3          the Kafka 3.x broker: libs/, data/, logs/kafka.log, pid
 # If the postgres system user cannot reach <repo> (e.g. a clone under /root or in
 # a 0700 temp dir), the PostgreSQL files live in
 #   /var/lib/outbox-dispatcher-services/<hash of repo path>/pg/
@@ -584,21 +604,23 @@ kafka_ensure_java() {
 # Copied into a temp dir and renamed, so an interrupted download never leaves a
 # half-filled libs/ that would be mistaken for a complete one.
 kafka_ensure_libs() {
+  local pom=${1:-$KAFKA_POM} libs=${2:-$KAFKA_LIBS} logs=${3:-$KAFKA_LOGS}
   local stamp
-  stamp=$(sha256sum "$KAFKA_POM" | cut -c1-64)
-  if [[ -f $KAFKA_LIBS/.pom.sha256 && "$(<"$KAFKA_LIBS/.pom.sha256")" == "$stamp" ]]; then
+  stamp=$(sha256sum "$pom" | cut -c1-64)
+  if [[ -f $libs/.pom.sha256 && "$(<"$libs/.pom.sha256")" == "$stamp" ]]; then
     return 0
   fi
   command -v mvn >/dev/null || apt_install maven
-  local tmp="$KAFKA_DIR/libs.tmp"
+  local tmp="$libs.tmp"
   rm -rf "$tmp"
-  log "fetching Kafka jars with Maven ($KAFKA_POM; log $KAFKA_LOGS/maven.log)"
-  mvn -B -f "$KAFKA_POM" dependency:copy-dependencies -DoutputDirectory="$tmp" \
-      >"$KAFKA_LOGS/maven.log" 2>&1 9>&- \
-    || { tail -n 40 "$KAFKA_LOGS/maven.log" >&2; die "Maven could not fetch the Kafka jars; see $KAFKA_LOGS/maven.log"; }
+  mkdir -p "$logs"
+  log "fetching Kafka jars with Maven ($pom; log $logs/maven.log)"
+  mvn -B -f "$pom" dependency:copy-dependencies -DoutputDirectory="$tmp" \
+      >"$logs/maven.log" 2>&1 9>&- \
+    || { tail -n 40 "$logs/maven.log" >&2; die "Maven could not fetch the Kafka jars; see $logs/maven.log"; }
   printf '%s\n' "$stamp" >"$tmp/.pom.sha256"
-  rm -rf "$KAFKA_LIBS"
-  mv "$tmp" "$KAFKA_LIBS"
+  rm -rf "$libs"
+  mv "$tmp" "$libs"
 }
 
 kafka_auto_create_setting() {
@@ -839,6 +861,321 @@ kafka_status() {
 }
 
 # ---------------------------------------------------------------------------
+# Extra Kafka nodes: the three-node cluster and the Kafka 3.x broker
+# ---------------------------------------------------------------------------
+# Each node is a JVM running kafka.Kafka with its own server.properties, pid file and log;
+# a node is "ours" by the same rule as the single broker (that properties file on its
+# command line). Static KRaft voters (controller.quorum.voters): the storage is formatted
+# without --standalone, and every node of the cluster shares one cluster id.
+CLUSTER_SIZE=3
+CLUSTER_PORT=${OUTBOX_SERVICES_CLUSTER_PORT:-29092}
+CLUSTER_CONTROLLER_PORT=${OUTBOX_SERVICES_CLUSTER_CONTROLLER_PORT:-$((CLUSTER_PORT + 10))}
+CLUSTER_DIR="$STATE_DIR/cluster"
+KAFKA3_PORT=${OUTBOX_SERVICES_KAFKA3_PORT:-29112}
+KAFKA3_CONTROLLER_PORT=$((KAFKA3_PORT + 1))
+KAFKA3_POM="$SCRIPT_DIR/kafka3/pom.xml"
+KAFKA3_LOG4J="$SCRIPT_DIR/kafka3/log4j.properties"
+KAFKA3_DIR="$STATE_DIR/kafka3"
+# Small heaps and few threads: three nodes run beside the single broker, PostgreSQL and the
+# tests on a 2-core box.
+NODE_JVM_OPTS=(
+  -Xms96m -Xmx320m -XX:MaxMetaspaceSize=160m -XX:+UseSerialGC -XX:TieredStopAtLevel=1
+  -Xss512k -Djava.awt.headless=true
+)
+
+# node_* helpers take a node directory holding server.properties, kafka.pid and logs/kafka.log.
+node_pid() {
+  local dir=$1 pid d
+  if [[ -f $dir/kafka.pid ]]; then
+    pid=$(<"$dir/kafka.pid")
+    if node_is_ours "$pid" "$dir"; then echo "$pid"; return 0; fi
+  fi
+  for d in /proc/[0-9]*; do
+    pid=${d#/proc/}
+    if node_is_ours "$pid" "$dir"; then echo "$pid"; return 0; fi
+  done
+  return 1
+}
+
+node_is_ours() {
+  [[ $(pid_comm "$1") == java ]] || return 1
+  grep -qzxF -e kafka.Kafka "/proc/$1/cmdline" 2>/dev/null \
+    && grep -qzxF -e "$2/server.properties" "/proc/$1/cmdline" 2>/dev/null
+}
+
+# node_format DIR CLUSTER_ID LIBS LOG_OPT: format the node's storage once.
+node_format() {
+  local dir=$1 cluster_id=$2 libs=$3 log_opt=$4
+  [[ -f $dir/data/meta.properties ]] && return 0
+  rm -rf "$dir/data"
+  mkdir -p "$dir/data"
+  java -cp "$libs/*" "$log_opt" kafka.tools.StorageTool format -t "$cluster_id" \
+    -c "$dir/server.properties" >"$dir/logs/format.log" 2>&1 9>&- \
+    || { tail -n 30 "$dir/logs/format.log" >&2; die "formatting $dir failed; see $dir/logs/format.log"; }
+}
+
+# node_launch DIR LIBS LOG_OPT: start the JVM in the background (no wait).
+node_launch() {
+  local dir=$1 libs=$2 log_opt=$3 pid
+  if pid=$(node_pid "$dir"); then
+    return 0
+  fi
+  [[ -f $dir/logs/kafka.log ]] && mv -f "$dir/logs/kafka.log" "$dir/logs/kafka.log.1"
+  (cd "$dir" && close_inherited_fds && exec setsid nohup java "${NODE_JVM_OPTS[@]}" "$log_opt" \
+      "-Dkafka.logs.dir=$dir/logs" -cp "$libs/*" kafka.Kafka "$dir/server.properties" \
+      </dev/null >"$dir/logs/kafka.log" 2>&1) &
+  echo $! >"$dir/kafka.pid"
+}
+
+# node_wait DIR PORT: until the node logged "Kafka Server started" and its port is open.
+node_wait() {
+  local dir=$1 port=$2 pid deadline=$((SECONDS + KAFKA_START_TIMEOUT))
+  while :; do
+    if ! pid=$(node_pid "$dir"); then
+      tail -n 40 "$dir/logs/kafka.log" >&2 || true
+      die "Kafka node $dir exited during startup; see $dir/logs/kafka.log"
+    fi
+    if grep -q 'Kafka Server started' "$dir/logs/kafka.log" 2>/dev/null && port_open "$KAFKA_HOST" "$port"; then
+      return 0
+    fi
+    if (( SECONDS >= deadline )); then
+      tail -n 40 "$dir/logs/kafka.log" >&2 || true
+      die "Kafka node $dir not ready after ${KAFKA_START_TIMEOUT} s; see $dir/logs/kafka.log"
+    fi
+    sleep 0.5
+  done
+}
+
+# node_stop DIR PORT SIGNAL: TERM (controlled shutdown, KILL after a bound) or KILL.
+node_stop() {
+  local dir=$1 port=$2 signal=$3 pid
+  if ! pid=$(node_pid "$dir"); then
+    rm -f "$dir/kafka.pid"
+    return 0
+  fi
+  kill "-$signal" "$pid" 2>/dev/null || true
+  local deadline=$((SECONDS + KAFKA_STOP_TIMEOUT))
+  while pid_alive "$pid" && (( SECONDS < deadline )); do sleep 0.2; done
+  if pid_alive "$pid"; then
+    log "Kafka node $dir did not stop within ${KAFKA_STOP_TIMEOUT} s; killing it"
+    kill -KILL "$pid" 2>/dev/null || true
+    while pid_alive "$pid"; do sleep 0.1; done
+  fi
+  rm -f "$dir/kafka.pid"
+  local _
+  for _ in {1..50}; do port_open "$KAFKA_HOST" "$port" || break; sleep 0.1; done
+}
+
+cluster_node_dir() { printf '%s/node%s' "$CLUSTER_DIR" "$1"; }
+cluster_port() { printf '%s' $((CLUSTER_PORT + $1 - 1)); }
+cluster_controller_port() { printf '%s' $((CLUSTER_CONTROLLER_PORT + $1 - 1)); }
+
+cluster_check_node() {
+  [[ ${1:-} =~ ^[1-3]$ ]] || die "give a node number 1..$CLUSTER_SIZE, got '${1:-}'"
+}
+
+cluster_write_props() {
+  local n=$1 dir voters="" i
+  dir=$(cluster_node_dir "$n")
+  for i in $(seq 1 "$CLUSTER_SIZE"); do
+    voters+="${voters:+,}$i@$KAFKA_HOST:$(cluster_controller_port "$i")"
+  done
+  mkdir -p "$dir/logs"
+  cat >"$dir/server.properties" <<EOF2
+# Generated by deploy/local/services.sh on every cluster start; edit the script, not this file.
+# Node $n of a three-node KRaft cluster: each node is a broker and one of three controller voters.
+process.roles=broker,controller
+node.id=$n
+controller.quorum.voters=$voters
+controller.listener.names=CONTROLLER
+listeners=PLAINTEXT://$KAFKA_HOST:$(cluster_port "$n"),CONTROLLER://$KAFKA_HOST:$(cluster_controller_port "$n")
+advertised.listeners=PLAINTEXT://$KAFKA_HOST:$(cluster_port "$n")
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs=$dir/data
+num.partitions=3
+auto.create.topics.enable=true
+default.replication.factor=3
+min.insync.replicas=2
+offsets.topic.replication.factor=3
+transaction.state.log.replication.factor=3
+transaction.state.log.min.isr=2
+share.coordinator.state.topic.replication.factor=3
+share.coordinator.state.topic.min.isr=2
+offsets.topic.num.partitions=3
+transaction.state.log.num.partitions=3
+group.initial.rebalance.delay.ms=0
+# A dead node is fenced (its partitions get a new leader, it leaves the ISR) within seconds.
+broker.heartbeat.interval.ms=1000
+broker.session.timeout.ms=6000
+replica.lag.time.max.ms=10000
+# Few threads: three JVMs share two cores with everything else.
+num.network.threads=2
+num.io.threads=2
+num.replica.fetchers=1
+background.threads=2
+log.cleaner.threads=1
+EOF2
+}
+
+cluster_prepare() {
+  kafka_ensure_java
+  mkdir -p "$CLUSTER_DIR" "$KAFKA_LOGS"
+  kafka_ensure_libs
+  local n cluster_id
+  if [[ ! -f $CLUSTER_DIR/cluster.id ]]; then
+    java -cp "$KAFKA_LIBS/*" "-Dlog4j2.configurationFile=$KAFKA_LOG4J" \
+      kafka.tools.StorageTool random-uuid 9>&- | tail -n1 >"$CLUSTER_DIR/cluster.id"
+  fi
+  cluster_id=$(<"$CLUSTER_DIR/cluster.id")
+  for n in $(seq 1 "$CLUSTER_SIZE"); do
+    cluster_write_props "$n"
+    node_format "$(cluster_node_dir "$n")" "$cluster_id" "$KAFKA_LIBS" "-Dlog4j2.configurationFile=$KAFKA_LOG4J"
+  done
+}
+
+cluster_check_ports() {
+  local n port
+  for n in $(seq 1 "$CLUSTER_SIZE"); do
+    node_pid "$(cluster_node_dir "$n")" >/dev/null && continue
+    for port in "$(cluster_port "$n")" "$(cluster_controller_port "$n")"; do
+      if port_open "$KAFKA_HOST" "$port"; then
+        die "port $port is in use by a process other than cluster node $n; set OUTBOX_SERVICES_CLUSTER_PORT"
+      fi
+    done
+  done
+}
+
+cluster_start() {
+  cluster_check_ports
+  cluster_prepare
+  local n
+  log "starting the three-node Kafka cluster (ports $(cluster_port 1)-$(cluster_port "$CLUSTER_SIZE"), logs $CLUSTER_DIR/node*/logs)"
+  # All at once: a node finishes starting only once a quorum of controllers is up.
+  for n in $(seq 1 "$CLUSTER_SIZE"); do
+    node_launch "$(cluster_node_dir "$n")" "$KAFKA_LIBS" "-Dlog4j2.configurationFile=$KAFKA_LOG4J"
+  done
+  for n in $(seq 1 "$CLUSTER_SIZE"); do
+    node_wait "$(cluster_node_dir "$n")" "$(cluster_port "$n")"
+  done
+  log "Kafka cluster ready: $(cluster_bootstrap)"
+}
+
+cluster_stop() {
+  local n running=0
+  for n in $(seq 1 "$CLUSTER_SIZE"); do
+    node_pid "$(cluster_node_dir "$n")" >/dev/null && running=1
+  done
+  if (( running == 0 )); then
+    log "Kafka cluster not running"
+    return 0
+  fi
+  # In parallel: a controlled shutdown waits for the quorum, which the others still form.
+  for n in $(seq 1 "$CLUSTER_SIZE"); do
+    node_stop "$(cluster_node_dir "$n")" "$(cluster_port "$n")" TERM &
+  done
+  wait
+  log "Kafka cluster stopped"
+}
+
+broker_start() {
+  cluster_check_node "$1"
+  cluster_prepare
+  node_launch "$(cluster_node_dir "$1")" "$KAFKA_LIBS" "-Dlog4j2.configurationFile=$KAFKA_LOG4J"
+  node_wait "$(cluster_node_dir "$1")" "$(cluster_port "$1")"
+  log "cluster node $1 ready on $KAFKA_HOST:$(cluster_port "$1")"
+}
+
+broker_stop() {
+  cluster_check_node "$1"
+  node_stop "$(cluster_node_dir "$1")" "$(cluster_port "$1")" "$2"
+  log "cluster node $1 stopped (SIG$2)"
+}
+
+cluster_bootstrap() {
+  local n out=""
+  for n in $(seq 1 "$CLUSTER_SIZE"); do out+="${out:+,}$KAFKA_HOST:$(cluster_port "$n")"; done
+  printf '%s' "$out"
+}
+
+cluster_status() {
+  local n pid rc=0
+  for n in $(seq 1 "$CLUSTER_SIZE"); do
+    if pid=$(node_pid "$(cluster_node_dir "$n")") && port_open "$KAFKA_HOST" "$(cluster_port "$n")"; then
+      printf 'cluster node %s: up   (pid %s, %s:%s)\n' "$n" "$pid" "$KAFKA_HOST" "$(cluster_port "$n")" >&3
+    else
+      printf 'cluster node %s: down\n' "$n" >&3
+      rc=1
+    fi
+  done
+  return $rc
+}
+
+kafka3_start() {
+  local pid
+  if pid=$(node_pid "$KAFKA3_DIR") && port_open "$KAFKA_HOST" "$KAFKA3_PORT"; then
+    log "Kafka 3 already running (pid $pid)"
+    return 0
+  fi
+  if [[ -z ${pid:-} ]]; then
+    local port
+    for port in "$KAFKA3_PORT" "$KAFKA3_CONTROLLER_PORT"; do
+      if port_open "$KAFKA_HOST" "$port"; then
+        die "port $port is in use by a process other than our Kafka 3 broker; set OUTBOX_SERVICES_KAFKA3_PORT"
+      fi
+    done
+  fi
+  kafka_ensure_java
+  mkdir -p "$KAFKA3_DIR/logs"
+  kafka_ensure_libs "$KAFKA3_POM" "$KAFKA3_DIR/libs" "$KAFKA3_DIR/logs"
+  cat >"$KAFKA3_DIR/server.properties" <<EOF2
+# Generated by deploy/local/services.sh on every kafka3-start; edit the script, not this file.
+# A single-node Kafka 3.x KRaft cluster for the compatibility smoke test.
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@$KAFKA_HOST:$KAFKA3_CONTROLLER_PORT
+controller.listener.names=CONTROLLER
+listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA3_PORT,CONTROLLER://$KAFKA_HOST:$KAFKA3_CONTROLLER_PORT
+advertised.listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA3_PORT
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs=$KAFKA3_DIR/data
+num.partitions=3
+auto.create.topics.enable=true
+default.replication.factor=1
+min.insync.replicas=1
+offsets.topic.replication.factor=1
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+offsets.topic.num.partitions=3
+transaction.state.log.num.partitions=3
+group.initial.rebalance.delay.ms=0
+num.network.threads=2
+num.io.threads=2
+background.threads=2
+log.cleaner.threads=1
+EOF2
+  local log_opt="-Dlog4j.configuration=file:$KAFKA3_LOG4J"
+  if [[ ! -f $KAFKA3_DIR/data/meta.properties ]]; then
+    node_format "$KAFKA3_DIR" "$(java -cp "$KAFKA3_DIR/libs/*" "$log_opt" kafka.tools.StorageTool random-uuid 9>&- | tail -n1)" \
+      "$KAFKA3_DIR/libs" "$log_opt"
+  fi
+  log "starting the Kafka 3 broker (log $KAFKA3_DIR/logs/kafka.log)"
+  node_launch "$KAFKA3_DIR" "$KAFKA3_DIR/libs" "$log_opt"
+  node_wait "$KAFKA3_DIR" "$KAFKA3_PORT"
+  log "Kafka 3 ready on $KAFKA_HOST:$KAFKA3_PORT"
+}
+
+kafka3_stop() {
+  if ! node_pid "$KAFKA3_DIR" >/dev/null; then
+    log "Kafka 3 not running"
+    return 0
+  fi
+  node_stop "$KAFKA3_DIR" "$KAFKA3_PORT" TERM
+  log "Kafka 3 stopped"
+}
+
+# ---------------------------------------------------------------------------
 # PgBouncer (transaction pooling in front of our PostgreSQL)
 # ---------------------------------------------------------------------------
 # Debian's package; its own system service (if any) is left alone: ours runs on
@@ -977,7 +1314,7 @@ main() {
   local cmd=${1:-}
   case $cmd in
     start)       take_lock; pg_start; kafka_start; pgbouncer_start; print_env ;;
-    stop)        take_lock; pgbouncer_stop; kafka_stop; pg_stop ;;
+    stop)        take_lock; pgbouncer_stop; cluster_stop; kafka3_stop; kafka_stop; pg_stop ;;
     status)      local rc=0; pg_status || rc=1; kafka_status || rc=1; pgbouncer_status || rc=1; exit $rc ;;
     pgbouncer-start) take_lock; pgbouncer_start ;;
     pgbouncer-stop)  take_lock; pgbouncer_stop ;;
@@ -986,6 +1323,16 @@ main() {
     kafka-start) take_lock; kafka_start ;;
     kafka-stop)  take_lock; kafka_stop ;;
     env)         print_env ;;
+    cluster-start)  take_lock; cluster_start ;;
+    cluster-stop)   take_lock; cluster_stop ;;
+    cluster-status) local rc=0; cluster_status || rc=1; exit $rc ;;
+    cluster-env)    printf 'OUTBOX_CLUSTER_BOOTSTRAP_SERVERS=%s\n' "$(cluster_bootstrap)" >&3 ;;
+    broker-start)   take_lock; broker_start "${2:-}" ;;
+    broker-stop)    take_lock; broker_stop "${2:-}" TERM ;;
+    broker-kill)    take_lock; broker_stop "${2:-}" KILL ;;
+    kafka3-start)   take_lock; kafka3_start ;;
+    kafka3-stop)    take_lock; kafka3_stop ;;
+    kafka3-env)     printf 'OUTBOX_KAFKA3_BOOTSTRAP_SERVERS=%s:%s\n' "$KAFKA_HOST" "$KAFKA3_PORT" >&3 ;;
     -h|--help|help) usage ;;
     *)           usage; exit 2 ;;
   esac

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ from outbox_dispatcher import migrations
 from outbox_dispatcher.settings import Settings
 from tests.containers import Engine, find_engine, free_port, fresh_clone
 
+from .cluster import Cluster
 from .helpers import Services
 
 pytestmark = pytest.mark.integration
@@ -320,3 +322,81 @@ def make_settings(services: Services, database_url: str) -> Any:
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+def _services_script(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(SERVICES_SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=check,
+    )
+
+
+def _env_value(output: str, name: str) -> str:
+    for line in output.splitlines():
+        key, _, value = line.partition("=")
+        if key == name:
+            return value
+    msg = f"services.sh printed no {name}: {output!r}"
+    raise AssertionError(msg)
+
+
+@pytest.fixture(scope="session")
+def kafka_cluster() -> Iterator[Cluster]:
+    """The three-broker cluster (deploy/local/services.sh cluster-start), started once per test
+    run, when a test first needs it, and stopped at the end if this run started it."""
+    if not SERVICES_SCRIPT.exists():
+        pytest.skip("the multi-broker tests need deploy/local/services.sh")
+    already = _services_script("cluster-status", check=False).returncode == 0
+    started = _services_script("cluster-start", check=False)
+    if started.returncode != 0:
+        pytest.fail(f"cluster-start failed:\n{started.stderr[-4000:]}")
+    bootstrap = _env_value(
+        _services_script("cluster-env").stdout, "OUTBOX_CLUSTER_BOOTSTRAP_SERVERS"
+    )
+    try:
+        yield Cluster(bootstrap, SERVICES_SCRIPT)
+    finally:
+        if not already:
+            _services_script("cluster-stop", check=False)
+
+
+@pytest.fixture
+async def cluster(kafka_cluster: Cluster) -> AsyncIterator[Cluster]:
+    """The cluster with every broker up; whatever the test stopped is started again after it,
+    and its topics are deleted."""
+    await kafka_cluster.start_all()
+    await kafka_cluster.wait_all_brokers()
+    try:
+        yield kafka_cluster
+    finally:
+        await kafka_cluster.start_all()
+        await kafka_cluster.wait_all_brokers()
+        await kafka_cluster.delete_topics()
+
+
+@pytest.fixture(scope="session")
+def kafka3_bootstrap() -> Iterator[str]:
+    """A single Kafka 3.x broker (deploy/local/services.sh kafka3-start), started once per run
+    when a test needs it, stopped at the end if this run started it."""
+    if not SERVICES_SCRIPT.exists():
+        pytest.skip("the Kafka 3.x smoke test needs deploy/local/services.sh")
+    bootstrap = _env_value(_services_script("kafka3-env").stdout, "OUTBOX_KAFKA3_BOOTSTRAP_SERVERS")
+    host, _, port = bootstrap.rpartition(":")
+    already = _port_open(host, int(port))
+    started = _services_script("kafka3-start", check=False)
+    if started.returncode != 0:
+        pytest.fail(f"kafka3-start failed:\n{started.stderr[-4000:]}")
+    try:
+        yield bootstrap
+    finally:
+        if not already:
+            _services_script("kafka3-stop", check=False)
+
+
+def _port_open(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=2):
+        return True
+    return False

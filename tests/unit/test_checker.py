@@ -20,10 +20,12 @@ def rec(
     *,
     partition: int = 0,
     topic: str = "t",
+    timestamp: int = 0,
 ) -> Record:
     headers = [] if event_id is None else [("event-id", event_id.encode())]
     value = None if seq is None else orjson.dumps({"key": key, "seq": seq})
-    return Record(topic, partition, offset, None if key is None else key.encode(), value, headers)
+    key_bytes = None if key is None else key.encode()
+    return Record(topic, partition, offset, key_bytes, value, headers, timestamp)
 
 
 WRITTEN = rows(("e1", "a", 0), ("e2", "a", 1), ("e3", "b", 0), ("e4", "b", 1))
@@ -131,3 +133,86 @@ def test_the_summary_counts_each_kind(kind: str) -> None:
 def test_the_older_form_takes_a_set_of_event_ids() -> None:
     verdict = check([rec(0, "e2", "a", 1), rec(1, "e1", "a", 0)], {"e1", "e2", "e3"})
     assert (verdict.lost, len(verdict.reordered)) == (["e3"], 1)
+
+
+# --- per key across topics (first deliveries ordered by the records' timestamps) -----------
+
+CROSS = rows(("x0", "k", 0), ("y1", "k", 1), ("x2", "k", 2))
+
+
+def test_a_key_across_topics_in_order_is_ok() -> None:
+    records = [
+        rec(0, "x0", "k", 0, topic="x", timestamp=100),
+        rec(0, "y1", "k", 1, topic="y", timestamp=150),
+        rec(1, "x2", "k", 2, topic="x", timestamp=200),
+    ]
+    verdict = check(records, CROSS)
+    assert verdict.ok
+    assert verdict.reordered_across_topics == []
+
+
+def test_a_later_row_first_delivered_in_another_topic_before_an_earlier_one_is_reordered() -> None:
+    # The F2 interleaving: row 0 (topic x) failed and was re-published after row 1 (topic y).
+    records = [
+        rec(0, "y1", "k", 1, topic="y", timestamp=100),
+        rec(0, "x0", "k", 0, topic="x", timestamp=5_000),
+        rec(1, "x2", "k", 2, topic="x", timestamp=5_001),
+    ]
+    verdict = check(records, CROSS)
+    assert verdict.reordered == [], "each partition on its own is in order"
+    assert len(verdict.reordered_across_topics) == 1
+    assert (
+        "1 (y/0@0, t=100) first-delivered before 0 (x/0@0, t=5000)"
+        in (verdict.reordered_across_topics[0])
+    )
+    assert not verdict.ok
+    assert verdict.summary()["reordered_across_topics"] == 1
+
+
+def test_the_same_millisecond_is_not_a_reorder() -> None:
+    records = [
+        rec(0, "y1", "k", 1, topic="y", timestamp=100),
+        rec(0, "x0", "k", 0, topic="x", timestamp=100),
+        rec(1, "x2", "k", 2, topic="x", timestamp=100),
+    ]
+    assert check(records, CROSS).ok
+
+
+def test_other_keys_timestamps_do_not_matter() -> None:
+    written = rows(("a0", "a", 0), ("b0", "b", 0))
+    records = [
+        rec(0, "a0", "a", 0, topic="x", timestamp=900),
+        rec(0, "b0", "b", 0, topic="y", timestamp=100),
+    ]
+    assert check(records, written).ok
+
+
+def test_a_later_copy_does_not_count_only_the_first_delivery() -> None:
+    records = [
+        rec(0, "x0", "k", 0, topic="x", timestamp=100),
+        rec(0, "y1", "k", 1, topic="y", timestamp=150),
+        rec(1, "x2", "k", 2, topic="x", timestamp=200),
+        rec(2, "x0", "k", 0, topic="x", timestamp=300),  # a duplicate of row 0, later
+    ]
+    verdict = check(records, CROSS)
+    assert verdict.ok
+    assert verdict.duplicates == 1
+
+
+def test_timestamps_within_one_partition_are_left_to_the_offset_check() -> None:
+    # CreateTime within a partition need not rise with the offset; the offset order decides.
+    written = rows(("a0", "a", 0), ("a1", "a", 1))
+    records = [
+        rec(0, "a0", "a", 0, timestamp=500),
+        rec(1, "a1", "a", 1, timestamp=100),
+    ]
+    assert check(records, written).ok
+
+
+def test_partitions_of_one_topic_count_like_topics() -> None:
+    written = rows(("a0", "a", 0), ("a1", "a", 1))
+    records = [
+        rec(0, "a0", "a", 0, partition=0, timestamp=500),
+        rec(0, "a1", "a", 1, partition=2, timestamp=100),
+    ]
+    assert len(check(records, written).reordered_across_topics) == 1

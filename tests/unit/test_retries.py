@@ -10,7 +10,7 @@ from aiokafka import errors as kafka_errors
 from outbox_dispatcher import errors
 from outbox_dispatcher.models import OutboxRecord, Outcome
 from outbox_dispatcher.publisher import NotAttempted, TopicMissingError
-from outbox_dispatcher.retries import RetryPolicy
+from outbox_dispatcher.retries import MAX_OUTAGE_STREAK, RetryPolicy
 from outbox_dispatcher.settings import Settings
 
 
@@ -28,6 +28,28 @@ def test_backoff_doubles_with_jitter_and_is_capped(policy: RetryPolicy) -> None:
     for attempt, full in [(1, 1), (2, 2), (3, 4), (4, 8), (10, 8)]:
         for _ in range(50):
             assert full / 2 <= policy.backoff(attempt) <= full
+
+
+@pytest.mark.parametrize("attempt", [62, 63, 64, 1024, 1025, 1026, 10**6, 2**70])
+def test_backoff_never_overflows_however_many_failures(policy: RetryPolicy, attempt: int) -> None:
+    # float(2 ** 1024) raised OverflowError at the 1025th failure (finding F8).
+    for _ in range(20):
+        assert 4 <= policy.backoff(attempt) <= 8
+
+
+def test_a_huge_initial_backoff_is_still_capped() -> None:
+    settings = Settings(backoff_initial_seconds=3600, backoff_max_seconds=3600)
+    assert 1800 <= RetryPolicy(settings).backoff(5000) <= 3600
+
+
+def test_the_outage_streak_is_bounded_and_its_delay_stays_capped(policy: RetryPolicy) -> None:
+    outage = [errors.BrokerUnavailableError("away")]
+    for _ in range(2_000):
+        policy.results([record()], outage)
+    assert policy.outage_streak == MAX_OUTAGE_STREAK
+    assert 4 <= policy.outage_delay() <= 8
+    policy.results([record()], [None])
+    assert policy.outage_streak == 0, "a batch with a success and no outage ends the streak"
 
 
 def test_acknowledged_records_are_published(policy: RetryPolicy) -> None:
