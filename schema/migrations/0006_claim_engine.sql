@@ -10,7 +10,13 @@
 -- rows; the writer trigger and the bucket locks below make sure of that.
 
 CREATE TABLE ${schema}.${table}_key (
-    ordering_key text PRIMARY KEY,
+    key_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    -- Not unique on purpose: two writers adding the same new key at once each add a row rather
+    -- than one waiting for the other's commit (a unique key would make writers of a new key wait
+    -- for each other, and could deadlock writers whose transactions add several new keys). The
+    -- claim takes whichever rows of a key it can lock and acts on those only; rows of a key are
+    -- all forgotten together once it has nothing pending.
+    ordering_key text NOT NULL,
     -- A hint of the key's oldest pending row: keys are claimed oldest first.
     head_id bigint NOT NULL,
     -- The topic of that row: keys whose head is in a paused topic are passed over.
@@ -34,7 +40,9 @@ ALTER TABLE ${schema}.${table}_key SET (
 );
 
 COMMENT ON TABLE ${schema}.${table}_key IS
-    'outbox-dispatcher bookkeeping: one row per ordering key that may have pending rows (kept by a trigger and by the dispatcher; never written by hand).';
+    'outbox-dispatcher bookkeeping: a row per ordering key that may have pending rows (kept by a trigger and by the dispatcher; never written by hand).';
+
+CREATE INDEX ${table}_key_ordering_key_idx ON ${schema}.${table}_key (ordering_key);
 
 -- Unleased keys, oldest head first (the claim's scan), and leased keys by expiry (takeovers).
 CREATE INDEX ${table}_key_ready_idx ON ${schema}.${table}_key (head_id) WHERE lease_token IS NULL;
@@ -81,13 +89,14 @@ BEGIN
                FROM new_rows n
               WHERE n.ordering_key IS NOT NULL
               ORDER BY 1) b;
-    -- Sorted, and DO NOTHING: concurrent writers of the same new keys cannot deadlock.
+    -- Keys not registered yet. No unique index to conflict on: a writer never waits for another.
     INSERT INTO ${schema}.${table}_key (ordering_key, head_id, head_topic)
     SELECT DISTINCT ON (n.ordering_key) n.ordering_key, n.id, n.topic
       FROM new_rows n
      WHERE n.ordering_key IS NOT NULL
-     ORDER BY n.ordering_key, n.id
-    ON CONFLICT (ordering_key) DO NOTHING;
+       AND NOT EXISTS (SELECT 1 FROM ${schema}.${table}_key k
+                        WHERE k.ordering_key = n.ordering_key)
+     ORDER BY n.ordering_key, n.id;
     -- The wake-up: only while a dispatcher has said that it waits for one (it polls meanwhile
     -- anyway); a busy dispatcher finds the rows by itself, and writers skip the notification,
     -- whose commit-time lock is what capped their commit rate.
@@ -114,23 +123,34 @@ BEGIN
     PERFORM pg_advisory_xact_lock_shared(hashtext('${schema}.${table}_key'), b.bucket)
        FROM (SELECT DISTINCT ${schema}.${table}_key_bucket(u.k) AS bucket
                FROM unnest(p_keys) AS u(k) WHERE u.k IS NOT NULL ORDER BY 1) b;
-    INSERT INTO ${schema}.${table}_key AS k (ordering_key, head_id, head_topic, has_dead)
-    SELECT u.k, h.id, h.topic,
-           EXISTS (SELECT 1 FROM ${schema}.${table} d WHERE d.ordering_key = u.k AND d.dead_at IS NOT NULL)
-      FROM (SELECT DISTINCT k FROM unnest(p_keys) AS x(k) WHERE k IS NOT NULL ORDER BY k) u(k)
-     CROSS JOIN LATERAL (
-        SELECT o.id, o.topic FROM ${schema}.${table} o
-         WHERE o.ordering_key >= u.k AND o.ordering_key <= u.k
-               AND o.published_at IS NULL AND o.dead_at IS NULL
-         ORDER BY o.ordering_key, o.id LIMIT 1) h
-     ORDER BY u.k
-    ON CONFLICT (ordering_key) DO UPDATE
-       SET head_id = EXCLUDED.head_id, head_topic = EXCLUDED.head_topic,
-           not_before = '-infinity', has_dead = EXCLUDED.has_dead
-     -- A replay touches one key once per row: write a new version only when something changed,
-     -- or the key's row would grow a chain of versions as long as the replay.
-     WHERE (k.head_id, k.head_topic, k.not_before, k.has_dead)
-           IS DISTINCT FROM (EXCLUDED.head_id, EXCLUDED.head_topic, '-infinity', EXCLUDED.has_dead);
+    WITH heads AS (
+        SELECT u.k, h.id, h.topic,
+               EXISTS (SELECT 1 FROM ${schema}.${table} d
+                        WHERE d.ordering_key = u.k AND d.dead_at IS NOT NULL) AS has_dead
+          FROM (SELECT DISTINCT k FROM unnest(p_keys) AS x(k) WHERE k IS NOT NULL) u(k)
+         CROSS JOIN LATERAL (
+            SELECT o.id, o.topic FROM ${schema}.${table} o
+             WHERE o.ordering_key >= u.k AND o.ordering_key <= u.k
+                   AND o.published_at IS NULL AND o.dead_at IS NULL
+             ORDER BY o.ordering_key, o.id LIMIT 1) h
+    ),
+    touched AS (
+        UPDATE ${schema}.${table}_key k
+           SET head_id = h.id, head_topic = h.topic, not_before = '-infinity',
+               has_dead = h.has_dead
+          FROM heads h
+         WHERE k.ordering_key = h.k
+           -- A replay touches one key once per row: write a new version only when something
+           -- changed, or the key's row would grow a chain of versions as long as the replay.
+           AND (k.head_id, k.head_topic, k.not_before, k.has_dead)
+               IS DISTINCT FROM (h.id, h.topic, '-infinity', h.has_dead)
+        RETURNING k.ordering_key
+    )
+    INSERT INTO ${schema}.${table}_key (ordering_key, head_id, head_topic, has_dead)
+    SELECT h.k, h.id, h.topic, h.has_dead
+      FROM heads h
+     WHERE NOT EXISTS (SELECT 1 FROM ${schema}.${table}_key k WHERE k.ordering_key = h.k)
+       AND NOT EXISTS (SELECT 1 FROM touched t WHERE t.ordering_key = h.k);
 END;
 $fn$;
 
@@ -251,7 +271,8 @@ AS $fn$
 #variable_conflict use_column
 DECLARE
     v_paused text[];
-    v_keys text[];
+    v_keys text[];           -- the keys this claim locked, oldest head first
+    v_key_ids bigint[];      -- the registry rows it locked (a key may have more than one)
     v_per_key integer;
     v_idle text[];
     v_empty text[];
@@ -262,7 +283,7 @@ BEGIN
     END IF;
 
     WITH ready AS (
-        SELECT k.ordering_key, k.head_id
+        SELECT k.key_id, k.ordering_key, k.head_id
           FROM ${schema}.${table}_key k
          WHERE k.lease_token IS NULL
            AND k.not_before <= now()
@@ -273,16 +294,21 @@ BEGIN
            FOR UPDATE SKIP LOCKED
     ),
     expired AS (
-        SELECT k.ordering_key, k.head_id
+        SELECT k.key_id, k.ordering_key, k.head_id
           FROM ${schema}.${table}_key k
          WHERE k.lease_token IS NOT NULL
            AND k.lease_expires_at <= now()
          ORDER BY k.lease_expires_at
          LIMIT p_max_keys
            FOR UPDATE SKIP LOCKED
+    ),
+    mine AS (
+        SELECT * FROM ready UNION ALL SELECT * FROM expired
     )
-    SELECT array_agg(c.ordering_key ORDER BY c.head_id) INTO v_keys
-      FROM (SELECT * FROM ready UNION ALL SELECT * FROM expired) c;
+    SELECT (SELECT array_agg(m.key_id) FROM mine m),
+           (SELECT array_agg(g.k ORDER BY g.h)
+              FROM (SELECT m.ordering_key AS k, min(m.head_id) AS h FROM mine m GROUP BY 1) g)
+      INTO v_key_ids, v_keys;
 
     v_per_key := greatest(1, ceil(p_limit::numeric / greatest(1, coalesce(cardinality(v_keys), 0))))::integer;
 
@@ -352,7 +378,8 @@ BEGIN
            SET lease_owner = p_owner,
                lease_token = p_token,
                lease_expires_at = now() + p_lease_seconds * interval '1 second'
-         WHERE k.ordering_key IN (SELECT t.ordering_key FROM taken t WHERE t.ordering_key IS NOT NULL)
+         WHERE k.key_id = ANY (v_key_ids)
+           AND k.ordering_key IN (SELECT t.ordering_key FROM taken t WHERE t.ordering_key IS NOT NULL)
     ),
     claimed AS (
         UPDATE ${schema}.${table} o
@@ -377,7 +404,8 @@ BEGIN
     SELECT array_agg(u.k) INTO v_idle
       FROM unnest(v_keys) AS u(k)
      WHERE NOT EXISTS (SELECT 1 FROM ${schema}.${table}_key k
-                        WHERE k.ordering_key = u.k AND k.lease_token = p_token);
+                        WHERE k.key_id = ANY (v_key_ids) AND k.ordering_key = u.k
+                          AND k.lease_token = p_token);
     IF v_idle IS NULL THEN
         RETURN;
     END IF;
@@ -402,7 +430,7 @@ BEGIN
                                WHERE d.ordering_key = h.k AND d.dead_at IS NOT NULL),
            lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
       FROM heads h
-     WHERE k.ordering_key = h.k;
+     WHERE k.ordering_key = h.k AND k.key_id = ANY (v_key_ids);
 
     SELECT array_agg(u.k) INTO v_empty
       FROM unnest(v_idle) AS u(k)
