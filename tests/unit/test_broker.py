@@ -118,8 +118,9 @@ def test_create_conn_takes_the_options_the_diagnosis_passes() -> None:
 
 
 def test_only_broker_py_reaches_below_the_public_api() -> None:
+    # A logger's name in quotes ("aiokafka.cluster" in logs.py) is not a reach into the module.
     below = re.compile(
-        r"_message_accumulator|aiokafka\.conn|aiokafka\.protocol|aiokafka\.cluster|\.client\.\w"
+        r"_message_accumulator|aiokafka\.(?:conn|protocol|cluster)\b(?![\"'])|\.client\.\w"
     )
     offenders = [
         f"{path.name}:{n}"
