@@ -130,7 +130,8 @@ bench: install services
 chaos: install services
 	mkdir -p .chaos
 	rm -f .chaos/results.jsonl
-	OUTBOX_CHAOS=full OUTBOX_CHAOS_REPORT=.chaos/results.jsonl OUTBOX_TEST_BAD_INPUT_EXAMPLES=300 \
+	OUTBOX_TEST_STACK=services OUTBOX_CHAOS=full OUTBOX_CHAOS_REPORT=.chaos/results.jsonl \
+		OUTBOX_TEST_BAD_INPUT_EXAMPLES=300 \
 		$(BIN)/pytest tests/integration/test_chaos.py tests/integration/test_network_faults.py \
 		tests/integration/test_pgbouncer.py tests/integration/test_long_transactions.py \
 		tests/integration/test_visibility.py tests/integration/test_bad_input.py \
