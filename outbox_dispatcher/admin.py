@@ -312,9 +312,7 @@ async def pause(
     """Pause a topic or the whole table; paused_by is the database role and client address."""
     async with conn.transaction():
         row = await conn.fetchrow(queries.pause, topic or status.WHOLE_TABLE, reason)
-        await audit(
-            conn, queries, "pause", _audited({"topic": topic, "reason": reason}, origin), 1
-        )
+        await audit(conn, queries, "pause", _audited({"topic": topic, "reason": reason}, origin), 1)
     return status.Pause(**dict(row or {}))
 
 

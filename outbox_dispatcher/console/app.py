@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from importlib import resources
@@ -15,6 +16,7 @@ import asyncpg
 import orjson
 import structlog
 from jinja2 import Environment, PackageLoader, select_autoescape
+from markupsafe import Markup, escape
 from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -88,6 +90,27 @@ def _time(value: object) -> str:
     return "-" if value is None else str(value)
 
 
+def _ascii_json(value: object) -> str:
+    """JSON with every non-ASCII character escaped: exact, yet no control or bidi character
+    reaches the page (for hidden form fields that carry a filter back)."""
+    return json.dumps(value, ensure_ascii=True, default=_time_value)
+
+
+def _time_value(value: object) -> str:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(type(value).__name__)
+
+
+def _exact_attribute(value: object) -> Markup:
+    """An attribute value that the browser reads back exactly while the page's source holds no
+    raw control, format or line-breaking character (each written as a character reference)."""
+    text = str(escape("" if value is None else value))
+    return Markup(
+        "".join(f"&#x{ord(c):x};" if display.unsafe(c) else c for c in text)  # noqa: S704 - escaped above
+    )
+
+
 def _environment() -> Environment:
     env = Environment(
         loader=PackageLoader("outbox_dispatcher.console", "templates"),
@@ -100,6 +123,8 @@ def _environment() -> Environment:
     env.filters["age"] = status.age_text
     env.filters["time"] = _time
     env.filters["json"] = lambda value: orjson.dumps(value).decode()
+    env.filters["ascii_json"] = _ascii_json
+    env.filters["exact"] = _exact_attribute
     return env
 
 
@@ -155,9 +180,7 @@ class Console:
                 body["problems"] = extra
             headers = {"www-authenticate": "Bearer"} if code == 401 else None
             return JSONResponse(body, status_code=code, headers=headers)
-        return self.page(
-            request, "error.html", {"message": message, "problems": extra or []}, code
-        )
+        return self.page(request, "error.html", {"message": message, "problems": extra or []}, code)
 
     async def on_input_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, InputError)  # noqa: S101 - registered for InputError only
@@ -188,7 +211,8 @@ class Console:
         found = await service.dead(self.settings, query)
         if request.url.path.startswith("/api/"):
             return JSONResponse({"rows": found, "limit": query.limit})
-        return self.page(request, "dead.html", {"rows": found, "query": query})
+        current = query.model_dump(exclude_defaults=True, exclude={"limit"})
+        return self.page(request, "dead.html", {"rows": found, "query": query, "filter": current})
 
     async def blocked(self, request: Request) -> Response:
         query = parse(BlockedQuery, from_query(request.query_params, {}))
@@ -392,19 +416,21 @@ def _action_body(name: str, form: Any) -> dict[str, Any]:
     """A page's action form as the API's body. Dead-row forms say their scope: the rows ticked
     (ids), every row matching the filter, or every dead row."""
     data = from_query(form, {"id": form.getlist("id")})
-    data.pop("body", None)
-    data.pop("expected", None)
     if not name.startswith("dead-"):
         return data
     scope = form.get("scope", "selected")
     if scope == "selected":
-        return {"ids": data.get("ids", [])} if data.get("ids") else {}
-    data.pop("ids", None)
-    data.pop("limit", None)
+        return {"ids": data["ids"]} if "ids" in data else {}
     if scope == "all":
         return {"all": True}
-    data.pop("all", None)
-    return data
+    # The page's filter, carried as JSON (exact, whatever characters a key holds).
+    try:
+        current = orjson.loads(str(form.get("filter", "{}")))
+    except orjson.JSONDecodeError:
+        raise InputError("the form's filter is not JSON") from None
+    if not isinstance(current, dict):
+        raise InputError("the form's filter is not a JSON object")
+    return current
 
 
 def create_app(settings: Settings, *, sample: bool = True) -> Starlette:
@@ -420,7 +446,7 @@ def create_app(settings: Settings, *, sample: bool = True) -> Starlette:
                 session_cookie=auth.SESSION_COOKIE,
                 max_age=auth.SESSION_SECONDS,
                 same_site="strict",
-            )
+            ),
         ],
         exception_handlers={
             InputError: console.on_input_error,

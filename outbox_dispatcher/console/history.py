@@ -99,9 +99,7 @@ def svg(samples: list[Sample], now: float, window_seconds: float = WINDOW_SECOND
         points = " ".join(
             f"{x(at):.1f},{PAD + inner_h - value / scale * inner_h:.1f}" for at, value in values
         )
-        return (
-            f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{points}"></polyline>'
-        )
+        return f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{points}"/>'
 
     backlog = [(s.at, float(s.pending)) for s in samples]
     lag = [(s.at, s.oldest_pending_age_seconds or 0.0) for s in samples]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -53,7 +53,7 @@ class DeadFilter(_Input):
     ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_IDS)
     key: str | None = None
     topic: str | None = Field(default=None, description="'(routed)': rows without a topic")
-    keyless: Literal[True] | None = None
+    keyless: bool | None = Field(default=None, description="true: rows without a key")
     since: datetime | None = Field(default=None, description="created at or after (UTC if bare)")
     until: datetime | None = Field(default=None, description="created before")
     dead_since: datetime | None = None
@@ -79,7 +79,7 @@ class DeadFilter(_Input):
             topic=self.topic,
             since=self.since,
             until=self.until,
-            keyless=self.keyless,
+            keyless=True if self.keyless else None,
             dead_since=self.dead_since,
             dead_until=self.dead_until,
             error=self.error,
@@ -131,7 +131,8 @@ class ReplayFilter(_Input):
         )
         _refuse_unfiltered(filters, self.all, what, REPLAY_FIELDS)
         if self.from_id is not None and self.to_id is not None and self.from_id > self.to_id:
-            raise InputError(f"from_id {self.from_id} is after to_id {self.to_id}: no row is between")
+            msg = f"from_id {self.from_id} is after to_id {self.to_id}: no row is between"
+            raise InputError(msg)
         return filters
 
 
@@ -210,7 +211,7 @@ def from_query(params: Mapping[str, str], multi: Mapping[str, list[str]]) -> dic
     repeated for ids, a checkbox's "on" as true."""
     data: dict[str, Any] = {}
     for name, value in params.items():
-        if name in ("id", "csrf", "action", "scope") or value == "":
+        if name in ("id", "csrf", "action", "scope", "filter", "body", "expected") or not value:
             continue
         data[name] = True if value == "on" else value
     ids = [value for value in multi.get("id", []) if value]

@@ -227,9 +227,7 @@ async def pause(
     pending, in_flight = await _pending_of(settings, topic)
     waiting = admin.rows(pending - in_flight, "pending row")
     if dry_run:
-        return Outcome(
-            "pause", pending, True, f"would pause {_what(topic)}: {waiting} would wait"
-        )
+        return Outcome("pause", pending, True, f"would pause {_what(topic)}: {waiting} would wait")
     async with admin.connected(settings) as (conn, queries):
         await admin.pause(conn, queries, topic, body.reason, origin=_origin(client))
     return Outcome(
