@@ -24,7 +24,7 @@ from outbox_dispatcher.console import create_app, history
 from outbox_dispatcher.settings import Settings
 from tests.containers import free_port
 
-from .helpers import Services, settings_env
+from .helpers import Services, cli, settings_env
 from .test_security import _as_role, _roles_database
 
 pytestmark = pytest.mark.integration
@@ -663,3 +663,24 @@ async def test_the_console_command_serves_pages_and_the_api_over_http(
     logged = log_path.read_text()
     assert TOKEN not in logged
     assert "console_starting" in logged
+
+
+async def test_the_cli_filters_dead_rows_by_error_text_too(
+    conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    """The error-text filter the console offers is the CLI's (`--error`), over the same SQL."""
+    await dead_rows(conn, "alpha", ["a", "b"], error="MessageSizeTooLargeError: big")
+    [other] = await dead_rows(conn, "alpha", ["c"], error="UnknownTopicOrPartitionError")
+    settings = make_settings()
+    listed = await cli(settings, "dead", "list", "--error", "toolarge", "--json")
+    assert listed.code == 0, listed.err
+    assert sorted(r["ordering_key"] for r in orjson.loads(listed.out)) == ["a", "b"]
+    requeued = await cli(settings, "dead", "requeue", "--error", "TOOLARGE")
+    assert requeued.code == 0 and "requeued 2 dead rows" in requeued.out
+    still = await conn.fetch("SELECT id FROM outbox WHERE dead_at IS NOT NULL")
+    assert [r["id"] for r in still] == [other]
+    assert (await audits(conn))[-1] == {
+        "command": "dead requeue",
+        "filter": {"error": "TOOLARGE"},
+        "rows": 2,
+    }
