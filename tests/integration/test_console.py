@@ -161,6 +161,8 @@ async def test_a_form_post_without_the_sessions_csrf_token_is_refused(
     ).status_code == 401
     logged = await api.post("/login", data={"csrf": csrf_of(page.text), "token": TOKEN})
     assert logged.status_code == 303
+    cookie = logged.headers["set-cookie"].lower()
+    assert "httponly" in cookie and "samesite=strict" in cookie and "max-age=28800" in cookie
     csrf = csrf_of((await api.get("/dead")).text)
     body = orjson.dumps({"ids": ids}).decode()
     for token in (None, "", "forged", csrf[:-1]):
@@ -599,7 +601,9 @@ async def test_a_read_only_database_role_serves_the_read_pages(
             async with client(settings) as c:
                 answer = await c.post("/api/v1/dead/requeue", json={"all": True}, headers=AUTH)
                 assert answer.status_code == 403
-                assert "the console's database role may not do this" in answer.json()["error"]
+                refusal = answer.json()["error"]
+                assert "the console's database role may not do this" in refusal
+                assert "permission denied for table outbox" in refusal
             assert await snapshot(admin) == before
             await admin.execute(f'DROP OWNED BY "{reader}"')
         finally:
