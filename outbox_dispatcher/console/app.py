@@ -251,8 +251,11 @@ class Console:
                 return self.problem(
                     request, 401, "actions need Authorization: Bearer <OUTBOX_CONSOLE_TOKEN>"
                 )
+            raw = await _body(request)
+            if raw is None:
+                return self.problem(request, 413, f"the body is over {MAX_BODY_BYTES} bytes")
             try:
-                data = orjson.loads(await request.body())
+                data = orjson.loads(raw)
             except orjson.JSONDecodeError:
                 return self.problem(request, 400, "the body is not JSON")
             dry_run = request.query_params.get("dry_run", "false")
@@ -401,6 +404,25 @@ API_ACTION_PATHS = {
 }
 
 _CSRF = "the form's CSRF token is missing or stale: reload the page and try again"
+
+
+# An action's body: a filter with at most inputs.MAX_IDS ids fits many times over.
+MAX_BODY_BYTES = 1_048_576
+
+
+async def _body(request: Request) -> bytes | None:
+    """The request's body, or None past MAX_BODY_BYTES (read no further than that)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _client(request: Request) -> str | None:

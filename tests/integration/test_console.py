@@ -210,6 +210,10 @@ async def test_an_empty_filter_and_bad_input_are_refused_with_a_clear_4xx(
     assert bad.json()["problems"][0]["field"] == "since"
     not_json = await api.post("/api/v1/dead/requeue", content=b"{nope", headers=AUTH)
     assert not_json.status_code == 400 and not_json.json()["error"] == "the body is not JSON"
+    huge = await api.post(
+        "/api/v1/dead/requeue", content=b"[" + b"1," * 600_000 + b"1]", headers=AUTH
+    )
+    assert huge.status_code == 413 and "over 1048576 bytes" in huge.json()["error"]
     dry = await api.post("/api/v1/dead/requeue?dry_run=maybe", json={"all": True}, headers=AUTH)
     assert dry.status_code == 400
     for query in ("limit=0", "limit=abc", "limit=100000", "since=soon", "keyless=maybe"):
