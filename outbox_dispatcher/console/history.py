@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import asyncpg
 import structlog
 
-from outbox_dispatcher import admin, db, errors
+from outbox_dispatcher import admin, db, errors, status
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.store import Store
 
@@ -84,13 +84,15 @@ WIDTH, HEIGHT, PAD = 720, 180, 36
 
 
 def svg(samples: list[Sample], now: float, window_seconds: float = WINDOW_SECONDS) -> str:
-    """Backlog (pending rows) and lag (oldest pending age) over the window, each on its own
-    scale. Only numbers go into the markup, so nothing needs escaping."""
-    start = now - window_seconds
+    """Backlog (pending rows) and lag (oldest pending age) over the window, or since the first
+    sample when that is younger, each on its own scale. Only numbers and fixed words go into the
+    markup, so nothing needs escaping."""
+    start = max(now - window_seconds, samples[0].at if samples else now - window_seconds)
+    span = max(now - start, 1.0)
     inner_w, inner_h = WIDTH - 2 * PAD, HEIGHT - 2 * PAD
 
     def x(at: float) -> float:
-        return PAD + max(0.0, at - start) / window_seconds * inner_w
+        return PAD + max(0.0, at - start) / span * inner_w
 
     def line(values: list[tuple[float, float]], top: float, colour: str) -> str:
         if not values:
@@ -119,7 +121,8 @@ def svg(samples: list[Sample], now: float, window_seconds: float = WINDOW_SECOND
             f"pending rows (max {top_backlog:.0f})</text>",
             f'<text x="{WIDTH - PAD}" y="{PAD - 8}" font-size="12" fill="#d62728" '
             f'text-anchor="end">oldest pending age (max {top_lag:.1f}s)</text>',
-            f'<text x="{PAD}" y="{bottom + 16}" font-size="11" fill="#666">-60 min</text>',
+            f'<text x="{PAD}" y="{bottom + 16}" font-size="11" fill="#666">'
+            f"{status.age_text(span)} ago</text>",
             f'<text x="{WIDTH - PAD}" y="{bottom + 16}" font-size="11" fill="#666" '
             'text-anchor="end">now</text>',
             "</svg>",

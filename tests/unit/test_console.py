@@ -93,7 +93,10 @@ def test_the_history_keeps_the_last_hour_and_draws_it() -> None:
     assert [s.at for s in kept.samples()] == [m * 60.0 for m in range(50, 120, 10)]  # 1 h back
     chart = history.svg(kept.samples(), now=119 * 60.0)
     assert chart.startswith("<svg") and chart.count("<polyline") == 2
-    assert "max 110" in chart
+    assert "max 110" in chart and "1h00m ago" in chart
+    # Younger than the window: the chart spans the samples there are.
+    young = history.svg(kept.samples()[-2:], now=110 * 60.0)
+    assert "10m00s ago" in young
     assert history.svg([], now=0.0).count("<polyline") == 0
 
 
