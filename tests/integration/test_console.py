@@ -366,6 +366,31 @@ async def test_page_actions_confirm_with_the_count_then_change_those_rows(
     assert "discarded 3 dead rows." in done.text
     assert await conn.fetchval("SELECT count(*) FROM outbox WHERE id = ANY($1)", b) == 0
 
+    # Replay from its page's form: by id range, counted first.
+    published = await published_rows(conn, "delta", 4)
+    replay_page = await api.get("/replay")
+    assert 'name="from_id"' in replay_page.text
+    ask = await api.post(
+        "/actions/confirm",
+        data={
+            "csrf": csrf,
+            "action": "replay",
+            "from_id": str(published[1]),
+            "to_id": str(published[2]),
+            "key": "",
+        },
+    )
+    assert "This would replay 2 published rows." in ask.text
+    body = re.search(r'name="body" value="([^"]+)"', ask.text)
+    assert body
+    done = await api.post(
+        "/actions/run",
+        data={"csrf": csrf, "action": "replay", "body": html.unescape(body.group(1))},
+    )
+    assert "replayed 2 published rows." in done.text
+    again = await conn.fetch("SELECT id FROM outbox WHERE topic = 'delta' AND published_at IS NULL")
+    assert sorted(r["id"] for r in again) == published[1:3]
+
     # Pause from the overview: the confirmation counts the rows that would wait.
     await conn.execute(
         "INSERT INTO outbox (topic, payload) SELECT 'gamma', 'x' FROM generate_series(1, 4)"
@@ -384,7 +409,7 @@ async def test_page_actions_confirm_with_the_count_then_change_those_rows(
     overview = await api.get("/")
     assert 'value="resume">Resume' in overview.text
     commands = [(x["command"], x["rows"]) for x in await audits(conn)]
-    assert commands == [("dead requeue", 1), ("dead discard", 3), ("pause", 1)]
+    assert commands == [("dead requeue", 1), ("dead discard", 3), ("replay", 2), ("pause", 1)]
 
 
 # --- Reads ---------------------------------------------------------------------------------------
