@@ -634,7 +634,6 @@ async def test_a_read_only_database_role_serves_the_read_pages(
                 assert "the console's database role may not do this" in refusal
                 assert "permission denied for table outbox" in refusal
             assert await snapshot(admin) == before
-            await admin.execute(f'DROP OWNED BY "{reader}"')
         finally:
             await admin.close()
 
