@@ -7,7 +7,7 @@ import codecs
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -99,7 +99,7 @@ async def row(settings: Settings, row_id: int) -> dict[str, Any] | None:
         else "dead"
         if found["dead_at"]
         else "in flight"
-        if found["lease_expires_at"] and found["lease_owner"]
+        if found["lease_expires_at"] and found["lease_expires_at"] > datetime.now(UTC)
         else "pending"
     )
     payload: bytes | None = detail.pop("payload")

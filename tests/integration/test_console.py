@@ -520,6 +520,15 @@ async def test_the_payload_is_hidden_unless_enabled_then_decoded_and_capped(
         shown = (await c.get(f"/api/v1/rows/{json_row}")).json()
         assert shown["payload"] is None and shown["payload_shown"] is False
         assert shown["payload_bytes"] == 26 and shown["headers"] == {"h": "v"}
+        assert shown["state"] == "pending"
+        for expires, state in (("1 minute", "in flight"), ("-1 minute", "pending")):
+            await conn.execute(
+                "UPDATE outbox SET lease_owner = 'd1', lease_token = gen_random_uuid(),"
+                " lease_expires_at = now() + $2::text::interval WHERE id = $1",
+                json_row,
+                expires,
+            )
+            assert (await c.get(f"/api/v1/rows/{json_row}")).json()["state"] == state
         page = await c.get(f"/rows/{json_row}")
         assert "s3cr3t" not in page.text and 'id="payload-hidden"' in page.text
     async with client(make_settings(console_show_payload=True)) as c:
