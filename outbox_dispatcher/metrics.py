@@ -217,6 +217,14 @@ class Metrics:
             self.published.labels(topic).inc(n)
 
 
+# A role not granted what a newer migration added (schema/roles.sql is rerun after each): the
+# gauges go stale (OutboxTableMetricsStale fires), publishing goes on.
+SAMPLE_ERRORS: tuple[type[BaseException], ...] = (
+    *db.RETRIABLE_ERRORS,
+    asyncpg.InsufficientPrivilegeError,
+)
+
+
 async def sample(pool: asyncpg.Pool, queries: Queries, settings: Settings, m: Metrics) -> None:
     """Read the table gauges (pending, lag, parked, dead, blocked keys) every metrics interval.
 
@@ -231,9 +239,7 @@ async def sample(pool: asyncpg.Pool, queries: Queries, settings: Settings, m: Me
             await store.clock_tick()
             row = await store.gauges(block_on_dead=block)
             await store.clock_prune(first_pending_id=row["first_pending_id"])
-        except (*db.RETRIABLE_ERRORS, asyncpg.InsufficientPrivilegeError) as exc:
-            # A role not granted what a newer migration added (schema/roles.sql is rerun after
-            # each): the gauges go stale (OutboxTableMetricsStale), publishing goes on.
+        except SAMPLE_ERRORS as exc:
             log.warning("metrics_sample_failed", error=repr(exc))
         else:
             m.pending.set(row["pending"])

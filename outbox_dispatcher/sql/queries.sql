@@ -60,29 +60,30 @@ SELECT coalesce(max(version), 0) FROM {version_table}
 -- failure: as in gauges), and the age of the oldest due row (the lag) and of the oldest parked
 -- row, from {since_fn} (a time the database sets) for the lowest fresh id and every row an
 -- operator made pending again.
-WITH pauses AS (
-    SELECT coalesce(array_agg(topic) FILTER (WHERE topic <> '*'), ARRAY[]::text[]) AS topics,
-           coalesce(bool_or(topic = '*'), false) AS whole_table
-      FROM {paused}
+WITH waiting_keys AS MATERIALIZED (
+    SELECT k.ordering_key,
+           EXISTS (SELECT FROM {table} o
+                    WHERE o.id = k.head_id AND o.published_at IS NULL AND o.dead_at IS NULL
+                      AND (o.topic IN (SELECT topic FROM {paused})
+                           OR (o.attempts = 0 AND o.next_attempt_at > now()
+                               AND o.lease_token IS NULL))) AS parked
+      FROM {keys} k
+     WHERE k.head_topic IN (SELECT topic FROM {paused}) OR k.not_before > now()
 ),
-held_keys AS (
-    SELECT DISTINCT k.ordering_key
-      FROM {keys} k JOIN {table} o ON o.id = k.head_id
-     WHERE k.not_before > now()
-       AND o.published_at IS NULL AND o.dead_at IS NULL AND o.attempts = 0
-       AND o.next_attempt_at > now() AND o.lease_token IS NULL
+parked_keys AS (
+    SELECT DISTINCT ordering_key FROM waiting_keys WHERE parked
 ),
 flagged AS (
     SELECT o.id, o.topic, o.created_at, o.pending_since, o.lease_expires_at,
            o.published_at, o.dead_at,
            o.published_at IS NULL AND o.dead_at IS NULL AS is_pending,
-           (p.whole_table OR o.topic = ANY (p.topics)
+           (pt.topic IS NOT NULL OR pk.ordering_key IS NOT NULL
             OR (o.attempts = 0 AND o.next_attempt_at > now() AND o.lease_token IS NULL)
-            OR h.ordering_key IS NOT NULL) AS parked
+            OR (SELECT EXISTS (SELECT FROM {paused} WHERE topic = '*'))) AS parked
       FROM {table} o
-     CROSS JOIN pauses p
-      LEFT JOIN held_keys h ON h.ordering_key = o.ordering_key
-                           AND o.published_at IS NULL AND o.dead_at IS NULL
+      LEFT JOIN {paused} pt ON pt.topic = o.topic
+      LEFT JOIN parked_keys pk ON pk.ordering_key = o.ordering_key
+                              AND o.published_at IS NULL AND o.dead_at IS NULL
 ),
 per_topic AS (
     SELECT topic,
@@ -111,63 +112,79 @@ SELECT t.topic, t.pending, t.in_flight, t.dead, t.published, t.parked,
  ORDER BY t.topic
 
 -- gauges --
--- The table gauges behind /metrics. One pass over the pending rows (their partial index) sorts
--- them by why they wait: `paused` (their topic or the whole table is paused), `held` (not due and
--- never failed, or of a key whose head is: waiting on purpose, e.g. what an interrupted replay of
--- version 0.1 left) and `due` (everything else: ready, in flight, in backoff, behind a dead row).
+-- The table gauges behind /metrics. One pass over the pending rows sorts them by why they wait: `paused` (their topic or the whole table is paused, or the head of their
+-- key is in a paused topic), `held` (not due and never failed, or of a key whose head is: waiting
+-- on purpose, e.g. what an interrupted replay of version 0.1 left) and `due` (everything else:
+-- ready, in flight, in backoff, behind a dead row). Key heads come from the registry.
 -- The lag that pages is the age of the oldest `due` row; parked rows (paused, held) have their own
 -- count and age. Ages run from {since_fn} (a time the database sets, not the writer's created_at):
 -- of the lowest id never made pending again, and of every row an operator made pending again.
--- Then dead rows, keys waiting out a backoff, keys held without a failure, keys blocked by a dead
--- row when $1 (dead_letter_policy = block), and the pauses operators set.
-WITH pauses AS (
-    SELECT coalesce(array_agg(topic) FILTER (WHERE topic <> '*'), ARRAY[]::text[]) AS topics,
-           coalesce(bool_or(topic = '*'), false) AS whole_table
-      FROM {paused}
+-- The same pass counts keys waiting out a backoff and keys held without a failure; then dead rows,
+-- keys blocked by a dead row when $1 (dead_letter_policy = block), and the pauses operators set.
+WITH waiting_keys AS MATERIALIZED (
+    -- Keys the registry says wait (head in a paused topic, or not due), each checked against its
+    -- head row by primary key: paused (true), held (false), or neither (NULL).
+    SELECT k.ordering_key,
+           (SELECT o.topic IN (SELECT topic FROM {paused}) FROM {table} o
+             WHERE o.id = k.head_id AND o.published_at IS NULL AND o.dead_at IS NULL
+               AND (o.topic IN (SELECT topic FROM {paused})
+                    OR (o.attempts = 0 AND o.next_attempt_at > now() AND o.lease_token IS NULL)))
+               AS paused
+      FROM {keys} k
+     WHERE k.head_topic IN (SELECT topic FROM {paused}) OR k.not_before > now()
 ),
-held_keys AS (
-    SELECT DISTINCT k.ordering_key
-      FROM {keys} k JOIN {table} o ON o.id = k.head_id
-     WHERE k.not_before > now()
-       AND o.published_at IS NULL AND o.dead_at IS NULL AND o.attempts = 0
-       AND o.next_attempt_at > now() AND o.lease_token IS NULL
+parked_keys AS (
+    SELECT ordering_key, bool_or(paused) AS paused FROM waiting_keys
+     WHERE paused IS NOT NULL GROUP BY ordering_key
 ),
 pending AS (
-    SELECT o.id, o.created_at, o.pending_since,
-           CASE WHEN p.whole_table OR o.topic = ANY (p.topics) THEN 'paused'
-                WHEN (o.attempts = 0 AND o.next_attempt_at > now() AND o.lease_token IS NULL)
-                     OR h.ordering_key IS NOT NULL THEN 'held'
-                ELSE 'due' END AS state
+    SELECT o.id, o.created_at, o.pending_since, o.ordering_key, o.attempts, o.next_attempt_at,
+           o.lease_token,
+           pt.topic IS NOT NULL OR coalesce(pk.paused, false)
+               OR (SELECT EXISTS (SELECT FROM {paused} WHERE topic = '*')) AS paused,
+           (o.attempts = 0 AND o.next_attempt_at > now() AND o.lease_token IS NULL)
+               OR pk.ordering_key IS NOT NULL AS held
       FROM {table} o
-     CROSS JOIN pauses p
-      LEFT JOIN held_keys h ON h.ordering_key = o.ordering_key
+      LEFT JOIN {paused} pt ON pt.topic = o.topic
+      LEFT JOIN parked_keys pk ON pk.ordering_key = o.ordering_key
      WHERE o.published_at IS NULL AND o.dead_at IS NULL
 ),
-states AS (
-    SELECT s.state, s.rows, s.first_id,
-           extract(epoch FROM now() - least(
-               (SELECT {since_fn}(o.id, o.created_at, NULL) FROM {table} o WHERE o.id = s.first_fresh),
-               s.first_rearmed))::float8 AS age
-      FROM (SELECT state, count(*) AS rows, min(id) AS first_id,
-                   min(id) FILTER (WHERE pending_since IS NULL) AS first_fresh,
-                   min(CASE WHEN pending_since IS NOT NULL
-                            THEN {since_fn}(id, created_at, pending_since) END) AS first_rearmed
-              FROM pending GROUP BY state) s
+agg AS (
+    SELECT count(*) AS rows, min(id) AS first_id,
+           min(id) FILTER (WHERE NOT paused AND NOT held AND pending_since IS NULL) AS due_fresh,
+           min(CASE WHEN NOT paused AND NOT held AND pending_since IS NOT NULL
+                    THEN {since_fn}(id, created_at, pending_since) END) AS due_rearmed,
+           count(*) FILTER (WHERE paused) AS paused_rows,
+           min(id) FILTER (WHERE paused AND pending_since IS NULL) AS paused_fresh,
+           min(CASE WHEN paused AND pending_since IS NOT NULL
+                    THEN {since_fn}(id, created_at, pending_since) END) AS paused_rearmed,
+           count(*) FILTER (WHERE held AND NOT paused) AS held_rows,
+           min(id) FILTER (WHERE held AND NOT paused AND pending_since IS NULL) AS held_fresh,
+           min(CASE WHEN held AND NOT paused AND pending_since IS NOT NULL
+                    THEN {since_fn}(id, created_at, pending_since) END) AS held_rearmed,
+           count(DISTINCT ordering_key)
+               FILTER (WHERE attempts > 0 AND next_attempt_at > now()) AS backoff_keys,
+           count(DISTINCT ordering_key)
+               FILTER (WHERE attempts = 0 AND next_attempt_at > now() AND lease_token IS NULL)
+               AS held_keys
+      FROM pending
 )
-SELECT coalesce((SELECT sum(rows) FROM states), 0)::bigint AS pending,
-       (SELECT min(first_id) FROM states) AS first_pending_id,
-       (SELECT greatest(age, 0) FROM states WHERE state = 'due') AS oldest_pending_age_seconds,
-       coalesce((SELECT rows FROM states WHERE state = 'paused'), 0) AS paused_rows,
-       (SELECT greatest(age, 0) FROM states WHERE state = 'paused') AS oldest_paused_age_seconds,
-       coalesce((SELECT rows FROM states WHERE state = 'held'), 0) AS held_rows,
-       (SELECT greatest(age, 0) FROM states WHERE state = 'held') AS oldest_held_age_seconds,
+SELECT a.rows AS pending,
+       a.first_id AS first_pending_id,
+       extract(epoch FROM now() - least(
+           (SELECT {since_fn}(o.id, o.created_at, NULL) FROM {table} o WHERE o.id = a.due_fresh),
+           a.due_rearmed))::float8 AS oldest_pending_age_seconds,
+       a.paused_rows,
+       extract(epoch FROM now() - least(
+           (SELECT {since_fn}(o.id, o.created_at, NULL) FROM {table} o WHERE o.id = a.paused_fresh),
+           a.paused_rearmed))::float8 AS oldest_paused_age_seconds,
+       a.held_rows,
+       extract(epoch FROM now() - least(
+           (SELECT {since_fn}(o.id, o.created_at, NULL) FROM {table} o WHERE o.id = a.held_fresh),
+           a.held_rearmed))::float8 AS oldest_held_age_seconds,
        (SELECT count(*) FROM {table} WHERE dead_at IS NOT NULL) AS dead,
-       (SELECT count(DISTINCT ordering_key) FROM {table}
-         WHERE published_at IS NULL AND dead_at IS NULL AND attempts > 0
-           AND next_attempt_at > now()) AS backoff_keys,
-       (SELECT count(DISTINCT ordering_key) FROM {table}
-         WHERE published_at IS NULL AND dead_at IS NULL AND attempts = 0
-           AND next_attempt_at > now() AND lease_token IS NULL) AS held_keys,
+       a.backoff_keys,
+       a.held_keys,
        (SELECT count(DISTINCT d.ordering_key) FROM {table} d
          WHERE $1 AND d.dead_at IS NOT NULL
            AND EXISTS (SELECT FROM {table} p
@@ -175,6 +192,7 @@ SELECT coalesce((SELECT sum(rows) FROM states), 0)::bigint AS pending,
                           AND p.published_at IS NULL AND p.dead_at IS NULL)) AS dead_blocked_keys,
        (SELECT count(*) FROM {paused} WHERE topic <> '*') AS paused_topics,
        EXISTS (SELECT FROM {paused} WHERE topic = '*') AS table_paused
+  FROM agg a
 
 -- clock_tick --
 -- Note the highest committed id at the database's time (before this statement's snapshot): a

@@ -33,7 +33,7 @@ async def gauges(conn: asyncpg.Connection) -> dict[str, Any]:
     return row
 
 
-async def topic_status(conn: asyncpg.Connection, topic: str) -> status.TopicStatus:
+async def topic_status(conn: asyncpg.Connection, topic: str | None) -> status.TopicStatus:
     [found] = [t for t in await status.read(conn, QUERIES) if t.topic == topic]
     return found
 
@@ -44,14 +44,18 @@ async def test_a_backdated_created_at_does_not_fake_lag(conn: asyncpg.Connection
     await conn.execute(
         "INSERT INTO outbox (topic, ordering_key, payload, created_at) "
         "VALUES ('lag-a', 'k', 'x', now() - interval '1 day'), "
-        "       ('lag-a', NULL, 'y', now() - interval '1 day')"
+        "       ('lag-a', NULL, 'y', now() - interval '1 day'), "
+        "       (NULL, 'r', 'z', now() - interval '1 day')"  # routed by the dispatcher
     )
     row = await gauges(conn)
-    assert row["pending"] == 2
+    assert row["pending"] == 3
+    assert row["paused_rows"] == row["held_rows"] == 0
     assert 0 <= row["oldest_pending_age_seconds"] < 60
-    t = await topic_status(conn, "lag-a")
-    assert t.oldest_pending_age_seconds is not None
-    assert 0 <= t.oldest_pending_age_seconds < 60
+    for topic in ("lag-a", None):
+        t = await topic_status(conn, topic)
+        assert t.parked == 0
+        assert t.oldest_pending_age_seconds is not None
+        assert 0 <= t.oldest_pending_age_seconds < 60
 
 
 async def test_created_at_is_believed_within_the_database_clock(conn: asyncpg.Connection) -> None:
@@ -131,6 +135,11 @@ async def test_paused_and_held_rows_are_parked_in_gauges_and_status(
         "INSERT INTO outbox (topic, ordering_key, payload, created_at) "
         "SELECT 'lag-p', 'p' || i, 'x', now() - interval '1 hour' FROM generate_series(1, 4) i"
     )
+    # A later row of a paused key in a topic that is not paused waits behind it: paused too.
+    await conn.execute(
+        "INSERT INTO outbox (topic, ordering_key, payload, created_at) "
+        "VALUES ('lag-x', 'p1', 'x', now() - interval '1 hour')"
+    )
     await conn.execute(
         "INSERT INTO outbox (topic, ordering_key, payload, created_at, next_attempt_at) "
         "VALUES ('lag-h', 'h', 'x', now() - interval '1 hour', now() + interval '1 hour')"
@@ -142,9 +151,9 @@ async def test_paused_and_held_rows_are_parked_in_gauges_and_status(
     )
     await conn.execute("INSERT INTO outbox_paused (topic, paused_by) VALUES ('lag-p', 'test')")
     row = await gauges(conn)
-    assert row["pending"] == 6
+    assert row["pending"] == 7
     assert 110 < row["oldest_pending_age_seconds"] < 200  # lag-ok's row only
-    assert row["paused_rows"] == 4
+    assert row["paused_rows"] == 5
     assert 3590 < row["oldest_paused_age_seconds"] < 3700
     assert row["held_rows"] == 1
     assert 3590 < row["oldest_held_age_seconds"] < 3700
@@ -155,12 +164,14 @@ async def test_paused_and_held_rows_are_parked_in_gauges_and_status(
     assert paused.oldest_parked_age_seconds > 3590
     held = await topic_status(conn, "lag-h")
     assert (held.parked, held.oldest_pending_age_seconds) == (1, None)
+    behind = await topic_status(conn, "lag-x")
+    assert (behind.parked, behind.oldest_pending_age_seconds) == (1, None)
 
     settings = make_settings()
     result = await cli(settings, "status", "--json")
     assert result.code == 0, result.err
     totals = orjson.loads(result.out)["totals"]
-    assert totals["parked"] == 5
+    assert totals["parked"] == 6
     assert 110 < totals["oldest_pending_age_seconds"] < 200
     assert totals["oldest_parked_age_seconds"] > 3590
     table = await cli(settings, "status")

@@ -160,7 +160,9 @@ async def backdate_clock(conn: asyncpg.Connection, *, minutes: float) -> None:
     """A clock entry as a dispatcher would have noted it `minutes` ago: rows written after it
     were committed at most that long ago, by the database's clock. Later entries (the template
     database's, from its migration) go, as time runs one way."""
-    await conn.execute("DELETE FROM outbox_clock WHERE at >= now() - $1 * interval '1 minute'", minutes)
+    await conn.execute(
+        "DELETE FROM outbox_clock WHERE at >= now() - $1 * interval '1 minute'", minutes
+    )
     await conn.execute(
         "INSERT INTO outbox_clock (seq, at) SELECT coalesce(max(id), 0), "
         "now() - $1 * interval '1 minute' FROM outbox",
