@@ -112,10 +112,11 @@ SELECT t.topic, t.pending, t.in_flight, t.dead, t.published, t.parked,
  ORDER BY t.topic
 
 -- gauges --
--- The table gauges behind /metrics. One pass over the pending rows sorts them by why they wait: `paused` (their topic or the whole table is paused, or the head of their
--- key is in a paused topic), `held` (not due and never failed, or of a key whose head is: waiting
--- on purpose, e.g. what an interrupted replay of version 0.1 left) and `due` (everything else:
--- ready, in flight, in backoff, behind a dead row). Key heads come from the registry.
+-- The table gauges behind /metrics. One pass over the pending rows sorts them by why they wait:
+-- `paused` (their topic or the whole table is paused, or the head of their key is in a paused
+-- topic), `held` (not due and never failed, or of a key whose head is: waiting on purpose, e.g.
+-- what an interrupted replay of version 0.1 left) and `due` (everything else: ready, in flight,
+-- in backoff, behind a dead row). Key heads come from the registry, checked by primary key.
 -- The lag that pages is the age of the oldest `due` row; parked rows (paused, held) have their own
 -- count and age. Ages run from {since_fn} (a time the database sets, not the writer's created_at):
 -- of the lowest id never made pending again, and of every row an operator made pending again.
@@ -125,7 +126,7 @@ WITH waiting_keys AS MATERIALIZED (
     -- Keys the registry says wait (head in a paused topic, or not due), each checked against its
     -- head row by primary key: paused (true), held (false), or neither (NULL).
     SELECT k.ordering_key,
-           (SELECT o.topic IN (SELECT topic FROM {paused}) FROM {table} o
+           (SELECT coalesce(o.topic IN (SELECT topic FROM {paused}), false) FROM {table} o
              WHERE o.id = k.head_id AND o.published_at IS NULL AND o.dead_at IS NULL
                AND (o.topic IN (SELECT topic FROM {paused})
                     OR (o.attempts = 0 AND o.next_attempt_at > now() AND o.lease_token IS NULL)))
