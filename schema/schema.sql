@@ -1,4 +1,4 @@
--- outbox-dispatcher: the full current schema (version 6). Equivalent to applying every file in
+-- outbox-dispatcher: the full current schema (version 7). Equivalent to applying every file in
 -- migrations/ in order; tests/integration/test_schema.py proves it. Placeholders as in the migrations.
 
 CREATE TABLE IF NOT EXISTS ${schema}.${table}_schema_version (
@@ -32,6 +32,7 @@ CREATE TABLE ${schema}.${table} (
     published_at timestamptz,
     dead_at timestamptz,
     last_error text,
+    pending_since timestamptz,
     CONSTRAINT ${table}_event_id_key UNIQUE (event_id),
     CONSTRAINT ${table}_topic_valid CHECK (
         topic ~ '^[A-Za-z0-9._-]{1,249}$' AND topic NOT IN ('.', '..')
@@ -73,6 +74,8 @@ COMMENT ON COLUMN ${schema}.${table}.lease_expires_at IS 'The claim ends at this
 COMMENT ON COLUMN ${schema}.${table}.published_at IS 'Set only after the broker acknowledged the record (dispatcher).';
 COMMENT ON COLUMN ${schema}.${table}.dead_at IS 'Dead-lettered: never published, see last_error (dispatcher).';
 COMMENT ON COLUMN ${schema}.${table}.last_error IS 'Why the last attempt failed or why the row was dead-lettered (dispatcher).';
+COMMENT ON COLUMN ${schema}.${table}.pending_since IS
+    'When an operator made the row pending again (requeue, replay, release of a held row), by the database clock (dispatcher); NULL: pending since it was written.';
 
 -- The claim reads pending rows per key (the head and the run; rows without a key have an index of
 -- their own, below) and dead rows per key (the "block" policy). Nothing else is indexed.
@@ -758,7 +761,43 @@ CREATE TABLE ${schema}.${table}_dispatchers (
 COMMENT ON TABLE ${schema}.${table}_dispatchers IS
     'Running outbox-dispatcher processes (lease owner id, dead-letter policy, last heartbeat by the database clock); a row whose heartbeat is old is a dispatcher that died.';
 
+-- Lag from a time the database sets (version 7): see schema/migrations/0007_lag.sql.
+-- (seq, at): at time `at` (the statement's start, before its snapshot), no row with an id above
+-- `seq` was committed yet. seq never decreases (the highest id may be deleted by retention).
+CREATE TABLE ${schema}.${table}_clock (
+    seq bigint NOT NULL,
+    at timestamptz NOT NULL
+);
+
+CREATE INDEX ${table}_clock_seq_idx ON ${schema}.${table}_clock (seq, at);
+
+COMMENT ON TABLE ${schema}.${table}_clock IS
+    'outbox-dispatcher bookkeeping: the highest committed id at a database time, noted by every dispatcher each metrics interval; the lag of a row is measured from these (never written by hand).';
+
+-- When a pending row started waiting, by the database's clock: its created_at, but never before
+-- the last clock entry that did not see it committed (a backdated created_at cannot fake lag) and
+-- never after the first entry that did (a created_at in the future cannot hide it); a row an
+-- operator made pending again waits from then (pending_since). Rows older than the first entry
+-- (written before version 7) have no lower bound: their created_at is believed.
+CREATE FUNCTION ${schema}.${table}_pending_since(
+    p_id bigint,
+    p_created_at timestamptz,
+    p_pending_since timestamptz
+) RETURNS timestamptz
+    LANGUAGE sql STABLE PARALLEL SAFE
+    RETURN greatest(
+        CASE WHEN p_pending_since IS NOT NULL THEN least(p_pending_since, now())
+             ELSE least(p_created_at,
+                        coalesce((SELECT c.at FROM ${schema}.${table}_clock c
+                                   WHERE c.seq >= p_id ORDER BY c.seq, c.at LIMIT 1), now()))
+        END,
+        (SELECT c.at FROM ${schema}.${table}_clock c
+          WHERE c.seq < p_id ORDER BY c.seq DESC, c.at DESC LIMIT 1));
+
+INSERT INTO ${schema}.${table}_clock (seq, at)
+SELECT coalesce(max(o.id), 0), statement_timestamp() FROM ${schema}.${table} o;
+
 INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (1, 'initial'), (2, 'routed_topic'),
     (3, 'operations'), (4, 'stricter_writer_checks'), (5, 'operator_safety'),
-    (6, 'claim_engine')
+    (6, 'claim_engine'), (7, 'lag')
     ON CONFLICT (version) DO NOTHING;

@@ -1,4 +1,4 @@
-"""Upgrading a live table from schema version 4 to the claim engine of version 6
+"""Upgrading a live table from schema version 4 to the claim engine of version 6 (and on to 7)
 (`outbox-dispatcher migrate`): rows in every state end as they should, and a dispatcher of the
 previous version still running when the migration commits stops with a clear message while
 nothing is lost or reordered."""
@@ -100,7 +100,7 @@ async def test_rows_in_every_state_end_as_they_should_after_the_upgrade(
             "UPDATE outbox SET published_at = now() - interval '1 day' WHERE id = $1", ids["old"][0]
         )
 
-        assert await migrate(v4_url) == [5, 6]
+        assert await migrate(v4_url) == [5, 6, 7]
         registry = {
             r["ordering_key"]: r
             for r in await conn.fetch(
@@ -189,7 +189,7 @@ async def test_a_previous_release_running_through_the_migration_stops_and_loses_
             return await count(conn, "published_at IS NOT NULL") >= 200
 
         await wait_until(some_published, 60, "the previous release to publish some rows")
-        assert await migrate(v4_url) == [5, 6]
+        assert await migrate(v4_url) == [5, 6, 7]
         in_flight_at_migration = await count(
             conn, "published_at IS NULL AND lease_expires_at > now()"
         )
