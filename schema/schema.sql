@@ -33,8 +33,10 @@ CREATE TABLE ${schema}.${table} (
     dead_at timestamptz,
     last_error text,
     CONSTRAINT ${table}_event_id_key UNIQUE (event_id),
+    -- `+` and a length, not `{1,249}`: a bounded repetition makes PostgreSQL's regex automaton
+    -- 249 states long, about 19 us per row, the largest single cost of a writer's INSERT.
     CONSTRAINT ${table}_topic_valid CHECK (
-        topic ~ '^[A-Za-z0-9._-]{1,249}$' AND topic NOT IN ('.', '..')
+        topic ~ '^[A-Za-z0-9._-]+$' AND length(topic) <= 249 AND topic NOT IN ('.', '..')
     ),
     -- Internal topic names (__consumer_offsets, ...) belong to the broker.
     CONSTRAINT ${table}_topic_not_internal CHECK (left(topic, 2) <> '__'),
@@ -785,5 +787,5 @@ COMMENT ON TABLE ${schema}.${table}_dispatchers IS
 
 INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (1, 'initial'), (2, 'routed_topic'),
     (3, 'operations'), (4, 'stricter_writer_checks'), (5, 'operator_safety'),
-    (6, 'claim_engine'), (7, 'settle_forgets')
+    (6, 'claim_engine'), (7, 'lighter_writes_and_settles')
     ON CONFLICT (version) DO NOTHING;

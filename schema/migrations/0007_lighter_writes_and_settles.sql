@@ -1,7 +1,20 @@
--- Version 7: the settle forgets a key that has nothing pending left at once, instead of releasing
--- it and then deleting it (one write of the registry row instead of two). At a steady rate most
--- keys empty out with every batch, so this is a write per event. Same signature: a dispatcher of
--- version 6 still running when this commits keeps working.
+-- Version 7: cheaper writes and settles.
+--
+-- 1. The topic check says `+` and a length instead of `{1,249}` (the same rule): the bounded
+--    repetition made PostgreSQL's regex automaton 249 states long, about 19 us per row, the
+--    largest single cost of a writer's INSERT. Added NOT VALID and validated after, so writers
+--    are not blocked while existing rows are checked.
+-- 2. The settle forgets a key that has nothing pending left at once, instead of releasing it and
+--    then deleting it (one write of the registry row instead of two). At a steady rate most keys
+--    empty out with every batch, so this is a write per event. Same signature: a dispatcher of
+--    version 6 still running when this commits keeps working.
+
+ALTER TABLE ${schema}.${table}
+    DROP CONSTRAINT ${table}_topic_valid,
+    ADD CONSTRAINT ${table}_topic_valid CHECK (
+        topic ~ '^[A-Za-z0-9._-]+$' AND length(topic) <= 249 AND topic NOT IN ('.', '..')
+    ) NOT VALID;
+ALTER TABLE ${schema}.${table} VALIDATE CONSTRAINT ${table}_topic_valid;
 
 -- The settle: record one batch's outcomes, fenced by its token, then release its keys (pointing
 -- each at its new head, or forgetting it when it has none). Lock order everywhere: registry rows
@@ -107,5 +120,5 @@ BEGIN
 END;
 $fn$;
 
-INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (7, 'settle_forgets')
+INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (7, 'lighter_writes_and_settles')
     ON CONFLICT (version) DO NOTHING;
