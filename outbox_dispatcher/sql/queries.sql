@@ -34,22 +34,56 @@ DELETE FROM {waiting} WHERE owner = $1
 
 -- dead_letter_crash_loops --
 -- Rows whose every owner died or hung while publishing them: dead-letter instead of taking them
--- over again (the claim leaves them alone).
-UPDATE {table}
+-- over again (the claim leaves them alone). Found without reading the table: a key with such a
+-- row has it first (a takeover starts at a key's first row and stops at one), and the claim that
+-- found nothing to take points the key's hint at it; so one primary-key probe per registered key,
+-- then that key's rows, plus rows without a key from their own index. (A scan of the table here
+-- read every row, history included, every reclaim interval.)
+WITH heads AS (
+    SELECT DISTINCT h.ordering_key
+      FROM {keys} k
+     CROSS JOIN LATERAL (
+        SELECT o.ordering_key FROM {table} o
+         WHERE o.id = k.head_id
+           AND o.published_at IS NULL AND o.dead_at IS NULL
+           AND o.lease_expires_at <= now() AND o.attempts + 1 >= $1
+         LIMIT 1) h
+),
+looping AS (
+    SELECT r.id
+      FROM heads h
+     CROSS JOIN LATERAL (
+        SELECT o.id FROM {table} o
+         WHERE o.ordering_key >= h.ordering_key AND o.ordering_key <= h.ordering_key
+           AND o.published_at IS NULL AND o.dead_at IS NULL
+           AND o.lease_expires_at <= now() AND o.attempts + 1 >= $1
+         ORDER BY o.ordering_key, o.id) r
+    UNION ALL
+    SELECT n.id FROM {table} n
+     WHERE n.ordering_key IS NULL AND n.published_at IS NULL AND n.dead_at IS NULL
+       AND n.lease_expires_at <= now() AND n.attempts + 1 >= $1
+)
+UPDATE {table} o
    SET dead_at = now(),
-       attempts = attempts + 1,
+       attempts = o.attempts + 1,
        lease_token = NULL,
        lease_expires_at = NULL,
        last_error = format('dead-lettered: the lease expired %s times (the dispatcher that held it '
                            'crashed or hung while publishing, last owner %s); last error: %s',
-                           attempts + 1, lease_owner, coalesce(last_error, 'none'))
- WHERE published_at IS NULL AND dead_at IS NULL
-   AND lease_expires_at <= now() AND attempts + 1 >= $1
-RETURNING id, event_id, topic, ordering_key, lease_owner
+                           o.attempts + 1, o.lease_owner, coalesce(o.last_error, 'none'))
+  FROM looping l
+ WHERE o.id = l.id AND o.published_at IS NULL AND o.dead_at IS NULL
+   AND o.lease_expires_at <= now() AND o.attempts + 1 >= $1
+RETURNING o.id, o.event_id, o.topic, o.ordering_key, o.lease_owner
 
 -- count_expired_leases --
-SELECT count(*) FROM {table}
- WHERE published_at IS NULL AND dead_at IS NULL AND lease_expires_at <= now()
+-- Leases whose owner died and that no claim took over yet: keys (from the registry's index of
+-- leases) and rows without a key (from their own index).
+SELECT (SELECT count(*) FROM {keys} k
+         WHERE k.lease_token IS NOT NULL AND k.lease_expires_at <= now())
+     + (SELECT count(*) FROM {table} n
+         WHERE n.ordering_key IS NULL AND n.published_at IS NULL AND n.dead_at IS NULL
+           AND n.lease_expires_at <= now())
 
 -- schema_version --
 SELECT coalesce(max(version), 0) FROM {version_table}
