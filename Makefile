@@ -24,6 +24,7 @@ help:
 	@echo "make migrate        create or upgrade the outbox schema"
 	@echo "make bench          the benchmarks (benchmarks/README.md); BENCH_ARGS=--quick for a smoke run"
 	@echo "make chaos          the fault scenarios at full scale (docs/guarantees.md); figures in .chaos/"
+	@echo "make browser        install headless Chromium (Debian) for the console's browser test"
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is needed"'
@@ -82,7 +83,7 @@ CONTAINERS_SUBSET ?= tests/integration/test_dispatcher.py tests/integration/test
 # The whole suite runs against the local services; the container tests (tests marked `container`:
 # the image from a fresh clone, compose up) and CONTAINERS_SUBSET need a container engine. Where
 # none can be had, deploy/docker/image.sh says so in one line and they are left out.
-test: lint services tools
+test: lint services tools browser
 	@engine=0; bash deploy/docker/image.sh engine >/dev/null || engine=$$?; \
 	if [ $$engine -ne 0 ] && [ $$engine -ne 3 ]; then exit $$engine; fi; \
 	marker=(); if [ $$engine -eq 3 ]; then marker=(-m "not container"); fi; \
@@ -103,6 +104,16 @@ test: lint services tools
 # nothing is built and those tests skip and say so.
 HELM_VERSION ?= v3.22.0
 GO ?= $(shell command -v go || echo /usr/local/go/bin/go)
+
+# Headless Chromium and its driver from Debian's packages, for the console's browser test
+# (tests/integration/test_console_browser.py, which skips and says so without them).
+.PHONY: browser
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null; then echo "no apt-get: the browser test will be skipped" >&2; exit 0; fi; \
+	echo "installing chromium and chromium-driver from Debian (the console's browser test)" >&2; \
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+		chromium chromium-driver >/dev/null
 
 .PHONY: tools
 tools:

@@ -126,6 +126,7 @@ class Filters:
     keyless: bool | None = None  # True: rows with no ordering key
     dead_since: datetime | None = None  # dead_at, for dead rows
     dead_until: datetime | None = None
+    error: str | None = None  # dead rows whose last_error contains this, in any case
 
     @classmethod
     def of(cls, ns: argparse.Namespace) -> Filters:
@@ -140,6 +141,7 @@ class Filters:
             keyless=getattr(ns, "keyless", None),
             dead_since=getattr(ns, "dead_since", None),
             dead_until=getattr(ns, "dead_until", None),
+            error=getattr(ns, "error", None),
         )
 
     def empty(self) -> bool:
@@ -155,6 +157,7 @@ class Filters:
             self.keyless,
             self.dead_since,
             self.dead_until,
+            self.error,
         )
 
     def replay_args(self) -> tuple[object, ...]:
@@ -177,6 +180,32 @@ async def dead_list(
 ) -> list[dict[str, Any]]:
     rows = await conn.fetch(queries.dead_list, *filters.dead_args(), limit)
     return [{**dict(row), "event_id": str(row["event_id"])} for row in rows]
+
+
+async def dead_count(conn: asyncpg.Connection, queries: Queries, filters: Filters) -> int:
+    """How many dead rows a requeue or discard with these filters would change."""
+    n: int = await conn.fetchval(queries.dead_count, *filters.dead_args())
+    return n
+
+
+async def replay_count(conn: asyncpg.Connection, queries: Queries, filters: Filters) -> int:
+    """How many published rows a replay with these filters would make pending again."""
+    n: int = await conn.fetchval(queries.replay_count, *filters.replay_args())
+    return n
+
+
+async def wake(conn: asyncpg.Connection, queries: Queries, channel: str) -> None:
+    """Wake idle dispatchers, so that requeued, replayed or resumed rows go out at once."""
+    await conn.execute(queries.wake, channel)
+
+
+# Where an action came from, for its audit row (merged into the filter): the CLI gives none, the
+# console {"via": "console", "http_client": ...}.
+Origin = Mapping[str, object]
+
+
+def _audited(filter: Mapping[str, object], origin: Origin | None) -> dict[str, object]:
+    return {**filter, **(origin or {})}
 
 
 async def _walk(
@@ -212,10 +241,11 @@ async def dead_requeue(
     filters: Filters,
     batch_size: int,
     progress: Progress | None = None,
+    origin: Origin | None = None,
 ) -> int:
     """Make matching dead rows pending again (attempts 0, due now); returns how many."""
     n = await _walk(conn, queries, queries.dead_requeue, filters.dead_args(), batch_size, progress)
-    await audit(conn, queries, "dead requeue", filters.as_json(), n)
+    await audit(conn, queries, "dead requeue", _audited(filters.as_json(), origin), n)
     return n
 
 
@@ -225,10 +255,11 @@ async def dead_discard(
     filters: Filters,
     batch_size: int,
     progress: Progress | None = None,
+    origin: Origin | None = None,
 ) -> int:
     """Delete matching dead rows; returns how many."""
     n = await _walk(conn, queries, queries.dead_discard, filters.dead_args(), batch_size, progress)
-    await audit(conn, queries, "dead discard", filters.as_json(), n)
+    await audit(conn, queries, "dead discard", _audited(filters.as_json(), origin), n)
     return n
 
 
@@ -238,6 +269,7 @@ async def replay(
     filters: Filters,
     batch_size: int,
     progress: Progress | None = None,
+    origin: Origin | None = None,
 ) -> int:
     """Make matching published rows pending again, with their event ids; returns how many.
 
@@ -250,7 +282,7 @@ async def replay(
         n = await _walk(
             conn, queries, queries.replay_batch, filters.replay_args(), batch_size, progress
         )
-        await audit(conn, queries, "replay", filters.as_json(), n)
+        await audit(conn, queries, "replay", _audited(filters.as_json(), origin), n)
     return n
 
 
@@ -271,23 +303,32 @@ async def audit(
 
 
 async def pause(
-    conn: asyncpg.Connection, queries: Queries, topic: str | None, reason: str | None
+    conn: asyncpg.Connection,
+    queries: Queries,
+    topic: str | None,
+    reason: str | None,
+    origin: Origin | None = None,
 ) -> status.Pause:
     """Pause a topic or the whole table; paused_by is the database role and client address."""
     async with conn.transaction():
         row = await conn.fetchrow(queries.pause, topic or status.WHOLE_TABLE, reason)
-        await audit(conn, queries, "pause", {"topic": topic, "reason": reason}, 1)
+        await audit(conn, queries, "pause", _audited({"topic": topic, "reason": reason}, origin), 1)
     return status.Pause(**dict(row or {}))
 
 
 async def resume(
-    conn: asyncpg.Connection, queries: Queries, topic: str | None, channel: str
+    conn: asyncpg.Connection,
+    queries: Queries,
+    topic: str | None,
+    channel: str,
+    origin: Origin | None = None,
 ) -> status.Pause | None:
     """Lift a pause and wake idle dispatchers so that the rows go out at once."""
     async with conn.transaction():
         row = await conn.fetchrow(queries.resume, topic or status.WHOLE_TABLE)
-        await audit(conn, queries, "resume", {"topic": topic}, 0 if row is None else 1)
-    await conn.execute(queries.wake, channel)
+        changed = 0 if row is None else 1
+        await audit(conn, queries, "resume", _audited({"topic": topic}, origin), changed)
+    await wake(conn, queries, channel)
     return None if row is None else status.Pause(**dict(row))
 
 
@@ -295,7 +336,7 @@ async def resume(
 
 
 @contextlib.asynccontextmanager
-async def _connected(settings: Settings) -> AsyncIterator[tuple[asyncpg.Connection, Queries]]:
+async def connected(settings: Settings) -> AsyncIterator[tuple[asyncpg.Connection, Queries]]:
     """A connection for an operator command: its changes are durable before it reports them
     (synchronous_commit on, whatever the dispatcher's own setting)."""
     durable = settings.model_copy(update={"synchronous_commit": "on"})
@@ -314,7 +355,8 @@ def _refuse_unfiltered(filters: Filters, ns: argparse.Namespace, what: str) -> s
         flags = (
             "--from-id, --to-id, --key, --topic, --since, --until"
             if what.startswith("replay")
-            else "--id, --key, --keyless, --topic, --since, --until, --dead-since, --dead-until"
+            else "--id, --key, --keyless, --topic, --since, --until, --dead-since, --dead-until, "
+            "--error"
         )
         return f"refusing to {what} without a filter: give {flags}, or --all"
     if (
@@ -359,7 +401,7 @@ def progress(total: int | None, what: str) -> Iterator[Progress]:
 
 
 async def _dead_list(settings: Settings, ns: argparse.Namespace) -> int:
-    async with _connected(settings) as (conn, queries):
+    async with connected(settings) as (conn, queries):
         found = await dead_list(conn, queries, Filters.of(ns), ns.limit)
     if ns.json:
         _json(found)
@@ -401,8 +443,8 @@ async def _dead_change(settings: Settings, ns: argparse.Namespace, *, discard: b
     if problem := _refuse_unfiltered(filters, ns, f"{verb} dead rows"):
         _err(problem)
         return EXIT_USAGE
-    async with _connected(settings) as (conn, queries):
-        matching: int = await conn.fetchval(queries.dead_count, *filters.dead_args())
+    async with connected(settings) as (conn, queries):
+        matching = await dead_count(conn, queries, filters)
         if ns.dry_run or not matching:
             _out(f"would {verb} {rows(matching, 'dead row')}" if ns.dry_run else _no_dead_rows())
             return EXIT_OK
@@ -413,7 +455,7 @@ async def _dead_change(settings: Settings, ns: argparse.Namespace, *, discard: b
         with progress(matching, f"{verb} dead rows") as advance:
             n = await operation(conn, queries, filters, settings.cleanup_batch_size, advance)
         if n and not discard:
-            await conn.execute(queries.wake, listener.channel_name(settings))
+            await wake(conn, queries, listener.channel_name(settings))
     log.info("dead_discarded" if discard else "dead_requeued", rows=n, filter=filters.as_json())
     _out(f"{'discarded' if discard else 'requeued'} {rows(n, 'dead row')}")
     return EXIT_OK
@@ -435,10 +477,10 @@ async def _dead_discard(settings: Settings, ns: argparse.Namespace) -> int:
 
 async def _replay(settings: Settings, ns: argparse.Namespace) -> int:
     if ns.release_held:
-        async with _connected(settings) as (conn, queries):
+        async with connected(settings) as (conn, queries):
             n = await release_held(conn, queries, ns.topic)
             if n:
-                await conn.execute(queries.wake, listener.channel_name(settings))
+                await wake(conn, queries, listener.channel_name(settings))
         log.info("replay_released", rows=n, topic=ns.topic)
         _out(f"released {rows(n, 'held row')}")
         return EXIT_OK
@@ -452,8 +494,8 @@ async def _replay(settings: Settings, ns: argparse.Namespace) -> int:
             "they are published, so the outbox keeps no published rows"
         )
         return EXIT_FAILED
-    async with _connected(settings) as (conn, queries):
-        matching: int = await conn.fetchval(queries.replay_count, *filters.replay_args())
+    async with connected(settings) as (conn, queries):
+        matching = await replay_count(conn, queries, filters)
         if ns.dry_run or not matching:
             _out(
                 f"would replay {rows(matching, 'published row')}"
@@ -467,7 +509,7 @@ async def _replay(settings: Settings, ns: argparse.Namespace) -> int:
         with progress(matching, "replay") as advance:
             n = await replay(conn, queries, filters, settings.cleanup_batch_size, advance)
         if n:
-            await conn.execute(queries.wake, listener.channel_name(settings))
+            await wake(conn, queries, listener.channel_name(settings))
     log.info("replayed", rows=n, filter=filters.as_json())
     _out(f"replayed {rows(n, 'published row')}: pending again, with their event ids")
     return EXIT_OK
@@ -481,7 +523,7 @@ async def _pause(settings: Settings, ns: argparse.Namespace) -> int:
     if ns.topic is None and not confirm(ns, f"pause {what}?"):
         _err("not confirmed: nothing changed")
         return EXIT_FAILED
-    async with _connected(settings) as (conn, queries):
+    async with connected(settings) as (conn, queries):
         paused = await pause(conn, queries, ns.topic, ns.reason)
         in_flight: int = await conn.fetchval(queries.in_flight_rows, ns.topic)
     log.info("paused", topic=ns.topic, reason=ns.reason, by=paused.paused_by)
@@ -495,7 +537,7 @@ async def _pause(settings: Settings, ns: argparse.Namespace) -> int:
 
 
 async def _resume(settings: Settings, ns: argparse.Namespace) -> int:
-    async with _connected(settings) as (conn, queries):
+    async with connected(settings) as (conn, queries):
         lifted = await resume(conn, queries, ns.topic, listener.channel_name(settings))
         remaining = await status.read_pauses(conn, queries)
     what = f"topic {ns.topic}" if ns.topic else "the whole table"
@@ -519,7 +561,7 @@ async def _cleanup(settings: Settings, ns: argparse.Namespace) -> int:
             "--older-than SECONDS deletes anyway"
         )
         return EXIT_OK
-    async with _connected(settings) as (conn, queries):
+    async with connected(settings) as (conn, queries):
         matching: int = await conn.fetchval(queries.cleanup_count, older_than)
         if ns.dry_run:
             _out(f"would delete {rows(matching, 'published row')} older than {older_than:g}s")
@@ -707,6 +749,9 @@ def _filter_flags(parser: argparse.ArgumentParser, *, ids: bool, everything: boo
         )
         parser.add_argument(
             "--dead-until", type=timestamp, help="rows dead-lettered before this time"
+        )
+        parser.add_argument(
+            "--error", help="rows whose last_error contains this text (in any case)"
         )
     if everything:
         parser.add_argument("--all", action="store_true", help="every row (no filter)")

@@ -80,6 +80,17 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...] | None] = {
     "pause": _CONNECT,
     "resume": _CONNECT,
     "cleanup": (*_BATCHED, "retention_seconds"),
+    "console": (
+        *_BATCHED,
+        "dead_letter_policy",
+        "delete_on_publish",
+        "console_host",
+        "console_port",
+        "console_token",
+        "console_show_payload",
+        "console_payload_max_bytes",
+        "console_sample_seconds",
+    ),
 }
 
 
@@ -159,7 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pending, in-flight, dead and published rows per topic, oldest pending age.",
     )
     show.add_argument("--json", action="store_true", help="print JSON")
-    for name, sub in (("run", run), ("migrate", migrate), ("status", show)):
+    web = commands.add_parser(
+        "console",
+        help="serve the operator console (pages and a JSON API) until SIGTERM/SIGINT",
+        description="Serve the operator console on OUTBOX_CONSOLE_HOST:OUTBOX_CONSOLE_PORT: the "
+        "backlog, dead rows, blocked keys and the audit as pages and under /api/v1/; with "
+        "OUTBOX_CONSOLE_TOKEN also requeue, discard, replay, pause and resume. Read-only without "
+        "a token.",
+    )
+    for name, sub in (("run", run), ("migrate", migrate), ("status", show), ("console", web)):
         _add_setting_flags(sub, name)
     admin.add_parsers(commands, _add_setting_flags)
     for command, leaf in _leaves(parser):
@@ -266,6 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "run": _run,
             "migrate": _migrate,
             "status": _status,
+            "console": _console,
         }[namespace.command]
     )
     try:
@@ -406,10 +426,23 @@ async def _status(settings: Settings, namespace: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+async def _console(settings: Settings, _: argparse.Namespace) -> int:
+    # Imported here: the web stack is loaded only by the command that serves it.
+    from outbox_dispatcher import console
+
+    # The schema is checked once before serving, so that a wrong database fails at start.
+    async with admin.connected(settings):
+        pass
+    log.info(
+        "console_starting",
+        host=settings.console_host,
+        port=settings.console_port,
+        read_only=settings.console_token is None,
+        show_payload=settings.console_show_payload,
+    )
+    await console.serve(settings)
+    return EXIT_OK
+
+
 def _policy(dispatchers: list[status.Dispatcher], settings: Settings) -> str:
-    """The dead-letter policy blocked keys are counted under: the running dispatchers' (block if
-    any of them blocks), else this command's own setting."""
-    if dispatchers:
-        policies = {d.dead_letter_policy for d in dispatchers}
-        return "block" if "block" in policies else "skip"
-    return settings.dead_letter_policy.value
+    return status.counting_policy(dispatchers, settings.dead_letter_policy.value)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 _NAMED = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
-def _unsafe(char: str) -> bool:
+def unsafe(char: str) -> bool:
     # Cc: C0 and C1 controls and DEL (ESC among them); Cf: format characters (bidi embeddings,
     # overrides and isolates, zero-width joiners); Zl/Zp: line and paragraph separators.
     return unicodedata.category(char) in ("Cc", "Cf", "Zl", "Zp")
@@ -29,7 +29,7 @@ def inert(text: str) -> str:
     for char in text:
         if char in _NAMED:
             out.append(_NAMED[char])
-        elif _unsafe(char):
+        elif unsafe(char):
             code = ord(char)
             out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
         else:

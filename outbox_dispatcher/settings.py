@@ -32,6 +32,7 @@ from outbox_dispatcher import errors, routing
 # Lowercase only, so that derived names (outbox_claim, outbox_schema_version, ...) stay valid,
 # unquoted-equivalent identifiers; short enough that every derived name fits in 63 bytes.
 IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,39}$")
+CONSOLE_TOKEN_MIN_LENGTH = 16
 RESERVED_SCHEMAS = frozenset({"pg_catalog", "information_schema", "pg_toast"})
 
 
@@ -347,6 +348,44 @@ class Settings(BaseSettings):
         ),
     )
 
+    # The operator console (`outbox-dispatcher console`)
+    console_host: str = Field(
+        default="127.0.0.1",
+        description=(
+            "Address of the operator console (`outbox-dispatcher console`). The default serves "
+            "this machine only; to reach it from elsewhere, put it behind a TLS proxy."
+        ),
+    )
+    console_port: int = Field(
+        default=9647, ge=0, le=65535, description="Port of the operator console."
+    )
+    console_token: SecretStr | None = Field(
+        default=None,
+        description=(
+            "Token that lets the console act (requeue, discard, replay, pause, resume): the "
+            "Bearer token of its API and the password of its login form; without it the "
+            "console is read-only (a secret: use OUTBOX_CONSOLE_TOKEN_FILE or "
+            "OUTBOX_SECRETS_DIR; at least 16 characters)."
+        ),
+    )
+    console_show_payload: bool = Field(
+        default=False,
+        description="Show row payloads in the console (off: a payload never leaves the database).",
+    )
+    console_payload_max_bytes: int = Field(
+        default=16_384,
+        ge=1,
+        le=1_048_576,
+        description="With console_show_payload, the most bytes of a payload the console shows.",
+    )
+    console_sample_seconds: PositiveSeconds = Field(
+        default=10.0,
+        description=(
+            "How often the console samples the backlog for its last-hour chart (kept in the "
+            "console's memory only)."
+        ),
+    )
+
     # Process
     uvloop: bool = Field(default=True, description="Run on uvloop where it is installed.")
     log_format: Literal["json", "console"] = Field(
@@ -364,6 +403,17 @@ class Settings(BaseSettings):
             msg = (
                 f"{name} is not a usable PostgreSQL URL ({problem}): expected "
                 f"postgresql://user:password@host:port/database[?option=value]; {PERCENT_ENCODE}"
+            )
+            raise ValueError(msg)
+        return value
+
+    @field_validator("console_token")
+    @classmethod
+    def _check_console_token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < CONSOLE_TOKEN_MIN_LENGTH:
+            msg = (
+                f"OUTBOX_CONSOLE_TOKEN must be at least {CONSOLE_TOKEN_MIN_LENGTH} characters "
+                "(e.g. the output of `openssl rand -hex 32`)"
             )
             raise ValueError(msg)
         return value

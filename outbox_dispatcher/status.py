@@ -213,6 +213,15 @@ def as_table(
     return "\n".join(lines)
 
 
+def counting_policy(dispatchers: list[Dispatcher], default: str) -> str:
+    """The dead-letter policy blocked keys are counted under: the running dispatchers' (block if
+    any of them blocks), else `default` (the reader's own setting)."""
+    if dispatchers:
+        policies = {d.dead_letter_policy for d in dispatchers}
+        return "block" if "block" in policies else "skip"
+    return default
+
+
 def age_text(seconds: float | None) -> str:
     """An age for people: 2.4s, 12m05s, 3h04m, 3d04h (JSON keeps the seconds)."""
     if seconds is None:

@@ -119,3 +119,20 @@ class Store:
     async def schema_version(self) -> int:
         [(version,)] = await self._fetch(self._queries.schema_version)
         return int(version)
+
+    # The console's reads (besides status and dead list, which the CLI shares).
+
+    async def blocked_keys(
+        self, *, block_on_dead: bool, topic: str | None, key: str | None, limit: int
+    ) -> list[Row]:
+        """Keys whose head waits (backoff, held, or behind a dead row), oldest heads first."""
+        return await self._fetch(self._queries.blocked_keys, block_on_dead, topic, key, limit)
+
+    async def row_detail(self, *, id: int, payload: bool, payload_max_bytes: int) -> Row | None:
+        """One row in any state; its payload (the first bytes) only when `payload`."""
+        rows = await self._fetch(self._queries.row_detail, id, payload, payload_max_bytes)
+        return rows[0] if rows else None
+
+    async def audit_list(self, *, command: str | None, limit: int) -> list[Row]:
+        """Operator actions, newest first."""
+        return await self._fetch(self._queries.audit_list, command, limit)

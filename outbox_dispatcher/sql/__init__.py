@@ -77,6 +77,10 @@ class Queries:
     cleanup_window: str
     pending_topics: str
     pending_routed_headers: str
+    # The console.
+    blocked_keys: str
+    row_detail: str
+    audit_list: str
 
     @classmethod
     def for_table(cls, schema: str, table: str, inbox: str = "inbox") -> Queries:

@@ -325,11 +325,12 @@ SELECT id, event_id, topic, ordering_key, attempts, created_at, dead_at, last_er
    AND ($6::boolean IS NULL OR ordering_key IS NULL)
    AND ($7::timestamptz IS NULL OR dead_at >= $7)
    AND ($8::timestamptz IS NULL OR dead_at < $8)
+   AND ($9::text IS NULL OR strpos(lower(last_error), lower($9)) > 0)
  ORDER BY id
- LIMIT $9
+ LIMIT $10
 
 -- dead_requeue --
--- One batch: dead rows with ids in ($9, $10], up to $11, become pending again (due now, attempts
+-- One batch: dead rows with ids in ($10, $11], up to $12, become pending again (due now, attempts
 -- reset); last_error keeps a trace. Dead rows are never leased, so no dispatcher races this.
 WITH batch AS (
     SELECT id FROM {table}
@@ -342,9 +343,10 @@ WITH batch AS (
        AND ($6::boolean IS NULL OR ordering_key IS NULL)
        AND ($7::timestamptz IS NULL OR dead_at >= $7)
        AND ($8::timestamptz IS NULL OR dead_at < $8)
-       AND id > $9 AND id <= $10
+       AND ($9::text IS NULL OR strpos(lower(last_error), lower($9)) > 0)
+       AND id > $10 AND id <= $11
      ORDER BY id
-     LIMIT $11
+     LIMIT $12
 ),
 done AS (
     UPDATE {table} o
@@ -363,7 +365,7 @@ done AS (
 SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM done) AS rows
 
 -- dead_discard --
--- One batch: delete dead rows with ids in ($9, $10], up to $11.
+-- One batch: delete dead rows with ids in ($10, $11], up to $12.
 WITH batch AS (
     SELECT id FROM {table}
      WHERE dead_at IS NOT NULL
@@ -375,9 +377,10 @@ WITH batch AS (
        AND ($6::boolean IS NULL OR ordering_key IS NULL)
        AND ($7::timestamptz IS NULL OR dead_at >= $7)
        AND ($8::timestamptz IS NULL OR dead_at < $8)
-       AND id > $9 AND id <= $10
+       AND ($9::text IS NULL OR strpos(lower(last_error), lower($9)) > 0)
+       AND id > $10 AND id <= $11
      ORDER BY id
-     LIMIT $11
+     LIMIT $12
 ),
 done AS (
     DELETE FROM {table} o USING batch b
@@ -445,6 +448,7 @@ SELECT count(*) FROM {table}
    AND ($6::boolean IS NULL OR ordering_key IS NULL)
    AND ($7::timestamptz IS NULL OR dead_at >= $7)
    AND ($8::timestamptz IS NULL OR dead_at < $8)
+   AND ($9::text IS NULL OR strpos(lower(last_error), lower($9)) > 0)
 
 -- replay_count --
 SELECT count(*) FROM {table}
@@ -514,3 +518,46 @@ SELECT headers FROM {table}
  WHERE published_at IS NULL AND dead_at IS NULL AND topic IS NULL
  ORDER BY id
  LIMIT $1
+
+-- blocked_keys --
+-- Keys whose head (oldest pending row) waits, for the console: in backoff after a failure, held
+-- without having failed (an interrupted replay of version 0.1), or, when $1 (dead_letter_policy =
+-- block), behind a dead row of the key. Filtered by the head's topic ($2, '(routed)': none) and
+-- the key ($3); the oldest heads first, at most $4.
+WITH heads AS (
+    SELECT DISTINCT ON (ordering_key) id, ordering_key, topic, attempts, next_attempt_at,
+           created_at, last_error
+      FROM {table}
+     WHERE published_at IS NULL AND dead_at IS NULL AND ordering_key IS NOT NULL
+       AND ($3::text IS NULL OR ordering_key = $3)
+     ORDER BY ordering_key, id
+)
+SELECT h.ordering_key, h.topic, h.id AS head_id, h.attempts, h.next_attempt_at, h.created_at,
+       h.last_error, d.dead_rows, d.first_dead_id
+  FROM heads h
+  CROSS JOIN LATERAL (SELECT count(*) AS dead_rows, min(x.id) AS first_dead_id FROM {table} x
+                       WHERE $1::boolean AND x.ordering_key = h.ordering_key
+                         AND x.dead_at IS NOT NULL) d
+ WHERE ($2::text IS NULL OR h.topic IS NOT DISTINCT FROM nullif($2, '(routed)'))
+   AND (h.next_attempt_at > now() OR d.dead_rows > 0)
+ ORDER BY h.id
+ LIMIT $4
+
+-- row_detail --
+-- One row in any state, for the console. The payload leaves the database only when $2
+-- (OUTBOX_CONSOLE_SHOW_PAYLOAD), and then at most its first $3 bytes.
+SELECT id, event_id, topic, ordering_key, headers, attempts, created_at, next_attempt_at,
+       lease_owner, lease_expires_at, published_at, dead_at, last_error,
+       octet_length(payload) AS payload_bytes,
+       CASE WHEN $2::boolean THEN substring(payload FROM 1 FOR $3::integer) END AS payload
+  FROM {table}
+ WHERE id = $1
+
+-- audit_list --
+-- Operator actions, newest first: of command $1 (any when NULL), at most $2.
+SELECT id, at, db_role, session_role, host(client_addr) AS client_addr, command,
+       filter::text AS filter, rows
+  FROM {audit}
+ WHERE ($1::text IS NULL OR command = $1)
+ ORDER BY id DESC
+ LIMIT $2

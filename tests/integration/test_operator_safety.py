@@ -422,7 +422,7 @@ async def test_operator_errors_and_empty_results_are_one_plain_line_with_a_hint(
     unfiltered = await cli(settings, "replay")
     assert "give --from-id, --to-id, --key, --topic, --since, --until, or --all" in unfiltered.err
     unfiltered = await cli(settings, "dead", "requeue")
-    flags = "--id, --key, --keyless, --topic, --since, --until, --dead-since, --dead-until"
+    flags = "--id, --key, --keyless, --topic, --since, --until, --dead-since, --dead-until, --error"
     assert f"give {flags}, or --all" in unfiltered.err
     assert "replay also" not in unfiltered.err
     never = await cli(settings, "resume", "--topic", "never-paused")

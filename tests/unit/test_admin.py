@@ -38,7 +38,10 @@ def test_filters_from_flags() -> None:
     f = admin.Filters.of(ns)
     assert f.ids == [1, 2] and f.key == "k" and f.topic is None
     assert f.since == datetime(2026, 1, 2, tzinfo=UTC), "a bare time is UTC"
-    assert f.dead_args() == ([1, 2], "k", None, f.since, None, None, None, None)
+    assert f.dead_args() == ([1, 2], "k", None, f.since, None, None, None, None, None)
+    ns = parse("dead", "requeue", "--error", "TooLarge")
+    assert admin.Filters.of(ns).error == "TooLarge" and not admin.Filters.of(ns).empty()
+    assert admin.Filters.of(ns).dead_args()[-1] == "TooLarge"
     ns = parse("replay", "--topic", "t", "--from-id", "5", "--to-id", "9")
     assert admin.Filters.of(ns).replay_args() == (5, 9, None, "t", None, None)
 

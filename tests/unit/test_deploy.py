@@ -42,6 +42,7 @@ CHART = DEPLOY / "helm" / "outbox-dispatcher"
 IMAGE = "outbox-dispatcher"
 DEFAULT_PORT = Settings.model_fields["http_port"].default
 DEFAULT_GRACE = Settings.model_fields["shutdown_grace_seconds"].default
+CONSOLE_PORT = Settings.model_fields["console_port"].default
 UID = 10001
 COMPILERS = {"gcc", "g++", "cc", "c++", "clang", "build-essential", "make", "cmake", "rustc"}
 ENV_NAME = re.compile(r"\bOUTBOX_[A-Z0-9_]+\b")
@@ -138,6 +139,13 @@ def check_workloads(
             check_secret_files(container, pod, here, secrets or {})
             if command_of(container) == "migrate":
                 checked.append(f"{here}: migrate")
+                continue
+            if command_of(container) == "console":
+                port = int(env.get("OUTBOX_CONSOLE_PORT", CONSOLE_PORT))
+                assert [p["containerPort"] for p in container["ports"]] == [port], here
+                # Reachable only through port-forward unless someone chose otherwise.
+                assert env.get("OUTBOX_CONSOLE_HOST", "127.0.0.1") == "127.0.0.1", here
+                checked.append(f"{here}: console")
                 continue
             assert command_of(container) == "run", here
             port = int(env.get("OUTBOX_HTTP_PORT", DEFAULT_PORT))
@@ -433,6 +441,46 @@ def test_helm_existing_secret_is_used_and_none_is_created() -> None:
 
 
 @needs_helm
+def test_helm_console_is_an_optional_deployment_the_dispatchers_never_select() -> None:
+    docs = render(
+        "console.enabled=true",
+        "console.tokenKey=console_token",
+        "secrets.console_token=0123456789abcdefghij",
+    )
+    check_chart_labels(docs)
+    checked = check_workloads(docs, secrets=secrets_in(docs))
+    assert sorted(c.rsplit(": ", 1)[1] for c in checked) == ["console", "migrate", "run"]
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    console = deployments.pop("orders-outbox-dispatcher-console")
+    [dispatchers] = deployments.values()
+    assert console["spec"]["replicas"] == 1
+    pod_labels = console["spec"]["template"]["metadata"]["labels"]
+    for selector in (
+        dispatchers["spec"]["selector"]["matchLabels"],
+        *(d["spec"]["selector"] for d in docs if d["kind"] == "Service"),
+        *(d["spec"]["selector"]["matchLabels"] for d in docs if d["kind"] == "PodDisruptionBudget"),
+    ):
+        assert not selector.items() <= pod_labels.items(), selector
+    assert console["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    [container] = console["spec"]["template"]["spec"]["containers"]
+    assert command_of(container) == "console"
+    env = env_of(container)
+    assert env["OUTBOX_CONSOLE_TOKEN_FILE"] == "/var/run/secrets/outbox/console_token"
+    assert env["OUTBOX_DATABASE_URL_FILE"] == "/var/run/secrets/outbox/database_url"
+    assert env["OUTBOX_CONSOLE_SHOW_PAYLOAD"] == "false"
+    # The dispatchers do not get the console's token.
+    [dispatcher] = dispatchers["spec"]["template"]["spec"]["containers"]
+    assert not any("CONSOLE" in name for name in env_of(dispatcher))
+    # Without a token key: a read-only console, and no token file.
+    read_only = render("console.enabled=true")
+    [plain] = [d for d in read_only if d["metadata"]["name"].endswith("-console")]
+    assert "OUTBOX_CONSOLE_TOKEN_FILE" not in env_of(
+        plain["spec"]["template"]["spec"]["containers"][0]
+    )
+    assert not [d for d in render() if d["metadata"]["name"].endswith("-console")]
+
+
+@needs_helm
 def test_helm_notes_render(tmp_path: Path) -> None:
     """`helm template` skips NOTES.txt (and `install --dry-run` wants a cluster): render it through
     tpl in a copy of the chart."""
@@ -457,6 +505,10 @@ def test_helm_notes_render(tmp_path: Path) -> None:
     existing = notes("existingSecret=orders-outbox", "migrate.mode=hook", "httpPort=9700")
     assert "Secret orders-outbox (existing)" in existing and "WARNING" not in existing
     assert "hook Job" in existing and "9700:9700" in existing
+    assert "Operator console" not in default
+    console = notes("console.enabled=true")
+    assert "port-forward deployment/orders-outbox-dispatcher-console 9647:9647" in console
+    assert "read-only: set console.tokenKey to act" in console
 
 
 @needs_helm
@@ -472,6 +524,8 @@ def test_helm_notes_render(tmp_path: Path) -> None:
         (["migrate.mode=hook"], "needs existingSecret"),
         (["terminationGracePeriodSeconds=10"], "must exceed shutdownGraceSeconds"),
         (["secrets.database_url="], "secrets.database_url is empty"),
+        (["console.enabled=true", "console.tokenKey=console_token"], "secrets.console_token is"),
+        (["console.tokenKey=Not-A-Key"], "tokenKey"),
     ],
 )
 def test_helm_rejects_bad_values(sets: list[str], message: str) -> None:
@@ -646,6 +700,7 @@ def test_manifests_decode_strictly_as_kubernetes_objects() -> None:
         "chart defaults": [],
         "chart monitors": ["serviceMonitor.enabled=true", "podMonitor.enabled=true"],
         "chart hook": ["existingSecret=orders-outbox", "migrate.mode=hook"],
+        "chart console": ["console.enabled=true"],
     }.items():
         flags = [flag for s in sets for flag in ("--set", s)]
         rendered = helm("template", "orders", str(CHART), *flags)

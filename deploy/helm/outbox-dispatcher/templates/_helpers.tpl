@@ -34,6 +34,26 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: outbox-dispatcher
 {{- end }}
 
+{{/* The console's pods (console.enabled): a name of their own, so that the dispatchers'
+Deployment, Service and PodDisruptionBudget never select them. */}}
+{{- define "outbox-dispatcher.consoleName" -}}
+{{- printf "%s-console" (include "outbox-dispatcher.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "outbox-dispatcher.consoleSelectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-console" (include "outbox-dispatcher.name" .) | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "outbox-dispatcher.consoleLabels" -}}
+helm.sh/chart: {{ include "outbox-dispatcher.chart" . }}
+{{ include "outbox-dispatcher.consoleSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: outbox-dispatcher
+app.kubernetes.io/component: console
+{{- end }}
+
 {{- define "outbox-dispatcher.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "outbox-dispatcher.fullname" .) .Values.serviceAccount.name }}
@@ -65,6 +85,10 @@ app.kubernetes.io/part-of: outbox-dispatcher
 {{- if not .Values.existingSecret }}
 {{- $keys := concat .Values.secretSettings (list) }}
 {{- if ne .Values.migrate.mode "none" }}{{ $keys = append $keys .Values.migrate.databaseUrlKey }}{{ end }}
+{{- if .Values.console.enabled }}
+{{- $keys = append $keys .Values.console.databaseUrlKey }}
+{{- with .Values.console.tokenKey }}{{ $keys = append $keys . }}{{ end }}
+{{- end }}
 {{- range $keys }}
 {{- if not (index $.Values.secrets .) }}
 {{- fail (printf "secrets.%s is empty: set it, or set existingSecret to a Secret that has the key %s" . .) }}

@@ -1,0 +1,220 @@
+"""What the console accepts: the CLI's filters as JSON bodies and query strings, validated before
+anything reaches the database, with errors that name the field."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from outbox_dispatcher import admin, routing
+
+M = TypeVar("M", bound=BaseModel)
+
+MAX_IDS = 10_000
+MAX_TEXT = 4096  # keys, error text, reasons
+MAX_LIMIT = 1000
+
+
+class InputError(Exception):
+    """A request the console refuses (HTTP 400): `problems` name the fields."""
+
+    def __init__(self, message: str, problems: list[dict[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.problems = problems or []
+
+    def as_json(self) -> dict[str, object]:
+        return {"error": self.message, "problems": self.problems}
+
+
+def _no_nul(value: str | None) -> str | None:
+    # PostgreSQL text cannot hold NUL: refuse it here rather than as a driver error.
+    if value is not None and "\x00" in value:
+        msg = "must not contain a NUL character"
+        raise ValueError(msg)
+    return value
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    """Without a UTC offset a time is taken as UTC, as in the CLI."""
+    return value if value is None or value.tzinfo else value.replace(tzinfo=UTC)
+
+
+class _Input(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, str_max_length=MAX_TEXT)
+
+
+class DeadFilter(_Input):
+    """Which dead rows: the filters of `dead requeue|discard` (`all` for every dead row)."""
+
+    ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_IDS)
+    key: str | None = None
+    topic: str | None = Field(default=None, description="'(routed)': rows without a topic")
+    keyless: bool | None = Field(default=None, description="true: rows without a key")
+    since: datetime | None = Field(default=None, description="created at or after (UTC if bare)")
+    until: datetime | None = Field(default=None, description="created before")
+    dead_since: datetime | None = None
+    dead_until: datetime | None = None
+    error: str | None = Field(default=None, min_length=1, description="last_error contains")
+    all: bool = False
+
+    _text = field_validator("key", "error")(_no_nul)
+    _times = field_validator("since", "until", "dead_since", "dead_until")(_utc)
+
+    @field_validator("topic")
+    @classmethod
+    def _topic(cls, value: str | None) -> str | None:
+        if value is not None and value != admin.NULL_TOPIC and not routing.valid_topic(value):
+            msg = f"not a valid Kafka topic name (or {admin.NULL_TOPIC!r})"
+            raise ValueError(msg)
+        return value
+
+    def filters(self) -> admin.Filters:
+        return admin.Filters(
+            ids=self.ids,
+            key=self.key,
+            topic=self.topic,
+            since=self.since,
+            until=self.until,
+            keyless=True if self.keyless else None,
+            dead_since=self.dead_since,
+            dead_until=self.dead_until,
+            error=self.error,
+        )
+
+    def checked(self, what: str) -> admin.Filters:
+        """The filters of an action; an empty filter without `all` is refused, as in the CLI."""
+        filters = self.filters()
+        _refuse_unfiltered(filters, self.all, what, DEAD_FIELDS)
+        return filters
+
+
+class DeadQuery(DeadFilter):
+    """A listing: the same filters, none needed, and a limit."""
+
+    limit: int = Field(default=100, ge=1, le=MAX_LIMIT)
+
+
+class ReplayFilter(_Input):
+    """Which published rows: the filters of `replay` (`all` for every published row)."""
+
+    from_id: int | None = None
+    to_id: int | None = None
+    key: str | None = None
+    topic: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    all: bool = False
+
+    _text = field_validator("key")(_no_nul)
+    _times = field_validator("since", "until")(_utc)
+
+    @field_validator("topic")
+    @classmethod
+    def _topic(cls, value: str | None) -> str | None:
+        if value is not None and not routing.valid_topic(value):
+            msg = "not a valid Kafka topic name"
+            raise ValueError(msg)
+        return value
+
+    def checked(self, what: str) -> admin.Filters:
+        filters = admin.Filters(
+            from_id=self.from_id,
+            to_id=self.to_id,
+            key=self.key,
+            topic=self.topic,
+            since=self.since,
+            until=self.until,
+        )
+        _refuse_unfiltered(filters, self.all, what, REPLAY_FIELDS)
+        if self.from_id is not None and self.to_id is not None and self.from_id > self.to_id:
+            msg = f"from_id {self.from_id} is after to_id {self.to_id}: no row is between"
+            raise InputError(msg)
+        return filters
+
+
+class PauseBody(_Input):
+    """A topic, or `all` for the whole table (routed rows too)."""
+
+    topic: str | None = None
+    all: bool = False
+    reason: str | None = None
+
+    _text = field_validator("reason")(_no_nul)
+
+    @field_validator("topic")
+    @classmethod
+    def _topic(cls, value: str | None) -> str | None:
+        if value is not None and not routing.valid_topic(value):
+            msg = "not a valid Kafka topic name"
+            raise ValueError(msg)
+        return value
+
+    def target(self) -> str | None:
+        """The topic, or None for the whole table."""
+        if (self.topic is None) == (not self.all):
+            raise InputError('give "topic", or "all": true for the whole table (not both)')
+        return self.topic
+
+
+class ResumeBody(PauseBody):
+    pass
+
+
+class AuditQuery(_Input):
+    command: str | None = None
+    limit: int = Field(default=100, ge=1, le=MAX_LIMIT)
+
+
+class BlockedQuery(_Input):
+    topic: str | None = None
+    key: str | None = None
+    limit: int = Field(default=100, ge=1, le=MAX_LIMIT)
+
+    _text = field_validator("key")(_no_nul)
+
+
+DEAD_FIELDS = "ids, key, keyless, topic, since, until, dead_since, dead_until, error"
+REPLAY_FIELDS = "from_id, to_id, key, topic, since, until"
+
+
+def _refuse_unfiltered(filters: admin.Filters, everything: bool, what: str, fields: str) -> None:
+    if everything and not filters.empty():
+        raise InputError('"all" cannot be combined with filters')
+    if not everything and filters.empty():
+        raise InputError(f'refusing to {what} without a filter: give {fields}, or "all": true')
+
+
+def parse(model: type[M], data: object) -> M:
+    """`data` as `model`, or an InputError naming each bad field."""
+    if not isinstance(data, Mapping):
+        raise InputError("the body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = [
+            {
+                "field": ".".join(str(part) for part in error["loc"]) or "(body)",
+                "problem": str(error["msg"]).removeprefix("Value error, "),
+            }
+            for error in exc.errors()
+        ]
+        fields = ", ".join(p["field"] for p in problems)
+        raise InputError(f"invalid input: {fields}", problems) from None
+
+
+def from_query(params: Mapping[str, str], multi: Mapping[str, list[str]]) -> dict[str, Any]:
+    """A query string or form as model input: empty fields dropped (a form sends them), `id`
+    repeated for ids, a checkbox's "on" as true."""
+    data: dict[str, Any] = {}
+    for name, value in params.items():
+        if name in ("id", "csrf", "action", "scope", "filter", "body", "expected") or not value:
+            continue
+        data[name] = True if value == "on" else value
+    ids = [value for value in multi.get("id", []) if value]
+    if ids:
+        data["ids"] = ids
+    return data
