@@ -20,6 +20,7 @@ import structlog
 from outbox_dispatcher import db
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import Store
 
 log = structlog.get_logger(__name__)
 
@@ -40,11 +41,12 @@ async def delete_published(
 ) -> Swept:
     """Delete rows published more than `older_than_seconds` ago, one window of `batch_size`
     rows per transaction, until the windows hold nothing older than the cutoff."""
+    store = Store(executor, queries)
     after = 0
     deleted = batches = examined = 0
     while True:
-        [row] = await db.fetch(
-            executor, queries.cleanup_window, after, older_than_seconds, batch_size
+        row = await store.cleanup_window(
+            after=after, older_than_seconds=older_than_seconds, limit=batch_size
         )
         if row["last_id"] is None:
             break

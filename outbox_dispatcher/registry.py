@@ -12,6 +12,7 @@ import structlog
 from outbox_dispatcher import db
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import Store
 
 log = structlog.get_logger(__name__)
 
@@ -29,10 +30,13 @@ LIVE_SECONDS = 3 * HEARTBEAT_SECONDS + 5
 async def heartbeat(pool: asyncpg.Pool, queries: Queries, settings: Settings, owner: str) -> None:
     """Forever: upsert this dispatcher's row. A failure is logged, never fatal: the registry only
     informs operators."""
+    store = Store(pool, queries)
     warned = False
     while True:
         try:
-            await pool.execute(queries.dispatcher_beat, owner, settings.dead_letter_policy.value)
+            await store.dispatcher_beat(
+                owner=owner, dead_letter_policy=settings.dead_letter_policy.value
+            )
         except _TOLERATED as exc:
             if not warned:
                 log.warning(

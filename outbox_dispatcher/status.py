@@ -11,6 +11,7 @@ import asyncpg
 from outbox_dispatcher import registry
 from outbox_dispatcher.display import columns, inert
 from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import Store
 
 WHOLE_TABLE = "*"  # the topic of a whole-table pause (never a valid Kafka topic name)
 
@@ -59,7 +60,8 @@ async def read_dispatchers(
     conn: asyncpg.Connection, queries: Queries, live_seconds: float
 ) -> list[Dispatcher]:
     """Dispatchers that beat within `live_seconds`."""
-    return [Dispatcher(**dict(r)) for r in await conn.fetch(queries.dispatchers_live, live_seconds)]
+    rows = await Store(conn, queries).dispatchers_live(live_seconds=live_seconds)
+    return [Dispatcher(**dict(r)) for r in rows]
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ class Pause:
 
 
 async def read_pauses(conn: asyncpg.Connection, queries: Queries) -> list[Pause]:
-    return [Pause(**dict(row)) for row in await conn.fetch(queries.paused_list)]
+    return [Pause(**dict(row)) for row in await Store(conn, queries).paused_list()]
 
 
 async def read(
@@ -89,9 +91,10 @@ async def read(
         pauses = await read_pauses(conn, queries)
     paused = {p.topic for p in pauses}
     table_paused = WHOLE_TABLE in paused
-    keys = {row["topic"]: row for row in await conn.fetch(queries.status_keys, block_on_dead)}
+    store = Store(conn, queries)
+    keys = {row["topic"]: row for row in await store.status_keys(block_on_dead=block_on_dead)}
     topics = []
-    for row in await conn.fetch(queries.status):
+    for row in await store.status():
         t = TopicStatus(**dict(row))
         blocked = keys.get(t.topic)
         topics.append(

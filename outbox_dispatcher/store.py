@@ -2,8 +2,8 @@
 keyword-only method each, named like the statement in sql/queries.sql.
 
 The claim engine lives in the schema (schema/) and in these calls; the modules around them
-(claimer, marker, reclaimer, listener, metrics) decide when to call, never how to talk SQL, so a
-change of the engine touches this file, the schema and their tests.
+(claimer, marker, reclaimer, listener, metrics, status, registry, cleanup) decide when to call,
+never how to talk SQL, so a change of the engine touches this file, the schema and their tests.
 """
 
 from __future__ import annotations
@@ -136,3 +136,25 @@ class Store:
     async def audit_list(self, *, command: str | None, limit: int) -> list[Row]:
         """Operator actions, newest first."""
         return await self._fetch(self._queries.audit_list, command, limit)
+
+    # Status, the dispatcher registry and retention (status.py, registry.py, cleanup.py).
+
+    async def dispatcher_beat(self, *, owner: str, dead_letter_policy: str) -> None:
+        await self._fetch(self._queries.dispatcher_beat, owner, dead_letter_policy)
+
+    async def dispatchers_live(self, *, live_seconds: float) -> list[Row]:
+        return await self._fetch(self._queries.dispatchers_live, live_seconds)
+
+    async def paused_list(self) -> list[Row]:
+        return await self._fetch(self._queries.paused_list)
+
+    async def status(self) -> list[Row]:
+        return await self._fetch(self._queries.status)
+
+    async def status_keys(self, *, block_on_dead: bool) -> list[Row]:
+        return await self._fetch(self._queries.status_keys, block_on_dead)
+
+    async def cleanup_window(self, *, after: int, older_than_seconds: float, limit: int) -> Row:
+        """One retention batch: the next `limit` rows by id after `after`."""
+        [row] = await self._fetch(self._queries.cleanup_window, after, older_than_seconds, limit)
+        return row
