@@ -16,7 +16,7 @@ import difflib
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -41,6 +41,7 @@ from outbox_dispatcher.publisher import KafkaPublisher
 from outbox_dispatcher.routing import Router
 from outbox_dispatcher.settings import SECRETS_DIR_VARIABLE, Settings, env_name
 from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import Store
 
 log = structlog.get_logger(__name__)
 
@@ -178,25 +179,23 @@ class Filters:
 async def dead_list(
     conn: asyncpg.Connection, queries: Queries, filters: Filters, limit: int
 ) -> list[dict[str, Any]]:
-    rows = await conn.fetch(queries.dead_list, *filters.dead_args(), limit)
+    rows = await Store(conn, queries).dead_list(filter_args=filters.dead_args(), limit=limit)
     return [{**dict(row), "event_id": str(row["event_id"])} for row in rows]
 
 
 async def dead_count(conn: asyncpg.Connection, queries: Queries, filters: Filters) -> int:
     """How many dead rows a requeue or discard with these filters would change."""
-    n: int = await conn.fetchval(queries.dead_count, *filters.dead_args())
-    return n
+    return await Store(conn, queries).dead_count(filter_args=filters.dead_args())
 
 
 async def replay_count(conn: asyncpg.Connection, queries: Queries, filters: Filters) -> int:
     """How many published rows a replay with these filters would make pending again."""
-    n: int = await conn.fetchval(queries.replay_count, *filters.replay_args())
-    return n
+    return await Store(conn, queries).replay_count(filter_args=filters.replay_args())
 
 
 async def wake(conn: asyncpg.Connection, queries: Queries, channel: str) -> None:
     """Wake idle dispatchers, so that requeued, replayed or resumed rows go out at once."""
-    await conn.execute(queries.wake, channel)
+    await Store(conn, queries).wake(channel=channel)
 
 
 # Where an action came from, for its audit row (merged into the filter): the CLI gives none, the
@@ -208,22 +207,24 @@ def _audited(filter: Mapping[str, object], origin: Origin | None) -> dict[str, o
     return {**filter, **(origin or {})}
 
 
+# One batch of a cursor-batched statement: Store.dead_requeue, dead_discard or replay_batch.
+Step = Callable[..., Awaitable[asyncpg.Record]]
+
+
 async def _walk(
-    conn: asyncpg.Connection,
-    queries: Queries,
-    query: str,
+    store: Store,
+    step: Step,
     args: tuple[object, ...],
     batch_size: int,
     progress: Progress | None = None,
 ) -> int:
     """Run a cursor-batched statement over ids (0, max id now], one transaction per batch
     (unless the caller holds one)."""
-    bound: int = await conn.fetchval(queries.max_id)
+    bound = await store.max_id()
     after = 0
     total = 0
     while True:
-        row = await conn.fetchrow(query, *args, after, bound, batch_size)
-        assert row is not None  # noqa: S101 - an aggregate always returns one row
+        row = await step(filter_args=args, after=after, bound=bound, limit=batch_size)
         if row["last_id"] is None:
             return total
         after = row["last_id"]
@@ -244,7 +245,8 @@ async def dead_requeue(
     origin: Origin | None = None,
 ) -> int:
     """Make matching dead rows pending again (attempts 0, due now); returns how many."""
-    n = await _walk(conn, queries, queries.dead_requeue, filters.dead_args(), batch_size, progress)
+    store = Store(conn, queries)
+    n = await _walk(store, store.dead_requeue, filters.dead_args(), batch_size, progress)
     await audit(conn, queries, "dead requeue", _audited(filters.as_json(), origin), n)
     return n
 
@@ -258,7 +260,8 @@ async def dead_discard(
     origin: Origin | None = None,
 ) -> int:
     """Delete matching dead rows; returns how many."""
-    n = await _walk(conn, queries, queries.dead_discard, filters.dead_args(), batch_size, progress)
+    store = Store(conn, queries)
+    n = await _walk(store, store.dead_discard, filters.dead_args(), batch_size, progress)
     await audit(conn, queries, "dead discard", _audited(filters.as_json(), origin), n)
     return n
 
@@ -279,9 +282,8 @@ async def replay(
     holds until then delay no dispatcher.
     """
     async with conn.transaction():
-        n = await _walk(
-            conn, queries, queries.replay_batch, filters.replay_args(), batch_size, progress
-        )
+        store = Store(conn, queries)
+        n = await _walk(store, store.replay_batch, filters.replay_args(), batch_size, progress)
         await audit(conn, queries, "replay", _audited(filters.as_json(), origin), n)
     return n
 
@@ -289,7 +291,7 @@ async def replay(
 async def release_held(conn: asyncpg.Connection, queries: Queries, topic: str | None) -> int:
     """Let rows go that an interrupted replay of an earlier version left held; how many."""
     async with conn.transaction():
-        n: int = await conn.fetchval(queries.release_held, topic)
+        n = await Store(conn, queries).release_held(topic=topic)
         await audit(conn, queries, "replay --release-held", {"topic": topic} if topic else {}, n)
     return n
 
@@ -299,7 +301,9 @@ async def audit(
 ) -> None:
     """Record an operator action in the database (who, from where and when: the database's)."""
     # As text: the statement works on any connection, with or without our jsonb codec.
-    await conn.execute(queries.audit, command, orjson.dumps(filter).decode(), rows)
+    await Store(conn, queries).audit(
+        command=command, filter_json=orjson.dumps(filter).decode(), rows=rows
+    )
 
 
 async def pause(
@@ -311,7 +315,7 @@ async def pause(
 ) -> status.Pause:
     """Pause a topic or the whole table; paused_by is the database role and client address."""
     async with conn.transaction():
-        row = await conn.fetchrow(queries.pause, topic or status.WHOLE_TABLE, reason)
+        row = await Store(conn, queries).pause(topic=topic or status.WHOLE_TABLE, reason=reason)
         await audit(conn, queries, "pause", _audited({"topic": topic, "reason": reason}, origin), 1)
     return status.Pause(**dict(row or {}))
 
@@ -325,7 +329,7 @@ async def resume(
 ) -> status.Pause | None:
     """Lift a pause and wake idle dispatchers so that the rows go out at once."""
     async with conn.transaction():
-        row = await conn.fetchrow(queries.resume, topic or status.WHOLE_TABLE)
+        row = await Store(conn, queries).resume(topic=topic or status.WHOLE_TABLE)
         changed = 0 if row is None else 1
         await audit(conn, queries, "resume", _audited({"topic": topic}, origin), changed)
     await wake(conn, queries, channel)
@@ -525,7 +529,7 @@ async def _pause(settings: Settings, ns: argparse.Namespace) -> int:
         return EXIT_FAILED
     async with connected(settings) as (conn, queries):
         paused = await pause(conn, queries, ns.topic, ns.reason)
-        in_flight: int = await conn.fetchval(queries.in_flight_rows, ns.topic)
+        in_flight = await Store(conn, queries).in_flight_rows(topic=ns.topic)
     log.info("paused", topic=ns.topic, reason=ns.reason, by=paused.paused_by)
     _out(f"paused {what} (since {paused.paused_at.isoformat(timespec='seconds')})")
     if in_flight:
@@ -562,7 +566,7 @@ async def _cleanup(settings: Settings, ns: argparse.Namespace) -> int:
         )
         return EXIT_OK
     async with connected(settings) as (conn, queries):
-        matching: int = await conn.fetchval(queries.cleanup_count, older_than)
+        matching = await Store(conn, queries).cleanup_count(older_than_seconds=older_than)
         if ns.dry_run:
             _out(f"would delete {rows(matching, 'published row')} older than {older_than:g}s")
             return EXIT_OK
@@ -661,13 +665,14 @@ async def _check_database(
         return
     report.ok(f"schema {schema}.{table} is at version {migrations.latest_version()}")
     queries = Queries.for_table(schema, table)
-    for row in await conn.fetch(queries.pending_topics):
+    store = Store(conn, queries)
+    for row in await store.pending_topics():
         needed.setdefault(row["topic"], "pending rows")
-    for row in await conn.fetch(queries.dead_topics):
+    for row in await store.dead_topics():
         dead_topics.add(row["topic"])
     router = Router(settings.default_topic, settings.topic_template)
     unroutable: dict[str, int] = {}
-    for row in await conn.fetch(queries.pending_routed_headers, CHECK_ROUTED_ROWS):
+    for row in await store.pending_routed_headers(limit=CHECK_ROUTED_ROWS):
         try:
             needed.setdefault(router.topic_for(None, row["headers"]), "pending routed rows")
         except errors.RoutingError as exc:

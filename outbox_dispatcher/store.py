@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 import asyncpg
 
@@ -158,3 +159,77 @@ class Store:
         """One retention batch: the next `limit` rows by id after `after`."""
         [row] = await self._fetch(self._queries.cleanup_window, after, older_than_seconds, limit)
         return row
+
+    # Operator commands (admin.py): each mutating statement works on one batch of ids in
+    # (after, bound], up to `limit`, and returns the batch's last id and row count.
+
+    async def _value(self, query: str, *args: object) -> Any:
+        [(value,)] = await self._fetch(query, *args)
+        return value
+
+    async def _one(self, query: str, *args: object) -> Row | None:
+        rows = await self._fetch(query, *args)
+        return rows[0] if rows else None
+
+    async def max_id(self) -> int:
+        return int(await self._value(self._queries.max_id))
+
+    async def dead_list(self, *, filter_args: Sequence[object], limit: int) -> list[Row]:
+        return await self._fetch(self._queries.dead_list, *filter_args, limit)
+
+    async def dead_count(self, *, filter_args: Sequence[object]) -> int:
+        return int(await self._value(self._queries.dead_count, *filter_args))
+
+    async def replay_count(self, *, filter_args: Sequence[object]) -> int:
+        return int(await self._value(self._queries.replay_count, *filter_args))
+
+    async def dead_requeue(
+        self, *, filter_args: Sequence[object], after: int, bound: int, limit: int
+    ) -> Row:
+        row = await self._one(self._queries.dead_requeue, *filter_args, after, bound, limit)
+        assert row is not None  # noqa: S101 - an aggregate always returns one row
+        return row
+
+    async def dead_discard(
+        self, *, filter_args: Sequence[object], after: int, bound: int, limit: int
+    ) -> Row:
+        row = await self._one(self._queries.dead_discard, *filter_args, after, bound, limit)
+        assert row is not None  # noqa: S101 - an aggregate always returns one row
+        return row
+
+    async def replay_batch(
+        self, *, filter_args: Sequence[object], after: int, bound: int, limit: int
+    ) -> Row:
+        row = await self._one(self._queries.replay_batch, *filter_args, after, bound, limit)
+        assert row is not None  # noqa: S101 - an aggregate always returns one row
+        return row
+
+    async def release_held(self, *, topic: str | None) -> int:
+        return int(await self._value(self._queries.release_held, topic))
+
+    async def audit(self, *, command: str, filter_json: str, rows: int) -> None:
+        await self._fetch(self._queries.audit, command, filter_json, rows)
+
+    async def pause(self, *, topic: str, reason: str | None) -> Row | None:
+        return await self._one(self._queries.pause, topic, reason)
+
+    async def resume(self, *, topic: str) -> Row | None:
+        return await self._one(self._queries.resume, topic)
+
+    async def wake(self, *, channel: str) -> None:
+        await self._fetch(self._queries.wake, channel)
+
+    async def in_flight_rows(self, *, topic: str | None) -> int:
+        return int(await self._value(self._queries.in_flight_rows, topic))
+
+    async def cleanup_count(self, *, older_than_seconds: float) -> int:
+        return int(await self._value(self._queries.cleanup_count, older_than_seconds))
+
+    async def pending_topics(self) -> list[Row]:
+        return await self._fetch(self._queries.pending_topics)
+
+    async def dead_topics(self) -> list[Row]:
+        return await self._fetch(self._queries.dead_topics)
+
+    async def pending_routed_headers(self, *, limit: int) -> list[Row]:
+        return await self._fetch(self._queries.pending_routed_headers, limit)
