@@ -32,6 +32,7 @@ from outbox_dispatcher import (
     errors,
     logs,
     migrations,
+    operations,
     registry,
     status,
     tracing,
@@ -431,7 +432,7 @@ async def _console(settings: Settings, _: argparse.Namespace) -> int:
     from outbox_dispatcher import console
 
     # The schema is checked once before serving, so that a wrong database fails at start.
-    async with admin.connected(settings):
+    async with operations.connected(settings):
         pass
     log.info(
         "console_starting",

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import asyncpg
 import structlog
 
-from outbox_dispatcher import admin, db, errors, status
+from outbox_dispatcher import db, errors, operations, status
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.store import Store
 
@@ -61,7 +61,7 @@ async def sample_forever(settings: Settings, history: History) -> None:
     failing = False
     while True:
         try:
-            async with admin.connected(settings) as (conn, queries):
+            async with operations.connected(settings) as (conn, queries):
                 row = await Store(conn, queries).gauges(block_on_dead=False)
         except _TOLERATED as exc:
             if not failing:

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from outbox_dispatcher import admin, routing
+from outbox_dispatcher import operations, routing
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -67,13 +67,13 @@ class DeadFilter(_Input):
     @field_validator("topic")
     @classmethod
     def _topic(cls, value: str | None) -> str | None:
-        if value is not None and value != admin.NULL_TOPIC and not routing.valid_topic(value):
-            msg = f"not a valid Kafka topic name (or {admin.NULL_TOPIC!r})"
+        if value is not None and value != operations.NULL_TOPIC and not routing.valid_topic(value):
+            msg = f"not a valid Kafka topic name (or {operations.NULL_TOPIC!r})"
             raise ValueError(msg)
         return value
 
-    def filters(self) -> admin.Filters:
-        return admin.Filters(
+    def filters(self) -> operations.Filters:
+        return operations.Filters(
             ids=self.ids,
             key=self.key,
             topic=self.topic,
@@ -85,7 +85,7 @@ class DeadFilter(_Input):
             error=self.error,
         )
 
-    def checked(self, what: str) -> admin.Filters:
+    def checked(self, what: str) -> operations.Filters:
         """The filters of an action; an empty filter without `all` is refused, as in the CLI."""
         filters = self.filters()
         _refuse_unfiltered(filters, self.all, what, DEAD_FIELDS)
@@ -120,8 +120,8 @@ class ReplayFilter(_Input):
             raise ValueError(msg)
         return value
 
-    def checked(self, what: str) -> admin.Filters:
-        filters = admin.Filters(
+    def checked(self, what: str) -> operations.Filters:
+        filters = operations.Filters(
             from_id=self.from_id,
             to_id=self.to_id,
             key=self.key,
@@ -181,7 +181,9 @@ DEAD_FIELDS = "ids, key, keyless, topic, since, until, dead_since, dead_until, e
 REPLAY_FIELDS = "from_id, to_id, key, topic, since, until"
 
 
-def _refuse_unfiltered(filters: admin.Filters, everything: bool, what: str, fields: str) -> None:
+def _refuse_unfiltered(
+    filters: operations.Filters, everything: bool, what: str, fields: str
+) -> None:
     if everything and not filters.empty():
         raise InputError('"all" cannot be combined with filters')
     if not everything and filters.empty():

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from outbox_dispatcher import admin, listener, registry, status
+from outbox_dispatcher import admin, listener, operations, registry, status
 from outbox_dispatcher.console import history
 from outbox_dispatcher.console.inputs import (
     AuditQuery,
@@ -41,7 +41,7 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
 
 async def overview(settings: Settings, samples: history.History) -> dict[str, Any]:
     """`status --json`, plus the sampled history of the last hour."""
-    async with admin.connected(settings) as (conn, queries):
+    async with operations.connected(settings) as (conn, queries):
         pauses = await status.read_pauses(conn, queries)
         dispatchers = await status.read_dispatchers(conn, queries, registry.LIVE_SECONDS)
         policy = status.counting_policy(dispatchers, settings.dead_letter_policy.value)
@@ -57,14 +57,14 @@ async def overview(settings: Settings, samples: history.History) -> dict[str, An
 
 
 async def dead(settings: Settings, query: DeadQuery) -> list[dict[str, Any]]:
-    async with admin.connected(settings) as (conn, queries):
-        found = await admin.dead_list(conn, queries, query.filters(), query.limit)
+    async with operations.connected(settings) as (conn, queries):
+        found = await operations.dead_list(conn, queries, query.filters(), query.limit)
     return [_plain(row) for row in found]
 
 
 async def blocked(settings: Settings, query: BlockedQuery) -> dict[str, Any]:
     """Blocked keys, each with why it waits, under the running dispatchers' policy."""
-    async with admin.connected(settings) as (conn, queries):
+    async with operations.connected(settings) as (conn, queries):
         dispatchers = await status.read_dispatchers(conn, queries, registry.LIVE_SECONDS)
         policy = status.counting_policy(dispatchers, settings.dead_letter_policy.value)
         rows = await Store(conn, queries).blocked_keys(
@@ -82,7 +82,7 @@ async def blocked(settings: Settings, query: BlockedQuery) -> dict[str, Any]:
 
 async def row(settings: Settings, row_id: int) -> dict[str, Any] | None:
     """One row; its payload only with OUTBOX_CONSOLE_SHOW_PAYLOAD, decoded where it can be."""
-    async with admin.connected(settings) as (conn, queries):
+    async with operations.connected(settings) as (conn, queries):
         found = await Store(conn, queries).row_detail(
             id=row_id,
             payload=settings.console_show_payload,
@@ -132,7 +132,7 @@ def decode_payload(data: bytes | None, total: int | None) -> dict[str, Any] | No
 
 
 async def audit(settings: Settings, query: AuditQuery) -> list[dict[str, Any]]:
-    async with admin.connected(settings) as (conn, queries):
+    async with operations.connected(settings) as (conn, queries):
         rows = await Store(conn, queries).audit_list(command=query.command, limit=query.limit)
     found = []
     for r in rows:
@@ -163,7 +163,7 @@ class Outcome:
         }
 
 
-def _origin(client: str | None) -> admin.Origin:
+def _origin(client: str | None) -> operations.Origin:
     return {"via": "console", "http_client": client or "?"}
 
 
@@ -173,16 +173,16 @@ async def dead_change(
     verb = "discard" if discard else "requeue"
     command = f"dead {verb}"
     filters = body.checked(f"{verb} dead rows")
-    async with admin.connected(settings) as (conn, queries):
+    async with operations.connected(settings) as (conn, queries):
         if dry_run:
-            n = await admin.dead_count(conn, queries, filters)
+            n = await operations.dead_count(conn, queries, filters)
             return Outcome(command, n, True, f"would {verb} {admin.rows(n, 'dead row')}")
-        operation = admin.dead_discard if discard else admin.dead_requeue
+        operation = operations.dead_discard if discard else operations.dead_requeue
         n = await operation(
             conn, queries, filters, settings.cleanup_batch_size, origin=_origin(client)
         )
         if n and not discard:
-            await admin.wake(conn, queries, listener.channel_name(settings))
+            await operations.wake(conn, queries, listener.channel_name(settings))
     done = "discarded" if discard else "requeued"
     return Outcome(command, n, False, f"{done} {admin.rows(n, 'dead row')}")
 
@@ -196,21 +196,21 @@ async def replay(
             "nothing to replay: with OUTBOX_DELETE_ON_PUBLISH the dispatcher deletes rows once "
             "they are published"
         )
-    async with admin.connected(settings) as (conn, queries):
+    async with operations.connected(settings) as (conn, queries):
         if dry_run:
-            n = await admin.replay_count(conn, queries, filters)
+            n = await operations.replay_count(conn, queries, filters)
             return Outcome("replay", n, True, f"would replay {admin.rows(n, 'published row')}")
-        n = await admin.replay(
+        n = await operations.replay(
             conn, queries, filters, settings.cleanup_batch_size, origin=_origin(client)
         )
         if n:
-            await admin.wake(conn, queries, listener.channel_name(settings))
+            await operations.wake(conn, queries, listener.channel_name(settings))
     return Outcome("replay", n, False, f"replayed {admin.rows(n, 'published row')}")
 
 
 async def _pending_of(settings: Settings, topic: str | None) -> tuple[int, int]:
     """Pending and in-flight rows of a topic (None: of the whole table)."""
-    async with admin.connected(settings) as (conn, queries):
+    async with operations.connected(settings) as (conn, queries):
         topics = await status.read(conn, queries)
     chosen = [t for t in topics if topic is None or t.topic == topic]
     return sum(t.pending for t in chosen), sum(t.in_flight for t in chosen)
@@ -228,8 +228,8 @@ async def pause(
     waiting = admin.rows(pending - in_flight, "pending row")
     if dry_run:
         return Outcome("pause", pending, True, f"would pause {_what(topic)}: {waiting} would wait")
-    async with admin.connected(settings) as (conn, queries):
-        await admin.pause(conn, queries, topic, body.reason, origin=_origin(client))
+    async with operations.connected(settings) as (conn, queries):
+        await operations.pause(conn, queries, topic, body.reason, origin=_origin(client))
     return Outcome(
         "pause",
         1,
@@ -250,8 +250,8 @@ async def resume(
             True,
             f"would resume {_what(topic)}: {admin.rows(pending, 'pending row')} go out again",
         )
-    async with admin.connected(settings) as (conn, queries):
-        lifted = await admin.resume(
+    async with operations.connected(settings) as (conn, queries):
+        lifted = await operations.resume(
             conn, queries, topic, listener.channel_name(settings), origin=_origin(client)
         )
     if lifted is None:

@@ -11,7 +11,7 @@ import asyncpg
 import orjson
 import pytest
 
-from outbox_dispatcher import admin, status
+from outbox_dispatcher import operations, status
 from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import Store
 
@@ -90,7 +90,7 @@ async def test_a_replay_of_old_rows_lags_from_the_replay(conn: asyncpg.Connectio
         "       now() - interval '2 days' FROM generate_series(1, 50) i"
     )
     await backdate_clock(conn, minutes=2 * 24 * 60 - 1)
-    rows = await admin.replay(conn, QUERIES, admin.Filters(topic="lag-r"), batch_size=20)
+    rows = await operations.replay(conn, QUERIES, operations.Filters(topic="lag-r"), batch_size=20)
     assert rows == 50
     row = await gauges(conn)
     assert row["pending"] == 50
@@ -106,7 +106,7 @@ async def test_a_replay_of_old_rows_lags_from_the_replay(conn: asyncpg.Connectio
         "INSERT INTO outbox (topic, ordering_key, payload, created_at, dead_at, last_error) "
         "VALUES ('lag-d', 'd', 'x', now() - interval '2 days', now() - interval '1 day', 'e')"
     )
-    requeued = await admin.dead_requeue(conn, QUERIES, admin.Filters(topic="lag-d"), 100)
+    requeued = await operations.dead_requeue(conn, QUERIES, operations.Filters(topic="lag-d"), 100)
     assert requeued == 1
     row = await gauges(conn)
     assert row["pending"] == 1

@@ -19,7 +19,7 @@ import pytest
 from aiokafka import ConsumerRecord
 from aiokafka.admin import AIOKafkaAdminClient
 
-from outbox_dispatcher import admin, cleanup, status
+from outbox_dispatcher import admin, cleanup, operations, status
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
 
@@ -205,7 +205,7 @@ async def test_dead_rows_are_listed_requeued_in_order_under_block_and_discarded(
         assert set(dead[0]) >= {"id", "event_id", "topic", "attempts", "dead_at", "last_error"}
         assert dead[0]["last_error"] == "boom" and dead[0]["attempts"] == 10
         plain = admin.dead_table(
-            await admin.dead_list(conn, QUERIES, admin.Filters(key="key-0"), 9)
+            await operations.dead_list(conn, QUERIES, operations.Filters(key="key-0"), 9)
         )
         assert "boom" in plain and "gone-1" not in plain
         requeued = await cli(settings, "dead", "requeue", "--key", "key-0")
@@ -223,10 +223,10 @@ async def test_dead_rows_are_listed_requeued_in_order_under_block_and_discarded(
         assert "boom" in trace["last_error"]
 
         # Filters by time and id, in-process; ids of rows that are not dead are left alone.
-        recent = admin.Filters(since=datetime.now(UTC) - timedelta(hours=1))
-        assert await admin.dead_list(conn, QUERIES, recent, 100) == []
-        old = admin.Filters(until=datetime(2021, 1, 1, tzinfo=UTC))
-        assert len(await admin.dead_list(conn, QUERIES, old, 100)) == 3
+        recent = operations.Filters(since=datetime.now(UTC) - timedelta(hours=1))
+        assert await operations.dead_list(conn, QUERIES, recent, 100) == []
+        old = operations.Filters(until=datetime(2021, 1, 1, tzinfo=UTC))
+        assert len(await operations.dead_list(conn, QUERIES, old, 100)) == 3
         published_id = await conn.fetchval(
             "SELECT min(id) FROM outbox WHERE published_at IS NOT NULL"
         )
@@ -244,7 +244,9 @@ async def test_dead_rows_are_listed_requeued_in_order_under_block_and_discarded(
         assert discarded.code == 0, discarded.err
         assert discarded.out.strip() == "discarded 2 dead rows"
         assert await count(conn, f"id = {published_id}") == 1
-        assert await admin.dead_discard(conn, QUERIES, admin.Filters(key="gone-3"), 1) == 1
+        assert (
+            await operations.dead_discard(conn, QUERIES, operations.Filters(key="gone-3"), 1) == 1
+        )
         assert await count(conn, "dead_at IS NOT NULL") == 0
 
     verdict = check(
@@ -289,7 +291,7 @@ async def test_replay_sends_rows_again_in_order_before_newer_rows_of_their_keys(
         async with _background(writer()) as written:
             await asyncio.sleep(0.05)
             replayed = await _replay_in_own_connection(
-                settings, admin.Filters(topic=topic, to_id=last_id)
+                settings, operations.Filters(topic=topic, to_id=last_id)
             )
             await asyncio.sleep(0.3)
             stop.set()
@@ -342,10 +344,10 @@ async def test_replay_sends_rows_again_in_order_before_newer_rows_of_their_keys(
     assert verdict.duplicates == 410
 
 
-async def _replay_in_own_connection(settings: Settings, filters: admin.Filters) -> int:
+async def _replay_in_own_connection(settings: Settings, filters: operations.Filters) -> int:
     conn = await asyncpg.connect(settings.database_url.get_secret_value())
     try:
-        return await admin.replay(conn, QUERIES, filters, settings.cleanup_batch_size)
+        return await operations.replay(conn, QUERIES, filters, settings.cleanup_batch_size)
     finally:
         await conn.close()
 
@@ -465,7 +467,7 @@ async def test_check_reports_ok_or_one_line_per_problem(
     missing = f"missing-{uuid.uuid4().hex[:12]}"
     await conn.fetchval("SELECT outbox_enqueue($1, 'k', 'v'::bytea)", missing)
     await conn.fetchval("SELECT outbox_enqueue(NULL, 'k', 'v'::bytea)")
-    await admin.pause(conn, QUERIES, topic, "testing")
+    await operations.pause(conn, QUERIES, topic, "testing")
     bad_topic = await cli(settings_for(make_settings), "check")
     assert bad_topic.code == 1
     problems = bad_topic.err.strip().splitlines()

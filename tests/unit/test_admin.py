@@ -5,7 +5,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from outbox_dispatcher import admin, cli
+from outbox_dispatcher import admin, cli, operations
 
 
 def parse(*args: str) -> argparse.Namespace:
@@ -26,7 +26,7 @@ def parse(*args: str) -> argparse.Namespace:
 )
 def test_mass_changes_need_a_filter_or_all(args: tuple[str, ...], refused: str | None) -> None:
     ns = parse(*args)
-    problem = admin._refuse_unfiltered(admin.Filters.of(ns), ns, "act")
+    problem = admin._refuse_unfiltered(operations.Filters.of(ns), ns, "act")
     if refused is None:
         assert problem is None
     else:
@@ -35,15 +35,15 @@ def test_mass_changes_need_a_filter_or_all(args: tuple[str, ...], refused: str |
 
 def test_filters_from_flags() -> None:
     ns = parse("dead", "list", "--id", "1", "--id", "2", "--key", "k", "--since", "2026-01-02")
-    f = admin.Filters.of(ns)
+    f = operations.Filters.of(ns)
     assert f.ids == [1, 2] and f.key == "k" and f.topic is None
     assert f.since == datetime(2026, 1, 2, tzinfo=UTC), "a bare time is UTC"
     assert f.dead_args() == ([1, 2], "k", None, f.since, None, None, None, None, None)
     ns = parse("dead", "requeue", "--error", "TooLarge")
-    assert admin.Filters.of(ns).error == "TooLarge" and not admin.Filters.of(ns).empty()
-    assert admin.Filters.of(ns).dead_args()[-1] == "TooLarge"
+    assert operations.Filters.of(ns).error == "TooLarge" and not operations.Filters.of(ns).empty()
+    assert operations.Filters.of(ns).dead_args()[-1] == "TooLarge"
     ns = parse("replay", "--topic", "t", "--from-id", "5", "--to-id", "9")
-    assert admin.Filters.of(ns).replay_args() == (5, 9, None, "t", None, None)
+    assert operations.Filters.of(ns).replay_args() == (5, 9, None, "t", None, None)
 
 
 @pytest.mark.parametrize(
