@@ -285,8 +285,7 @@ class Dispatcher:
             sent = Sent()
             started = claimed_at
             try:
-                await publisher.send(records, sent)
-                outcomes = await publisher.wait(sent, heartbeat)
+                outcomes = await publisher.publish(records, sent, heartbeat)
             except asyncio.CancelledError:
                 # Shutdown past the grace period: mark what was acknowledged, give back the rest.
                 outcomes = publisher.outcomes(

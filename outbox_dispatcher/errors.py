@@ -107,6 +107,14 @@ PRODUCER_STATE_ERRORS = (
     kafka_errors.ProducerFenced,
 )
 
+# Refusals that concern a whole topic, not one record of a batch: every record of the topic gets
+# them, so sending a batch's records one at a time would only repeat the refusal.
+TOPIC_ERRORS = (
+    kafka_errors.TopicAuthorizationFailedError,
+    kafka_errors.InvalidTopicError,
+    kafka_errors.UnsupportedForMessageFormatError,
+)
+
 
 def classify(exc: BaseException) -> Failure:
     """Map a publish exception to the way the row is handled."""

@@ -4,8 +4,19 @@ import asyncio
 import uuid
 from datetime import UTC, datetime
 
+import pytest
+from aiokafka import errors as kafka_errors
+
+from outbox_dispatcher import publisher as publisher_module
 from outbox_dispatcher.models import OutboxRecord
-from outbox_dispatcher.publisher import KafkaPublisher, NotAttempted, Sent, record_headers
+from outbox_dispatcher.publisher import (
+    KafkaPublisher,
+    NotAttempted,
+    Sent,
+    _waves,
+    record_headers,
+)
+from outbox_dispatcher.settings import Settings
 
 
 def test_headers_carry_the_event_id_and_it_cannot_be_forged() -> None:
@@ -40,3 +51,75 @@ async def test_outcomes_split_acknowledged_failed_pending_and_unsent() -> None:
     marker = NotAttempted("shut down")
     assert KafkaPublisher.outcomes(sent, marker, total=5) == [None, boom, marker, refused, marker]
     pending.cancel()
+
+
+def rec(i: int, topic: str | None, key: str | None) -> OutboxRecord:
+    return OutboxRecord(i, topic, key, b"x", {}, uuid.uuid4(), datetime.now(UTC), 0, False)
+
+
+def test_a_key_moves_to_the_next_wave_at_each_change_of_topic() -> None:
+    """Finding F1 of issue 10: a key's rows for another topic (another partition) wait for the
+    acks of its earlier rows; rows of one topic stay together (the producer orders them)."""
+    records = [
+        rec(0, "x", "k"),
+        rec(1, "x", "k"),
+        rec(2, "y", "k"),
+        rec(3, "x", "other"),
+        rec(4, "x", "k"),
+        rec(5, "y", None),
+        rec(6, "x", None),
+        rec(7, "y", "other"),
+    ]
+    topics: list[str | BaseException] = [r.topic or "" for r in records]
+    assert _waves(records, topics) == [[0, 1, 3, 5, 6], [2, 7], [4]]
+
+
+def test_one_topic_is_one_wave() -> None:
+    records = [rec(i, "x", f"k{i % 3}") for i in range(9)]
+    assert _waves(records, [r.topic or "" for r in records]) == [list(range(9))]
+
+
+class HangingProducer:
+    """An old producer whose flush never ends (a partition that never acknowledges) until its
+    buffered batches are failed."""
+
+    def __init__(self) -> None:
+        self.failed = asyncio.Event()
+        self.stopped = False
+        self._message_accumulator = self
+
+    def fail_all(self, exception: BaseException) -> None:
+        self.failed.set()
+
+    async def stop(self) -> None:
+        await self.failed.wait()
+        self.stopped = True
+
+
+class FreshProducer:
+    async def start(self) -> None:
+        pass
+
+
+async def test_replacing_a_producer_does_not_wait_unbounded_for_the_old_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Finding F5 of issue 10 (review F11): the old producer's stop() flushes batches a
+    partition may never acknowledge; replacement fails them past a bound, and the lock is not
+    held meanwhile (another loop's send goes on with the fresh producer)."""
+    monkeypatch.setattr(publisher_module, "STOP_FLUSH_SECONDS", 0.3)
+    publisher = KafkaPublisher(Settings())
+    old = HangingProducer()
+    publisher._producer = old  # type: ignore[assignment]
+    publisher._build = lambda context: FreshProducer()  # type: ignore[assignment,method-assign,return-value]
+    publisher._broken = kafka_errors.OutOfOrderSequenceNumber()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    replacing = asyncio.ensure_future(publisher._replace_if_broken())
+    await asyncio.sleep(0.1)
+    assert isinstance(publisher._producer, FreshProducer)
+    assert not publisher._replacing.locked(), "the old producer is closed outside the lock"
+    async with asyncio.timeout(5):
+        await replacing
+    assert 0.3 <= loop.time() - started < 2
+    assert old.failed.is_set() and old.stopped
