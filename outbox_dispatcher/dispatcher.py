@@ -287,7 +287,10 @@ class Dispatcher:
             try:
                 outcomes = await publisher.publish(records, sent, heartbeat)
             except asyncio.CancelledError:
-                # Shutdown past the grace period: mark what was acknowledged, give back the rest.
+                # Shutdown past the grace period: close the producer first (bounded), so that no
+                # copy of a row given back can still be delivered by it after another dispatcher
+                # re-claimed the row; then mark what was acknowledged, give back the rest.
+                await publisher.retire(sent, "the dispatcher stopped", replace=False)
                 outcomes = publisher.outcomes(
                     sent, NotAttempted("dispatcher shut down"), total=len(records)
                 )

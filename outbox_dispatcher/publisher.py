@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import structlog
 from aiokafka import AIOKafkaProducer
 from aiokafka import errors as kafka_errors
+from aiokafka.partitioner import murmur2
 
 from outbox_dispatcher import broker, errors
 from outbox_dispatcher.models import OutboxRecord
@@ -40,6 +41,8 @@ class Sent:
     has not been handed to the producer."""
 
     futures: list[asyncio.Future[object] | BaseException | None] = field(default_factory=list)
+    # The producers that hold its futures: closing them settles every future (see retire).
+    producers: list[AIOKafkaProducer] = field(default_factory=list)
 
 
 def record_headers(record: OutboxRecord, event_id_header: str) -> list[tuple[str, bytes]]:
@@ -90,6 +93,7 @@ class KafkaPublisher:
         self._context: ssl.SSLContext | None = None
         self._broken: BaseException | None = None  # the producer's state is lost: replace it
         self._replacing = asyncio.Lock()
+        self._closing: dict[int, asyncio.Future[None]] = {}  # id(producer): its bounded close
 
     def _build(self, context: ssl.SSLContext | None) -> AIOKafkaProducer:
         s = self._settings
@@ -151,11 +155,12 @@ class KafkaPublisher:
         self._producer = producer
 
     async def stop(self) -> None:
-        """Flush and close (bounded, see _close)."""
-        if self._producer is None:
-            return
-        producer, self._producer = self._producer, None
-        await _close(producer, "the dispatcher stopped while the broker was away")
+        """Flush and close (bounded, see _close), with any producer still being retired."""
+        if self._producer is not None:
+            producer, self._producer = self._producer, None
+            self._close(producer, "the dispatcher stopped while the broker was away")
+        if self._closing:
+            await asyncio.wait(list(self._closing.values()))
 
     def _note(self, outcome: BaseException | None) -> None:
         if isinstance(outcome, errors.PRODUCER_STATE_ERRORS):
@@ -185,7 +190,44 @@ class KafkaPublisher:
             self._broken = None
             log.warning("producer_replaced", reason=reason)
         if old is not None:
-            await _close(old, "the producer was replaced while the broker did not take its records")
+            await self._close(old, "the producer was replaced; the broker did not take its records")
+
+    def _close(self, producer: AIOKafkaProducer, reason: str) -> asyncio.Future[None]:
+        """The producer's bounded close (_close), started once however many callers ask."""
+        closing = self._closing.get(id(producer))
+        if closing is None:
+            closing = asyncio.ensure_future(_close(producer, reason))
+            self._closing[id(producer)] = closing
+            closing.add_done_callback(lambda _: self._closing.pop(id(producer), None))
+        return closing
+
+    async def retire(self, sent: Sent, reason: str, *, replace: bool = True) -> bool:
+        """Close the producers holding sent's futures (with a fresh producer for later sends when
+        `replace`), so that every future is settled: acknowledged, or failed for good. Only then
+        may unacknowledged rows be given back: an open idempotent producer retries a drained
+        batch for ever, and would deliver it after the re-claim did (review F4). False if no
+        fresh producer could be started (the caller keeps waiting)."""
+        used = [p for p in dict.fromkeys(sent.producers) if p is not None]
+        if replace and self._producer in used:
+            async with self._replacing:
+                if self._producer in used:
+                    fresh = self._build(self._context)
+                    try:
+                        async with asyncio.timeout(
+                            max(self._settings.publish_timeout_seconds, 10.0)
+                        ):
+                            await fresh.start()
+                    except (kafka_errors.KafkaError, OSError, TimeoutError) as exc:
+                        await self._close(fresh, "the fresh producer could not start")
+                        log.warning("producer_replacement_failed", error=errors.describe(exc))
+                        return False
+                    self._producer = fresh
+                    self._broken = None
+                    log.warning("producer_replaced", reason=reason)
+        closing = [self._close(p, reason) for p in used]
+        if closing:
+            await asyncio.wait(closing)  # not gather: a cancelled caller must not cancel them
+        return True
 
     async def broker_reachable(self, seconds: float = 5.0) -> bool:
         try:
@@ -289,7 +331,16 @@ class KafkaPublisher:
             return self.outcomes(sent, exc)
         topic_errors = await self._topic_errors({t for t in topics if isinstance(t, str)})
         failed_keys: set[str] = set()
-        for wave in _waves(records, topics):
+        producer = self.producer
+        extra = CLOUDEVENTS_OVERHEAD if self._settings.cloudevents else 0
+        waves = _waves(
+            records,
+            topics,
+            self._settings.kafka_max_batch_bytes,
+            lambda topic: broker.known_partitions(producer, topic),
+            extra,
+        )
+        for wave in waves:
             try:
                 await self._replace_if_broken()
             except errors.BrokerUnavailableError as exc:
@@ -303,7 +354,7 @@ class KafkaPublisher:
                     sent.futures[i] = NotAttempted()
                     continue
                 problem = topic if isinstance(topic, BaseException) else topic_errors.get(topic)
-                item = problem if problem is not None else await self._send_one(record, topic)
+                item = problem if problem is not None else await self._send_one(record, topic, sent)
                 sent.futures[i] = item
                 if isinstance(item, BaseException) and key is not None:
                     failed_keys.add(key)
@@ -322,7 +373,7 @@ class KafkaPublisher:
         return self._final_outcomes(sent)
 
     async def _send_one(
-        self, record: OutboxRecord, topic: str | BaseException
+        self, record: OutboxRecord, topic: str | BaseException, sent: Sent
     ) -> asyncio.Future[object] | BaseException:
         """Hand one record to the producer: its delivery future, or why it could not be sent."""
         if isinstance(topic, BaseException):
@@ -334,13 +385,16 @@ class KafkaPublisher:
                 "record with neither key nor value; give the row a key or a payload"
             )
         span = self._tracer.start(record, topic)
+        producer = self.producer
+        if not sent.producers or sent.producers[-1] is not producer:
+            sent.producers.append(producer)
         try:
             headers = record_headers(record, self._settings.event_id_header)
             if self._settings.cloudevents:
                 headers = [h for h in headers if h[0] != "ce_id"] + cloudevents_headers(
                     record, self._settings
                 )
-            future: asyncio.Future[object] = await self.producer.send(
+            future: asyncio.Future[object] = await producer.send(
                 topic,
                 value=record.payload,
                 key=key.encode() if key is not None else None,
@@ -364,8 +418,10 @@ class KafkaPublisher:
     ) -> bool:
         """Wait for the broker's answers to sent[indices]. While the broker is unreachable, keep
         waiting: the producer retries by itself and the lease keeper keeps the rows ours, so an
-        outage ends in delivery, not in duplicates. True if the broker answers but the records
-        stay unacknowledged past publish_timeout (they are then given back)."""
+        outage ends in delivery, not in duplicates. If the broker answers but the records stay
+        unacknowledged past publish_timeout, close their producer (a fresh one takes over), which
+        settles every future for good, and return True: the unacknowledged rows are given back
+        with no copy left that could still be delivered."""
         pending = {f for i in indices if isinstance(f := sent.futures[i], asyncio.Future)}
         while pending:
             heartbeat()  # waiting for a broker is not being stuck
@@ -376,7 +432,9 @@ class KafkaPublisher:
                 log.warning("publish_timed_out", unacknowledged=len(pending))
                 for future in pending:
                     future.add_done_callback(_consume)
-                return True
+                if await self.retire(sent, _UNACKNOWLEDGED):
+                    return True
+                continue
             log.warning("broker_unreachable_waiting", unacknowledged=len(pending))
         return False
 
@@ -418,7 +476,7 @@ class KafkaPublisher:
             except errors.BrokerUnavailableError as exc:
                 sent.futures[i] = exc
             else:
-                sent.futures[i] = await self._send_one(records[i], topics[i])
+                sent.futures[i] = await self._send_one(records[i], topics[i], sent)
                 if await self._await_acks(sent, [i], heartbeat):
                     sent.futures[i] = errors.BrokerUnavailableError(_UNACKNOWLEDGED)
             item = sent.futures[i]
@@ -471,14 +529,55 @@ class KafkaPublisher:
 _UNACKNOWLEDGED = "the broker did not acknowledge within OUTBOX_PUBLISH_TIMEOUT_SECONDS"
 
 
+# What a record adds to a producer batch beyond its key, value and headers (record framing,
+# varints, the event id header), rounded up, and the CloudEvents headers when they are on.
+RECORD_OVERHEAD = 128
+CLOUDEVENTS_OVERHEAD = 384
+BATCH_HEADER = 61
+
+
+def record_size(record: OutboxRecord, extra: int = 0) -> int:
+    """An upper estimate of the record's bytes in a producer batch."""
+    size = RECORD_OVERHEAD + extra + len(record.payload or b"")
+    if record.ordering_key is not None:
+        size += len(record.ordering_key.encode())
+    headers = record.headers
+    if isinstance(headers, dict):
+        size += sum(len(str(k).encode()) + len(str(v).encode()) + 4 for k, v in headers.items())
+    return size
+
+
+def partition_of(key: str, partitions: set[int]) -> int:
+    """The partition the producer's default partitioner gives a key (murmur2, as Java's)."""
+    candidates = list(partitions)
+    partition: int = candidates[(murmur2(key.encode()) & 0x7FFFFFFF) % len(candidates)]
+    return partition
+
+
 def _waves(
-    records: Sequence[OutboxRecord], topics: Sequence[str | BaseException]
+    records: Sequence[OutboxRecord],
+    topics: Sequence[str | BaseException],
+    batch_bytes: int = 1 << 62,
+    partitions: Callable[[str], set[int] | None] = lambda topic: None,
+    extra: int = 0,
 ) -> list[list[int]]:
-    """Record indices by wave: a key's rows stay in its current wave while their topic stays
-    the same (one partition, ordered by the producer) and move to the next wave at each change
-    of topic. Keyless rows have no order to keep: all in the first wave."""
-    waves: list[list[int]] = [[]]
+    """Record indices by wave (each wave is sent, then awaited, before the next).
+
+    A key's rows stay in its current wave while their topic stays the same (one partition,
+    ordered by the producer) and move to the next wave at each change of topic (F1). A wave
+    holds at most one producer batch (`batch_bytes`) per partition, so that a key's rows never
+    straddle two producer batches of one partition in flight at once: a batch that expires
+    unsent uses up sequence numbers, and a broker without state for the producer id would
+    accept the next batch, delivering later rows first (review F3). Keyless rows have no order
+    to keep; the producer puts them in any partition of their topic, so their bytes count
+    against every partition of it."""
+    limit = max(1, batch_bytes - BATCH_HEADER)
+    waves: list[list[int]] = []
     at: dict[str, tuple[int, str | BaseException]] = {}
+    keyed: dict[tuple[str, int | str, int], int] = {}  # (topic, partition, wave): bytes
+    busiest: dict[tuple[str, int], int] = {}  # (topic, wave): the most keyed bytes of a partition
+    keyless: dict[tuple[str, int], int] = {}  # (topic, wave): bytes
+    partition_cache: dict[tuple[str, str], int | str] = {}
     for i, (record, topic) in enumerate(zip(records, topics, strict=True)):
         key = record.ordering_key
         wave = 0
@@ -488,8 +587,30 @@ def _waves(
                 wave, previous_topic = previous
                 if previous_topic != topic:
                     wave += 1
+        if isinstance(topic, str):
+            size = record_size(record, extra)
+            if key is None:
+                while (used := keyless.get((topic, wave), 0) + busiest.get((topic, wave), 0)) and (
+                    used + size > limit
+                ):
+                    wave += 1
+                keyless[(topic, wave)] = keyless.get((topic, wave), 0) + size
+            else:
+                partition = partition_cache.get((topic, key))
+                if partition is None:
+                    known = partitions(topic)
+                    partition = partition_of(key, known) if known else key
+                    partition_cache[(topic, key)] = partition
+                while (
+                    used := keyed.get((topic, partition, wave), 0) + keyless.get((topic, wave), 0)
+                ) and used + size > limit:
+                    wave += 1
+                load = keyed.get((topic, partition, wave), 0) + size
+                keyed[(topic, partition, wave)] = load
+                busiest[(topic, wave)] = max(busiest.get((topic, wave), 0), load)
+        if key is not None:
             at[key] = (wave, topic)
-        if wave == len(waves):
+        while wave >= len(waves):
             waves.append([])
         waves[wave].append(i)
     return waves

@@ -14,7 +14,9 @@ from outbox_dispatcher.publisher import (
     NotAttempted,
     Sent,
     _waves,
+    partition_of,
     record_headers,
+    record_size,
 )
 from outbox_dispatcher.settings import Settings
 
@@ -123,3 +125,40 @@ async def test_replacing_a_producer_does_not_wait_unbounded_for_the_old_one(
         await replacing
     assert 0.3 <= loop.time() - started < 2
     assert old.failed.is_set() and old.stopped
+
+
+def sized(i: int, topic: str, key: str | None, payload: int) -> OutboxRecord:
+    return OutboxRecord(
+        i, topic, key, b"x" * payload, {}, uuid.uuid4(), datetime.now(UTC), 0, False
+    )
+
+
+def test_a_wave_holds_at_most_one_producer_batch_per_partition() -> None:
+    """Review F3 (issue 10 point 2): a hot key's rows in one partition never straddle two
+    producer batches in flight at once; keys on other partitions fill the same wave."""
+    limit = 4096
+    hot = [sized(i, "t", "hot", 900) for i in range(10)]
+    topics: list[str | BaseException] = ["t"] * 10
+    waves = _waves(hot, topics, limit, lambda topic: {0, 1, 2, 3})
+    assert [i for wave in waves for i in wave] == list(range(10)), "the key's order is kept"
+    for wave in waves:
+        assert sum(record_size(hot[i]) for i in wave) <= limit - 61
+    assert len(waves) == 4
+    # Another key on another partition rides along in the first wave.
+    hot_partition = partition_of("hot", {0, 1, 2, 3})
+    other = next(
+        f"k{n}" for n in range(100) if partition_of(f"k{n}", {0, 1, 2, 3}) != hot_partition
+    )
+    mixed = [*hot, sized(10, "t", other, 900)]
+    assert 10 in _waves(mixed, [*topics, "t"], limit, lambda topic: {0, 1, 2, 3})[0]
+
+
+def test_keyless_rows_count_against_every_partition_of_their_topic() -> None:
+    rows = [sized(0, "t", None, 3000), sized(1, "t", "k", 3000), sized(2, "u", "k2", 3000)]
+    waves = _waves(rows, ["t", "t", "u"], 4096, lambda topic: {0, 1})
+    assert waves == [[0, 2], [1]]
+
+
+def test_a_record_larger_than_a_batch_is_alone_in_its_partition() -> None:
+    rows = [sized(0, "t", "k", 10_000), sized(1, "t", "k", 10)]
+    assert _waves(rows, ["t", "t"], 4096, lambda topic: {0}) == [[0], [1]]
