@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -25,6 +25,10 @@ from outbox_dispatcher.tracing import Tracer
 log = structlog.get_logger(__name__)
 
 STOP_FLUSH_SECONDS = 5.0
+# Acks slower than this (normal ones take milliseconds) settle the keys already acknowledged
+# and let the claim loop go on, so that one partition that does not acknowledge holds back only
+# its own keys (review F10).
+EARLY_SETTLE_SECONDS = 0.25
 
 
 class NotAttempted(Exception):  # noqa: N818 - an outcome, not an error
@@ -312,8 +316,11 @@ class KafkaPublisher:
         records: Sequence[OutboxRecord],
         sent: Sent,
         heartbeat: Callable[[], None] = lambda: None,
+        early: Callable[[], Awaitable[None]] | None = None,
     ) -> list[BaseException | None]:
-        """Publish a claim and return each record's outcome (None: acknowledged).
+        """Publish a claim and return each record's outcome (None: acknowledged). `early` is
+        called when a wave's acks take longer than EARLY_SETTLE_SECONDS (the caller settles the
+        keys already acknowledged).
 
         A key's rows go out in waves, one per topic it visits in this claim: its rows for the
         next topic are handed to the producer only once every earlier row of the key is
@@ -358,7 +365,7 @@ class KafkaPublisher:
                 sent.futures[i] = item
                 if isinstance(item, BaseException) and key is not None:
                     failed_keys.add(key)
-            if await self._await_acks(sent, wave, heartbeat):
+            if await self._await_acks(sent, wave, heartbeat, early):
                 break  # given up on after publish_timeout: the rest is not attempted
             await self._retry_rejected_alone(records, topics, wave, sent, heartbeat)
             for i in wave:
@@ -414,7 +421,11 @@ class KafkaPublisher:
         return future
 
     async def _await_acks(
-        self, sent: Sent, indices: Sequence[int], heartbeat: Callable[[], None]
+        self,
+        sent: Sent,
+        indices: Sequence[int],
+        heartbeat: Callable[[], None],
+        early: Callable[[], Awaitable[None]] | None = None,
     ) -> bool:
         """Wait for the broker's answers to sent[indices]. While the broker is unreachable, keep
         waiting: the producer retries by itself and the lease keeper keeps the rows ours, so an
@@ -423,6 +434,12 @@ class KafkaPublisher:
         settles every future for good, and return True: the unacknowledged rows are given back
         with no copy left that could still be delivered."""
         pending = {f for i in indices if isinstance(f := sent.futures[i], asyncio.Future)}
+        if pending and early is not None:
+            heartbeat()
+            wait = min(EARLY_SETTLE_SECONDS, self._settings.publish_timeout_seconds)
+            _, pending = await asyncio.wait(pending, timeout=wait)
+            if pending:
+                await early()
         while pending:
             heartbeat()  # waiting for a broker is not being stuck
             _, pending = await asyncio.wait(pending, timeout=self._settings.publish_timeout_seconds)
