@@ -354,9 +354,13 @@ class Dispatcher:
                 # copy of a row given back can still be delivered by it after another dispatcher
                 # re-claimed the row; then mark what was acknowledged, give back the rest.
                 await publisher.retire(sent, "the dispatcher stopped", replace=False)
-                outcomes = publisher.outcomes(
-                    sent, NotAttempted("dispatcher shut down"), total=len(records)
-                )
+                stopped = NotAttempted("dispatcher shut down")
+                outcomes = [
+                    stopped
+                    if o is not None and errors.classify(o) is errors.Failure.TRANSIENT
+                    else o
+                    for o in publisher.outcomes(sent, stopped, total=len(records))
+                ]
                 rest = [i for i in range(len(records)) if i not in settled_early]
                 part = Batch(batch.token, [records[i] for i in rest])
                 if part.records:

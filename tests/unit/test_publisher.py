@@ -8,6 +8,7 @@ import pytest
 from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher import publisher as publisher_module
+from outbox_dispatcher.dispatcher import acknowledged_keys
 from outbox_dispatcher.models import OutboxRecord
 from outbox_dispatcher.publisher import (
     KafkaPublisher,
@@ -162,3 +163,23 @@ def test_keyless_rows_count_against_every_partition_of_their_topic() -> None:
 def test_a_record_larger_than_a_batch_is_alone_in_its_partition() -> None:
     rows = [sized(0, "t", "k", 10_000), sized(1, "t", "k", 10)]
     assert _waves(rows, ["t", "t"], 4096, lambda topic: {0}) == [[0], [1]]
+
+
+async def test_early_settling_takes_only_keys_with_every_row_acknowledged() -> None:
+    """Review F10: while a batch waits for a partition that does not acknowledge, the keys whose
+    rows are all acknowledged are settled at once; a key with any row pending, failed or not yet
+    sent (a later wave) waits for the batch."""
+    loop = asyncio.get_running_loop()
+
+    def acked() -> asyncio.Future[object]:
+        future: asyncio.Future[object] = loop.create_future()
+        future.set_result("metadata")
+        return future
+
+    failed: asyncio.Future[object] = loop.create_future()
+    failed.set_exception(RuntimeError("refused"))
+    records = [rec(0, "x", "a"), rec(1, "x", "b"), rec(2, "y", "a"), rec(3, "x", None)]
+    records += [rec(4, "x", None), rec(5, "x", "c"), rec(6, "x", "d"), rec(7, "y", "e")]
+    sent = Sent([acked(), acked(), loop.create_future(), acked(), failed, acked(), None, acked()])
+    assert acknowledged_keys(records, sent, set()) == [1, 3, 5, 7]
+    assert acknowledged_keys(records, sent, {1, 3}) == [5, 7]
