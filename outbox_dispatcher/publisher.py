@@ -557,11 +557,16 @@ def record_size(record: OutboxRecord, extra: int = 0) -> int:
     """An upper estimate of the record's bytes in a producer batch."""
     size = RECORD_OVERHEAD + extra + len(record.payload or b"")
     if record.ordering_key is not None:
-        size += len(record.ordering_key.encode())
+        size += _utf8_len(record.ordering_key)
     headers = record.headers
     if isinstance(headers, dict):
-        size += sum(len(str(k).encode()) + len(str(v).encode()) + 4 for k, v in headers.items())
+        for name, value in headers.items():
+            size += _utf8_len(str(name)) + _utf8_len(str(value)) + 4
     return size
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode())
 
 
 def partition_of(key: str, partitions: set[int]) -> int:
@@ -589,6 +594,12 @@ def _waves(
     to keep; the producer puts them in any partition of their topic, so their bytes count
     against every partition of it."""
     limit = max(1, batch_bytes - BATCH_HEADER)
+    sizes = [
+        record_size(r, extra) if isinstance(t, str) else 0
+        for r, t in zip(records, topics, strict=True)
+    ]
+    if sum(sizes) <= limit:
+        limit = 1 << 62  # the whole claim fits in one batch per partition: no byte accounting
     waves: list[list[int]] = []
     at: dict[str, tuple[int, str | BaseException]] = {}
     keyed: dict[tuple[str, int | str, int], int] = {}  # (topic, partition, wave): bytes
@@ -604,8 +615,8 @@ def _waves(
                 wave, previous_topic = previous
                 if previous_topic != topic:
                     wave += 1
-        if isinstance(topic, str):
-            size = record_size(record, extra)
+        if isinstance(topic, str) and limit < 1 << 62:
+            size = sizes[i]
             if key is None:
                 while (used := keyless.get((topic, wave), 0) + busiest.get((topic, wave), 0)) and (
                     used + size > limit
