@@ -410,6 +410,8 @@ class KafkaPublisher:
         except (
             kafka_errors.KafkaError,
             errors.UnpublishableRowError,
+            # A producer being closed by another loop (retire) fails a send that waited on it.
+            errors.BrokerUnavailableError,
             ValueError,
             TypeError,
             AssertionError,

@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 import pytest
 from aiokafka import errors as kafka_errors
 
+from outbox_dispatcher import errors
 from outbox_dispatcher import publisher as publisher_module
 from outbox_dispatcher.dispatcher import acknowledged_keys
 from outbox_dispatcher.models import OutboxRecord
@@ -183,3 +184,17 @@ async def test_early_settling_takes_only_keys_with_every_row_acknowledged() -> N
     sent = Sent([acked(), acked(), loop.create_future(), acked(), failed, acked(), None, acked()])
     assert acknowledged_keys(records, sent, set()) == [1, 3, 5, 7]
     assert acknowledged_keys(records, sent, {1, 3}) == [5, 7]
+
+
+class ClosedProducer:
+    async def send(self, *args: object, **kwargs: object) -> None:
+        raise errors.BrokerUnavailableError("the producer was replaced")
+
+
+async def test_a_send_on_a_producer_being_retired_is_a_transient_failure_not_a_crash() -> None:
+    """A claim loop whose send waited on a producer that another loop closed (failing its
+    buffered batches) gets that failure as the record's outcome; the loop does not die."""
+    publisher = KafkaPublisher(Settings())
+    publisher._producer = ClosedProducer()  # type: ignore[assignment]
+    outcome = await publisher._send_one(rec(0, "t", "k"), "t", Sent())
+    assert isinstance(outcome, errors.BrokerUnavailableError)
