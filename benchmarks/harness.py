@@ -748,6 +748,57 @@ async def writer_cost(stack: Stack, seconds: float) -> dict[str, float]:
     return results
 
 
+# What each part of the relay's schema costs writers: the outbox as migrated with one part taken
+# away at a time (and everything taken away: the primary key only), in the same run.
+WRITER_PARTS = {
+    "outbox": "",
+    "without_registry_trigger": "DROP TRIGGER outbox_key_track ON outbox",
+    "without_checks": (
+        "ALTER TABLE outbox DROP CONSTRAINT outbox_topic_valid, "
+        "DROP CONSTRAINT outbox_topic_not_internal, DROP CONSTRAINT outbox_headers_valid, "
+        "DROP CONSTRAINT outbox_ordering_key_length"
+    ),
+    "without_headers_check": "ALTER TABLE outbox DROP CONSTRAINT outbox_headers_valid",
+    "without_topic_checks": (
+        "ALTER TABLE outbox DROP CONSTRAINT outbox_topic_valid, "
+        "DROP CONSTRAINT outbox_topic_not_internal"
+    ),
+    "without_event_id_unique": "ALTER TABLE outbox DROP CONSTRAINT outbox_event_id_key",
+    "without_pending_index": "DROP INDEX outbox_pending_key_idx, outbox_pending_keyless_idx",
+    "primary_key_only": (
+        "DROP TRIGGER outbox_key_track ON outbox; "
+        "DROP TRIGGER outbox_key_rearm ON outbox; DROP TRIGGER outbox_key_rearm_dead ON outbox; "
+        "ALTER TABLE outbox DROP CONSTRAINT outbox_topic_valid, "
+        "DROP CONSTRAINT outbox_topic_not_internal, DROP CONSTRAINT outbox_headers_valid, "
+        "DROP CONSTRAINT outbox_ordering_key_length, DROP CONSTRAINT outbox_event_id_key, "
+        "DROP CONSTRAINT outbox_not_published_and_dead; "
+        "DROP INDEX outbox_pending_key_idx, outbox_pending_keyless_idx, outbox_dead_key_idx"
+    ),
+}
+
+
+async def writer_cost_parts(stack: Stack, seconds: float) -> dict[str, float]:
+    """Where the writers' cost goes: `writer_cost`'s load (10-row transactions, 4 connections,
+    no dispatcher) into the outbox with one part of the schema dropped at a time. Each part's
+    share is the throughput it gives back, in % of the primary-key-only table."""
+    results = {}
+    for case, ddl in WRITER_PARTS.items():
+        async with fresh(stack) as (url, topic), connection(url) as conn:
+            if ddl:
+                await conn.execute(ddl)
+            await conn.execute("CHECKPOINT")
+            written = await write_load(url, topic, None, 10, seconds, {}, 4, "outbox")
+            results[f"rows_per_second_{case}"] = written / seconds
+    plain = results["rows_per_second_primary_key_only"]
+    full = results["rows_per_second_outbox"]
+    results["cost_percent"] = 100 * (1 - full / plain)
+    for case in WRITER_PARTS:
+        if case.startswith("without_"):
+            gained = results[f"rows_per_second_{case}"] - full
+            results[f"share_percent_{case.removeprefix('without_')}"] = 100 * gained / plain
+    return results
+
+
 async def kafka_ceiling(stack: Stack, count: int) -> dict[str, float]:
     async with fresh(stack) as (url, topic):
         elapsed = await baselines.kafka_only(
@@ -804,6 +855,7 @@ def plan(stack: Stack, sizes: Sizes) -> dict[str, Scenario]:
         "scaling_2_processes": lambda: drain(stack, s.drain // 2, KEYS, processes=2),
         "idle": lambda: idle(stack, s.idle_seconds),
         "writer_cost": lambda: writer_cost(stack, s.writer_seconds),
+        "writer_cost_parts": lambda: writer_cost_parts(stack, s.writer_seconds),
     }
     # Processes against a slow broker (the fault proxy), so the database is not the limit.
     for n in (1, 2, 4):

@@ -260,14 +260,23 @@ class Dispatcher:
                 m.claim_duration.observe(loop.time() - started)
                 backoff = s.backoff_initial_seconds
                 if batch is None:
-                    lingering = loop.time() - self._last_batch < s.linger_seconds
-                    if not lingering and waiting is not None and await waiting.announce():
-                        continue  # claim once more before waiting: see Waiting.announce
-                    poll = s.linger_poll_seconds if lingering else s.poll_interval_seconds
+                    if waiting is not None:
+                        # Writers notify while the wait is announced, so nothing needs polling
+                        # fast: wait for the notification (poll_interval is the fallback).
+                        if await waiting.announce():
+                            continue  # claim once more before waiting: see Waiting.announce
+                        poll = s.poll_interval_seconds
+                    else:
+                        # Without LISTEN nobody hears a notification: poll fast after a batch.
+                        lingering = loop.time() - self._last_batch < s.linger_seconds
+                        poll = s.linger_poll_seconds if lingering else s.poll_interval_seconds
                     await self.wakeup.wait(self.stopping, poll)
                     continue
                 self._last_batch = loop.time()
-                if waiting is not None:
+                if waiting is not None and len(batch.records) >= s.batch_size:
+                    # A full batch: a backlog, so the loops will not wait soon; writers can stop
+                    # notifying. After a partial batch the announcement stays: the loop is about
+                    # to wait again, and withdrawing and announcing every batch costs two writes.
                     await waiting.withdraw()
                 m.claimed.inc(len(batch.records))
                 if reclaimed := sum(r.reclaimed for r in batch.records):

@@ -97,4 +97,4 @@ async def reclaim(
                 last_owner=row["lease_owner"],
             )
         if expired:
-            log.info("expired_leases_awaiting_takeover", rows=expired)
+            log.info("expired_leases_awaiting_takeover", leases=expired)

@@ -151,8 +151,9 @@ class Settings(BaseSettings):
     linger_seconds: Seconds = Field(
         default=1.0,
         description=(
-            "After a batch, keep polling every linger_poll_seconds this long: rows whose "
-            "notification the trigger's cooldown skipped go out at once."
+            "Without LISTEN (listen=false): after a batch, keep polling every "
+            "linger_poll_seconds this long, so that a steady flow does not wait for "
+            "poll_interval. With LISTEN the dispatcher waits for writers' notifications instead."
         ),
     )
     linger_poll_seconds: PositiveSeconds = Field(

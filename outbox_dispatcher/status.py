@@ -22,6 +22,8 @@ class TopicStatus:
     in_flight: int
     dead: int
     published: int
+    # The lag: how long the oldest pending row that nothing holds on purpose has waited (since it
+    # was committed, or an operator made it pending again, by the database's clock).
     oldest_pending_age_seconds: float | None
     # Keys whose head waits: in backoff, or behind a dead row (dead_letter_policy = block).
     blocked_keys: int = 0
@@ -30,6 +32,9 @@ class TopicStatus:
     # Of those, keys whose head is held without having failed (`replay --release-held`).
     held_keys: int = 0
     paused: bool = False
+    # Pending rows waiting on purpose (topic or table paused, held): not part of the lag.
+    parked: int = 0
+    oldest_parked_age_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,11 @@ def _totals(topics: list[TopicStatus]) -> dict[str, Any]:
             (t.oldest_pending_age_seconds for t in topics if t.oldest_pending_age_seconds),
             default=None,
         ),
+        "parked": sum(t.parked for t in topics),
+        "oldest_parked_age_seconds": max(
+            (t.oldest_parked_age_seconds for t in topics if t.oldest_parked_age_seconds),
+            default=None,
+        ),
         "blocked_keys": sum(t.blocked_keys for t in topics),
         "dead_blocked_keys": sum(t.dead_blocked_keys for t in topics),
         "held_keys": sum(t.held_keys for t in topics),
@@ -149,14 +159,16 @@ def as_table(
     dispatchers: list[Dispatcher] | None = None,
     policy: str | None = None,
 ) -> str:
-    """The table for a terminal: `waiting` and `in_flight` together are the pending rows."""
+    """The table for a terminal: `waiting` and `in_flight` together are the pending rows; `lag`
+    leaves out the `parked` ones (paused or held on purpose), which have their own age."""
     header = (
         "topic",
         "waiting",
         "in_flight",
         "dead",
         "published",
-        "oldest_pending",
+        "lag",
+        "parked",
         "blocked_keys",
         "paused",
     )
@@ -168,6 +180,7 @@ def as_table(
             str(t.dead),
             str(t.published),
             age_text(t.oldest_pending_age_seconds),
+            _parked(t.parked, t.oldest_parked_age_seconds),
             _blocked(t.blocked_keys, t.dead_blocked_keys, t.held_keys),
             "yes" if t.paused else "",
         )
@@ -183,6 +196,7 @@ def as_table(
             str(totals["dead"]),
             str(totals["published"]),
             age_text(age),
+            _parked(totals["parked"], totals["oldest_parked_age_seconds"]),
             _blocked(totals["blocked_keys"], totals["dead_blocked_keys"], totals["held_keys"]),
             "",
         )
@@ -228,6 +242,11 @@ def _dispatchers_line(dispatchers: list[Dispatcher], policy: str | None) -> str:
     if len(policies) > 1:
         line += f" (they differ: blocked keys counted under {policy})"
     return line
+
+
+def _parked(rows: int, age: float | None) -> str:
+    """'120 (3d04h)': rows waiting on purpose and the age of the oldest; empty when none."""
+    return f"{rows} ({age_text(age)})" if rows else ""
 
 
 def _blocked(blocked: int, dead_blocked: int, held: int = 0) -> str:

@@ -108,6 +108,14 @@ class Store:
         [row] = await self._fetch(self._queries.gauges, block_on_dead)
         return row
 
+    async def clock_tick(self) -> None:
+        """Note the highest committed id at the database's time: lag is measured from these."""
+        await self._fetch(self._queries.clock_tick)
+
+    async def clock_prune(self, *, first_pending_id: int | None) -> None:
+        """Forget clock entries that no pending row needs any more."""
+        await self._fetch(self._queries.clock_prune, first_pending_id)
+
     async def schema_version(self) -> int:
         [(version,)] = await self._fetch(self._queries.schema_version)
         return int(version)

@@ -120,5 +120,13 @@ BEGIN
         GRANT SELECT, INSERT, UPDATE, DELETE ON ${schema}.${table}_dispatchers TO ${dispatcher_role};
         GRANT INSERT ON ${schema}.${table}_operator_audit TO ${dispatcher_role};
     END IF;
+
+    -- Migration 0007 (lag from a time the database sets): requeue and replay record when they made
+    -- a row pending again (a bookkeeping column), and every dispatcher notes the highest committed
+    -- id in <table>_clock each metrics interval (and forgets entries no pending row needs).
+    IF to_regclass('${schema}.${table}_clock') IS NOT NULL THEN
+        GRANT UPDATE (pending_since) ON ${schema}.${table} TO ${dispatcher_role};
+        GRANT SELECT, INSERT, DELETE ON ${schema}.${table}_clock TO ${dispatcher_role};
+    END IF;
 END
 $grants$;

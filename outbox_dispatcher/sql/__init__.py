@@ -51,6 +51,8 @@ class Queries:
     schema_version: str
     status: str
     gauges: str
+    clock_tick: str
+    clock_prune: str
     inbox_record: str
     # Operator commands and table hygiene.
     status_keys: str
@@ -99,6 +101,8 @@ class Queries:
             "paused": qualified(f"{table}_paused"),
             "audit": qualified(f"{table}_operator_audit"),
             "dispatchers": qualified(f"{table}_dispatchers"),
+            "clock": qualified(f"{table}_clock"),
+            "since_fn": qualified(f"{table}_pending_since"),
         }
         rendered = {name: sql.format_map(names) for name, sql in QUERIES.items()}
         return cls(**rendered)

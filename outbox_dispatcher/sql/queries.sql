@@ -34,62 +34,192 @@ DELETE FROM {waiting} WHERE owner = $1
 
 -- dead_letter_crash_loops --
 -- Rows whose every owner died or hung while publishing them: dead-letter instead of taking them
--- over again (the claim leaves them alone).
-UPDATE {table}
+-- over again (the claim leaves them alone). Found without reading the table: a key with such a
+-- row has it first (a takeover starts at a key's first row and stops at one), and the claim that
+-- found nothing to take points the key's hint at it; so one primary-key probe per registered key,
+-- then that key's rows, plus rows without a key from their own index. (A scan of the table here
+-- read every row, history included, every reclaim interval.)
+WITH heads AS (
+    SELECT DISTINCT h.ordering_key
+      FROM {keys} k
+     CROSS JOIN LATERAL (
+        SELECT o.ordering_key FROM {table} o
+         WHERE o.id = k.head_id
+           AND o.published_at IS NULL AND o.dead_at IS NULL
+           AND o.lease_expires_at <= now() AND o.attempts + 1 >= $1
+         LIMIT 1) h
+),
+looping AS (
+    SELECT r.id
+      FROM heads h
+     CROSS JOIN LATERAL (
+        SELECT o.id FROM {table} o
+         WHERE o.ordering_key >= h.ordering_key AND o.ordering_key <= h.ordering_key
+           AND o.published_at IS NULL AND o.dead_at IS NULL
+           AND o.lease_expires_at <= now() AND o.attempts + 1 >= $1
+         ORDER BY o.ordering_key, o.id) r
+    UNION ALL
+    SELECT n.id FROM {table} n
+     WHERE n.ordering_key IS NULL AND n.published_at IS NULL AND n.dead_at IS NULL
+       AND n.lease_expires_at <= now() AND n.attempts + 1 >= $1
+)
+UPDATE {table} o
    SET dead_at = now(),
-       attempts = attempts + 1,
+       attempts = o.attempts + 1,
        lease_token = NULL,
        lease_expires_at = NULL,
        last_error = format('dead-lettered: the lease expired %s times (the dispatcher that held it '
                            'crashed or hung while publishing, last owner %s); last error: %s',
-                           attempts + 1, lease_owner, coalesce(last_error, 'none'))
- WHERE published_at IS NULL AND dead_at IS NULL
-   AND lease_expires_at <= now() AND attempts + 1 >= $1
-RETURNING id, event_id, topic, ordering_key, lease_owner
+                           o.attempts + 1, o.lease_owner, coalesce(o.last_error, 'none'))
+  FROM looping l
+ WHERE o.id = l.id AND o.published_at IS NULL AND o.dead_at IS NULL
+   AND o.lease_expires_at <= now() AND o.attempts + 1 >= $1
+RETURNING o.id, o.event_id, o.topic, o.ordering_key, o.lease_owner
 
 -- count_expired_leases --
-SELECT count(*) FROM {table}
- WHERE published_at IS NULL AND dead_at IS NULL AND lease_expires_at <= now()
+-- Leases whose owner died and that no claim took over yet: keys (from the registry's index of
+-- leases) and rows without a key (from their own index).
+SELECT (SELECT count(*) FROM {keys} k
+         WHERE k.lease_token IS NOT NULL AND k.lease_expires_at <= now())
+     + (SELECT count(*) FROM {table} n
+         WHERE n.ordering_key IS NULL AND n.published_at IS NULL AND n.dead_at IS NULL
+           AND n.lease_expires_at <= now())
 
 -- schema_version --
 SELECT coalesce(max(version), 0) FROM {version_table}
 
 -- status --
--- Per topic: pending (not yet published), in flight (live lease), dead, oldest pending age.
-SELECT topic,
-       count(*) FILTER (WHERE published_at IS NULL AND dead_at IS NULL) AS pending,
-       count(*) FILTER (WHERE published_at IS NULL AND dead_at IS NULL
-                          AND lease_expires_at > now()) AS in_flight,
-       count(*) FILTER (WHERE dead_at IS NOT NULL) AS dead,
-       count(*) FILTER (WHERE published_at IS NOT NULL) AS published,
-       extract(epoch FROM now() - min(created_at)
-                              FILTER (WHERE published_at IS NULL AND dead_at IS NULL))::float8
-           AS oldest_pending_age_seconds
-  FROM {table}
- GROUP BY topic
- ORDER BY topic
+-- Per topic: pending (not yet published; in flight included), in flight (live lease), dead,
+-- published; of the pending rows, those parked on purpose (topic or table paused, held without a
+-- failure: as in gauges), and the age of the oldest due row (the lag) and of the oldest parked
+-- row, from {since_fn} (a time the database sets) for the lowest fresh id and every row an
+-- operator made pending again.
+WITH waiting_keys AS MATERIALIZED (
+    SELECT k.ordering_key,
+           EXISTS (SELECT FROM {table} o
+                    WHERE o.id = k.head_id AND o.published_at IS NULL AND o.dead_at IS NULL
+                      AND (o.topic IN (SELECT topic FROM {paused})
+                           OR (o.attempts = 0 AND o.next_attempt_at > now()
+                               AND o.lease_token IS NULL))) AS parked
+      FROM {keys} k
+     WHERE k.head_topic IN (SELECT topic FROM {paused}) OR k.not_before > now()
+),
+parked_keys AS (
+    SELECT DISTINCT ordering_key FROM waiting_keys WHERE parked
+),
+flagged AS (
+    SELECT o.id, o.topic, o.created_at, o.pending_since, o.lease_expires_at,
+           o.published_at, o.dead_at,
+           o.published_at IS NULL AND o.dead_at IS NULL AS is_pending,
+           (pt.topic IS NOT NULL OR pk.ordering_key IS NOT NULL
+            OR (o.attempts = 0 AND o.next_attempt_at > now() AND o.lease_token IS NULL)
+            OR (SELECT EXISTS (SELECT FROM {paused} WHERE topic = '*'))) AS parked
+      FROM {table} o
+      LEFT JOIN {paused} pt ON pt.topic = o.topic
+      LEFT JOIN parked_keys pk ON pk.ordering_key = o.ordering_key
+                              AND o.published_at IS NULL AND o.dead_at IS NULL
+),
+per_topic AS (
+    SELECT topic,
+           count(*) FILTER (WHERE is_pending) AS pending,
+           count(*) FILTER (WHERE is_pending AND lease_expires_at > now()) AS in_flight,
+           count(*) FILTER (WHERE dead_at IS NOT NULL) AS dead,
+           count(*) FILTER (WHERE published_at IS NOT NULL) AS published,
+           count(*) FILTER (WHERE is_pending AND parked) AS parked,
+           min(id) FILTER (WHERE is_pending AND NOT parked AND pending_since IS NULL) AS due_fresh,
+           min(CASE WHEN is_pending AND NOT parked AND pending_since IS NOT NULL
+                    THEN {since_fn}(id, created_at, pending_since) END) AS due_rearmed,
+           min(id) FILTER (WHERE is_pending AND parked AND pending_since IS NULL) AS parked_fresh,
+           min(CASE WHEN is_pending AND parked AND pending_since IS NOT NULL
+                    THEN {since_fn}(id, created_at, pending_since) END) AS parked_rearmed
+      FROM flagged
+     GROUP BY topic
+)
+SELECT t.topic, t.pending, t.in_flight, t.dead, t.published, t.parked,
+       extract(epoch FROM now() - least(
+           (SELECT {since_fn}(o.id, o.created_at, NULL) FROM {table} o WHERE o.id = t.due_fresh),
+           t.due_rearmed))::float8 AS oldest_pending_age_seconds,
+       extract(epoch FROM now() - least(
+           (SELECT {since_fn}(o.id, o.created_at, NULL) FROM {table} o WHERE o.id = t.parked_fresh),
+           t.parked_rearmed))::float8 AS oldest_parked_age_seconds
+  FROM per_topic t
+ ORDER BY t.topic
 
 -- gauges --
--- The table gauges behind /metrics, each from a partial index: pending rows, the age of the oldest
--- (by id: from the oldest key head of the registry or the oldest row without a key), dead rows, keys waiting out a backoff, keys held without a failure
--- (an interrupted replay of version 0.1), and keys blocked by a dead row when $1
--- (dead_letter_policy = block); and the pauses operators set.
-SELECT (SELECT count(*) FROM {table} WHERE published_at IS NULL AND dead_at IS NULL) AS pending,
-       (SELECT extract(epoch FROM now() - o.created_at)::float8 FROM {table} o
-         WHERE o.published_at IS NULL AND o.dead_at IS NULL
-           AND o.id >= (SELECT least(min(k.head_id),
-                                     (SELECT min(n.id) FROM {table} n
-                                       WHERE n.ordering_key IS NULL
-                                         AND n.published_at IS NULL AND n.dead_at IS NULL))
-                          FROM {keys} k)
-         ORDER BY o.id LIMIT 1) AS oldest_pending_age_seconds,
+-- The table gauges behind /metrics. One pass over the pending rows sorts them by why they wait:
+-- `paused` (their topic or the whole table is paused, or the head of their key is in a paused
+-- topic), `held` (not due and never failed, or of a key whose head is: waiting on purpose, e.g.
+-- what an interrupted replay of version 0.1 left) and `due` (everything else: ready, in flight,
+-- in backoff, behind a dead row). Key heads come from the registry, checked by primary key.
+-- The lag that pages is the age of the oldest `due` row; parked rows (paused, held) have their own
+-- count and age. Ages run from {since_fn} (a time the database sets, not the writer's created_at):
+-- of the lowest id never made pending again, and of every row an operator made pending again.
+-- The same pass counts keys waiting out a backoff and keys held without a failure; then dead rows,
+-- keys blocked by a dead row when $1 (dead_letter_policy = block), and the pauses operators set.
+WITH waiting_keys AS MATERIALIZED (
+    -- Keys the registry says wait (head in a paused topic, or not due), each checked against its
+    -- head row by primary key: paused (true), held (false), or neither (NULL).
+    SELECT k.ordering_key,
+           (SELECT coalesce(o.topic IN (SELECT topic FROM {paused}), false) FROM {table} o
+             WHERE o.id = k.head_id AND o.published_at IS NULL AND o.dead_at IS NULL
+               AND (o.topic IN (SELECT topic FROM {paused})
+                    OR (o.attempts = 0 AND o.next_attempt_at > now() AND o.lease_token IS NULL)))
+               AS paused
+      FROM {keys} k
+     WHERE k.head_topic IN (SELECT topic FROM {paused}) OR k.not_before > now()
+),
+parked_keys AS (
+    SELECT ordering_key, bool_or(paused) AS paused FROM waiting_keys
+     WHERE paused IS NOT NULL GROUP BY ordering_key
+),
+pending AS (
+    SELECT o.id, o.created_at, o.pending_since, o.ordering_key, o.attempts, o.next_attempt_at,
+           o.lease_token,
+           pt.topic IS NOT NULL OR coalesce(pk.paused, false)
+               OR (SELECT EXISTS (SELECT FROM {paused} WHERE topic = '*')) AS paused,
+           (o.attempts = 0 AND o.next_attempt_at > now() AND o.lease_token IS NULL)
+               OR pk.ordering_key IS NOT NULL AS held
+      FROM {table} o
+      LEFT JOIN {paused} pt ON pt.topic = o.topic
+      LEFT JOIN parked_keys pk ON pk.ordering_key = o.ordering_key
+     WHERE o.published_at IS NULL AND o.dead_at IS NULL
+),
+agg AS (
+    SELECT count(*) AS rows, min(id) AS first_id,
+           min(id) FILTER (WHERE NOT paused AND NOT held AND pending_since IS NULL) AS due_fresh,
+           min(CASE WHEN NOT paused AND NOT held AND pending_since IS NOT NULL
+                    THEN {since_fn}(id, created_at, pending_since) END) AS due_rearmed,
+           count(*) FILTER (WHERE paused) AS paused_rows,
+           min(id) FILTER (WHERE paused AND pending_since IS NULL) AS paused_fresh,
+           min(CASE WHEN paused AND pending_since IS NOT NULL
+                    THEN {since_fn}(id, created_at, pending_since) END) AS paused_rearmed,
+           count(*) FILTER (WHERE held AND NOT paused) AS held_rows,
+           min(id) FILTER (WHERE held AND NOT paused AND pending_since IS NULL) AS held_fresh,
+           min(CASE WHEN held AND NOT paused AND pending_since IS NOT NULL
+                    THEN {since_fn}(id, created_at, pending_since) END) AS held_rearmed,
+           count(DISTINCT ordering_key)
+               FILTER (WHERE attempts > 0 AND next_attempt_at > now()) AS backoff_keys,
+           count(DISTINCT ordering_key)
+               FILTER (WHERE attempts = 0 AND next_attempt_at > now() AND lease_token IS NULL)
+               AS held_keys
+      FROM pending
+)
+SELECT a.rows AS pending,
+       a.first_id AS first_pending_id,
+       extract(epoch FROM now() - least(
+           (SELECT {since_fn}(o.id, o.created_at, NULL) FROM {table} o WHERE o.id = a.due_fresh),
+           a.due_rearmed))::float8 AS oldest_pending_age_seconds,
+       a.paused_rows,
+       extract(epoch FROM now() - least(
+           (SELECT {since_fn}(o.id, o.created_at, NULL) FROM {table} o WHERE o.id = a.paused_fresh),
+           a.paused_rearmed))::float8 AS oldest_paused_age_seconds,
+       a.held_rows,
+       extract(epoch FROM now() - least(
+           (SELECT {since_fn}(o.id, o.created_at, NULL) FROM {table} o WHERE o.id = a.held_fresh),
+           a.held_rearmed))::float8 AS oldest_held_age_seconds,
        (SELECT count(*) FROM {table} WHERE dead_at IS NOT NULL) AS dead,
-       (SELECT count(DISTINCT ordering_key) FROM {table}
-         WHERE published_at IS NULL AND dead_at IS NULL AND attempts > 0
-           AND next_attempt_at > now()) AS backoff_keys,
-       (SELECT count(DISTINCT ordering_key) FROM {table}
-         WHERE published_at IS NULL AND dead_at IS NULL AND attempts = 0
-           AND next_attempt_at > now() AND lease_token IS NULL) AS held_keys,
+       a.backoff_keys,
+       a.held_keys,
        (SELECT count(DISTINCT d.ordering_key) FROM {table} d
          WHERE $1 AND d.dead_at IS NOT NULL
            AND EXISTS (SELECT FROM {table} p
@@ -97,6 +227,24 @@ SELECT (SELECT count(*) FROM {table} WHERE published_at IS NULL AND dead_at IS N
                           AND p.published_at IS NULL AND p.dead_at IS NULL)) AS dead_blocked_keys,
        (SELECT count(*) FROM {paused} WHERE topic <> '*') AS paused_topics,
        EXISTS (SELECT FROM {paused} WHERE topic = '*') AS table_paused
+  FROM agg a
+
+-- clock_tick --
+-- Note the highest committed id at the database's time (before this statement's snapshot): a
+-- pending row above it was committed later, so its lag cannot start earlier (see {since_fn}).
+-- Never lower than an earlier entry, as retention may have deleted the newest rows.
+INSERT INTO {clock} (seq, at)
+SELECT greatest((SELECT max(id) FROM {table}), (SELECT max(seq) FROM {clock}), 0),
+       statement_timestamp()
+
+-- clock_prune --
+-- Forget entries that no pending row needs: those below the last entry under the lowest pending
+-- id $1 (NULL: nothing pending), and only once a day old, so that a row of a long transaction
+-- still uncommitted below that id keeps its bound.
+DELETE FROM {clock}
+ WHERE at < now() - interval '1 day'
+   AND seq < (SELECT max(c.seq) FROM {clock} c
+               WHERE c.seq < coalesce($1::bigint, (SELECT max(seq) + 1 FROM {clock})))
 
 -- inbox_record --
 -- Consumer side: remember an event id in the same transaction as the handler's writes; no row
@@ -203,6 +351,7 @@ done AS (
        SET dead_at = NULL,
            attempts = 0,
            next_attempt_at = now(),
+           pending_since = now(),
            lease_token = NULL,
            lease_expires_at = NULL,
            last_error = format('requeued by operator at %s (dead since %s: %s)',
@@ -260,6 +409,7 @@ done AS (
        SET published_at = NULL,
            attempts = 0,
            next_attempt_at = now(),
+           pending_since = now(),
            lease_token = NULL,
            lease_expires_at = NULL,
            last_error = format('replayed by operator at %s (published before at %s)',
@@ -274,7 +424,7 @@ SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM done) AS ro
 -- Rows that an interrupted replay of version 0.1 (which held rows pending but not due for ten
 -- minutes, then released them batch by batch) left held: due now, in topic $1 or all.
 WITH released AS (
-    UPDATE {table} SET next_attempt_at = now()
+    UPDATE {table} SET next_attempt_at = now(), pending_since = now()
      WHERE published_at IS NULL AND dead_at IS NULL AND lease_token IS NULL
        AND attempts = 0 AND next_attempt_at > now()
        AND last_error LIKE 'replayed by operator at %'

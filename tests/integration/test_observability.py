@@ -123,6 +123,9 @@ async def test_lag_and_blocked_keys_are_visible(
         "VALUES ($1, 'stuck', 'x', now(), 'by test', now() - interval '1 hour')",
         topic,
     )
+    # A dispatcher noted the highest committed id 10 minutes ago: rows written after that note
+    # may be that old by the database's clock (lag is never measured from created_at alone).
+    await backdate_clock(conn, minutes=10)
     await conn.execute(
         "INSERT INTO outbox (topic, ordering_key, payload, created_at) "
         "VALUES ($1, 'stuck', 'y', now() - interval '10 minutes')",
@@ -151,6 +154,67 @@ async def test_lag_and_blocked_keys_are_visible(
     assert samples[("outbox_dead_rows", ())] == 1
     assert samples[("outbox_paused", (("scope", "topic"),))] == 0
     assert after_pause[("outbox_paused", (("scope", "table"),))] == 0
+
+
+async def backdate_clock(conn: asyncpg.Connection, *, minutes: float) -> None:
+    """A clock entry as a dispatcher would have noted it `minutes` ago: rows written after it
+    were committed at most that long ago, by the database's clock. Later entries (the template
+    database's, from its migration) go, as time runs one way."""
+    await conn.execute(
+        "DELETE FROM outbox_clock WHERE at >= now() - $1 * interval '1 minute'", minutes
+    )
+    await conn.execute(
+        "INSERT INTO outbox_clock (seq, at) SELECT coalesce(max(id), 0), "
+        "now() - $1 * interval '1 minute' FROM outbox",
+        minutes,
+    )
+
+
+async def test_paused_and_held_rows_are_parked_not_lag(
+    conn: asyncpg.Connection, topic: str, make_topic: Any, make_settings: Any
+) -> None:
+    """A planned pause and held rows do not page as lag: they have their own gauges (issue 12)."""
+    held_topic = await make_topic()
+    await backdate_clock(conn, minutes=20)
+    await conn.execute(
+        "INSERT INTO outbox (topic, ordering_key, payload, created_at) "
+        "SELECT $1, 'k' || i, 'x', now() - interval '20 minutes' FROM generate_series(1, 3) i",
+        topic,
+    )
+    # Held without a failure (what an interrupted replay of version 0.1 left), and a newer row of
+    # the same key, which waits behind it.
+    await conn.execute(
+        "INSERT INTO outbox (topic, ordering_key, payload, created_at, next_attempt_at) "
+        "VALUES ($1, 'h', 'x', now() - interval '20 minutes', now() + interval '1 hour')",
+        held_topic,
+    )
+    await conn.execute(
+        "INSERT INTO outbox (topic, ordering_key, payload) VALUES ($1, 'h', 'y')", held_topic
+    )
+    await conn.execute("INSERT INTO outbox_paused (topic, paused_by) VALUES ($1, 'test')", topic)
+    settings = make_settings(metrics_interval_seconds=0.2)
+    async with running(settings) as dispatcher:
+        port = await port_of(dispatcher)
+
+        async def parked() -> bool:
+            samples = await scrape(port)
+            return (
+                samples.get(("outbox_parked_rows", (("reason", "paused"),))) == 3
+                and samples.get(("outbox_parked_rows", (("reason", "held"),))) == 2
+            )
+
+        await wait_until(parked, 30, "the parked rows to show")
+        samples = await scrape(port)
+        await conn.execute("DELETE FROM outbox_paused")
+
+        async def resumed() -> bool:
+            return (await scrape(port)).get(("outbox_parked_rows", (("reason", "paused"),))) == 0
+
+        await wait_until(resumed, 30, "the resume to show")
+    assert samples[("outbox_pending_rows", ())] == 5
+    assert samples[("outbox_oldest_pending_age_seconds", ())] == 0  # nothing pages
+    assert 1190 < samples[("outbox_oldest_parked_age_seconds", (("reason", "paused"),))] < 1500
+    assert 1190 < samples[("outbox_oldest_parked_age_seconds", (("reason", "held"),))] < 1500
 
 
 async def test_readyz_fails_while_the_schema_version_is_wrong(

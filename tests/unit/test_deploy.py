@@ -509,6 +509,35 @@ def test_alert_rules_use_only_exported_metrics_and_labels() -> None:
         assert command in descriptions, command
 
 
+def test_lag_alerts_page_only_on_rows_that_should_be_moving() -> None:
+    """Issue 12: a planned pause, held rows or a replay of old rows page no one as lag; the rules
+    use the lag gauge (which leaves parked rows out) and docs/operations.md says what each means."""
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yaml").read_text())
+    alerts = {r["alert"]: r for g in rules["groups"] for r in g["rules"]}
+    for name in ("OutboxLagHigh", "OutboxLagCritical"):
+        assert "outbox_oldest_pending_age_seconds" in alerts[name]["expr"], name
+        assert "parked" not in alerts[name]["expr"], name
+        assert "paused" in alerts[name]["annotations"]["description"].lower(), name
+    # Pending rows minus parked ones: a paused topic alone is no outage.
+    assert "- sum without (reason)" in alerts["OutboxNoProgress"]["expr"]
+    assert "outbox_parked_rows" in alerts["OutboxNoProgress"]["expr"]
+    parked = [r for r in alerts.values() if "parked" in r["expr"] and "pending" not in r["expr"]]
+    assert parked, "no alert on rows parked for long (a forgotten pause)"
+    assert {r["labels"]["severity"] for r in parked} == {"warning"}
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    section = operations.split("## Lag and parked rows", 1)[1].split("\n## ", 1)[0]
+    for gauge in (
+        "outbox_pending_rows",
+        "outbox_oldest_pending_age_seconds",
+        'outbox_parked_rows{reason="paused"}',
+        'outbox_parked_rows{reason="held"}',
+        "outbox_oldest_parked_age_seconds{reason}",
+    ):
+        assert f"| `{gauge}` |" in section, gauge
+    for word in ("created_at", "pending_since", "<table>_clock", "OutboxParkedLong"):
+        assert word in section, word
+
+
 def dashboard_queries(node: Any) -> Iterator[tuple[str, str]]:
     """(expr, legendFormat) of every panel target and templating query, nested rows included."""
     if isinstance(node, dict):
