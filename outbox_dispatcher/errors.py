@@ -48,6 +48,17 @@ class UnpublishableRowError(OutboxDispatcherError):
     """The row can never become a Kafka record as it is: fix it, then requeue it."""
 
 
+class TopicMissingError(OutboxDispatcherError):
+    """The topic does not exist and the broker did not create it: create it or fix the row."""
+
+
+class NotAttempted(OutboxDispatcherError):  # noqa: N818 - an outcome, not an error
+    """The record was not sent: an earlier record of its key failed or is not acknowledged, or
+    the dispatcher stopped; it keeps its place and is retried, not counted."""
+
+    retriable = True
+
+
 class LoopDiedError(OutboxDispatcherError):
     """A dispatcher loop stopped unexpectedly; the process exits so that it is restarted."""
 

@@ -17,6 +17,8 @@ from aiokafka import errors as kafka_errors
 from aiokafka.partitioner import murmur2
 
 from outbox_dispatcher import broker, errors
+from outbox_dispatcher.errors import NotAttempted as NotAttempted
+from outbox_dispatcher.errors import TopicMissingError as TopicMissingError
 from outbox_dispatcher.models import OutboxRecord
 from outbox_dispatcher.routing import Router
 from outbox_dispatcher.settings import Settings
@@ -29,14 +31,6 @@ STOP_FLUSH_SECONDS = 5.0
 # and let the claim loop go on, so that one partition that does not acknowledge holds back only
 # its own keys (review F10).
 EARLY_SETTLE_SECONDS = 0.25
-
-
-class NotAttempted(Exception):  # noqa: N818 - an outcome, not an error
-    """The record was not sent because an earlier record of its key failed; it keeps its place."""
-
-
-class TopicMissingError(Exception):
-    """The topic does not exist and the broker did not create it: create it or fix the row."""
 
 
 @dataclass
