@@ -13,7 +13,7 @@ import socket
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import asyncpg
@@ -46,6 +46,19 @@ READINESS_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.PostgresError,
     *db.RETRIABLE_ERRORS,
 )
+
+
+# Batches one claim loop may have waiting for partitions that do not acknowledge while it claims
+# on (each holds only the keys of those partitions once its other keys are settled).
+MAX_STALLED_BATCHES = 8
+
+
+def _reap(batches: set[asyncio.Future[float]]) -> None:
+    """Drop finished batches, raising what one raised (a dead batch stops the loop, as
+    before)."""
+    for task in [t for t in batches if t.done()]:
+        batches.discard(task)
+        task.result()
 
 
 def instance_id() -> str:
@@ -232,6 +245,7 @@ class Dispatcher:
         m = self.metrics
         backoff = s.backoff_initial_seconds
         loop = asyncio.get_running_loop()
+        batches: set[asyncio.Future[float]] = set()  # this loop's batches being published
         try:
             while not self.stopping.is_set():
                 self.heartbeats.beat(name)
@@ -269,11 +283,41 @@ class Dispatcher:
                     m.reclaims.inc(reclaimed)
                 if len(batch.records) >= s.batch_size:
                     self.wakeup.notify()  # a full batch: there is probably more for another loop
-                outage = await self._process(
-                    batch, publisher, marker, lambda: self.heartbeats.beat(name)
+                stalled = asyncio.Event()
+                task = asyncio.ensure_future(
+                    self._process(
+                        batch, publisher, marker, lambda: self.heartbeats.beat(name), stalled
+                    )
                 )
-                if outage:
-                    await pause(self.stopping, outage)
+                batches.add(task)
+                stall = asyncio.ensure_future(stalled.wait())
+                try:
+                    await asyncio.wait({task, stall}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    stall.cancel()
+                if task.done():
+                    batches.discard(task)
+                    _reap(batches)
+                    outage = task.result()
+                    if outage:
+                        await pause(self.stopping, outage)
+                    continue
+                # The batch waits for a partition that does not acknowledge; its other keys are
+                # settled. Claim on (its waiting keys stay leased), up to MAX_STALLED_BATCHES.
+                log.debug("batch_stalled", rows=len(batch.records), stalled_batches=len(batches))
+                _reap(batches)
+                while len(batches) >= MAX_STALLED_BATCHES:
+                    await asyncio.wait(batches, return_when=asyncio.FIRST_COMPLETED)
+                    _reap(batches)
+            if batches:  # graceful shutdown: let stalled batches finish (within the grace period)
+                await asyncio.wait(batches)
+                _reap(batches)
+        except BaseException:
+            for unfinished in batches:
+                unfinished.cancel()
+            if batches:
+                await asyncio.wait(batches)
+            raise
         finally:
             self.heartbeats.forget(name)
 
@@ -283,34 +327,88 @@ class Dispatcher:
         publisher: KafkaPublisher,
         marker: Marker,
         heartbeat: Callable[[], None] = lambda: None,
+        stalled: asyncio.Event | None = None,
     ) -> float:
-        """Publish one batch and settle it; returns how long to pause for a broker outage."""
-        m = self.metrics
+        """Publish one batch and settle it; returns how long to pause for a broker outage.
+
+        If acks are still missing after EARLY_SETTLE_SECONDS, the keys whose rows are all
+        acknowledged are settled at once (their keys released), and `stalled` is set when other
+        partitions answer, so that the claim loop goes on while this batch waits for a partition
+        that does not acknowledge (review F10): only the keys that map to it wait."""
         records = batch.records
         loop = asyncio.get_running_loop()
         self.in_flight.add(batch.token, [r.id for r in records])
         claimed_at = loop.time()
-        try:
-            sent = Sent()
-            started = claimed_at
-            try:
-                await publisher.send(records, sent)
-                outcomes = await publisher.wait(sent, heartbeat)
-            except asyncio.CancelledError:
-                # Shutdown past the grace period: mark what was acknowledged, give back the rest.
-                outcomes = publisher.outcomes(
-                    sent, NotAttempted("dispatcher shut down"), total=len(records)
+        sent = Sent()
+        settled_early: set[int] = set()
+
+        async def early() -> None:
+            done = acknowledged_keys(records, sent, settled_early)
+            if done:
+                part = Batch(batch.token, [records[i] for i in done])
+                outcomes = publisher.outcomes(Sent([sent.futures[i] for i in done]), NotAttempted())
+                await self._settle(part, outcomes, marker, claimed_at, time.time(), early=True)
+                settled_early.update(done)
+                self.in_flight.add(
+                    batch.token, [r.id for i, r in enumerate(records) if i not in settled_early]
                 )
-                await marker.settle_shielded(batch, self.retry_policy.results(records, outcomes))
+            if stalled is not None and (done or await publisher.broker_reachable(1.0)):
+                stalled.set()
+
+        try:
+            try:
+                outcomes = await publisher.publish(records, sent, heartbeat, early)
+            except asyncio.CancelledError:
+                # Shutdown past the grace period: close the producer first (bounded), so that no
+                # copy of a row given back can still be delivered by it after another dispatcher
+                # re-claimed the row; then mark what was acknowledged, give back the rest.
+                await publisher.retire(sent, "the dispatcher stopped", replace=False)
+                stopped = NotAttempted("dispatcher shut down")
+                outcomes = [
+                    stopped
+                    if o is not None and errors.classify(o) is errors.Failure.TRANSIENT
+                    else o
+                    for o in publisher.outcomes(sent, stopped, total=len(records))
+                ]
+                rest = [i for i in range(len(records)) if i not in settled_early]
+                part = Batch(batch.token, [records[i] for i in rest])
+                if part.records:
+                    await marker.settle_shielded(
+                        part, self.retry_policy.results(part.records, [outcomes[i] for i in rest])
+                    )
                 raise
-            acked_at = time.time()
-            m.publish_duration.observe(loop.time() - started)
-            results = self.retry_policy.results(records, outcomes)
-            started = loop.time()
-            settled = await marker.settle_shielded(batch, results)
-            m.mark_duration.observe(loop.time() - started)
+            rest = [i for i in range(len(records)) if i not in settled_early]
+            part = Batch(batch.token, [records[i] for i in rest])
+            if not part.records:
+                return 0.0
+            results = await self._settle(
+                part, [outcomes[i] for i in rest], marker, claimed_at, time.time()
+            )
         finally:
             self.in_flight.discard(batch.token)
+        if any(res.error and not res.counted for res in results):
+            return self.retry_policy.outage_delay()
+        return 0.0
+
+    async def _settle(
+        self,
+        batch: Batch,
+        outcomes: Sequence[BaseException | None],
+        marker: Marker,
+        claimed_at: float,
+        acked_at: float,
+        *,
+        early: bool = False,
+    ) -> list[Result]:
+        """Settle (part of) a batch, then its metrics and logs."""
+        m = self.metrics
+        records = batch.records
+        loop = asyncio.get_running_loop()
+        m.publish_duration.observe(loop.time() - claimed_at)
+        results = self.retry_policy.results(records, outcomes)
+        started = loop.time()
+        settled = await marker.settle_shielded(batch, results)
+        m.mark_duration.observe(loop.time() - started)
         published = sum(1 for o in outcomes if o is None)
         self.published += published
         if settled:
@@ -321,14 +419,13 @@ class Dispatcher:
             rows=len(records),
             published=published,
             settled=settled,
+            early=early,
             reclaimed=sum(r.reclaimed for r in records),
             duration_ms=round((loop.time() - claimed_at) * 1000, 1),
             first_id=records[0].id,
             last_id=records[-1].id,
         )
-        if any(res.error and not res.counted for res in results):
-            return self.retry_policy.outage_delay()
-        return 0.0
+        return results
 
     @staticmethod
     def _log_failures(records: list[OutboxRecord], results: list[Result]) -> None:
@@ -356,3 +453,31 @@ class Dispatcher:
                 topics=sorted({r.topic or "(routed)" for r in failed}),
                 first_event_ids=[str(r.event_id) for r in failed[:3]],
             )
+
+
+def acknowledged_keys(records: Sequence[OutboxRecord], sent: Sent, already: set[int]) -> list[int]:
+    """Indices of rows not yet settled whose key has every row of the batch acknowledged
+    (keyless rows: the row itself). A key with any row pending, failed or not yet sent waits
+    for the whole batch: its rows are settled together, in one statement."""
+
+    def acked(i: int) -> bool:
+        item = sent.futures[i] if i < len(sent.futures) else None
+        return (
+            isinstance(item, asyncio.Future)
+            and item.done()
+            and not item.cancelled()
+            and item.exception() is None
+        )
+
+    key_done: dict[str, bool] = {}
+    for i, record in enumerate(records):
+        key = record.ordering_key
+        if key is not None:
+            key_done[key] = key_done.get(key, True) and acked(i)
+    return [
+        i
+        for i, record in enumerate(records)
+        if i not in already
+        and acked(i)
+        and (record.ordering_key is None or key_done[record.ordering_key])
+    ]

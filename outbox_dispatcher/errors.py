@@ -48,6 +48,17 @@ class UnpublishableRowError(OutboxDispatcherError):
     """The row can never become a Kafka record as it is: fix it, then requeue it."""
 
 
+class TopicMissingError(OutboxDispatcherError):
+    """The topic does not exist and the broker did not create it: create it or fix the row."""
+
+
+class NotAttempted(OutboxDispatcherError):  # noqa: N818 - an outcome, not an error
+    """The record was not sent: an earlier record of its key failed or is not acknowledged, or
+    the dispatcher stopped; it keeps its place and is retried, not counted."""
+
+    retriable = True
+
+
 class LoopDiedError(OutboxDispatcherError):
     """A dispatcher loop stopped unexpectedly; the process exits so that it is restarted."""
 
@@ -105,6 +116,14 @@ PRODUCER_STATE_ERRORS = (
     kafka_errors.InvalidProducerEpoch,
     kafka_errors.InvalidProducerIdMapping,
     kafka_errors.ProducerFenced,
+)
+
+# Refusals that concern a whole topic, not one record of a batch: every record of the topic gets
+# them, so sending a batch's records one at a time would only repeat the refusal.
+TOPIC_ERRORS = (
+    kafka_errors.TopicAuthorizationFailedError,
+    kafka_errors.InvalidTopicError,
+    kafka_errors.UnsupportedForMessageFormatError,
 )
 
 

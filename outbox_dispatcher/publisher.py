@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
 from aiokafka import AIOKafkaProducer
 from aiokafka import errors as kafka_errors
+from aiokafka.partitioner import murmur2
 
 from outbox_dispatcher import broker, errors
+from outbox_dispatcher.errors import NotAttempted as NotAttempted
+from outbox_dispatcher.errors import TopicMissingError as TopicMissingError
 from outbox_dispatcher.models import OutboxRecord
 from outbox_dispatcher.routing import Router
 from outbox_dispatcher.settings import Settings
@@ -24,21 +27,20 @@ from outbox_dispatcher.tracing import Tracer
 log = structlog.get_logger(__name__)
 
 STOP_FLUSH_SECONDS = 5.0
-
-
-class NotAttempted(Exception):  # noqa: N818 - an outcome, not an error
-    """The record was not sent because an earlier record of its key failed; it keeps its place."""
-
-
-class TopicMissingError(Exception):
-    """The topic does not exist and the broker did not create it: create it or fix the row."""
+# Acks slower than this (normal ones take milliseconds) settle the keys already acknowledged
+# and let the claim loop go on, so that one partition that does not acknowledge holds back only
+# its own keys (review F10).
+EARLY_SETTLE_SECONDS = 0.25
 
 
 @dataclass
 class Sent:
-    """Per record: the delivery future, or the exception that prevented sending."""
+    """Per record: the delivery future, the exception that prevented sending, or None while it
+    has not been handed to the producer."""
 
-    futures: list[asyncio.Future[object] | BaseException] = field(default_factory=list)
+    futures: list[asyncio.Future[object] | BaseException | None] = field(default_factory=list)
+    # The producers that hold its futures: closing them settles every future (see retire).
+    producers: list[AIOKafkaProducer] = field(default_factory=list)
 
 
 def record_headers(record: OutboxRecord, event_id_header: str) -> list[tuple[str, bytes]]:
@@ -89,6 +91,7 @@ class KafkaPublisher:
         self._context: ssl.SSLContext | None = None
         self._broken: BaseException | None = None  # the producer's state is lost: replace it
         self._replacing = asyncio.Lock()
+        self._closing: dict[int, asyncio.Future[None]] = {}  # id(producer): its bounded close
 
     def _build(self, context: ssl.SSLContext | None) -> AIOKafkaProducer:
         s = self._settings
@@ -150,21 +153,12 @@ class KafkaPublisher:
         self._producer = producer
 
     async def stop(self) -> None:
-        """Flush and close. aiokafka's stop() waits for every buffered record to be delivered,
-        which never happens while the broker is away: past a bound, fail what is left (those
-        rows were already given back, unmarked, by the shutdown) so that SIGTERM still ends."""
-        if self._producer is None:
-            return
-        producer, self._producer = self._producer, None
-        stopping = asyncio.ensure_future(producer.stop())
-        done, _ = await asyncio.wait({stopping}, timeout=STOP_FLUSH_SECONDS)
-        if not done:
-            log.warning("producer_flush_abandoned", reason="the broker did not take the records")
-            broker.fail_buffered(
-                producer,
-                errors.BrokerUnavailableError("the dispatcher stopped while the broker was away"),
-            )
-        await stopping
+        """Flush and close (bounded, see _close), with any producer still being retired."""
+        if self._producer is not None:
+            producer, self._producer = self._producer, None
+            self._close(producer, "the dispatcher stopped while the broker was away")
+        if self._closing:
+            await asyncio.wait(list(self._closing.values()))
 
     def _note(self, outcome: BaseException | None) -> None:
         if isinstance(outcome, errors.PRODUCER_STATE_ERRORS):
@@ -172,26 +166,66 @@ class KafkaPublisher:
 
     async def _replace_if_broken(self) -> None:
         """An idempotent producer whose sequence state the broker no longer accepts (e.g. after
-        the broker restarted and lost its producer state) fails every later send: start a fresh
-        producer (new producer id). Its failed records are retried in order, never counted."""
+        the broker restarted and lost its producer state, or refused a batch whose sequence
+        numbers were used up) fails every later send: start a fresh producer (new producer id).
+        Its failed records are retried in order, never counted. The old producer is closed
+        outside the lock and within a bound: its flush may wait for a broker that is away, and
+        the other claim loops must not wait with it (review F11)."""
+        if self._broken is None:
+            return
         async with self._replacing:
             if self._broken is None:
                 return
             reason = errors.describe(self._broken)
             fresh = self._build(self._context)
             try:
-                await fresh.start()
-            except (kafka_errors.KafkaError, OSError) as exc:
-                await fresh.stop()
+                async with asyncio.timeout(max(self._settings.publish_timeout_seconds, 10.0)):
+                    await fresh.start()
+            except (kafka_errors.KafkaError, OSError, TimeoutError) as exc:
+                await _close(fresh, "the fresh producer could not start")
                 raise errors.BrokerUnavailableError(errors.describe(exc)) from exc
             old, self._producer = self._producer, fresh
             self._broken = None
             log.warning("producer_replaced", reason=reason)
-            if old is not None:
-                try:
-                    await old.stop()
-                except kafka_errors.KafkaError as exc:
-                    log.debug("old_producer_stop_failed", error=errors.describe(exc))
+        if old is not None:
+            await self._close(old, "the producer was replaced; the broker did not take its records")
+
+    def _close(self, producer: AIOKafkaProducer, reason: str) -> asyncio.Future[None]:
+        """The producer's bounded close (_close), started once however many callers ask."""
+        closing = self._closing.get(id(producer))
+        if closing is None:
+            closing = asyncio.ensure_future(_close(producer, reason))
+            self._closing[id(producer)] = closing
+            closing.add_done_callback(lambda _: self._closing.pop(id(producer), None))
+        return closing
+
+    async def retire(self, sent: Sent, reason: str, *, replace: bool = True) -> bool:
+        """Close the producers holding sent's futures (with a fresh producer for later sends when
+        `replace`), so that every future is settled: acknowledged, or failed for good. Only then
+        may unacknowledged rows be given back: an open idempotent producer retries a drained
+        batch for ever, and would deliver it after the re-claim did (review F4). False if no
+        fresh producer could be started (the caller keeps waiting)."""
+        used = [p for p in dict.fromkeys(sent.producers) if p is not None]
+        if replace and self._producer in used:
+            async with self._replacing:
+                if self._producer in used:
+                    fresh = self._build(self._context)
+                    try:
+                        async with asyncio.timeout(
+                            max(self._settings.publish_timeout_seconds, 10.0)
+                        ):
+                            await fresh.start()
+                    except (kafka_errors.KafkaError, OSError, TimeoutError) as exc:
+                        await self._close(fresh, "the fresh producer could not start")
+                        log.warning("producer_replacement_failed", error=errors.describe(exc))
+                        return False
+                    self._producer = fresh
+                    self._broken = None
+                    log.warning("producer_replaced", reason=reason)
+        closing = [self._close(p, reason) for p in used]
+        if closing:
+            await asyncio.wait(closing)  # not gather: a cancelled caller must not cancel them
+        return True
 
     async def broker_reachable(self, seconds: float = 5.0) -> bool:
         try:
@@ -271,98 +305,137 @@ class KafkaPublisher:
                 )
         return missing
 
-    async def send(self, records: Sequence[OutboxRecord], sent: Sent) -> None:
-        """Hand every record to the producer in order, filling `sent` as it goes (so that a
-        cancelled send still knows what it sent); a key stops at its first failure."""
-        if self._broken is not None:
+    async def publish(
+        self,
+        records: Sequence[OutboxRecord],
+        sent: Sent,
+        heartbeat: Callable[[], None] = lambda: None,
+        early: Callable[[], Awaitable[None]] | None = None,
+    ) -> list[BaseException | None]:
+        """Publish a claim and return each record's outcome (None: acknowledged). `early` is
+        called when a wave's acks take longer than EARLY_SETTLE_SECONDS (the caller settles the
+        keys already acknowledged).
+
+        A key's rows go out in waves, one per topic it visits in this claim: its rows for the
+        next topic are handed to the producer only once every earlier row of the key is
+        acknowledged, and not at all once one failed. Within one topic (one partition) the
+        idempotent producer keeps the order. `sent` is filled as records are handed over, so
+        that a cancelled publish still knows what it sent."""
+        sent.futures = [None] * len(records)
+        if not records:
+            return []
+        topics = [self._route(record) for record in records]
+        try:
+            await self._replace_if_broken()
+        except errors.BrokerUnavailableError as exc:
+            sent.futures = [exc] * len(records)
+            return self.outcomes(sent, exc)
+        topic_errors = await self._topic_errors({t for t in topics if isinstance(t, str)})
+        failed_keys: set[str] = set()
+        producer = self.producer
+        extra = CLOUDEVENTS_OVERHEAD if self._settings.cloudevents else 0
+        waves = _waves(
+            records,
+            topics,
+            self._settings.kafka_max_batch_bytes,
+            lambda topic: broker.known_partitions(producer, topic),
+            extra,
+        )
+        for wave in waves:
             try:
                 await self._replace_if_broken()
             except errors.BrokerUnavailableError as exc:
-                sent.futures.extend([exc] * len(records))
-                return
-        producer = self.producer
-        header_name = self._settings.event_id_header
-        cloudevents = self._settings.cloudevents
-        tracer = self._tracer
-        topics = [self._route(record) for record in records]
-        topic_errors = await self._topic_errors({t for t in topics if isinstance(t, str)})
-        failed_keys: set[str] = set()
-        for record, topic in zip(records, topics, strict=True):
-            key = record.ordering_key
-            if key is not None and key in failed_keys:
-                sent.futures.append(NotAttempted())
-                continue
-            problem = topic if isinstance(topic, BaseException) else topic_errors.get(topic)
-            if problem is None and key is None and record.payload is None:
-                problem = errors.UnpublishableRowError(
-                    "a tombstone (NULL payload) needs an ordering_key: Kafka clients refuse a "
-                    "record with neither key nor value; give the row a key or a payload"
-                )
-            if problem is None and isinstance(topic, str):
-                span = tracer.start(record, topic)
-                try:
-                    headers = record_headers(record, header_name)
-                    if cloudevents:
-                        headers = [h for h in headers if h[0] != "ce_id"] + cloudevents_headers(
-                            record, self._settings
-                        )
-                    future = await producer.send(
-                        topic,
-                        value=record.payload,
-                        key=key.encode() if key is not None else None,
-                        headers=headers,
-                    )
-                except (
-                    kafka_errors.KafkaError,
-                    errors.UnpublishableRowError,
-                    ValueError,
-                    TypeError,
-                    AssertionError,
-                ) as exc:
-                    problem = exc
-                    self._note(exc)
-                    tracer.fail(span, exc)
-                else:
-                    tracer.end_on_ack(span, future)
-                    sent.futures.append(future)
+                for i in wave:
+                    sent.futures[i] = exc
+                break
+            for i in wave:
+                record, topic = records[i], topics[i]
+                key = record.ordering_key
+                if key is not None and key in failed_keys:
+                    sent.futures[i] = NotAttempted()
                     continue
-            assert problem is not None  # noqa: S101 - a topic either routed or failed
-            if key is not None:
-                failed_keys.add(key)
-            sent.futures.append(problem)
+                problem = topic if isinstance(topic, BaseException) else topic_errors.get(topic)
+                item = problem if problem is not None else await self._send_one(record, topic, sent)
+                sent.futures[i] = item
+                if isinstance(item, BaseException) and key is not None:
+                    failed_keys.add(key)
+            if await self._await_acks(sent, wave, heartbeat, early):
+                break  # given up on after publish_timeout: the rest is not attempted
+            await self._retry_rejected_alone(records, topics, wave, sent, heartbeat)
+            for i in wave:
+                answer = sent.futures[i]
+                if isinstance(answer, asyncio.Future) and answer.done() and not answer.cancelled():
+                    self._note(answer.exception())
+                    if _rejected(answer):  # its sequence numbers were used up: a new producer id
+                        self._broken = answer.exception()
+                key = records[i].ordering_key
+                if key is not None and _failed(answer):
+                    failed_keys.add(key)
+        return self._final_outcomes(sent)
 
-    def _route(self, record: OutboxRecord) -> str | errors.RoutingError:
+    async def _send_one(
+        self, record: OutboxRecord, topic: str | BaseException, sent: Sent
+    ) -> asyncio.Future[object] | BaseException:
+        """Hand one record to the producer: its delivery future, or why it could not be sent."""
+        if isinstance(topic, BaseException):
+            return topic
+        key = record.ordering_key
+        if key is None and record.payload is None:
+            return errors.UnpublishableRowError(
+                "a tombstone (NULL payload) needs an ordering_key: Kafka clients refuse a "
+                "record with neither key nor value; give the row a key or a payload"
+            )
+        span = self._tracer.start(record, topic)
+        producer = self.producer
+        if not sent.producers or sent.producers[-1] is not producer:
+            sent.producers.append(producer)
         try:
-            return self._router.topic_for(record.topic, record.headers)
-        except errors.RoutingError as exc:
+            headers = record_headers(record, self._settings.event_id_header)
+            if self._settings.cloudevents:
+                headers = [h for h in headers if h[0] != "ce_id"] + cloudevents_headers(
+                    record, self._settings
+                )
+            future: asyncio.Future[object] = await producer.send(
+                topic,
+                value=record.payload,
+                key=key.encode() if key is not None else None,
+                headers=headers,
+            )
+        except (
+            kafka_errors.KafkaError,
+            errors.UnpublishableRowError,
+            # A producer being closed by another loop (retire) fails a send that waited on it.
+            errors.BrokerUnavailableError,
+            ValueError,
+            TypeError,
+            AssertionError,
+        ) as exc:
+            self._note(exc)
+            self._tracer.fail(span, exc)
             return exc
+        self._tracer.end_on_ack(span, future)
+        return future
 
-    @staticmethod
-    def outcomes(
-        sent: Sent, unacknowledged: BaseException, total: int | None = None
-    ) -> list[BaseException | None]:
-        """None for an acknowledged record, else why it is not acknowledged. Records past the
-        end of `sent` (of `total`) were never handed to the producer."""
-        results: list[BaseException | None] = []
-        for item in sent.futures:
-            if isinstance(item, BaseException):
-                results.append(item)
-            elif not item.done() or item.cancelled():
-                results.append(unacknowledged)
-            else:
-                results.append(item.exception())
-        missing = (total or 0) - len(results)
-        results.extend([unacknowledged] * max(0, missing))
-        return results
-
-    async def wait(
-        self, sent: Sent, heartbeat: Callable[[], None] = lambda: None
-    ) -> list[BaseException | None]:
-        """Wait for the broker's answers. While the broker is unreachable, keep waiting: the
-        producer retries by itself and the lease keeper keeps the rows ours, so an outage ends in
-        delivery, not in duplicates. If the broker answers but the records stay unacknowledged
-        past publish_timeout, give up on them (they are given back and retried)."""
-        pending = {f for f in sent.futures if isinstance(f, asyncio.Future)}
+    async def _await_acks(
+        self,
+        sent: Sent,
+        indices: Sequence[int],
+        heartbeat: Callable[[], None],
+        early: Callable[[], Awaitable[None]] | None = None,
+    ) -> bool:
+        """Wait for the broker's answers to sent[indices]. While the broker is unreachable, keep
+        waiting: the producer retries by itself and the lease keeper keeps the rows ours, so an
+        outage ends in delivery, not in duplicates. If the broker answers but the records stay
+        unacknowledged past publish_timeout, close their producer (a fresh one takes over), which
+        settles every future for good, and return True: the unacknowledged rows are given back
+        with no copy left that could still be delivered."""
+        pending = {f for i in indices if isinstance(f := sent.futures[i], asyncio.Future)}
+        if pending and early is not None:
+            heartbeat()
+            wait = min(EARLY_SETTLE_SECONDS, self._settings.publish_timeout_seconds)
+            _, pending = await asyncio.wait(pending, timeout=wait)
+            if pending:
+                await early()
         while pending:
             heartbeat()  # waiting for a broker is not being stuck
             _, pending = await asyncio.wait(pending, timeout=self._settings.publish_timeout_seconds)
@@ -372,17 +445,228 @@ class KafkaPublisher:
                 log.warning("publish_timed_out", unacknowledged=len(pending))
                 for future in pending:
                     future.add_done_callback(_consume)
-                return self.outcomes(
-                    sent,
-                    errors.BrokerUnavailableError(
-                        "the broker did not acknowledge within OUTBOX_PUBLISH_TIMEOUT_SECONDS"
-                    ),
-                )
+                if await self.retire(sent, _UNACKNOWLEDGED):
+                    return True
+                continue
             log.warning("broker_unreachable_waiting", unacknowledged=len(pending))
-        outcomes = self.outcomes(sent, NotAttempted())
+        return False
+
+    async def _retry_rejected_alone(
+        self,
+        records: Sequence[OutboxRecord],
+        topics: Sequence[str | BaseException],
+        indices: Sequence[int],
+        sent: Sent,
+        heartbeat: Callable[[], None],
+    ) -> None:
+        """The broker refuses a whole partition batch for one bad record, and the producer fails
+        every record of it with the same error: send those again one at a time, so that only
+        the record the broker refuses alone takes the blame (dead-lettered or counted)."""
+        # A failed future does not say which batch it was in (aiokafka gives each a copy of the
+        # batch's error): records of one topic refused with the same error may have shared one.
+        # A record that is alone in its group was alone in its batch: the refusal is its own.
+        shared: dict[tuple[str, type[BaseException]], list[int]] = {}
+        for i in indices:
+            item, topic = sent.futures[i], topics[i]
+            if isinstance(item, asyncio.Future) and isinstance(topic, str) and _rejected(item):
+                shared.setdefault((topic, type(_exception_of(item))), []).append(i)
+        suspects = sorted(i for group in shared.values() if len(group) > 1 for i in group)
+        if not suspects:
+            return
+        # The rejected batch used up sequence numbers the broker never saw: a fresh producer id.
+        self._broken = self._broken or _exception_of(sent.futures[suspects[0]])
+        log.info("batch_rejected_retrying_alone", rows=len(suspects))
+        for i in suspects:
+            sent.futures[i] = None  # not sent (a cancelled retry gives it back, not blames it)
+        failed_keys: set[str] = set()
+        for i in suspects:
+            key = records[i].ordering_key
+            if key is not None and key in failed_keys:
+                sent.futures[i] = NotAttempted()
+                continue
+            try:
+                await self._replace_if_broken()
+            except errors.BrokerUnavailableError as exc:
+                sent.futures[i] = exc
+            else:
+                sent.futures[i] = await self._send_one(records[i], topics[i], sent)
+                if await self._await_acks(sent, [i], heartbeat):
+                    sent.futures[i] = errors.BrokerUnavailableError(_UNACKNOWLEDGED)
+            item = sent.futures[i]
+            if isinstance(item, asyncio.Future) and _rejected(item):
+                self._broken = item.exception()  # this refusal also used up a sequence number
+            if key is not None and _failed(item):
+                failed_keys.add(key)
+
+    def _final_outcomes(self, sent: Sent) -> list[BaseException | None]:
+        outcomes = self.outcomes(
+            sent, errors.BrokerUnavailableError(_UNACKNOWLEDGED), unsent=NotAttempted()
+        )
         for outcome in outcomes:
             self._note(outcome)
         return outcomes
+
+    def _route(self, record: OutboxRecord) -> str | errors.RoutingError:
+        try:
+            return self._router.topic_for(record.topic, record.headers)
+        except errors.RoutingError as exc:
+            return exc
+
+    @staticmethod
+    def outcomes(
+        sent: Sent,
+        unacknowledged: BaseException,
+        total: int | None = None,
+        *,
+        unsent: BaseException | None = None,
+    ) -> list[BaseException | None]:
+        """None for an acknowledged record, else why it is not acknowledged. Records never handed
+        to the producer (None in `sent`, or past its end up to `total`) get `unsent`, by default
+        `unacknowledged`."""
+        not_sent = unacknowledged if unsent is None else unsent
+        results: list[BaseException | None] = []
+        for item in sent.futures:
+            if item is None:
+                results.append(not_sent)
+            elif isinstance(item, BaseException):
+                results.append(item)
+            elif not item.done() or item.cancelled():
+                results.append(unacknowledged)
+            else:
+                results.append(item.exception())
+        missing = (total or 0) - len(results)
+        results.extend([not_sent] * max(0, missing))
+        return results
+
+
+_UNACKNOWLEDGED = "the broker did not acknowledge within OUTBOX_PUBLISH_TIMEOUT_SECONDS"
+
+
+# What a record adds to a producer batch beyond its key, value and headers (record framing,
+# varints, the event id header), rounded up, and the CloudEvents headers when they are on.
+RECORD_OVERHEAD = 128
+CLOUDEVENTS_OVERHEAD = 384
+BATCH_HEADER = 61
+
+
+def record_size(record: OutboxRecord, extra: int = 0) -> int:
+    """An upper estimate of the record's bytes in a producer batch."""
+    size = RECORD_OVERHEAD + extra + len(record.payload or b"")
+    if record.ordering_key is not None:
+        size += _utf8_len(record.ordering_key)
+    headers = record.headers
+    if isinstance(headers, dict):
+        for name, value in headers.items():
+            size += _utf8_len(str(name)) + _utf8_len(str(value)) + 4
+    return size
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode())
+
+
+def partition_of(key: str, partitions: set[int]) -> int:
+    """The partition the producer's default partitioner gives a key (murmur2, as Java's)."""
+    candidates = list(partitions)
+    partition: int = candidates[(murmur2(key.encode()) & 0x7FFFFFFF) % len(candidates)]
+    return partition
+
+
+def _waves(
+    records: Sequence[OutboxRecord],
+    topics: Sequence[str | BaseException],
+    batch_bytes: int = 1 << 62,
+    partitions: Callable[[str], set[int] | None] = lambda topic: None,
+    extra: int = 0,
+) -> list[list[int]]:
+    """Record indices by wave (each wave is sent, then awaited, before the next).
+
+    A key's rows stay in its current wave while their topic stays the same (one partition,
+    ordered by the producer) and move to the next wave at each change of topic (F1). A wave
+    holds at most one producer batch (`batch_bytes`) per partition, so that a key's rows never
+    straddle two producer batches of one partition in flight at once: a batch that expires
+    unsent uses up sequence numbers, and a broker without state for the producer id would
+    accept the next batch, delivering later rows first (review F3). Keyless rows have no order
+    to keep; the producer puts them in any partition of their topic, so their bytes count
+    against every partition of it."""
+    limit = max(1, batch_bytes - BATCH_HEADER)
+    sizes = [
+        record_size(r, extra) if isinstance(t, str) else 0
+        for r, t in zip(records, topics, strict=True)
+    ]
+    if sum(sizes) <= limit:
+        limit = 1 << 62  # the whole claim fits in one batch per partition: no byte accounting
+    waves: list[list[int]] = []
+    at: dict[str, tuple[int, str | BaseException]] = {}
+    keyed: dict[tuple[str, int | str, int], int] = {}  # (topic, partition, wave): bytes
+    busiest: dict[tuple[str, int], int] = {}  # (topic, wave): the most keyed bytes of a partition
+    keyless: dict[tuple[str, int], int] = {}  # (topic, wave): bytes
+    partition_cache: dict[tuple[str, str], int | str] = {}
+    for i, (record, topic) in enumerate(zip(records, topics, strict=True)):
+        key = record.ordering_key
+        wave = 0
+        if key is not None:
+            previous = at.get(key)
+            if previous is not None:
+                wave, previous_topic = previous
+                if previous_topic != topic:
+                    wave += 1
+        if isinstance(topic, str) and limit < 1 << 62:
+            size = sizes[i]
+            if key is None:
+                while (used := keyless.get((topic, wave), 0) + busiest.get((topic, wave), 0)) and (
+                    used + size > limit
+                ):
+                    wave += 1
+                keyless[(topic, wave)] = keyless.get((topic, wave), 0) + size
+            else:
+                partition = partition_cache.get((topic, key))
+                if partition is None:
+                    known = partitions(topic)
+                    partition = partition_of(key, known) if known else key
+                    partition_cache[(topic, key)] = partition
+                while (
+                    used := keyed.get((topic, partition, wave), 0) + keyless.get((topic, wave), 0)
+                ) and used + size > limit:
+                    wave += 1
+                load = keyed.get((topic, partition, wave), 0) + size
+                keyed[(topic, partition, wave)] = load
+                busiest[(topic, wave)] = max(busiest.get((topic, wave), 0), load)
+        if key is not None:
+            at[key] = (wave, topic)
+        while wave >= len(waves):
+            waves.append([])
+        waves[wave].append(i)
+    return waves
+
+
+def _failed(item: asyncio.Future[object] | BaseException | None) -> bool:
+    """A record that is not (or not yet) acknowledged: its key's later rows must wait."""
+    if item is None or isinstance(item, BaseException):
+        return True
+    return not item.done() or item.cancelled() or item.exception() is not None
+
+
+def _rejected(future: asyncio.Future[object]) -> bool:
+    """The broker refused the record's batch (an error that is neither an outage nor the
+    producer's own state): the refusal may be another record's fault."""
+    if not future.done() or future.cancelled():
+        return False
+    exc = future.exception()
+    return (
+        isinstance(exc, kafka_errors.KafkaError)
+        and not isinstance(exc, errors.PRODUCER_STATE_ERRORS + errors.TOPIC_ERRORS)
+        and errors.classify(exc) is not errors.Failure.TRANSIENT
+    )
+
+
+def _exception_of(item: asyncio.Future[object] | BaseException | None) -> BaseException:
+    """The exception of a rejected batch (what marks the producer for replacement)."""
+    if isinstance(item, asyncio.Future) and item.done() and not item.cancelled():
+        exc = item.exception()
+        if exc is not None:
+            return exc
+    return errors.BrokerUnavailableError("the broker refused a batch")
 
 
 _SASL_REJECTED = (
@@ -529,6 +813,22 @@ def _tls_failed(settings: Settings, exc: ssl.SSLError) -> str:
     else:
         hint = "check OUTBOX_KAFKA_SECURITY_PROTOCOL and the OUTBOX_KAFKA_SSL_* settings"
     return f"the TLS handshake with Kafka failed ({errors.describe(exc)}): {hint}"
+
+
+async def _close(producer: AIOKafkaProducer, reason: str) -> None:
+    """Flush and close a producer within STOP_FLUSH_SECONDS. aiokafka's stop() waits for every
+    buffered record to be delivered, which never happens while a partition does not acknowledge:
+    past the bound, fail what is left (its records are then given back, unmarked: once stopped,
+    the producer sends nothing more)."""
+    stopping = asyncio.ensure_future(producer.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=STOP_FLUSH_SECONDS)
+    if not done:
+        log.warning("producer_flush_abandoned", reason=reason)
+        broker.fail_buffered(producer, errors.BrokerUnavailableError(reason))
+    try:
+        await stopping
+    except kafka_errors.KafkaError as exc:
+        log.debug("producer_stop_failed", error=errors.describe(exc))
 
 
 def _consume(future: asyncio.Future[object]) -> None:

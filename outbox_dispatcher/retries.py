@@ -7,7 +7,6 @@ from collections.abc import Sequence
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.models import OutboxRecord, Outcome, Result
-from outbox_dispatcher.publisher import NotAttempted, TopicMissingError
 from outbox_dispatcher.settings import Settings
 
 # 2**62 times any initial backoff is far past any cap, and still a finite float: without this
@@ -54,9 +53,9 @@ class RetryPolicy:
         if outcome is None:
             return Result(Outcome.PUBLISHED)
         reason = errors.describe(outcome)
-        if isinstance(outcome, NotAttempted):
+        if isinstance(outcome, errors.NotAttempted):
             return Result(Outcome.RETRY)
-        if isinstance(outcome, TopicMissingError):
+        if isinstance(outcome, errors.TopicMissingError):
             failure = errors.Failure.ROW
         else:
             failure = errors.classify(outcome)
@@ -74,6 +73,6 @@ class RetryPolicy:
 
 
 def _is_outage(outcome: BaseException) -> bool:
-    return not isinstance(outcome, NotAttempted | TopicMissingError) and (
+    return not isinstance(outcome, errors.NotAttempted | errors.TopicMissingError) and (
         errors.classify(outcome) is errors.Failure.TRANSIENT
     )

@@ -3,10 +3,10 @@ partition loses its leader, or its in-sync replicas, while the rest of the clust
 which the single-broker rig cannot show. Real dispatcher processes, verdicts by tests/checker.py.
 
 Topics here use message.timestamp.type=LogAppendTime, so that the checker's per-key order across
-topics compares the brokers' append times. Where today's publisher breaks a guarantee the test
-is marked xfail(strict=True) with the finding of the review
-(/work/shared/research/claim-and-publish-review.md, issue 10): fixing it turns the test into a
-failure, to be unmarked. CI runs a short version; OUTBOX_CHAOS=full the long one (`make chaos`).
+topics compares the brokers' append times. The findings of the review
+(/work/shared/research/claim-and-publish-review.md, issue 10) that these tests showed against the
+publisher of version 0.x (F2, F3, F4, F10 there) are fixed; each test names its finding. CI runs a
+short version; OUTBOX_CHAOS=full the long one (`make chaos`).
 """
 
 from __future__ import annotations
@@ -33,16 +33,6 @@ from .test_chaos import FULL, Fleet, Writer, fleet, report, scale, writing
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(3600 if FULL else 300)]
 
 APPEND_TIME = {"message.timestamp.type": "LogAppendTime"}
-
-
-class KnownFindingError(AssertionError):
-    """The guarantee a review finding says today's publisher breaks. The xfail marks name this
-    class (raises=), so that any other failure of those tests still fails the run."""
-
-
-def expect(condition: bool, message: object) -> None:
-    if not condition:
-        raise KnownFindingError(message)
 
 
 @pytest.fixture
@@ -185,20 +175,11 @@ async def test_leader_failover_kill_9_under_load(
     assert_nothing_lost(verdict, run["dead"])
     assert verdict.reordered_across_topics == []
     assert verdict.delivered == run["writer_rows"]
-    # The idempotent producer's own retries to the new leader add no copy: every duplicate is
-    # a row the dispatcher gave back while the producer still held it (F4).
+    # The idempotent producer's own retries to the new leader add no copy, and a row is given
+    # back only once its producer is closed (F4): any duplicate is bounded by those rows.
     assert verdict.duplicates <= run["rows_given_back_after_publish_timeout"], verdict.summary()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KnownFindingError,
-    reason=(
-        "F4: rows in flight to the killed leader stay unacknowledged past publish_timeout (the "
-        "broker is fenced only after its session timeout); they are given back while the "
-        "producer still retries them: delivered by the producer and again by the re-claim"
-    ),
-)
 async def test_leader_failover_makes_no_duplicates(
     conn: asyncpg.Connection,
     database_url: str,
@@ -210,7 +191,7 @@ async def test_leader_failover_makes_no_duplicates(
     run = await failover_run(
         conn, database_url, cluster, cluster_settings, tmp_path, record_property
     )
-    expect(run["verdict"].duplicates == 0, run["verdict"].summary())
+    assert run["verdict"].duplicates == 0, run["verdict"].summary()
 
 
 async def _published_some(conn: asyncpg.Connection) -> bool:
@@ -325,15 +306,6 @@ async def test_not_enough_replicas_then_recovery_loses_nothing(
     assert run["other_rows_published_during_outage"] > 0, "the other topic flowed meanwhile"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KnownFindingError,
-    reason=(
-        "F4: past publish_timeout the rows are given back while the idempotent producer keeps "
-        "retrying them (NotEnoughReplicas is retriable for ever); they are delivered once the "
-        "ISR recovers and again by the re-claim: duplicates without a crash or a lost lease"
-    ),
-)
 async def test_not_enough_replicas_makes_no_duplicates(
     conn: asyncpg.Connection,
     database_url: str,
@@ -345,17 +317,9 @@ async def test_not_enough_replicas_makes_no_duplicates(
     run = await not_enough_replicas_run(
         conn, database_url, cluster, cluster_settings, tmp_path, record_property
     )
-    expect(run["strict_duplicates"] == 0, run)
+    assert run["strict_duplicates"] == 0, run
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KnownFindingError,
-    reason=(
-        "F10: every claim batch holding a row of the strict topic waits publish_timeout, then "
-        "pauses its claim loop: the other topic's keys slow down with it"
-    ),
-)
 async def test_not_enough_replicas_leaves_other_topics_latency_alone(
     conn: asyncpg.Connection,
     database_url: str,
@@ -368,7 +332,7 @@ async def test_not_enough_replicas_leaves_other_topics_latency_alone(
         conn, database_url, cluster, cluster_settings, tmp_path, record_property
     )
     normal = max(run["other_p99_latency_before_s"], 0.5)
-    expect(run["other_p99_latency_during_s"] <= 2 * normal, run)
+    assert run["other_p99_latency_during_s"] <= 2 * normal, run
 
 
 # --- d. a leaderless partition past publish_timeout, a hot key spanning producer batches -----
@@ -464,19 +428,11 @@ async def test_leaderless_partition_past_publish_timeout_loses_nothing(
     assert verdict.duplicates_without_event_id == 0, summary
     assert run["dead"] == 0, "nothing dead-lettered"
     # Batches that expire unsent fail their rows, which are retried: no copy is left behind.
-    # Copies could only come from rows given back after publish_timeout (F4).
+    # Copies could only come from rows given back after publish_timeout, and those are given
+    # back only once their producer is closed (F4).
     assert verdict.duplicates <= run["rows_given_back_after_publish_timeout"], summary
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KnownFindingError,
-    reason=(
-        "F3: a batch that expires unsent (no leader past the request timeout) has consumed "
-        "sequence numbers; the next batch of the partition, from a producer id the broker keeps "
-        "no state for, is accepted: later rows of the key are first-delivered first"
-    ),
-)
 async def test_leaderless_partition_past_publish_timeout_keeps_a_hot_key_in_order(
     conn: asyncpg.Connection,
     database_url: str,
@@ -489,21 +445,12 @@ async def test_leaderless_partition_past_publish_timeout_keeps_a_hot_key_in_orde
         conn, database_url, cluster, cluster_settings, tmp_path, record_property
     )
     verdict = run["verdict"]
-    expect(verdict.reordered == [], (verdict.reordered[:5], verdict.summary()))
+    assert verdict.reordered == [], (verdict.reordered[:5], verdict.summary())
 
 
 # --- c. a key alternating between two topics, one of them failing asynchronously --------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KnownFindingError,
-    reason=(
-        "F2: the publisher sends a key's rows to both topics without waiting for acks; the row "
-        "for the leaderless topic fails after publish_timeout and is retried, the other topic's "
-        "later row is acked and marked: later rows of the key are first-delivered first"
-    ),
-)
 @pytest.mark.parametrize("policy", ["skip", "block"])
 async def test_a_key_across_topics_keeps_its_order_when_one_topic_fails(
     policy: str,
@@ -553,4 +500,4 @@ async def test_a_key_across_topics_keeps_its_order_when_one_topic_fails(
         dead_lettered=dead,
     )
     assert_nothing_lost(verdict, dead)
-    expect(verdict.reordered_across_topics == [], verdict.reordered_across_topics[:5])
+    assert verdict.reordered_across_topics == [], verdict.reordered_across_topics[:5]

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
 import orjson
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from outbox_dispatcher import errors, reclaimer
 from outbox_dispatcher.dispatcher import Dispatcher
@@ -315,3 +319,101 @@ async def test_delete_on_publish_removes_acknowledged_rows_and_keeps_dead_ones(
     assert [(r["event_id"], r["dead"]) for r in left] == [(big, True)], "only the dead row stays"
     verdict = check(await consume(services.kafka_bootstrap_servers, topic, 30), expected)
     assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], [])
+
+
+@contextlib.asynccontextmanager
+async def small_topic(
+    bootstrap: str, max_message_bytes: int = 4096, config: dict[str, str] | None = None
+) -> AsyncIterator[str]:
+    """A one-partition topic whose broker refuses records above `max_message_bytes` (the
+    producer's own limit is far higher, so the refusal is the broker's, asynchronous)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    name = f"small-{uuid.uuid4().hex[:12]}"
+    try:
+        await admin.create_topics(
+            [
+                NewTopic(
+                    name,
+                    num_partitions=1,
+                    replication_factor=1,
+                    topic_configs={"max.message.bytes": str(max_message_bytes), **(config or {})},
+                )
+            ]
+        )
+        yield name
+        with contextlib.suppress(Exception):
+            await admin.delete_topics([name])
+    finally:
+        await admin.close()
+
+
+@pytest.mark.parametrize("policy", ["skip", "block"])
+async def test_a_key_across_topics_waits_for_its_earlier_row_to_be_acknowledged(
+    policy: str, conn: asyncpg.Connection, services: Services, topic: str, make_settings: Any
+) -> None:
+    """Finding F1 of issue 10 (review F2): row 1 of key K goes to a topic whose broker refuses it
+    (asynchronously, after the send), row 2 of K to another topic in the same claim. Row 2 must
+    not be sent before row 1 is acknowledged: under `block` it stays unpublished behind the dead
+    row, under `skip` it is published only after row 1 was settled."""
+    async with small_topic(services.kafka_bootstrap_servers) as small:
+        first = await conn.fetchval("SELECT outbox_enqueue($1, 'K', $2::bytea)", small, b"x" * 8192)
+        second = await conn.fetchval("SELECT outbox_enqueue($1, 'K', 'after'::bytea)", topic)
+        async with running(make_settings(dead_letter_policy=policy, batch_size=50)):
+
+            async def first_dead() -> bool:
+                return await count(conn, f"event_id = '{first}' AND dead_at IS NOT NULL") == 1
+
+            await wait_until(first_dead, 30, "row 1 to be dead-lettered by the broker's refusal")
+            if policy == "skip":
+                await wait_all_settled(conn, 30)
+            else:
+                await asyncio.sleep(2)  # room for a wrong publish of row 2
+        rows = {
+            str(r["event_id"]): r
+            for r in await conn.fetch("SELECT event_id, published_at, dead_at FROM outbox")
+        }
+        assert rows[str(first)]["published_at"] is None
+        if policy == "block":
+            assert rows[str(second)]["published_at"] is None, "row 2 went out behind a dead row 1"
+            assert await consume(services.kafka_bootstrap_servers, topic, 0, timeout=3) == []
+        else:
+            assert rows[str(second)]["published_at"] > rows[str(first)]["dead_at"], (
+                "row 2 was settled with row 1, so it was sent before row 1's answer"
+            )
+
+
+@pytest.mark.parametrize("case", ["oversized", "keyless_on_compacted"])
+async def test_a_broker_rejection_dead_letters_only_the_refused_record(
+    case: str, conn: asyncpg.Connection, services: Services, make_settings: Any
+) -> None:
+    """Finding F4 of issue 10 (review F9): the broker refuses a whole partition batch for one
+    record (larger than the topic's max.message.bytes; keyless on a compacted topic, error 87,
+    which aiokafka 0.14 reports as UnknownError); the 30 small rows of other keys that shared
+    the batch are published with no attempt counted, and only the refused record is dead, with
+    the broker's reason."""
+    config = {"cleanup.policy": "compact"} if case == "keyless_on_compacted" else {}
+    async with small_topic(services.kafka_bootstrap_servers, config=config) as small:
+        if case == "oversized":
+            bad = await conn.fetchval(
+                "SELECT outbox_enqueue($1, 'big', $2::bytea)", small, b"x" * 8192
+            )
+            reason = "TooLarge"
+        else:
+            bad = await conn.fetchval("SELECT outbox_enqueue($1, NULL, 'v'::bytea)", small)
+            reason = "UnknownError"
+        await insert_sequenced(conn, small, keys=10, per_key=3)
+        # linger: every record of the claim shares one producer batch.
+        settings = make_settings(batch_size=100, kafka_linger_ms=200, max_attempts=1)
+        async with running(settings):
+            await wait_all_settled(conn, 60)
+        dead = await conn.fetch("SELECT event_id, last_error FROM outbox WHERE dead_at IS NOT NULL")
+        assert [str(r["event_id"]) for r in dead] == [str(bad)]
+        assert reason in dead[0]["last_error"], dead[0]["last_error"]
+        assert await count(conn, "published_at IS NOT NULL AND attempts = 0") == 30
+        verdict = check(
+            await consume(services.kafka_bootstrap_servers, small, 30),
+            await event_ids(conn) - {str(bad)},
+        )
+        assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], [])
+        assert verdict.duplicates == 0
