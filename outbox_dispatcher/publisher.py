@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -31,6 +31,9 @@ STOP_FLUSH_SECONDS = 5.0
 # and let the claim loop go on, so that one partition that does not acknowledge holds back only
 # its own keys (review F10).
 EARLY_SETTLE_SECONDS = 0.25
+# A topic's metadata lookup that takes longer than this (a topic the broker does not have takes
+# publish_timeout to be found missing) holds back only the keys with a row for that topic.
+LOOKUP_GRACE_SECONDS = 0.25
 
 
 @dataclass
@@ -330,24 +333,85 @@ class KafkaPublisher:
         except errors.BrokerUnavailableError as exc:
             sent.futures = [exc] * len(records)
             return self.outcomes(sent, exc)
-        topic_errors = await self._topic_errors({t for t in topics if isinstance(t, str)})
+        # Topics without metadata yet are looked up, each on its own. A topic that does not exist
+        # takes publish_timeout to be found missing, and other keys must not wait for it
+        # (guarantee 5): the keys with a row for a topic still unresolved after a moment wait for
+        # its lookup, every other key goes out at once.
+        producer = self.producer
+        unknown = {
+            t for t in topics if isinstance(t, str) and broker.known_partitions(producer, t) is None
+        }
+        lookups = {t: asyncio.ensure_future(self._topic_errors({t})) for t in unknown}
+        if lookups:
+            await asyncio.wait(lookups.values(), timeout=LOOKUP_GRACE_SECONDS)
+        topic_errors: dict[str, BaseException] = {}
+        for lookup in (f for f in lookups.values() if f.done()):
+            topic_errors |= lookup.result()
+        unresolved = {t for t, f in lookups.items() if not f.done()}
+        waiting_keys = {
+            r.ordering_key
+            for r, t in zip(records, topics, strict=True)
+            if t in unresolved and r.ordering_key is not None
+        }
+        later = [
+            i
+            for i, (r, t) in enumerate(zip(records, topics, strict=True))
+            if t in unresolved or (r.ordering_key is not None and r.ordering_key in waiting_keys)
+        ]
+        waiting = set(later)
+        now = [i for i in range(len(records)) if i not in waiting]
         failed_keys: set[str] = set()
+        try:
+            if now and await self._publish_part(
+                records, topics, now, sent, heartbeat, early, topic_errors, failed_keys
+            ):
+                return self._final_outcomes(sent)  # given up on: the rest is not attempted
+            if not later:
+                return self._final_outcomes(sent)
+            if now and early is not None:
+                await early()  # settle the keys already acknowledged while the lookups run
+            for t in unresolved:
+                topic_errors |= await lookups[t]
+            await self._publish_part(
+                records, topics, later, sent, heartbeat, early, topic_errors, failed_keys
+            )
+        finally:
+            for lookup in lookups.values():
+                if not lookup.done():
+                    lookup.cancel()
+                elif not lookup.cancelled():
+                    lookup.exception()  # retrieved: a lookup nobody waited for fails quietly
+        return self._final_outcomes(sent)
+
+    async def _publish_part(
+        self,
+        records: Sequence[OutboxRecord],
+        topics: Sequence[str | BaseException],
+        indices: Sequence[int],
+        sent: Sent,
+        heartbeat: Callable[[], None],
+        early: Callable[[], Awaitable[None]] | None,
+        topic_errors: Mapping[str, BaseException],
+        failed_keys: set[str],
+    ) -> bool:
+        """Send records[indices] wave by wave (see publish); True if given up on after
+        publish_timeout (the rest is not attempted)."""
         producer = self.producer
         extra = CLOUDEVENTS_OVERHEAD if self._settings.cloudevents else 0
         waves = _waves(
-            records,
-            topics,
+            [records[i] for i in indices],
+            [topics[i] for i in indices],
             self._settings.kafka_max_batch_bytes,
             lambda topic: broker.known_partitions(producer, topic),
             extra,
         )
-        for wave in waves:
+        for wave in ([indices[j] for j in part] for part in waves):
             try:
                 await self._replace_if_broken()
             except errors.BrokerUnavailableError as exc:
                 for i in wave:
                     sent.futures[i] = exc
-                break
+                return False
             for i in wave:
                 record, topic = records[i], topics[i]
                 key = record.ordering_key
@@ -360,7 +424,7 @@ class KafkaPublisher:
                 if isinstance(item, BaseException) and key is not None:
                     failed_keys.add(key)
             if await self._await_acks(sent, wave, heartbeat, early):
-                break  # given up on after publish_timeout: the rest is not attempted
+                return True
             await self._retry_rejected_alone(records, topics, wave, sent, heartbeat)
             for i in wave:
                 answer = sent.futures[i]
@@ -371,7 +435,7 @@ class KafkaPublisher:
                 key = records[i].ordering_key
                 if key is not None and _failed(answer):
                     failed_keys.add(key)
-        return self._final_outcomes(sent)
+        return False
 
     async def _send_one(
         self, record: OutboxRecord, topic: str | BaseException, sent: Sent

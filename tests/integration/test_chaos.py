@@ -302,7 +302,9 @@ async def test_concurrency_four_processes_no_faults(
 ) -> None:
     events, keys = int(scale(10_000, 100_000)), int(scale(200, 1_000))
     per_key = events // keys
-    settings = chaos_settings(claim_tasks=2, batch_size=200, lease_seconds=15)
+    # Fewer keys per claim than keys in the table, so that there is work for more than one
+    # process at a time (a claim takes at most batch_size keys; one owner per key).
+    settings = chaos_settings(claim_tasks=2, batch_size=int(scale(50, 200)), lease_seconds=15)
     async with fleet(settings, tmp_path, 4):
         started = time.monotonic()
         for first in range(0, per_key, 10):  # ten rows per key per transaction

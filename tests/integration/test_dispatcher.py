@@ -348,6 +348,46 @@ async def small_topic(
         await admin.close()
 
 
+async def test_other_keys_do_not_wait_for_a_topic_that_cannot_be_found(
+    conn: asyncpg.Connection, services: Services, topic: str, make_settings: Any
+) -> None:
+    """A topic that does not exist takes publish_timeout to be found missing (its metadata
+    lookup waits for the broker to create it; this one it refuses: its name collides with an
+    existing topic's). Keys of the same claim on known topics go out meanwhile: they are
+    published and marked while the missing topic's row has not failed yet."""
+    name = f"clash_{uuid.uuid4().hex[:12]}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka_bootstrap_servers)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(name, num_partitions=1, replication_factor=1)])
+        await conn.execute(
+            "INSERT INTO outbox (topic, ordering_key, payload) VALUES ($1, 'poison', 'x')",
+            name.replace("_", "."),
+        )
+        await conn.executemany(
+            "INSERT INTO outbox (topic, ordering_key, payload) VALUES ($1, $2, 'x')",
+            [(topic, f"key-{k}") for k in range(20)],
+        )
+        async with running(make_settings(claim_tasks=1, publish_timeout_seconds=15)):
+
+            async def others_published() -> bool:
+                return (
+                    await count(conn, "ordering_key <> 'poison' AND published_at IS NOT NULL") == 20
+                )
+
+            await wait_until(others_published, 60, "the other keys' rows to be published")
+            poison = await conn.fetchrow(
+                "SELECT attempts, published_at, dead_at FROM outbox WHERE ordering_key = 'poison'"
+            )
+    finally:
+        with contextlib.suppress(Exception):
+            await admin.delete_topics([name])
+        await admin.close()
+    assert poison is not None
+    # Its lookup (15 s) was still running: the claim's other keys did not wait for it.
+    assert tuple(poison) == (0, None, None)
+
+
 @pytest.mark.parametrize("policy", ["skip", "block"])
 async def test_a_key_across_topics_waits_for_its_earlier_row_to_be_acknowledged(
     policy: str, conn: asyncpg.Connection, services: Services, topic: str, make_settings: Any
