@@ -18,6 +18,9 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.remote.webelement import WebElement
+from selenium.webdriver.support import expected_conditions
+from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.containers import free_port
 
@@ -61,6 +64,14 @@ def spawn_console(env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+
+
+def submit(driver: WebDriver, button: WebElement) -> None:
+    """Click a button that loads a new page, and wait until it has: a click returns before the
+    browser has replaced the page, and the old page would answer the next question."""
+    page = driver.find_element(By.TAG_NAME, "html")
+    button.click()
+    WebDriverWait(driver, 30).until(expected_conditions.staleness_of(page))
 
 
 def shot(driver: WebDriver, name: str) -> None:
@@ -144,21 +155,21 @@ async def test_an_operator_sees_the_numbers_requeues_a_dead_row_and_pauses_a_top
         # Log in with the token.
         browser.get(f"{base}/login")
         browser.find_element(By.NAME, "token").send_keys(TOKEN)
-        browser.find_element(By.CSS_SELECTOR, "form[action='/login'] button").click()
+        submit(browser, browser.find_element(By.CSS_SELECTOR, "form[action='/login'] button"))
         assert not browser.find_elements(By.ID, "not-logged-in")
 
         # Find the dead row by its error, requeue it, confirm the count.
         browser.get(f"{base}/dead")
         browser.find_element(By.NAME, "error").send_keys("toolarge")
-        browser.find_element(By.CSS_SELECTOR, "#filter button").click()
+        submit(browser, browser.find_element(By.CSS_SELECTOR, "#filter button"))
         rows = browser.find_elements(By.CSS_SELECTOR, "#dead-rows input[type=checkbox]")
         assert len(rows) == 1
         shot(browser, "dead-rows")
         rows[0].click()
-        browser.find_element(By.CSS_SELECTOR, "button[value='dead-requeue']").click()
+        submit(browser, browser.find_element(By.CSS_SELECTOR, "button[value='dead-requeue']"))
         assert browser.find_element(By.ID, "affected").text == "This would requeue 1 dead row."
         shot(browser, "confirm")
-        browser.find_element(By.ID, "confirm").click()
+        submit(browser, browser.find_element(By.ID, "confirm"))
         assert browser.find_element(By.ID, "outcome").text == "requeued 1 dead row."
 
         async def published() -> bool:
@@ -176,11 +187,14 @@ async def test_an_operator_sees_the_numbers_requeues_a_dead_row_and_pauses_a_top
 
         # Pause one topic: its backlog grows while the other drains.
         browser.get(f"{base}/")
-        browser.find_element(By.XPATH, f"//tr[td[1]='{paused}']//button[@value='pause']").click()
+        submit(
+            browser,
+            browser.find_element(By.XPATH, f"//tr[td[1]='{paused}']//button[@value='pause']"),
+        )
         assert browser.find_element(By.ID, "affected").text.startswith(
             f"This would pause topic {paused}"
         )
-        browser.find_element(By.ID, "confirm").click()
+        submit(browser, browser.find_element(By.ID, "confirm"))
         assert browser.find_element(By.ID, "outcome").text.startswith(f"paused topic {paused}")
         for topic in (drains, paused):
             await conn.execute(
