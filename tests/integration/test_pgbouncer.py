@@ -78,7 +78,8 @@ async def test_concurrency_three_processes_through_pgbouncer(
         "database_url": pgbouncer_url,
         "statement_cache_size": 0,
         "claim_tasks": 2,
-        "batch_size": 100,
+        # Fewer keys per claim than the 100 keys written: work for several processes at once.
+        "batch_size": 25,
         "log_format": "json",
         "http_port": 0,
     }

@@ -44,7 +44,9 @@ async def test_three_processes_publish_10k_rows_over_200_keys_in_order(
     tmp_path: Path,
     record_property: Any,
 ) -> None:
-    settings = make_settings(claim_tasks=2, batch_size=200, log_format="json")
+    # A claim takes at most batch_size keys (one owner per key): fewer than the table has, so
+    # that there is work for several processes at once.
+    settings = make_settings(claim_tasks=2, batch_size=50, log_format="json")
     logs = [tmp_path / f"d{i}.log" for i in range(3)]
     processes = [spawn(settings, log) for log in logs]
     try:
