@@ -85,7 +85,7 @@ async def test_long_transactions_elsewhere_do_not_stop_dispatching(
 
     monkeypatch.setattr(Claimer, "claim", timed_claim)
 
-    longest: dict[str, float] = {"transaction": 0.0}
+    longest: dict[str, Any] = {"transaction": 0.0, "state": None, "query": None}
     sampler_conn = await asyncpg.connect(database_url)
     writer = await asyncpg.connect(database_url)
     snapshot_holder = await asyncpg.connect(database_url)
@@ -97,13 +97,22 @@ async def test_long_transactions_elsewhere_do_not_stop_dispatching(
     async def sample() -> None:
         """Every 100 ms: the oldest open transaction of the dispatcher in this database."""
         while sampling:
-            age = await sampler_conn.fetchval(
-                "SELECT coalesce(max(extract(epoch FROM clock_timestamp() - xact_start)), 0)"
-                "::float8 FROM pg_stat_activity WHERE datname = current_database() "
-                "AND application_name = $1 AND xact_start IS NOT NULL",
+            oldest = await sampler_conn.fetchrow(
+                "SELECT extract(epoch FROM clock_timestamp() - xact_start)::float8 AS age, "
+                "state, wait_event_type, wait_event, left(query, 300) AS query "
+                "FROM pg_stat_activity WHERE datname = current_database() "
+                "AND application_name = $1 AND xact_start IS NOT NULL "
+                "ORDER BY xact_start LIMIT 1",
                 APPLICATION_NAME,
             )
-            longest["transaction"] = max(longest["transaction"], age)
+            if oldest is not None and oldest["age"] > longest["transaction"]:
+                # What the oldest transaction was doing, so that a failure names the statement.
+                longest.update(
+                    transaction=oldest["age"],
+                    state=oldest["state"],
+                    wait=f"{oldest['wait_event_type']}/{oldest['wait_event']}",
+                    query=oldest["query"],
+                )
             await asyncio.sleep(0.1)
 
     async def write() -> None:
