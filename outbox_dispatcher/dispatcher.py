@@ -386,7 +386,7 @@ class Dispatcher:
             )
         finally:
             self.in_flight.discard(batch.token)
-        if any(res.error and not res.counted for res in results):
+        if any(res.failure is errors.Failure.TRANSIENT for res in results):
             return self.retry_policy.outage_delay()
         return 0.0
 
