@@ -1,5 +1,5 @@
 """The mark (settle) at its edges, against real PostgreSQL: a reply lost after the commit
-(review F13)."""
+(review F13) and a stale owner's late mark of a row the reclaimer dead-lettered (review F14)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from outbox_dispatcher.claimer import Claimer
 from outbox_dispatcher.marker import Marker
 from outbox_dispatcher.models import Batch, Outcome, Result
 from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import Store
 from tests.faultproxy import FaultProxy
 
 from .helpers import count, wait_until
@@ -158,3 +159,73 @@ async def test_a_lease_really_lost_after_an_unanswered_mark_is_still_reported(
     assert settled == 0
     assert events.rows("settle_reply_lost") == []
     assert events.rows("lease_lost") == [3]
+
+
+# --- F14: a stale owner delivers a row the reclaimer dead-lettered -----------------------------
+
+
+async def test_a_stale_owners_late_mark_records_a_crash_loop_row_it_published(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any, events: Events
+) -> None:
+    """The interleaving, with max_attempts=1 (every lease expiry is a crash loop) and
+    dead_letter_policy=block:
+
+    1. dispatcher A claims row r1 of key K (a short lease) and sends it to Kafka;
+    2. A stalls past its lease (a GC pause, a slow broker): the lease expires;
+    3. the reclaimer's sweep sees r1's expired lease with attempts+1 >= max_attempts and
+       dead-letters it as a crash loop (A "crashed or hung while publishing");
+    4. dispatcher B claims K: nothing (K's head is dead; under block K waits);
+    5. the broker acknowledges A's send: r1 is in Kafka;
+    6. A marks r1 published with its lease token.
+
+    Before: the sweep had cleared r1's token, so A's mark was fenced: r1 stayed dead although it
+    is in Kafka, blocked K's later row r2 for good, and a requeue would have published it again.
+    Now the sweep keeps the token of the lease it ended, a late mark of that token may record a
+    publication (nothing else), and K's dead flag is refreshed: r1 is published, r2 goes."""
+    key = f"stale-{uuid.uuid4().hex}"
+    [r1] = await insert(conn, [key])
+    settings = make_settings(
+        batch_size=10, lease_seconds=0.5, max_attempts=1, dead_letter_policy="block"
+    )
+    stale = await claim(pool, settings, "owner-a")  # 1.
+    assert [r.id for r in stale.records] == [r1]
+    [r2] = await insert(conn, [key])
+    await asyncio.sleep(1.0)  # 2.
+    swept = await Store(pool, QUERIES).dead_letter_crash_loops(max_attempts=1)  # 3.
+    assert [row["id"] for row in swept] == [r1]
+    assert await count(conn, f"id = {r1} AND dead_at IS NOT NULL") == 1
+    b = Claimer(pool, QUERIES, make_settings(batch_size=10, dead_letter_policy="block"), "owner-b")
+    assert await b.claim() is None  # 4.
+    settled = await Marker(pool, QUERIES, retry_for=5.0, owner="owner-a").settle(stale, [OK])  # 6.
+    assert settled == 1
+    assert events.rows("lease_lost") == []
+    row = await conn.fetchrow("SELECT published_at, dead_at FROM outbox WHERE id = $1", r1)
+    assert row is not None
+    assert (row["published_at"] is not None, row["dead_at"]) == (True, None)
+    after = await b.claim()
+    assert after is not None
+    assert [r.id for r in after.records] == [r2], "K is no longer held by a dead row"
+
+
+async def test_a_stale_owners_late_failure_leaves_the_crash_loop_row_dead(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any, events: Events
+) -> None:
+    """As above, but A's send failed: the sweep's verdict stands (only a publication, a fact the
+    broker acknowledged, overrides it)."""
+    key = f"stale-{uuid.uuid4().hex}"
+    [r1] = await insert(conn, [key])
+    settings = make_settings(batch_size=10, lease_seconds=0.5, max_attempts=1)
+    stale = await claim(pool, settings, "owner-a")
+    await asyncio.sleep(1.0)
+    swept = await Store(pool, QUERIES).dead_letter_crash_loops(max_attempts=1)
+    assert [row["id"] for row in swept] == [r1]
+    failed = Result(Outcome.RETRY, "broker down", delay=1.0, counted=False)
+    assert await Marker(pool, QUERIES, retry_for=5.0, owner="owner-a").settle(stale, [failed]) == 0
+    assert events.rows("lease_lost") == [1]
+    row = await conn.fetchrow(
+        "SELECT published_at, dead_at, last_error FROM outbox WHERE id = $1", r1
+    )
+    assert row is not None
+    assert row["published_at"] is None
+    assert row["dead_at"] is not None
+    assert row["last_error"].startswith("dead-lettered: the lease expired")
