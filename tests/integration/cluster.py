@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 
 BROKERS = (1, 2, 3)
@@ -142,6 +143,16 @@ class Cluster:
         self.topics.append(name)
         await self.wait_fully_replicated(name)
         return name
+
+    async def set_topic_config(self, topic: str, config: Mapping[str, str]) -> None:
+        """Replace the topic's configuration (AlterConfigs: what `config` leaves out returns to
+        the broker's default)."""
+        resource = ConfigResource(ConfigResourceType.TOPIC, topic, configs=dict(config))
+        async with self.admin() as admin:
+            responses = await admin.alter_configs([resource])
+        for response in responses:
+            for resource_error in response.resources:
+                assert resource_error[0] == 0, resource_error
 
     async def delete_topics(self) -> None:
         if not self.topics:

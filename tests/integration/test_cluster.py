@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -27,7 +28,16 @@ from outbox_dispatcher.settings import Settings
 from tests.checker import Verdict, verdict_for
 
 from .cluster import Cluster
-from .helpers import count, log_events, wait_all_settled, wait_until
+from .helpers import (
+    count,
+    insert_sequenced,
+    kill9,
+    log_events,
+    spawn,
+    wait_all_settled,
+    wait_started,
+    wait_until,
+)
 from .test_chaos import FULL, Fleet, Writer, fleet, report, scale, writing
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(3600 if FULL else 300)]
@@ -501,3 +511,109 @@ async def test_a_key_across_topics_keeps_its_order_when_one_topic_fails(
     )
     assert_nothing_lost(verdict, dead)
     assert verdict.reordered_across_topics == [], verdict.reordered_across_topics[:5]
+
+
+# --- e. SIGTERM past the grace period while acks cannot come ----------------------------------
+
+
+@pytest.mark.parametrize("recovery", ["while_closing", "after_exit"])
+async def test_sigterm_past_the_grace_period_makes_no_duplicates(
+    recovery: str,
+    conn: asyncpg.Connection,
+    database_url: str,
+    cluster: Cluster,
+    cluster_settings: Callable[..., Settings],
+    tmp_path: Path,
+    record_property: Any,
+) -> None:
+    """Issue 10: a row is given back only once no copy of it can still be delivered by this
+    process, on SIGTERM past the grace period too (F4).
+
+    Topic `strict` (RF=3, min.insync.replicas=3) with broker 3 stopped: every produce is refused
+    with NotEnoughReplicas, which the idempotent producer retries by itself, for ever. Dispatcher
+    A (a real `outbox-dispatcher run`, grace period 2 s) claims every row and sends it; SIGTERM;
+    the grace period expires with nothing acknowledged. Then the topic recovers
+    (min.insync.replicas back to 2), so that whatever A's producer still holds is delivered:
+
+    * while_closing: 1 s after the grace period expired, inside the bounded flush of the
+      producer's close (STOP_FLUSH_SECONDS, 5 s). A closes its producer before it gives anything
+      back, so each row is acknowledged and marked, or failed for good and given back uncopied.
+      A dispatcher that gave the rows back first and flushed its producer afterwards (the
+      regression this catches) would deliver them after giving them back: they would be pending
+      and in Kafka, and B would publish every one again.
+    * after_exit: once A has exited (its close gave up on the flush and failed what was left).
+
+    Then dispatcher B publishes what is pending; the checker: 0 lost, 0 duplicated, 0 reordered.
+    """
+    config = {**APPEND_TIME, "min.insync.replicas": "3"}
+    strict = await cluster.create_topic(config=config, prefix="strict")
+    await cluster.stop(3)
+    await cluster.wait_for(
+        strict, "the ISR to shrink below 3", lambda ps: all(len(p.isr) < 3 for p in ps.values())
+    )
+    total = 200
+    await insert_sequenced(conn, strict, keys=20, per_key=total // 20)
+    grace = 2.0
+    settings_a = cluster_settings(
+        claim_tasks=1,
+        batch_size=total,
+        shutdown_grace_seconds=grace,
+        publish_timeout_seconds=120.0,  # no give-back by timeout before the SIGTERM
+        lease_seconds=60.0,
+    )
+    log_a = tmp_path / "a.log"
+    a = spawn(settings_a, log_a)
+    try:
+        await wait_started([log_a])
+
+        async def all_claimed() -> bool:
+            return await count(conn, "lease_token IS NOT NULL") == total
+
+        await wait_until(all_claimed, 30, "A to claim every row")
+        await asyncio.sleep(3)  # sent, refused, retried by the producer
+        assert await count(conn, "published_at IS NOT NULL") == 0, "nothing can be acknowledged"
+        a.send_signal(signal.SIGTERM)
+        sigterm = time.monotonic()
+
+        async def grace_expired() -> bool:
+            return bool(log_events(log_a, "shutdown_grace_expired"))
+
+        await wait_until(grace_expired, 30, "A's grace period to expire")
+        expired_after = time.monotonic() - sigterm
+        if recovery == "while_closing":
+            await asyncio.sleep(1.0)
+        else:
+            code = await asyncio.to_thread(a.wait, 60)
+        await cluster.set_topic_config(strict, {**APPEND_TIME, "min.insync.replicas": "2"})
+        recovered_after = time.monotonic() - sigterm
+        code = await asyncio.to_thread(a.wait, 60)
+    finally:
+        if a.poll() is None:
+            kill9(a)
+    exited_after = time.monotonic() - sigterm
+    assert code == 0, log_a.read_text()[-4000:]
+    published_by_a = await count(conn, "published_at IS NOT NULL")
+    given_back = await count(conn, "published_at IS NULL AND dead_at IS NULL")
+    assert await count(conn, "lease_token IS NOT NULL") == 0, "A gave back or marked every row"
+    async with fleet(cluster_settings(), tmp_path, 1):
+        await wait_all_settled(conn, 120)
+    dead = await count(conn, "dead_at IS NOT NULL")
+    verdict = await verdict_for(database_url, cluster.bootstrap, [strict], timeout=120)
+    report(
+        f"cluster_sigterm_past_grace_{recovery}",
+        verdict,
+        record_property,
+        rows=total,
+        grace_s=grace,
+        grace_expired_after_sigterm_s=round(expired_after, 2),
+        topic_recovered_after_sigterm_s=round(recovered_after, 2),
+        a_exited_after_sigterm_s=round(exited_after, 2),
+        published_by_a=published_by_a,
+        given_back_by_a=given_back,
+        dead_lettered=dead,
+    )
+    assert_nothing_lost(verdict, dead)
+    assert verdict.delivered == total
+    assert verdict.duplicates == 0, verdict.summary()
+    if recovery == "after_exit":
+        assert given_back == total, "A's close failed what it held; B published it"
