@@ -37,6 +37,19 @@ class Cluster:
     bootstrap: str
     control: Path
     topics: list[str] = field(default_factory=list)
+    # node -> (its PROXIED listener's port, the port it advertises there, where a test runs a
+    # fault proxy to that listener): a client bootstrapped at the proxies reaches each node only
+    # through its proxy. Empty when the script runs without those listeners.
+    proxied: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    @staticmethod
+    def parse_proxied(text: str) -> dict[int, tuple[int, int]]:
+        """services.sh cluster-env's OUTBOX_CLUSTER_PROXIED: node:proxied:proxy,..."""
+        found: dict[int, tuple[int, int]] = {}
+        for item in filter(None, text.split(",")):
+            node, proxied, proxy = (int(part) for part in item.split(":"))
+            found[node] = (proxied, proxy)
+        return found
 
     async def _run(self, *args: str) -> None:
         command = ["bash", str(self.control), *args]
