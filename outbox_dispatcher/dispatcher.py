@@ -123,7 +123,11 @@ class Dispatcher:
         s = self.settings
         claimer = Claimer(pool, self.queries, s, self.owner)
         marker = Marker(
-            pool, self.queries, retry_for=s.lease_seconds, delete_on_publish=s.delete_on_publish
+            pool,
+            self.queries,
+            retry_for=s.lease_seconds,
+            delete_on_publish=s.delete_on_publish,
+            owner=self.owner,
         )
         readiness = ReadinessCache(lambda: self._readiness(pool, publisher))
         # Without LISTEN nobody hears a notification: writers are never asked to send one.
@@ -386,7 +390,7 @@ class Dispatcher:
             )
         finally:
             self.in_flight.discard(batch.token)
-        if any(res.error and not res.counted for res in results):
+        if any(res.failure is errors.Failure.TRANSIENT for res in results):
             return self.retry_policy.outage_delay()
         return 0.0
 

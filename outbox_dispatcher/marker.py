@@ -26,10 +26,14 @@ class Marker:
         retry_for: float,
         *,
         delete_on_publish: bool = False,
+        owner: str | None = None,
     ) -> None:
         self._store = Store(pool, queries)
         self._retry_for = retry_for
         self._delete = delete_on_publish
+        # Who claims (lease_owner): tells a mark whose reply was lost from a lease another
+        # dispatcher took over. None: every shortfall is reported as a lost lease.
+        self._owner = owner
 
     def arguments(self, batch: Batch, results: Sequence[Result]) -> dict[str, Any]:
         """Store.settle's keywords: each row's outcome, and the batch's keys to release."""
@@ -48,13 +52,19 @@ class Marker:
         """Write every result in one statement; returns how many rows were still ours. Retries
         while the database is briefly away: a mark that never lands means a re-publish, not a
         loss."""
-        changed = await self._execute(self.arguments(batch, results), len(batch.records))
-        if changed is None:
+        arguments = self.arguments(batch, results)
+        rows = len(batch.records)
+        executed = await self._execute(arguments, rows)
+        if executed is None:
             return 0  # settle_failed said what happens; the lease was not lost
-        if changed < len(batch.records):
+        ids, retried = executed
+        changed = len(ids)
+        if changed < rows and retried and self._owner is not None:
+            changed += await self._settled_before(batch, results, set(ids), self._owner)
+        if changed < rows:
             log.warning(
                 "lease_lost",
-                rows=len(batch.records) - changed,
+                rows=rows - changed,
                 consequence=(
                     "another dispatcher took these rows over after the lease expired; they are "
                     "published again with the same event id"
@@ -62,14 +72,45 @@ class Marker:
             )
         return changed
 
-    async def _execute(self, arguments: dict[str, Any], rows: int) -> int | None:
-        """Rows changed, or None if the database stayed away past the retry window."""
+    async def _settled_before(
+        self, batch: Batch, results: Sequence[Result], changed: set[int], owner: str
+    ) -> int:
+        """Rows an earlier, unanswered attempt of this mark settled. It may have committed with
+        its reply lost (review F13): its rows no longer carry the token, so the retry changed
+        nothing, and they are not lost; rows that show this mark's outcome, last leased by this
+        dispatcher, with the attempts this mark set, are those."""
+        missed = [
+            (r, res) for r, res in zip(batch.records, results, strict=True) if r.id not in changed
+        ]
+        try:
+            found = await self._store.already_settled(
+                ids=[r.id for r, _ in missed],
+                owner=owner,
+                outcomes=[res.outcome.value for _, res in missed],
+                attempts=[r.attempts + int(res.counted) for r, res in missed],
+                delete_published=self._delete,
+            )
+        except db.RETRIABLE_ERRORS as exc:
+            log.warning("settle_check_failed", rows=len(missed), error=repr(exc))
+            return 0
+        if found:
+            log.info(
+                "settle_reply_lost",
+                rows=found,
+                consequence="an earlier attempt of this mark committed; nothing is published again",
+            )
+        return found
+
+    async def _execute(self, arguments: dict[str, Any], rows: int) -> tuple[list[int], bool] | None:
+        """The ids changed, and whether an earlier try failed without an answer (it may have
+        committed); None if the database stayed away past the retry window."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._retry_for
         pause = 0.1
+        retried = False
         while True:
             try:
-                return await self._store.settle(**arguments)
+                return await self._store.settle_ids(**arguments), retried
             except db.RETRIABLE_ERRORS as exc:
                 if loop.time() + pause > deadline:
                     log.error(
@@ -80,6 +121,7 @@ class Marker:
                     )
                     return None
                 log.warning("settle_retrying", rows=rows, error=repr(exc))
+                retried = True
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 2.0)
 

@@ -27,6 +27,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from outbox_dispatcher import __version__, db
+from outbox_dispatcher.errors import Failure
 from outbox_dispatcher.models import OutboxRecord, Outcome, Result
 from outbox_dispatcher.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.sql import Queries
@@ -205,14 +206,15 @@ class Metrics:
                 published[topic] = published.get(topic, 0) + 1
                 self.commit_to_ack.observe(max(0.0, acked_at - record.created_at.timestamp()))
                 continue
-            if result.error is None:
+            if result.failure is None:
                 continue  # not attempted: an earlier row of its key failed
             if result.outcome is Outcome.DEAD:
-                permanent = result.error.startswith("permanent")
+                permanent = result.failure is Failure.PERMANENT
                 self.failures.labels(topic, "permanent" if permanent else "row").inc()
                 self.dead_lettered.labels(topic, "permanent" if permanent else "max_attempts").inc()
             else:
-                self.failures.labels(topic, "row" if result.counted else "outage").inc()
+                outage = result.failure is Failure.TRANSIENT
+                self.failures.labels(topic, "outage" if outage else "row").inc()
         for topic, n in published.items():
             self.published.labels(topic).inc(n)
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from outbox_dispatcher.errors import Failure
+
 
 @dataclass(frozen=True, slots=True)
 class OutboxRecord:
@@ -54,9 +56,12 @@ class Outcome(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """What happened to one record, as the settle statement records it."""
+    """What happened to one record, as the settle statement records it. `failure` is the class
+    of a failed attempt as data (None: published, or not attempted), for metrics and the claim
+    loop's pause; `error` is text for operators and is never parsed."""
 
     outcome: Outcome
     error: str | None = None
     delay: float = 0.0
     counted: bool = False  # whether the attempt counts towards max_attempts
+    failure: Failure | None = None

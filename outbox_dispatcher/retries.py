@@ -60,16 +60,28 @@ class RetryPolicy:
         else:
             failure = errors.classify(outcome)
         if failure is errors.Failure.PERMANENT:
-            return Result(Outcome.DEAD, f"permanent error, not retried: {reason}", counted=True)
+            return Result(
+                Outcome.DEAD,
+                f"permanent error, not retried: {reason}",
+                counted=True,
+                failure=failure,
+            )
         if failure is errors.Failure.TRANSIENT:
             # Not the row's fault: wait for the broker, never dead-letter for it.
-            return Result(Outcome.RETRY, reason, delay=self.outage_delay(), counted=False)
+            return Result(
+                Outcome.RETRY, reason, delay=self.outage_delay(), counted=False, failure=failure
+            )
         attempt = record.attempts + 1
         if attempt >= self._max_attempts:
             return Result(
-                Outcome.DEAD, f"gave up after {attempt} failed attempts: {reason}", counted=True
+                Outcome.DEAD,
+                f"gave up after {attempt} failed attempts: {reason}",
+                counted=True,
+                failure=failure,
             )
-        return Result(Outcome.RETRY, reason, delay=self.backoff(attempt), counted=True)
+        return Result(
+            Outcome.RETRY, reason, delay=self.backoff(attempt), counted=True, failure=failure
+        )
 
 
 def _is_outage(outcome: BaseException) -> bool:

@@ -73,6 +73,32 @@ class Store:
         delete_published: bool,
     ) -> int:
         """Record one batch's outcomes and release its keys; rows that were still ours."""
+        return len(
+            await self.settle_ids(
+                token=token,
+                keys=keys,
+                ids=ids,
+                outcomes=outcomes,
+                errors=errors,
+                delays=delays,
+                counted=counted,
+                delete_published=delete_published,
+            )
+        )
+
+    async def settle_ids(
+        self,
+        *,
+        token: uuid.UUID,
+        keys: Sequence[str],
+        ids: Sequence[int],
+        outcomes: Sequence[str],
+        errors: Sequence[str | None],
+        delays: Sequence[float],
+        counted: Sequence[int],
+        delete_published: bool,
+    ) -> list[int]:
+        """As settle, but the ids of the rows that were still ours."""
         rows = await self._fetch(
             self._queries.settle,
             token,
@@ -84,7 +110,28 @@ class Store:
             list(counted),
             delete_published,
         )
-        return len(rows)
+        return [int(row[0]) for row in rows]
+
+    async def already_settled(
+        self,
+        *,
+        ids: Sequence[int],
+        owner: str,
+        outcomes: Sequence[str],
+        attempts: Sequence[int],
+        delete_published: bool,
+    ) -> int:
+        """Of these rows, how many already show the outcome a settle by `owner` left (a settle
+        whose reply was lost)."""
+        [(rows,)] = await self._fetch(
+            self._queries.already_settled,
+            list(ids),
+            owner,
+            list(outcomes),
+            list(attempts),
+            delete_published,
+        )
+        return int(rows)
 
     async def extend_leases(
         self, *, ids: Sequence[int], tokens: Sequence[uuid.UUID], seconds: float

@@ -1,4 +1,4 @@
--- outbox-dispatcher: the full current schema (version 8). Equivalent to applying every file in
+-- outbox-dispatcher: the full current schema (version 9). Equivalent to applying every file in
 -- migrations/ in order; tests/integration/test_schema.py proves it. Placeholders as in the migrations.
 
 CREATE TABLE IF NOT EXISTS ${schema}.${table}_schema_version (
@@ -563,6 +563,9 @@ $fn$;
 -- The settle: record one batch's outcomes, fenced by its token, then release its keys (pointing
 -- each at its new head, or forgetting it when it has none). Lock order everywhere: registry rows
 -- (sorted by key) before outbox rows, so the mark, the lease keeper and the claim never deadlock.
+-- A row the reclaimer dead-lettered as a crash loop keeps the token of the lease it ended (version
+-- 9): its owner was alive after all, and its late mark may record a publication (the broker
+-- acknowledged it: the row is in Kafka), nothing else; its key's dead flag is then refreshed.
 CREATE FUNCTION ${schema}.${table}_settle(
     p_token uuid,
     p_keys text[],
@@ -579,11 +582,18 @@ AS $fn$
 DECLARE
     v_empty text[];
     v_locked text[];
+    v_revived text[];
 BEGIN
     PERFORM 1 FROM ${schema}.${table}_key k
      WHERE k.ordering_key = ANY (p_keys) AND k.lease_token = p_token
      ORDER BY k.ordering_key
        FOR UPDATE;
+
+    -- Keys with a dead row of this lease, which this mark may publish (read from the small index
+    -- of dead rows; there is usually none).
+    SELECT array_agg(DISTINCT d.ordering_key) INTO v_revived
+      FROM ${schema}.${table} d
+     WHERE d.ordering_key = ANY (p_keys) AND d.dead_at IS NOT NULL AND d.lease_token = p_token;
 
     IF p_delete THEN
         RETURN QUERY
@@ -608,8 +618,16 @@ BEGIN
       FROM unnest(p_ids, p_outcomes, p_errors, p_delays, p_counted)
            AS r(id, outcome, error, delay, attempt)
      WHERE o.id = r.id AND o.lease_token = p_token
+       AND (o.dead_at IS NULL OR r.outcome = 'published')
        AND NOT (p_delete AND r.outcome = 'published')
     RETURNING o.id;
+
+    IF v_revived IS NOT NULL THEN
+        UPDATE ${schema}.${table}_key k
+           SET has_dead = EXISTS (SELECT 1 FROM ${schema}.${table} d
+                                   WHERE d.ordering_key = k.ordering_key AND d.dead_at IS NOT NULL)
+         WHERE k.ordering_key = ANY (v_revived) AND k.has_dead;
+    END IF;
 
     -- Keys left with nothing pending are forgotten at once instead of released and then deleted
     -- (one write of the key's row instead of two: at a steady rate most keys empty out with
@@ -826,5 +844,5 @@ SELECT coalesce(max(o.id), 0), statement_timestamp() FROM ${schema}.${table} o;
 
 INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (1, 'initial'), (2, 'routed_topic'),
     (3, 'operations'), (4, 'stricter_writer_checks'), (5, 'operator_safety'),
-    (6, 'claim_engine'), (7, 'lag'), (8, 'lighter_writes_and_settles')
+    (6, 'claim_engine'), (7, 'lag'), (8, 'lighter_writes_and_settles'), (9, 'late_marks')
     ON CONFLICT (version) DO NOTHING;

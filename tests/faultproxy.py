@@ -16,7 +16,9 @@ touching the service other tests use. Faults:
 * ``fault_on(pattern)``: stall (or, with drop=True, blackhole) the proxy the moment a chunk from
   the client contains `pattern`; that chunk is held (or dropped) too. A fault aimed at one
   statement, e.g. the dispatcher's mark. Patterns are matched within one read, which suits
-  protocol messages far smaller than CHUNK.
+  protocol messages far smaller than CHUNK. With ``after=True`` the matching chunk itself still
+  reaches the server and the blackhole starts behind it: the server acts on the request and its
+  reply is lost (a statement that committed, its answer never delivered).
 * ``delay(seconds)``: each chunk waits that long before it is forwarded (0 turns it off).
 """
 
@@ -75,6 +77,7 @@ class FaultProxy:
         self._restored.set()
         self._pattern: bytes | None = None
         self._pattern_drops = False
+        self._pattern_after = False
         self.tripped = asyncio.Event()  # set when fault_on's pattern went by
         # Counters a test can assert on (e.g. "the client really talked through the proxy").
         self.accepted = 0
@@ -132,11 +135,13 @@ class FaultProxy:
         self.mode = Mode.STALL
         self._restored.clear()
 
-    def fault_on(self, pattern: bytes | None, *, drop: bool = False) -> None:
+    def fault_on(self, pattern: bytes | None, *, drop: bool = False, after: bool = False) -> None:
         """Stall (drop=False) or blackhole (drop=True) as soon as the client sends `pattern`;
+        with after=True, blackhole just behind that chunk (it is delivered, the reply is lost).
         None disarms. Fires once."""
         self._pattern = pattern
         self._pattern_drops = drop
+        self._pattern_after = after
 
     def delay(self, seconds: float) -> None:
         self._delay = seconds
@@ -213,6 +218,16 @@ class FaultProxy:
             while data := await reader.read(CHUNK):
                 if from_client and self._pattern and self._pattern in data:
                     self._pattern = None
+                    if self._pattern_after:
+                        # Blackhole first, so that the reply cannot slip through, then deliver
+                        # this chunk past it.
+                        self.blackhole()
+                        link.tainted = True
+                        self.tripped.set()
+                        writer.write(data)
+                        await writer.drain()
+                        self.forwarded_bytes += len(data)
+                        continue
                     if self._pattern_drops:
                         self.blackhole()
                     else:

@@ -22,7 +22,8 @@
 #                default.replication.factor=3, min.insync.replicas=2), same jars as the single broker
 #   broker-stop N | broker-start N | broker-kill N
 #                one node of that cluster (N = 1..3; kill = SIGKILL, no controlled shutdown)
-#   cluster-env  print OUTBOX_CLUSTER_BOOTSTRAP_SERVERS=... for it
+#   cluster-env  print OUTBOX_CLUSTER_BOOTSTRAP_SERVERS=... for it, and OUTBOX_CLUSTER_PROXIED=
+#                node:proxied_port:proxy_port,... (each node's PROXIED listener and its proxy)
 #   kafka3-start | kafka3-stop   a single Kafka 3.x broker (deploy/local/kafka3/pom.xml)
 #   kafka3-env   print OUTBOX_KAFKA3_BOOTSTRAP_SERVERS=... for it
 #
@@ -45,6 +46,12 @@
 #                                        (default 29092, so 29092-29094)
 #   OUTBOX_SERVICES_CLUSTER_CONTROLLER_PORT  node 1's controller port, node N +N-1
 #                                        (default cluster port + 10, so 29102-29104)
+#   OUTBOX_SERVICES_CLUSTER_PROXIED_PORT, OUTBOX_SERVICES_CLUSTER_PROXY_PORT
+#                                        as KAFKA_PROXIED/PROXY_PORT, for each cluster node
+#                                        (node N: +N-1; defaults cluster port + 30 and + 40,
+#                                        so 29122-29124 and 29132-29134; PROXY_PORT=0 turns
+#                                        the listeners off): a test runs one fault proxy per
+#                                        node and can cut the client's path to one broker
 #   OUTBOX_SERVICES_KAFKA3_PORT          the Kafka 3.x broker's client port (default 29112;
 #                                        its controller uses +1)
 #   OUTBOX_SERVICES_KAFKA_PROXIED_PORT, OUTBOX_SERVICES_KAFKA_PROXY_PORT
@@ -870,6 +877,8 @@ kafka_status() {
 CLUSTER_SIZE=3
 CLUSTER_PORT=${OUTBOX_SERVICES_CLUSTER_PORT:-29092}
 CLUSTER_CONTROLLER_PORT=${OUTBOX_SERVICES_CLUSTER_CONTROLLER_PORT:-$((CLUSTER_PORT + 10))}
+CLUSTER_PROXIED_PORT=${OUTBOX_SERVICES_CLUSTER_PROXIED_PORT:-$((CLUSTER_PORT + 30))}
+CLUSTER_PROXY_PORT=${OUTBOX_SERVICES_CLUSTER_PROXY_PORT:-$((CLUSTER_PORT + 40))}
 CLUSTER_DIR="$STATE_DIR/cluster"
 KAFKA3_PORT=${OUTBOX_SERVICES_KAFKA3_PORT:-29112}
 KAFKA3_CONTROLLER_PORT=$((KAFKA3_PORT + 1))
@@ -969,6 +978,14 @@ node_stop() {
 cluster_node_dir() { printf '%s/node%s' "$CLUSTER_DIR" "$1"; }
 cluster_port() { printf '%s' $((CLUSTER_PORT + $1 - 1)); }
 cluster_controller_port() { printf '%s' $((CLUSTER_CONTROLLER_PORT + $1 - 1)); }
+cluster_proxied_port() { printf '%s' $((CLUSTER_PROXIED_PORT + $1 - 1)); }
+cluster_proxy_port() { printf '%s' $((CLUSTER_PROXY_PORT + $1 - 1)); }
+
+# A node's PROXIED listener: listens on its proxied port, advertises its fault proxy's port, so
+# that a client bootstrapped at the proxies reaches every node only through them.
+cluster_proxied_listener() {
+  [[ $CLUSTER_PROXY_PORT == 0 ]] || printf ',PROXIED://%s:%s' "$KAFKA_HOST" "$2"
+}
 
 cluster_check_node() {
   [[ ${1:-} =~ ^[1-3]$ ]] || die "give a node number 1..$CLUSTER_SIZE, got '${1:-}'"
@@ -988,10 +1005,10 @@ process.roles=broker,controller
 node.id=$n
 controller.quorum.voters=$voters
 controller.listener.names=CONTROLLER
-listeners=PLAINTEXT://$KAFKA_HOST:$(cluster_port "$n"),CONTROLLER://$KAFKA_HOST:$(cluster_controller_port "$n")
-advertised.listeners=PLAINTEXT://$KAFKA_HOST:$(cluster_port "$n")
+listeners=PLAINTEXT://$KAFKA_HOST:$(cluster_port "$n"),CONTROLLER://$KAFKA_HOST:$(cluster_controller_port "$n")$(cluster_proxied_listener "$n" "$(cluster_proxied_port "$n")")
+advertised.listeners=PLAINTEXT://$KAFKA_HOST:$(cluster_port "$n")$(cluster_proxied_listener "$n" "$(cluster_proxy_port "$n")")
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,PROXIED:PLAINTEXT
 log.dirs=$dir/data
 num.partitions=3
 auto.create.topics.enable=true
@@ -1038,7 +1055,7 @@ cluster_check_ports() {
   local n port
   for n in $(seq 1 "$CLUSTER_SIZE"); do
     node_pid "$(cluster_node_dir "$n")" >/dev/null && continue
-    for port in "$(cluster_port "$n")" "$(cluster_controller_port "$n")"; do
+    for port in "$(cluster_port "$n")" "$(cluster_controller_port "$n")" "$(cluster_proxied_port "$n")"; do
       if port_open "$KAFKA_HOST" "$port"; then
         die "port $port is in use by a process other than cluster node $n; set OUTBOX_SERVICES_CLUSTER_PORT"
       fi
@@ -1095,6 +1112,16 @@ broker_stop() {
 cluster_bootstrap() {
   local n out=""
   for n in $(seq 1 "$CLUSTER_SIZE"); do out+="${out:+,}$KAFKA_HOST:$(cluster_port "$n")"; done
+  printf '%s' "$out"
+}
+
+# node:proxied_port:proxy_port for each node (empty when the proxied listeners are off).
+cluster_proxied() {
+  local n out=""
+  [[ $CLUSTER_PROXY_PORT == 0 ]] && return 0
+  for n in $(seq 1 "$CLUSTER_SIZE"); do
+    out+="${out:+,}$n:$(cluster_proxied_port "$n"):$(cluster_proxy_port "$n")"
+  done
   printf '%s' "$out"
 }
 
@@ -1326,7 +1353,8 @@ main() {
     cluster-start)  take_lock; cluster_start ;;
     cluster-stop)   take_lock; cluster_stop ;;
     cluster-status) local rc=0; cluster_status || rc=1; exit $rc ;;
-    cluster-env)    printf 'OUTBOX_CLUSTER_BOOTSTRAP_SERVERS=%s\n' "$(cluster_bootstrap)" >&3 ;;
+    cluster-env)    printf 'OUTBOX_CLUSTER_BOOTSTRAP_SERVERS=%s\nOUTBOX_CLUSTER_PROXIED=%s\n' \
+                      "$(cluster_bootstrap)" "$(cluster_proxied)" >&3 ;;
     broker-start)   take_lock; broker_start "${2:-}" ;;
     broker-stop)    take_lock; broker_stop "${2:-}" TERM ;;
     broker-kill)    take_lock; broker_stop "${2:-}" KILL ;;

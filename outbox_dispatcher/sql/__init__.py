@@ -42,6 +42,7 @@ class Queries:
 
     claim: str
     settle: str
+    already_settled: str
     extend_leases: str
     release_claim: str
     waiting_announce: str

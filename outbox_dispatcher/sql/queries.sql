@@ -14,6 +14,25 @@ SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts
 -- token: a dispatcher that lost its lease changes nothing. Returns the rows that were still ours.
 SELECT * FROM {settle_fn}($1, $2, $3, $4, $5, $6, $7, $8)
 
+-- already_settled --
+-- After a settle whose first attempt went unanswered and whose retry changed fewer rows: how many
+-- of the rows $1 that attempt settled (it committed; its reply was lost). They show the outcome
+-- $3 with no lease, last leased by this dispatcher ($2), with the attempts that settle set ($4);
+-- under delete-on-publish ($5) a published row is gone. A row another dispatcher took over has
+-- that dispatcher as its owner, or one attempt more (the takeover counts one); one the reclaimer
+-- dead-lettered as a crash loop keeps its token.
+SELECT count(*)
+  FROM unnest($1::bigint[], $3::text[], $4::integer[]) AS r(id, outcome, attempts)
+  LEFT JOIN {table} o ON o.id = r.id
+ WHERE CASE WHEN o.id IS NULL THEN r.outcome = 'published' AND $5::boolean
+            ELSE o.lease_token IS NULL AND o.lease_owner = $2 AND o.attempts = r.attempts
+                 AND CASE r.outcome
+                         WHEN 'published' THEN o.published_at IS NOT NULL
+                         WHEN 'dead' THEN o.dead_at IS NOT NULL
+                         ELSE o.published_at IS NULL AND o.dead_at IS NULL
+                     END
+       END
+
 -- extend_leases --
 -- Keep the leases of rows (and their keys) still in flight while their owner is alive; a lease
 -- that already expired is not revived.
@@ -34,7 +53,9 @@ DELETE FROM {waiting} WHERE owner = $1
 
 -- dead_letter_crash_loops --
 -- Rows whose every owner died or hung while publishing them: dead-letter instead of taking them
--- over again (the claim leaves them alone). Found without reading the table: a key with such a
+-- over again (the claim leaves them alone). The token of the lease that ended stays on the row:
+-- an owner that was only slow may still deliver the row, and its late mark then records the
+-- publication (see the settle function) instead of leaving a dead row that is in Kafka. Found without reading the table: a key with such a
 -- row has it first (a takeover starts at a key's first row and stops at one), and the claim that
 -- found nothing to take points the key's hint at it; so one primary-key probe per registered key,
 -- then that key's rows, plus rows without a key from their own index. (A scan of the table here
@@ -66,7 +87,6 @@ looping AS (
 UPDATE {table} o
    SET dead_at = now(),
        attempts = o.attempts + 1,
-       lease_token = NULL,
        lease_expires_at = NULL,
        last_error = format('dead-lettered: the lease expired %s times (the dispatcher that held it '
                            'crashed or hung while publishing, last owner %s); last error: %s',

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 
 BROKERS = (1, 2, 3)
@@ -36,6 +37,19 @@ class Cluster:
     bootstrap: str
     control: Path
     topics: list[str] = field(default_factory=list)
+    # node -> (its PROXIED listener's port, the port it advertises there, where a test runs a
+    # fault proxy to that listener): a client bootstrapped at the proxies reaches each node only
+    # through its proxy. Empty when the script runs without those listeners.
+    proxied: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    @staticmethod
+    def parse_proxied(text: str) -> dict[int, tuple[int, int]]:
+        """services.sh cluster-env's OUTBOX_CLUSTER_PROXIED: node:proxied:proxy,..."""
+        found: dict[int, tuple[int, int]] = {}
+        for item in filter(None, text.split(",")):
+            node, proxied, proxy = (int(part) for part in item.split(":"))
+            found[node] = (proxied, proxy)
+        return found
 
     async def _run(self, *args: str) -> None:
         command = ["bash", str(self.control), *args]
@@ -143,9 +157,26 @@ class Cluster:
         await self.wait_fully_replicated(name)
         return name
 
+    async def set_topic_config(self, topic: str, config: Mapping[str, str]) -> None:
+        """Replace the topic's configuration (AlterConfigs: what `config` leaves out returns to
+        the broker's default)."""
+        resource = ConfigResource(ConfigResourceType.TOPIC, topic, configs=dict(config))
+        async with self.admin() as admin:
+            responses = await admin.alter_configs([resource])
+        for response in responses:
+            for resource_error in response.resources:
+                assert resource_error[0] == 0, resource_error
+
     async def delete_topics(self) -> None:
+        """Once every replica is back in sync (bounded): Kafka 4.1.1's controller kept a topic
+        deleted while a broker was out of its ISR in that broker's index, and refused the
+        broker's next registration (UNKNOWN_SERVER_ERROR, "existed in isrMembers, but not in
+        the topics map"): the broker could never start again."""
         if not self.topics:
             return
+        for topic in self.topics:
+            with contextlib.suppress(AssertionError):
+                await self.wait_fully_replicated(topic, timeout=30)
         with contextlib.suppress(Exception):
             async with self.admin() as admin:
                 await admin.delete_topics(self.topics)

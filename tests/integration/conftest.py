@@ -353,11 +353,11 @@ def kafka_cluster() -> Iterator[Cluster]:
     started = _services_script("cluster-start", check=False)
     if started.returncode != 0:
         pytest.fail(f"cluster-start failed:\n{started.stderr[-4000:]}")
-    bootstrap = _env_value(
-        _services_script("cluster-env").stdout, "OUTBOX_CLUSTER_BOOTSTRAP_SERVERS"
-    )
+    env = _services_script("cluster-env").stdout
+    bootstrap = _env_value(env, "OUTBOX_CLUSTER_BOOTSTRAP_SERVERS")
+    proxied = Cluster.parse_proxied(_env_value(env, "OUTBOX_CLUSTER_PROXIED"))
     try:
-        yield Cluster(bootstrap, SERVICES_SCRIPT)
+        yield Cluster(bootstrap, SERVICES_SCRIPT, proxied=proxied)
     finally:
         if not already:
             _services_script("cluster-stop", check=False)

@@ -163,3 +163,32 @@ async def test_fault_on_a_pattern_with_drop_blackholes_from_that_chunk(proxy: Fa
     await proxy.restore()  # the stream lost bytes: aborted, never delivered
     assert await asyncio.wait_for(reader.read(10), 2) == b""
     await _close(writer)
+
+
+async def test_fault_on_a_pattern_after_delivers_that_chunk_and_loses_the_reply() -> None:
+    received = bytearray()
+    got = asyncio.Event()
+
+    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(4096):
+            received.extend(data)
+            got.set()
+            writer.write(b"reply:" + data)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(record, "127.0.0.1", 0)
+    async with FaultProxy("127.0.0.1", server.sockets[0].getsockname()[1]) as proxy:
+        reader, writer = await _open(proxy)
+        proxy.fault_on(b"COMMIT", after=True)
+        writer.write(b"COMMIT 1")
+        await asyncio.wait_for(proxy.tripped.wait(), 2)
+        await asyncio.wait_for(got.wait(), 2)
+        assert bytes(received) == b"COMMIT 1"  # the server got the request...
+        with pytest.raises(TimeoutError):  # ...and its reply never came back
+            await asyncio.wait_for(reader.read(10), 0.4)
+        await proxy.restore()  # the stream lost bytes: aborted
+        assert await asyncio.wait_for(reader.read(10), 2) == b""
+        await _close(writer)
+    server.close()
+    await server.wait_closed()

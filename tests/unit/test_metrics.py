@@ -1,0 +1,93 @@
+"""The failure counters are decided by the outcome's class (data), never by its text."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from datetime import UTC, datetime
+
+import pytest
+from aiokafka import errors as kafka_errors
+
+from outbox_dispatcher import errors
+from outbox_dispatcher.metrics import Metrics
+from outbox_dispatcher.models import OutboxRecord, Outcome, Result
+from outbox_dispatcher.retries import RetryPolicy
+from outbox_dispatcher.settings import Settings
+
+
+def record(attempts: int = 0, topic: str = "t") -> OutboxRecord:
+    return OutboxRecord(1, topic, "k", b"x", {}, uuid.uuid4(), datetime.now(UTC), attempts, False)
+
+
+def counts(m: Metrics) -> dict[tuple[str, str], float]:
+    """(metric, reason) -> value of the failure and dead-letter counters, topic t."""
+    found: dict[tuple[str, str], float] = {}
+    for family in m.registry.collect():
+        if family.name not in ("outbox_publish_failures", "outbox_dead_lettered"):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.value:
+                found[(family.name, sample.labels["reason"])] = sample.value
+    return found
+
+
+def test_a_dead_row_is_counted_by_its_class_whatever_its_text_says() -> None:
+    m = Metrics()
+    now = 0.0
+    # Text that reads like the other class on purpose: the counters must not parse it.
+    m.record_batch(
+        [record()],
+        [Result(Outcome.DEAD, "permanent-looking broker text", failure=errors.Failure.ROW)],
+        now,
+    )
+    assert counts(m) == {
+        ("outbox_publish_failures", "row"): 1,
+        ("outbox_dead_lettered", "max_attempts"): 1,
+    }
+    m = Metrics()
+    m.record_batch(
+        [record()],
+        [Result(Outcome.DEAD, "gave up, it says", failure=errors.Failure.PERMANENT)],
+        now,
+    )
+    assert counts(m) == {
+        ("outbox_publish_failures", "permanent"): 1,
+        ("outbox_dead_lettered", "permanent"): 1,
+    }
+
+
+def test_retries_are_counted_as_row_or_outage_by_class_and_not_attempted_not_at_all() -> None:
+    m = Metrics()
+    m.record_batch(
+        [record(), record(), record()],
+        [
+            Result(Outcome.RETRY, "x", delay=1, counted=True, failure=errors.Failure.ROW),
+            Result(Outcome.RETRY, "y", delay=1, failure=errors.Failure.TRANSIENT),
+            Result(Outcome.RETRY),  # not attempted: an earlier row of its key failed
+        ],
+        0.0,
+    )
+    assert counts(m) == {
+        ("outbox_publish_failures", "row"): 1,
+        ("outbox_publish_failures", "outage"): 1,
+    }
+
+
+@pytest.mark.parametrize(
+    ("exc", "attempts", "outcome", "failure"),
+    [
+        (None, 0, Outcome.PUBLISHED, None),
+        (errors.NotAttempted(), 0, Outcome.RETRY, None),
+        (kafka_errors.MessageSizeTooLargeError(), 0, Outcome.DEAD, errors.Failure.PERMANENT),
+        (kafka_errors.KafkaConnectionError(), 5, Outcome.RETRY, errors.Failure.TRANSIENT),
+        (errors.TopicMissingError(), 0, Outcome.RETRY, errors.Failure.ROW),
+        (RuntimeError("permanent error, not retried"), 2, Outcome.DEAD, errors.Failure.ROW),
+    ],
+)
+def test_the_retry_policy_gives_each_outcome_its_class(
+    exc: BaseException | None, attempts: int, outcome: Outcome, failure: errors.Failure | None
+) -> None:
+    policy = RetryPolicy(Settings(max_attempts=3), random.Random(1))
+    result = policy.result(record(attempts), exc)
+    assert (result.outcome, result.failure) == (outcome, failure)
