@@ -14,13 +14,17 @@ from dataclasses import dataclass, field
 import structlog
 from aiokafka import AIOKafkaProducer
 from aiokafka import errors as kafka_errors
-from aiokafka.partitioner import murmur2
 
 from outbox_dispatcher import broker, errors
 from outbox_dispatcher.errors import NotAttempted as NotAttempted
 from outbox_dispatcher.errors import TopicMissingError as TopicMissingError
 from outbox_dispatcher.models import OutboxRecord
-from outbox_dispatcher.routing import Router
+from outbox_dispatcher.records import (
+    BATCH_HEADER,
+    RecordEncoder,
+    partition_of,
+    record_size,
+)
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.tracing import Tracer
 
@@ -46,49 +50,10 @@ class Sent:
     producers: list[AIOKafkaProducer] = field(default_factory=list)
 
 
-def record_headers(record: OutboxRecord, event_id_header: str) -> list[tuple[str, bytes]]:
-    """The row's headers, then the event id. A writer's header named like the event id header
-    in any letter case is dropped: consumers that normalise header names would read it as the
-    id. The schema admits only string values; a row stored under an older, laxer check may still
-    hold others, and is dead-lettered, not a crash."""
-    if not isinstance(record.headers, dict):
-        msg = f"headers must be a JSON object of strings, not {type(record.headers).__name__}"
-        raise errors.UnpublishableRowError(msg)
-    headers = []
-    reserved = event_id_header.casefold()
-    for name, value in record.headers.items():
-        if name.casefold() == reserved:
-            continue
-        if not isinstance(value, str):
-            msg = (
-                f"header {name!r} is a JSON {type(value).__name__}, not a string: Kafka header "
-                "values are strings; fix the row's headers, then requeue it"
-            )
-            raise errors.UnpublishableRowError(msg)
-        headers.append((name, value.encode()))
-    headers.append((event_id_header, str(record.event_id).encode()))
-    return headers
-
-
-def cloudevents_headers(record: OutboxRecord, settings: Settings) -> list[tuple[str, bytes]]:
-    """CloudEvents Kafka binding, binary mode: the payload is the event data and the attributes
-    travel as ce_* headers. ce_id is always the event id; a row's own ce_* headers win."""
-    extra = [("ce_id", str(record.event_id))]
-    defaults = (
-        ("ce_specversion", "1.0"),
-        ("ce_source", settings.cloudevents_source),
-        ("ce_type", settings.cloudevents_type),
-        ("ce_time", record.created_at.isoformat()),
-        ("content-type", settings.cloudevents_content_type),
-    )
-    extra.extend((name, value) for name, value in defaults if name not in record.headers)
-    return [(name, value.encode()) for name, value in extra]
-
-
 class KafkaPublisher:
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
-        self._router = Router(settings.default_topic, settings.topic_template)
+        self._encoder = RecordEncoder(settings)
         self._producer: AIOKafkaProducer | None = None
         self._tracer = Tracer(settings.tracing)
         self._context: ssl.SSLContext | None = None
@@ -327,7 +292,7 @@ class KafkaPublisher:
         sent.futures = [None] * len(records)
         if not records:
             return []
-        topics = [self._route(record) for record in records]
+        topics = [self._encoder.topic(record) for record in records]
         try:
             await self._replace_if_broken()
         except errors.BrokerUnavailableError as exc:
@@ -397,7 +362,7 @@ class KafkaPublisher:
         """Send records[indices] wave by wave (see publish); True if given up on after
         publish_timeout (the rest is not attempted)."""
         producer = self.producer
-        extra = CLOUDEVENTS_OVERHEAD if self._settings.cloudevents else 0
+        extra = self._encoder.extra
         waves = _waves(
             [records[i] for i in indices],
             [topics[i] for i in indices],
@@ -443,27 +408,14 @@ class KafkaPublisher:
         """Hand one record to the producer: its delivery future, or why it could not be sent."""
         if isinstance(topic, BaseException):
             return topic
-        key = record.ordering_key
-        if key is None and record.payload is None:
-            return errors.UnpublishableRowError(
-                "a tombstone (NULL payload) needs an ordering_key: Kafka clients refuse a "
-                "record with neither key nor value; give the row a key or a payload"
-            )
         span = self._tracer.start(record, topic)
         producer = self.producer
         if not sent.producers or sent.producers[-1] is not producer:
             sent.producers.append(producer)
         try:
-            headers = record_headers(record, self._settings.event_id_header)
-            if self._settings.cloudevents:
-                headers = [h for h in headers if h[0] != "ce_id"] + cloudevents_headers(
-                    record, self._settings
-                )
+            encoded = self._encoder.encode(record)
             future: asyncio.Future[object] = await producer.send(
-                topic,
-                value=record.payload,
-                key=key.encode() if key is not None else None,
-                headers=headers,
+                topic, value=encoded.value, key=encoded.key, headers=encoded.headers
             )
         except (
             kafka_errors.KafkaError,
@@ -570,12 +522,6 @@ class KafkaPublisher:
             self._note(outcome)
         return outcomes
 
-    def _route(self, record: OutboxRecord) -> str | errors.RoutingError:
-        try:
-            return self._router.topic_for(record.topic, record.headers)
-        except errors.RoutingError as exc:
-            return exc
-
     @staticmethod
     def outcomes(
         sent: Sent,
@@ -604,36 +550,6 @@ class KafkaPublisher:
 
 
 _UNACKNOWLEDGED = "the broker did not acknowledge within OUTBOX_PUBLISH_TIMEOUT_SECONDS"
-
-
-# What a record adds to a producer batch beyond its key, value and headers (record framing,
-# varints, the event id header), rounded up, and the CloudEvents headers when they are on.
-RECORD_OVERHEAD = 128
-CLOUDEVENTS_OVERHEAD = 384
-BATCH_HEADER = 61
-
-
-def record_size(record: OutboxRecord, extra: int = 0) -> int:
-    """An upper estimate of the record's bytes in a producer batch."""
-    size = RECORD_OVERHEAD + extra + len(record.payload or b"")
-    if record.ordering_key is not None:
-        size += _utf8_len(record.ordering_key)
-    headers = record.headers
-    if isinstance(headers, dict):
-        for name, value in headers.items():
-            size += _utf8_len(str(name)) + _utf8_len(str(value)) + 4
-    return size
-
-
-def _utf8_len(text: str) -> int:
-    return len(text) if text.isascii() else len(text.encode())
-
-
-def partition_of(key: str, partitions: set[int]) -> int:
-    """The partition the producer's default partitioner gives a key (murmur2, as Java's)."""
-    candidates = list(partitions)
-    partition: int = candidates[(murmur2(key.encode()) & 0x7FFFFFFF) % len(candidates)]
-    return partition
 
 
 def _waves(

@@ -11,35 +11,9 @@ from outbox_dispatcher import errors
 from outbox_dispatcher import publisher as publisher_module
 from outbox_dispatcher.dispatcher import acknowledged_keys
 from outbox_dispatcher.models import OutboxRecord
-from outbox_dispatcher.publisher import (
-    KafkaPublisher,
-    NotAttempted,
-    Sent,
-    _waves,
-    partition_of,
-    record_headers,
-    record_size,
-)
+from outbox_dispatcher.publisher import KafkaPublisher, NotAttempted, Sent, _waves
+from outbox_dispatcher.records import partition_of, record_size
 from outbox_dispatcher.settings import Settings
-
-
-def test_headers_carry_the_event_id_and_it_cannot_be_forged() -> None:
-    event_id = uuid.uuid4()
-    rec = OutboxRecord(
-        1,
-        "t",
-        "k",
-        b"x",
-        {"traceparent": "00-ab", "event-id": "forged", "Event-ID": "forged", "EVENT-id": "x"},
-        event_id,
-        datetime.now(UTC),
-        0,
-        False,
-    )
-    assert record_headers(rec, "event-id") == [
-        ("traceparent", b"00-ab"),
-        ("event-id", str(event_id).encode()),
-    ]
 
 
 async def test_outcomes_split_acknowledged_failed_pending_and_unsent() -> None:
