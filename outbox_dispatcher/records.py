@@ -7,6 +7,7 @@ file (and of its setting): the publisher sends what `RecordEncoder.encode` retur
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
@@ -60,11 +61,14 @@ class RecordEncoder:
         self._reserved = settings.event_id_header.casefold()
         self._cloudevents = settings.cloudevents
         self._max_request = settings.kafka_max_request_bytes
+        self._event_id_bytes = _utf8_len(settings.event_id_header) + len(str(uuid.UUID(int=0)))
         # Added to record_size's estimate of every row (see _waves).
         self.extra = CLOUDEVENTS_OVERHEAD if settings.cloudevents else 0
 
     def topic(self, record: OutboxRecord) -> str | errors.RoutingError:
         """The row's topic, or why it has none (the row is dead-lettered with it)."""
+        if record.topic is not None:
+            return record.topic
         try:
             return self._router.topic_for(record.topic, record.headers)
         except errors.RoutingError as exc:
@@ -79,9 +83,8 @@ class RecordEncoder:
         if key is None and value is None:
             raise errors.UnpublishableRowError(TOMBSTONE_WITHOUT_KEY)
         headers, size = _row_headers(record, self._reserved, skip_ce_id=self._cloudevents)
-        event_id = str(record.event_id).encode()
-        headers.append((self._event_id_header, event_id))
-        size += _utf8_len(self._event_id_header) + len(event_id)
+        headers.append((self._event_id_header, str(record.event_id).encode()))
+        size += self._event_id_bytes
         if self._cloudevents:
             extra = cloudevents_headers(record, self._settings)
             headers.extend(extra)
@@ -129,7 +132,7 @@ def _row_headers(
             raise errors.UnpublishableRowError(msg)
         data = text.encode()
         headers.append((name, data))
-        size += _utf8_len(name) + len(data)
+        size += (len(name) if name.isascii() else len(name.encode())) + len(data)
     return headers, size
 
 
