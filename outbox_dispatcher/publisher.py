@@ -515,9 +515,9 @@ class KafkaPublisher:
         if batches and (not sent.producers or sent.producers[-1] is not producer):
             sent.producers.append(producer)
         for (topic, partition), (builder, members) in batches.items():
-            # Closed: the producer's own send() must not add to it (nothing of ours uses send,
-            # but the batch's contents are the wave's decision).
-            builder.close()
+            # Left open, the batch waits OUTBOX_KAFKA_LINGER_MS before it is sent, as the
+            # producer's own batches did (closed, it would go at once; nothing else appends to
+            # it: the dispatcher never uses send()).
             spans = [self._tracer.start(records[i], topic) for i in members]
             try:
                 future: asyncio.Future[object] = await producer.send_batch(
