@@ -30,6 +30,13 @@ def known_partitions(producer: AIOKafkaProducer, topic: str) -> set[int] | None:
     return partitions
 
 
+def available_partitions(producer: AIOKafkaProducer, topic: str) -> set[int] | None:
+    """The topic's partitions with a known leader in the producer's cached metadata (None: no
+    metadata for it yet)."""
+    partitions: set[int] | None = producer.client.cluster.available_partitions_for_topic(topic)
+    return partitions
+
+
 async def all_metadata(producer: AIOKafkaProducer) -> ClusterMetadata:
     """Every topic's metadata from a broker, naming no topic, so that nothing is auto-created;
     raises when no broker answers."""

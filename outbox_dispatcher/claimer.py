@@ -59,7 +59,7 @@ class Claimer:
             self._max_keys = self._limit  # the next rows may be anyone's
             return None
         self._fit(rows)
-        return Batch(token, [OutboxRecord.from_row(row) for row in rows])
+        return Batch(token, list(map(OutboxRecord.from_row, rows)))
 
     def arguments(self, token: uuid.UUID) -> dict[str, Any]:
         """The claim's parameters for a claim under `token` (Store.claim's keywords, in the

@@ -165,6 +165,14 @@ def translate(
     return None
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """What the pool does to a connection it takes back, besides rolling back a transaction left
+    open (asyncpg always does that): nothing. Its default runs a reset statement (advisory
+    unlock, CLOSE ALL, UNLISTEN *, RESET ALL) on every release, a round trip the caller awaits
+    after each claim and settle; the dispatcher's pool runs single statements that leave no
+    session state behind (transaction-level advisory locks only, no LISTEN, no SET)."""
+
+
 async def create_pool(settings: Settings) -> asyncpg.Pool:
     try:
         pool = await asyncpg.create_pool(
@@ -172,6 +180,7 @@ async def create_pool(settings: Settings) -> asyncpg.Pool:
             min_size=1,
             max_size=settings.effective_pool_size,
             init=init_connection,
+            reset=_keep_session,
             server_settings=server_settings(settings),
             command_timeout=60,
             timeout=10,

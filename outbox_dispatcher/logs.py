@@ -87,6 +87,9 @@ def configure(fmt: str = "json", level: str = "INFO") -> None:
         renderer = [structlog.processors.JSONRenderer(serializer=_dumps)]
     structlog.configure(
         processors=[
+            # A debug line on the hot path (batch_settled) is dropped before the chain
+            # timestamps and renders it, not after.
+            structlog.stdlib.filter_by_level,
             *shared,
             structlog.processors.format_exc_info,
             structlog.stdlib.ProcessorFormatter.wrap_for_formatter,

@@ -8,9 +8,11 @@ gauges are sampled from the database every metrics_interval_seconds by `sample`.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import math
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import asyncpg
 import structlog
@@ -22,9 +24,12 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from outbox_dispatcher import __version__, db
 from outbox_dispatcher.errors import Failure
@@ -66,6 +71,44 @@ NAMES = (
     "outbox_table_sampled_timestamp_seconds",
     "outbox_paused",
 )
+
+
+class BatchHistogram(Collector):
+    """A histogram fed a batch of observations at once. prometheus_client's Histogram takes a
+    lock per observation and walks its buckets in Python, microseconds per row; a settled batch
+    observes hundreds of rows at once from one thread. Exposed as a Histogram is."""
+
+    def __init__(
+        self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._bounds = [*buckets, math.inf]
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        registry.register(self)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        bounds, counts = self._bounds, self._counts
+        total = 0.0
+        for value in values:
+            counts[bisect.bisect_left(bounds, value)] += 1  # the first bucket with le >= value
+            total += value
+        self._sum += total
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        cumulative = 0
+        buckets = []
+        for bound, count in zip(self._bounds, self._counts, strict=True):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))  # type: ignore[no-untyped-call]
+        yield HistogramMetricFamily(
+            self._name, self._documentation, buckets=buckets, sum_value=self._sum
+        )
 
 
 class Metrics:
@@ -184,12 +227,12 @@ class Metrics:
             buckets=STEP_BUCKETS,
             registry=r,
         )
-        self.commit_to_ack = Histogram(
+        self.commit_to_ack = BatchHistogram(
             "outbox_commit_to_ack_seconds",
             "From a row's created_at (its writer's transaction, by the database clock) to the "
             "broker's acknowledgement (by this host's clock).",
-            buckets=LAG_BUCKETS,
-            registry=r,
+            LAG_BUCKETS,
+            r,
         )
 
     def exposition(self) -> bytes:
@@ -200,11 +243,12 @@ class Metrics:
     ) -> None:
         """Counters and the commit-to-ack histogram for one settled batch."""
         published: dict[str, int] = {}
+        delays: list[float] = []
         for record, result in zip(records, results, strict=True):
             topic = record.topic or "(routed)"
             if result.outcome is Outcome.PUBLISHED:
                 published[topic] = published.get(topic, 0) + 1
-                self.commit_to_ack.observe(max(0.0, acked_at - record.created_at.timestamp()))
+                delays.append(max(0.0, acked_at - record.created_at.timestamp()))
                 continue
             if result.failure is None:
                 continue  # not attempted: an earlier row of its key failed
@@ -215,6 +259,7 @@ class Metrics:
             else:
                 outage = result.failure is Failure.TRANSIENT
                 self.failures.labels(topic, "outage" if outage else "row").inc()
+        self.commit_to_ack.observe_many(delays)
         for topic, n in published.items():
             self.published.labels(topic).inc(n)
 

@@ -6,14 +6,15 @@ import enum
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from outbox_dispatcher.errors import Failure
 
 
-@dataclass(frozen=True, slots=True)
-class OutboxRecord:
-    """One claimed outbox row."""
+class OutboxRecord(NamedTuple):
+    """One claimed outbox row. A named tuple, immutable: built from the claim's result row as it
+    comes (the claim selects exactly these columns, in this order), at a fraction of a frozen
+    dataclass's cost per row."""
 
     id: int
     topic: str | None  # None: routed by the dispatcher (topic template or default topic)
@@ -27,17 +28,8 @@ class OutboxRecord:
 
     @classmethod
     def from_row(cls, row: Any) -> OutboxRecord:
-        return cls(
-            id=row["id"],
-            topic=row["topic"],
-            ordering_key=row["ordering_key"],
-            payload=row["payload"],
-            headers=row["headers"],
-            event_id=row["event_id"],
-            created_at=row["created_at"],
-            attempts=row["attempts"],
-            reclaimed=row["reclaimed"],
-        )
+        """From a claim's result row (its columns are this tuple's fields, in order)."""
+        return cls._make(row)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,3 +57,6 @@ class Result:
     delay: float = 0.0
     counted: bool = False  # whether the attempt counts towards max_attempts
     failure: Failure | None = None
+
+
+PUBLISHED = Result(Outcome.PUBLISHED)  # shared by every acknowledged row: results are immutable

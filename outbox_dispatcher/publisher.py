@@ -1,4 +1,5 @@
-"""Publishes claimed records to Kafka: acks=all, idempotent, the producer's own batching.
+"""Publishes claimed records to Kafka: acks=all, idempotent, one producer batch per partition and
+wave, built by the dispatcher (aiokafka's batch API).
 
 Sending is split from waiting so that a cancelled wait still knows which records the broker had
 acknowledged (those are marked) and which it had not (those are given back).
@@ -8,19 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 from aiokafka import AIOKafkaProducer
 from aiokafka import errors as kafka_errors
-from aiokafka.partitioner import murmur2
 
 from outbox_dispatcher import broker, errors
 from outbox_dispatcher.errors import NotAttempted as NotAttempted
 from outbox_dispatcher.errors import TopicMissingError as TopicMissingError
 from outbox_dispatcher.models import OutboxRecord
-from outbox_dispatcher.routing import Router
+from outbox_dispatcher.records import (
+    BATCH_HEADER,
+    KafkaRecord,
+    RecordEncoder,
+    partition_in,
+    record_size,
+)
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.tracing import Tracer
 
@@ -46,55 +54,17 @@ class Sent:
     producers: list[AIOKafkaProducer] = field(default_factory=list)
 
 
-def record_headers(record: OutboxRecord, event_id_header: str) -> list[tuple[str, bytes]]:
-    """The row's headers, then the event id. A writer's header named like the event id header
-    in any letter case is dropped: consumers that normalise header names would read it as the
-    id. The schema admits only string values; a row stored under an older, laxer check may still
-    hold others, and is dead-lettered, not a crash."""
-    if not isinstance(record.headers, dict):
-        msg = f"headers must be a JSON object of strings, not {type(record.headers).__name__}"
-        raise errors.UnpublishableRowError(msg)
-    headers = []
-    reserved = event_id_header.casefold()
-    for name, value in record.headers.items():
-        if name.casefold() == reserved:
-            continue
-        if not isinstance(value, str):
-            msg = (
-                f"header {name!r} is a JSON {type(value).__name__}, not a string: Kafka header "
-                "values are strings; fix the row's headers, then requeue it"
-            )
-            raise errors.UnpublishableRowError(msg)
-        headers.append((name, value.encode()))
-    headers.append((event_id_header, str(record.event_id).encode()))
-    return headers
-
-
-def cloudevents_headers(record: OutboxRecord, settings: Settings) -> list[tuple[str, bytes]]:
-    """CloudEvents Kafka binding, binary mode: the payload is the event data and the attributes
-    travel as ce_* headers. ce_id is always the event id; a row's own ce_* headers win."""
-    extra = [("ce_id", str(record.event_id))]
-    defaults = (
-        ("ce_specversion", "1.0"),
-        ("ce_source", settings.cloudevents_source),
-        ("ce_type", settings.cloudevents_type),
-        ("ce_time", record.created_at.isoformat()),
-        ("content-type", settings.cloudevents_content_type),
-    )
-    extra.extend((name, value) for name, value in defaults if name not in record.headers)
-    return [(name, value.encode()) for name, value in extra]
-
-
 class KafkaPublisher:
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
-        self._router = Router(settings.default_topic, settings.topic_template)
+        self._encoder = RecordEncoder(settings)
         self._producer: AIOKafkaProducer | None = None
         self._tracer = Tracer(settings.tracing)
         self._context: ssl.SSLContext | None = None
         self._broken: BaseException | None = None  # the producer's state is lost: replace it
         self._replacing = asyncio.Lock()
         self._closing: dict[int, asyncio.Future[None]] = {}  # id(producer): its bounded close
+        self._keyless_turn = 0  # see _keyless_partition
 
     def _build(self, context: ssl.SSLContext | None) -> AIOKafkaProducer:
         s = self._settings
@@ -327,7 +297,7 @@ class KafkaPublisher:
         sent.futures = [None] * len(records)
         if not records:
             return []
-        topics = [self._route(record) for record in records]
+        topics = [self._encoder.topic(record) for record in records]
         try:
             await self._replace_if_broken()
         except errors.BrokerUnavailableError as exc:
@@ -339,7 +309,9 @@ class KafkaPublisher:
         # its lookup, every other key goes out at once.
         producer = self.producer
         unknown = {
-            t for t in topics if isinstance(t, str) and broker.known_partitions(producer, t) is None
+            t
+            for t in {t for t in topics if isinstance(t, str)}
+            if broker.known_partitions(producer, t) is None
         }
         lookups = {t: asyncio.ensure_future(self._topic_errors({t})) for t in unknown}
         if lookups:
@@ -348,18 +320,22 @@ class KafkaPublisher:
         for lookup in (f for f in lookups.values() if f.done()):
             topic_errors |= lookup.result()
         unresolved = {t for t, f in lookups.items() if not f.done()}
-        waiting_keys = {
-            r.ordering_key
-            for r, t in zip(records, topics, strict=True)
-            if t in unresolved and r.ordering_key is not None
-        }
-        later = [
-            i
-            for i, (r, t) in enumerate(zip(records, topics, strict=True))
-            if t in unresolved or (r.ordering_key is not None and r.ordering_key in waiting_keys)
-        ]
-        waiting = set(later)
-        now = [i for i in range(len(records)) if i not in waiting]
+        now: list[int] = list(range(len(records)))
+        later: list[int] = []
+        if unresolved:
+            waiting_keys = {
+                r.ordering_key
+                for r, t in zip(records, topics, strict=True)
+                if t in unresolved and r.ordering_key is not None
+            }
+            later = [
+                i
+                for i, (r, t) in enumerate(zip(records, topics, strict=True))
+                if t in unresolved
+                or (r.ordering_key is not None and r.ordering_key in waiting_keys)
+            ]
+            waiting = set(later)
+            now = [i for i in now if i not in waiting]
         failed_keys: set[str] = set()
         try:
             if now and await self._publish_part(
@@ -397,88 +373,215 @@ class KafkaPublisher:
         """Send records[indices] wave by wave (see publish); True if given up on after
         publish_timeout (the rest is not attempted)."""
         producer = self.producer
-        extra = CLOUDEVENTS_OVERHEAD if self._settings.cloudevents else 0
+        encoded = self._encode(records, topics, indices)
+        sizes = [item.size if isinstance(item, KafkaRecord) else 0 for item in encoded]
         waves = _waves(
             [records[i] for i in indices],
             [topics[i] for i in indices],
             self._settings.kafka_max_batch_bytes,
             lambda topic: broker.known_partitions(producer, topic),
-            extra,
+            sizes=sizes,
         )
-        for wave in ([indices[j] for j in part] for part in waves):
+        encoding = dict(zip(indices, encoded, strict=True))
+        queue = deque([indices[j] for j in part] for part in waves)
+        while queue:
+            wave = queue.popleft()
             try:
                 await self._replace_if_broken()
             except errors.BrokerUnavailableError as exc:
                 for i in wave:
                     sent.futures[i] = exc
                 return False
-            for i in wave:
-                record, topic = records[i], topics[i]
-                key = record.ordering_key
-                if key is not None and key in failed_keys:
-                    sent.futures[i] = NotAttempted()
-                    continue
-                problem = topic if isinstance(topic, BaseException) else topic_errors.get(topic)
-                item = problem if problem is not None else await self._send_one(record, topic, sent)
-                sent.futures[i] = item
-                if isinstance(item, BaseException) and key is not None:
-                    failed_keys.add(key)
+            deferred = await self._send_wave(
+                records, topics, encoding, wave, sent, topic_errors, failed_keys
+            )
+            if deferred:
+                # Their partition's batch was full: they go next, before any later row of their
+                # keys (which are all in later waves).
+                queue.appendleft(deferred)
+                held = set(deferred)
+                wave = [i for i in wave if i not in held]
             if await self._await_acks(sent, wave, heartbeat, early):
                 return True
-            await self._retry_rejected_alone(records, topics, wave, sent, heartbeat)
-            for i in wave:
-                answer = sent.futures[i]
-                if isinstance(answer, asyncio.Future) and answer.done() and not answer.cancelled():
-                    self._note(answer.exception())
-                    if _rejected(answer):  # its sequence numbers were used up: a new producer id
-                        self._broken = answer.exception()
-                key = records[i].ordering_key
-                if key is not None and _failed(answer):
-                    failed_keys.add(key)
+            await self._retry_rejected_alone(records, topics, encoding, wave, sent, heartbeat)
+            self._after_wave(records, wave, sent, failed_keys)
         return False
 
-    async def _send_one(
-        self, record: OutboxRecord, topic: str | BaseException, sent: Sent
-    ) -> asyncio.Future[object] | BaseException:
-        """Hand one record to the producer: its delivery future, or why it could not be sent."""
+    def _encode(
+        self,
+        records: Sequence[OutboxRecord],
+        topics: Sequence[str | BaseException],
+        indices: Sequence[int],
+    ) -> list[KafkaRecord | BaseException | None]:
+        """Each record as the producer will send it, or why it cannot be one (None: its topic
+        failed already)."""
+        encoder = self._encoder
+        encoded: list[KafkaRecord | BaseException | None] = []
+        for i in indices:
+            if not isinstance(topics[i], str):
+                encoded.append(None)
+                continue
+            try:
+                encoded.append(encoder.encode(records[i]))
+            except (errors.UnpublishableRowError, kafka_errors.KafkaError) as exc:
+                encoded.append(exc)
+        return encoded
+
+    def _after_wave(
+        self,
+        records: Sequence[OutboxRecord],
+        wave: Sequence[int],
+        sent: Sent,
+        failed_keys: set[str],
+    ) -> None:
+        """Note what the wave's answers say about the producer, and which keys failed (their
+        later rows are not attempted). Records of one batch share one future: each is looked
+        at once."""
+        failed: dict[int, bool] = {}
+        for i in wave:
+            answer = sent.futures[i]
+            if isinstance(answer, asyncio.Future):
+                verdict = failed.get(id(answer))
+                if verdict is None:
+                    verdict = failed[id(answer)] = _failed(answer)
+                    if answer.done() and not answer.cancelled():
+                        self._note(answer.exception())
+                        if _rejected(answer):  # its sequence numbers were used up: a new producer
+                            self._broken = answer.exception()
+            else:
+                verdict = True
+            key = records[i].ordering_key
+            if verdict and key is not None:
+                failed_keys.add(key)
+
+    async def _send_wave(
+        self,
+        records: Sequence[OutboxRecord],
+        topics: Sequence[str | BaseException],
+        encoded: Mapping[int, KafkaRecord | BaseException | None],
+        wave: Sequence[int],
+        sent: Sent,
+        topic_errors: Mapping[str, BaseException],
+        failed_keys: set[str],
+    ) -> list[int]:
+        """Hand a wave to the producer as one batch per (topic, partition), built here and
+        submitted whole (aiokafka's batch API), so that the dispatcher decides which records
+        share a produce request and the producer does no work per record. A record of a key
+        that failed earlier is not attempted; one that cannot be sent gets why. Returns the
+        records that found their partition's batch full (an estimate fell short), with the later
+        rows of their keys: they go out in a wave of their own, next."""
+        producer = self.producer
+        batches: dict[tuple[str, int], tuple[Any, list[int]]] = {}
+        ordered: dict[str, list[int] | None] = {}  # topic: its partitions by id
+        keyless: dict[str, int] = {}  # topic: the partition of its keyless records in this wave
+        deferred: list[int] = []
+        deferred_keys: set[str] = set()
+        for i in wave:
+            record, topic, item = records[i], topics[i], encoded[i]
+            key = record.ordering_key
+            if key is not None:
+                if key in failed_keys:
+                    sent.futures[i] = NotAttempted()
+                    continue
+                if key in deferred_keys:
+                    deferred.append(i)
+                    continue
+            target = self._target(topic, item, topic_errors, ordered)
+            if isinstance(target, BaseException):
+                sent.futures[i] = target
+                if key is not None:
+                    failed_keys.add(key)
+                continue
+            topic, item, partitions = target
+            if key is not None:
+                partition = partition_in(partitions, key)
+            else:
+                partition = keyless.get(topic, -1)
+                if partition < 0:
+                    partition = keyless[topic] = self._keyless_partition(topic, partitions)
+            slot = batches.get((topic, partition))
+            if slot is None:
+                slot = batches[(topic, partition)] = (producer.create_batch(), [])
+            builder, members = slot
+            if (
+                builder.append(key=item.key, value=item.value, timestamp=None, headers=item.headers)
+                is None
+            ):
+                deferred.append(i)
+                if key is not None:
+                    deferred_keys.add(key)
+                continue
+            members.append(i)
+        if batches and (not sent.producers or sent.producers[-1] is not producer):
+            sent.producers.append(producer)
+        for (topic, partition), (builder, members) in batches.items():
+            # Left open, the batch waits OUTBOX_KAFKA_LINGER_MS before it is sent, as the
+            # producer's own batches did (closed, it would go at once; nothing else appends to
+            # it: the dispatcher never uses send()).
+            spans = [self._tracer.start(records[i], topic) for i in members]
+            try:
+                future: asyncio.Future[object] = await producer.send_batch(
+                    builder, topic, partition=partition
+                )
+            except (
+                kafka_errors.KafkaError,
+                # A producer being closed by another loop (retire) fails a send that waited on it.
+                errors.BrokerUnavailableError,
+                AssertionError,  # a partition the producer's metadata no longer has
+            ) as exc:
+                self._note(exc)
+                for span in spans:
+                    self._tracer.fail(span, exc)
+                for i in members:
+                    key = records[i].ordering_key
+                    # A key's rows of one wave share its batch: its first row takes the failure,
+                    # the later ones were not attempted on their own account.
+                    sent.futures[i] = NotAttempted() if key in failed_keys else exc
+                    if key is not None:
+                        failed_keys.add(key)
+                continue
+            for i in members:
+                sent.futures[i] = future
+            for span in spans:
+                self._tracer.end_on_ack(span, future)
+        return deferred
+
+    def _target(
+        self,
+        topic: str | BaseException,
+        item: KafkaRecord | BaseException | None,
+        topic_errors: Mapping[str, BaseException],
+        ordered: dict[str, list[int] | None],
+    ) -> tuple[str, KafkaRecord, list[int]] | BaseException:
+        """The record, its topic and the topic's partitions by id (`ordered` caches them for a
+        wave), or why the record cannot be sent."""
         if isinstance(topic, BaseException):
             return topic
-        key = record.ordering_key
-        if key is None and record.payload is None:
-            return errors.UnpublishableRowError(
-                "a tombstone (NULL payload) needs an ordering_key: Kafka clients refuse a "
-                "record with neither key nor value; give the row a key or a payload"
+        problem = topic_errors.get(topic)
+        if problem is not None:
+            return problem
+        if not isinstance(item, KafkaRecord):
+            return item if item is not None else errors.UnpublishableRowError()
+        if topic in ordered:
+            partitions = ordered[topic]
+        else:
+            known = broker.known_partitions(self.producer, topic)
+            partitions = ordered[topic] = sorted(known) if known else None
+        if partitions is None:
+            return errors.BrokerUnavailableError(
+                f"the producer knows no partitions of topic {topic!r} yet"
             )
-        span = self._tracer.start(record, topic)
-        producer = self.producer
-        if not sent.producers or sent.producers[-1] is not producer:
-            sent.producers.append(producer)
-        try:
-            headers = record_headers(record, self._settings.event_id_header)
-            if self._settings.cloudevents:
-                headers = [h for h in headers if h[0] != "ce_id"] + cloudevents_headers(
-                    record, self._settings
-                )
-            future: asyncio.Future[object] = await producer.send(
-                topic,
-                value=record.payload,
-                key=key.encode() if key is not None else None,
-                headers=headers,
-            )
-        except (
-            kafka_errors.KafkaError,
-            errors.UnpublishableRowError,
-            # A producer being closed by another loop (retire) fails a send that waited on it.
-            errors.BrokerUnavailableError,
-            ValueError,
-            TypeError,
-            AssertionError,
-        ) as exc:
-            self._note(exc)
-            self._tracer.fail(span, exc)
-            return exc
-        self._tracer.end_on_ack(span, future)
-        return future
+        return topic, item, partitions
+
+    def _keyless_partition(self, topic: str, partitions: list[int]) -> int:
+        """Where a wave's keyless records of a topic go: all to one partition (they have no
+        order to keep, and one batch beats several; a wave budgets their bytes against every
+        partition of the topic), partitions taken in turn from wave to wave, among those with a
+        leader when any has one (as the producer's own partitioner prefers)."""
+        available = broker.available_partitions(self.producer, topic)
+        choices = sorted(available) if available else partitions
+        self._keyless_turn += 1
+        return choices[self._keyless_turn % len(choices)]
 
     async def _await_acks(
         self,
@@ -519,22 +622,21 @@ class KafkaPublisher:
         self,
         records: Sequence[OutboxRecord],
         topics: Sequence[str | BaseException],
+        encoded: Mapping[int, KafkaRecord | BaseException | None],
         indices: Sequence[int],
         sent: Sent,
         heartbeat: Callable[[], None],
     ) -> None:
-        """The broker refuses a whole partition batch for one bad record, and the producer fails
-        every record of it with the same error: send those again one at a time, so that only
-        the record the broker refuses alone takes the blame (dead-lettered or counted)."""
-        # A failed future does not say which batch it was in (aiokafka gives each a copy of the
-        # batch's error): records of one topic refused with the same error may have shared one.
-        # A record that is alone in its group was alone in its batch: the refusal is its own.
-        shared: dict[tuple[str, type[BaseException]], list[int]] = {}
+        """The broker refuses a whole partition batch for one bad record, and every record of
+        the batch shares its one future: send the records of a refused batch again one at a
+        time, so that only the record the broker refuses alone takes the blame (dead-lettered
+        or counted). A record alone in its batch was refused for itself."""
+        batches: dict[int, list[int]] = {}
         for i in indices:
-            item, topic = sent.futures[i], topics[i]
-            if isinstance(item, asyncio.Future) and isinstance(topic, str) and _rejected(item):
-                shared.setdefault((topic, type(_exception_of(item))), []).append(i)
-        suspects = sorted(i for group in shared.values() if len(group) > 1 for i in group)
+            item = sent.futures[i]
+            if isinstance(item, asyncio.Future) and _rejected(item):
+                batches.setdefault(id(item), []).append(i)
+        suspects = sorted(i for batch in batches.values() if len(batch) > 1 for i in batch)
         if not suspects:
             return
         # The rejected batch used up sequence numbers the broker never saw: a fresh producer id.
@@ -553,7 +655,8 @@ class KafkaPublisher:
             except errors.BrokerUnavailableError as exc:
                 sent.futures[i] = exc
             else:
-                sent.futures[i] = await self._send_one(records[i], topics[i], sent)
+                # Alone in an empty batch: never deferred.
+                await self._send_wave(records, topics, encoded, [i], sent, {}, failed_keys)
                 if await self._await_acks(sent, [i], heartbeat):
                     sent.futures[i] = errors.BrokerUnavailableError(_UNACKNOWLEDGED)
             item = sent.futures[i]
@@ -569,12 +672,6 @@ class KafkaPublisher:
         for outcome in outcomes:
             self._note(outcome)
         return outcomes
-
-    def _route(self, record: OutboxRecord) -> str | errors.RoutingError:
-        try:
-            return self._router.topic_for(record.topic, record.headers)
-        except errors.RoutingError as exc:
-            return exc
 
     @staticmethod
     def outcomes(
@@ -606,42 +703,13 @@ class KafkaPublisher:
 _UNACKNOWLEDGED = "the broker did not acknowledge within OUTBOX_PUBLISH_TIMEOUT_SECONDS"
 
 
-# What a record adds to a producer batch beyond its key, value and headers (record framing,
-# varints, the event id header), rounded up, and the CloudEvents headers when they are on.
-RECORD_OVERHEAD = 128
-CLOUDEVENTS_OVERHEAD = 384
-BATCH_HEADER = 61
-
-
-def record_size(record: OutboxRecord, extra: int = 0) -> int:
-    """An upper estimate of the record's bytes in a producer batch."""
-    size = RECORD_OVERHEAD + extra + len(record.payload or b"")
-    if record.ordering_key is not None:
-        size += _utf8_len(record.ordering_key)
-    headers = record.headers
-    if isinstance(headers, dict):
-        for name, value in headers.items():
-            size += _utf8_len(str(name)) + _utf8_len(str(value)) + 4
-    return size
-
-
-def _utf8_len(text: str) -> int:
-    return len(text) if text.isascii() else len(text.encode())
-
-
-def partition_of(key: str, partitions: set[int]) -> int:
-    """The partition the producer's default partitioner gives a key (murmur2, as Java's)."""
-    candidates = list(partitions)
-    partition: int = candidates[(murmur2(key.encode()) & 0x7FFFFFFF) % len(candidates)]
-    return partition
-
-
 def _waves(
     records: Sequence[OutboxRecord],
     topics: Sequence[str | BaseException],
     batch_bytes: int = 1 << 62,
     partitions: Callable[[str], set[int] | None] = lambda topic: None,
     extra: int = 0,
+    sizes: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Record indices by wave (each wave is sent, then awaited, before the next).
 
@@ -651,13 +719,15 @@ def _waves(
     straddle two producer batches of one partition in flight at once: a batch that expires
     unsent uses up sequence numbers, and a broker without state for the producer id would
     accept the next batch, delivering later rows first (review F3). Keyless rows have no order
-    to keep; the producer puts them in any partition of their topic, so their bytes count
-    against every partition of it."""
+    to keep; the publisher puts a wave's keyless rows of a topic in any one partition of it,
+    so their bytes count against every partition of it. `sizes`: each record's bytes in a batch
+    at most (KafkaRecord.size), else estimated from the row (record_size, plus `extra`)."""
     limit = max(1, batch_bytes - BATCH_HEADER)
-    sizes = [
-        record_size(r, extra) if isinstance(t, str) else 0
-        for r, t in zip(records, topics, strict=True)
-    ]
+    if sizes is None:
+        sizes = [
+            record_size(r, extra) if isinstance(t, str) else 0
+            for r, t in zip(records, topics, strict=True)
+        ]
     if sum(sizes) <= limit:
         limit = 1 << 62  # the whole claim fits in one batch per partition: no byte accounting
     waves: list[list[int]] = []
@@ -666,6 +736,7 @@ def _waves(
     busiest: dict[tuple[str, int], int] = {}  # (topic, wave): the most keyed bytes of a partition
     keyless: dict[tuple[str, int], int] = {}  # (topic, wave): bytes
     partition_cache: dict[tuple[str, str], int | str] = {}
+    ordered: dict[str, list[int] | None] = {}  # topic: its partitions by id
     for i, (record, topic) in enumerate(zip(records, topics, strict=True)):
         key = record.ordering_key
         wave = 0
@@ -686,8 +757,11 @@ def _waves(
             else:
                 partition = partition_cache.get((topic, key))
                 if partition is None:
-                    known = partitions(topic)
-                    partition = partition_of(key, known) if known else key
+                    if topic not in ordered:
+                        known = partitions(topic)
+                        ordered[topic] = sorted(known) if known else None
+                    candidates = ordered[topic]
+                    partition = partition_in(candidates, key) if candidates else key
                     partition_cache[(topic, key)] = partition
                 while (
                     used := keyed.get((topic, partition, wave), 0) + keyless.get((topic, wave), 0)

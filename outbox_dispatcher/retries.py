@@ -6,7 +6,7 @@ import random
 from collections.abc import Sequence
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.models import OutboxRecord, Outcome, Result
+from outbox_dispatcher.models import PUBLISHED, OutboxRecord, Outcome, Result
 from outbox_dispatcher.settings import Settings
 
 # 2**62 times any initial backoff is far past any cap, and still a finite float: without this
@@ -51,7 +51,7 @@ class RetryPolicy:
 
     def result(self, record: OutboxRecord, outcome: BaseException | None) -> Result:
         if outcome is None:
-            return Result(Outcome.PUBLISHED)
+            return PUBLISHED
         reason = errors.describe(outcome)
         if isinstance(outcome, errors.NotAttempted):
             return Result(Outcome.RETRY)

@@ -135,8 +135,19 @@ def exported_metrics() -> dict[str, frozenset[str]]:
         if isinstance(wrapper, Counter):
             name += "_total"
         by_name[name] = wrapper
-    assert set(by_name) == set(metrics.NAMES), "metrics.NAMES is out of step with Metrics()"
+    # Histograms fed a batch at a time (metrics.BatchHistogram): no labels.
+    batched = [
+        value.name
+        for value in vars(metrics.Metrics()).values()
+        if isinstance(value, metrics.BatchHistogram)
+    ]
+    assert set(by_name) | set(batched) == set(metrics.NAMES), (
+        "metrics.NAMES is out of step with Metrics()"
+    )
     exported: dict[str, frozenset[str]] = {}
+    for name in batched:
+        exported |= {f"{name}_bucket": frozenset({"le"}), f"{name}_sum": frozenset()}
+        exported[f"{name}_count"] = frozenset()
     for name, wrapper in by_name.items():
         labels = frozenset(wrapper._labelnames)
         if isinstance(wrapper, Histogram):

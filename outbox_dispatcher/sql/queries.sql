@@ -4,9 +4,8 @@
 
 -- claim --
 -- Lease up to $1 rows of at most $2 ready keys under the token $5 the dispatcher chose (see the
--- claim function in schema/); one round trip.
-SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts, lease_token,
-       lease_expires_at, reclaimed
+-- claim function in schema/); one round trip. Exactly OutboxRecord's fields, in its order.
+SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts, reclaimed
   FROM {claim_fn}($1, $2, $3, $4, $5, $6, $7)
 
 -- settle --

@@ -62,6 +62,16 @@ async def test_the_producer_client_caches_cluster_metadata(producer: AIOKafkaPro
     assert broker.known_partitions(producer, "never-seen") is None
 
 
+async def test_the_producer_client_caches_which_partitions_have_a_leader(
+    producer: AIOKafkaProducer,
+) -> None:
+    available = reach(
+        producer, "client.cluster.available_partitions_for_topic", "available_partitions"
+    )
+    assert callable(available)
+    assert broker.available_partitions(producer, "never-seen") is None
+
+
 async def test_the_producer_client_fetches_all_metadata(producer: AIOKafkaProducer) -> None:
     fetch = reach(producer, "client.fetch_all_metadata", "all_metadata")
     assert inspect.iscoroutinefunction(fetch)

@@ -1,4 +1,5 @@
-"""The failure counters are decided by the outcome's class (data), never by its text."""
+"""outbox_dispatcher/metrics.py without a database: the failure counters are decided by the
+outcome's class (data), never by its text; the batch histogram exposes what a histogram does."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from datetime import UTC, datetime
 
 import pytest
 from aiokafka import errors as kafka_errors
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.metrics import Metrics
+from outbox_dispatcher.metrics import LAG_BUCKETS, BatchHistogram, Metrics
 from outbox_dispatcher.models import OutboxRecord, Outcome, Result
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.settings import Settings
@@ -91,3 +93,17 @@ def test_the_retry_policy_gives_each_outcome_its_class(
     policy = RetryPolicy(Settings(max_attempts=3), random.Random(1))
     result = policy.result(record(attempts), exc)
     assert (result.outcome, result.failure) == (outcome, failure)
+
+
+def test_a_batch_histogram_exposes_what_a_histogram_of_the_same_observations_does() -> None:
+    values = [0.0, 0.005, 0.0051, 0.3, 1.0, 7.5, 3600.0, 5000.0, 0.01, 0.01]
+    plain, batched = CollectorRegistry(), CollectorRegistry()
+    histogram = Histogram("h_seconds", "doc", buckets=LAG_BUCKETS, registry=plain)
+    for value in values:
+        histogram.observe(value)
+    many = BatchHistogram("h_seconds", "doc", LAG_BUCKETS, batched)
+    many.observe_many(values[:4])
+    many.observe_many([])
+    many.observe_many(values[4:])
+    expected = [line for line in generate_latest(plain).splitlines() if b"_created" not in line]
+    assert generate_latest(batched).splitlines() == expected

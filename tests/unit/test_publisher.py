@@ -2,44 +2,22 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from aiokafka import errors as kafka_errors
+from aiokafka.partitioner import DefaultPartitioner
 
 from outbox_dispatcher import errors
 from outbox_dispatcher import publisher as publisher_module
 from outbox_dispatcher.dispatcher import acknowledged_keys
 from outbox_dispatcher.models import OutboxRecord
-from outbox_dispatcher.publisher import (
-    KafkaPublisher,
-    NotAttempted,
-    Sent,
-    _waves,
-    partition_of,
-    record_headers,
-    record_size,
-)
+from outbox_dispatcher.publisher import KafkaPublisher, NotAttempted, Sent, _waves
+from outbox_dispatcher.records import partition_of, record_size
 from outbox_dispatcher.settings import Settings
-
-
-def test_headers_carry_the_event_id_and_it_cannot_be_forged() -> None:
-    event_id = uuid.uuid4()
-    rec = OutboxRecord(
-        1,
-        "t",
-        "k",
-        b"x",
-        {"traceparent": "00-ab", "event-id": "forged", "Event-ID": "forged", "EVENT-id": "x"},
-        event_id,
-        datetime.now(UTC),
-        0,
-        False,
-    )
-    assert record_headers(rec, "event-id") == [
-        ("traceparent", b"00-ab"),
-        ("event-id", str(event_id).encode()),
-    ]
 
 
 async def test_outcomes_split_acknowledged_failed_pending_and_unsent() -> None:
@@ -186,15 +164,177 @@ async def test_early_settling_takes_only_keys_with_every_row_acknowledged() -> N
     assert acknowledged_keys(records, sent, {1, 3}) == [5, 7]
 
 
-class ClosedProducer:
-    async def send(self, *args: object, **kwargs: object) -> None:
+class FakeBatch:
+    """A producer batch that holds up to `room` records (aiokafka's BatchBuilder holds bytes)."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.records: list[tuple[bytes | None, bytes | None]] = []
+        self.closed = False
+
+    def append(
+        self,
+        *,
+        timestamp: int | None,
+        key: bytes | None,
+        value: bytes | None,
+        headers: list[tuple[str, bytes]],
+    ) -> object | None:
+        if self.closed or len(self.records) >= self.room:
+            return None
+        self.records.append((key, value))
+        return object()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class Submitted:
+    topic: str
+    partition: int
+    batch: FakeBatch
+    future: asyncio.Future[object]
+    # Whether every batch submitted before it was answered when it was submitted.
+    after_acks: bool
+
+
+class FakeProducer:
+    """The batch API of a producer whose broker answers each batch on the next loop turn,
+    refusing a batch that holds a value in `refuse`."""
+
+    def __init__(
+        self,
+        partitions: int = 6,
+        available: set[int] | None = None,
+        room: int = 1000,
+        refuse: frozenset[bytes] = frozenset(),
+        log: list[Submitted] | None = None,
+    ) -> None:
+        everything = set(range(partitions))
+        self.client = SimpleNamespace(
+            cluster=SimpleNamespace(
+                partitions_for_topic=lambda topic: set(everything),
+                available_partitions_for_topic=lambda topic: set(
+                    everything if available is None else available
+                ),
+            )
+        )
+        self.room = room
+        self.refuse = refuse
+        self.submitted: list[Submitted] = [] if log is None else log
+
+    def create_batch(self) -> FakeBatch:
+        return FakeBatch(self.room)
+
+    async def send_batch(self, batch: FakeBatch, topic: str, *, partition: int) -> object:
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        answered = all(s.future.done() for s in self.submitted)
+        self.submitted.append(Submitted(topic, partition, batch, future, answered))
+        if any(value in self.refuse for _, value in batch.records):
+            error = kafka_errors.CorruptRecordException("refused")
+            asyncio.get_running_loop().call_soon(future.set_exception, error)
+        else:
+            asyncio.get_running_loop().call_soon(future.set_result, "metadata")
+        return future
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+def with_producer(producer: FakeProducer, **settings: Any) -> KafkaPublisher:
+    publisher = KafkaPublisher(Settings(**settings))
+    publisher._producer = producer  # type: ignore[assignment]
+    return publisher
+
+
+async def test_a_wave_goes_out_as_one_closed_batch_per_partition() -> None:
+    """The batch API: the dispatcher builds one batch per (topic, partition) and wave; keyed
+    records land where the default partitioner puts them, a wave's keyless records of a topic
+    share one partition that has a leader."""
+    producer = FakeProducer(partitions=6, available={1, 4})
+    publisher = with_producer(producer)
+    records = [rec(i, "t", f"key-{i % 20}") for i in range(60)]
+    records += [rec(60 + i, "t", None) for i in range(5)] + [rec(65, "u", "key-1")]
+    outcomes = await publisher.publish(records, Sent())
+    assert outcomes == [None] * len(records)
+    targets = [(s.topic, s.partition) for s in producer.submitted]
+    assert len(targets) == len(set(targets)), "one batch per partition and wave"
+    # Left open: the producer lingers OUTBOX_KAFKA_LINGER_MS before sending it, as before.
+    assert not any(s.batch.closed for s in producer.submitted)
+    partitioner = DefaultPartitioner()
+    where = {(key, s.topic): s.partition for s in producer.submitted for key, _ in s.batch.records}
+    for r in records:
+        if r.ordering_key is not None:
+            key = r.ordering_key.encode()
+            expected = partitioner(key, list(range(6)), list(range(6)))
+            assert where[(key, r.topic or "")] == expected
+    keyless = [s for s in producer.submitted if any(k is None for k, _ in s.batch.records)]
+    assert len(keyless) == 1 and keyless[0].partition in {1, 4}
+    # key-1's row for topic u waits for its rows in t (a wave each).
+    assert producer.submitted[-1].topic == "u" and producer.submitted[-1].after_acks
+
+
+async def test_a_full_batch_sends_the_rest_of_its_keys_rows_in_the_next_wave() -> None:
+    """When a partition's batch has no room left (the size estimate fell short), the key's
+    remaining rows wait for the acks of the batch before them: never two batches of one
+    partition in flight at once (review F3), and the key's order is kept."""
+    producer = FakeProducer(partitions=1, room=2)
+    publisher = with_producer(producer)
+    records = [rec(i, "t", "k") for i in range(5)]
+    assert await publisher.publish(records, Sent()) == [None] * 5
+    assert [[k for k, _ in s.batch.records] for s in producer.submitted] == [
+        [b"k", b"k"],
+        [b"k", b"k"],
+        [b"k"],
+    ]
+    assert all(s.after_acks for s in producer.submitted)
+
+
+async def test_a_refused_batch_is_sent_again_one_record_at_a_time() -> None:
+    """The broker refuses a whole batch for one record and every record of it shares the
+    batch's future: each is sent again alone, and only the refused one fails. A record alone
+    in its batch was refused for itself: it is not sent again."""
+    log: list[Submitted] = []
+    producer = FakeProducer(partitions=1, refuse=frozenset({b"bad"}), log=log)
+    publisher = with_producer(producer)
+    publisher._build = lambda context: FakeProducer(  # type: ignore[assignment,method-assign,return-value]
+        partitions=1, refuse=frozenset({b"bad"}), log=log
+    )
+    records = [rec(i, "t", f"k{i}") for i in range(4)]
+    records.insert(
+        2, OutboxRecord(9, "t", "k9", b"bad", {}, uuid.uuid4(), datetime.now(UTC), 0, False)
+    )
+    records.append(
+        OutboxRecord(10, "u", "k10", b"bad", {}, uuid.uuid4(), datetime.now(UTC), 0, False)
+    )
+    outcomes = await publisher.publish(records, Sent())
+    assert [type(o).__name__ for o in outcomes] == [
+        "NoneType",
+        "NoneType",
+        "CorruptRecordException",
+        "NoneType",
+        "NoneType",
+        "CorruptRecordException",
+    ]
+    sizes = [(s.topic, len(s.batch.records)) for s in log]
+    assert sizes == [("t", 5), ("u", 1)] + [("t", 1)] * 5
+
+
+class ClosedProducer(FakeProducer):
+    async def send_batch(self, batch: FakeBatch, topic: str, *, partition: int) -> object:
         raise errors.BrokerUnavailableError("the producer was replaced")
 
 
 async def test_a_send_on_a_producer_being_retired_is_a_transient_failure_not_a_crash() -> None:
     """A claim loop whose send waited on a producer that another loop closed (failing its
-    buffered batches) gets that failure as the record's outcome; the loop does not die."""
-    publisher = KafkaPublisher(Settings())
-    publisher._producer = ClosedProducer()  # type: ignore[assignment]
-    outcome = await publisher._send_one(rec(0, "t", "k"), "t", Sent())
-    assert isinstance(outcome, errors.BrokerUnavailableError)
+    buffered batches) gets that failure as the record's outcome; the loop does not die. The
+    key's later row in the same batch is not attempted (it did nothing wrong)."""
+    publisher = with_producer(ClosedProducer())
+    records = [rec(0, "t", "k"), rec(1, "t", "k")]
+    outcomes = await publisher.publish(records, Sent())
+    assert isinstance(outcomes[0], errors.BrokerUnavailableError)
+    assert isinstance(outcomes[1], NotAttempted)

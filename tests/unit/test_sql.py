@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 import outbox_dispatcher
+from outbox_dispatcher.models import OutboxRecord
 from outbox_dispatcher.sql import QUERIES, Queries, parse
 
 
@@ -28,6 +29,12 @@ def test_every_query_is_a_field_and_is_rendered_with_quoted_names() -> None:
     assert '"app"."events_settle"(' in queries.settle
     for sql in vars(queries).values():
         assert "{" not in sql, sql
+
+
+def test_the_claim_selects_the_records_fields_in_order() -> None:
+    """OutboxRecord is built from the claim's result row as it comes (positionally)."""
+    select = QUERIES["claim"].split("FROM")[0].removeprefix("SELECT")
+    assert [column.strip() for column in select.split(",")] == list(OutboxRecord._fields)
 
 
 def test_names_are_validated_before_rendering() -> None:
