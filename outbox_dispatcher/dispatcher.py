@@ -335,7 +335,8 @@ class Dispatcher:
     ) -> float:
         """Publish one batch and settle it; returns how long to pause for a broker outage.
 
-        If acks are still missing after EARLY_SETTLE_SECONDS, the keys whose rows are all
+        If acks are still missing after EARLY_SETTLE_SECONDS (sooner once other partitions
+        answered: see publisher.EARLY_SETTLE_FACTOR), the keys whose rows are all
         acknowledged are settled at once (their keys released), and `stalled` is set when other
         partitions answer, so that the claim loop goes on while this batch waits for a partition
         that does not acknowledge (review F10): only the keys that map to it wait."""

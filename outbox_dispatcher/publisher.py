@@ -35,13 +35,14 @@ from outbox_dispatcher.tracing import Tracer
 log = structlog.get_logger(__name__)
 
 STOP_FLUSH_SECONDS = 5.0
-# Acks slower than this (normal ones take milliseconds) settle the keys already acknowledged
-# and let the claim loop go on, so that one partition that does not acknowledge holds back only
-# its own keys (review F10).
+# A wave whose acks are missing this long after it was sent settles the keys already acknowledged
+# and lets the claim loop go on, so that one partition that does not acknowledge holds back only
+# its own keys (review F10). Sooner once one partition has answered: the others normally answer
+# within EARLY_SETTLE_FACTOR times as long (they share the broker's round trip), so a wave still
+# waiting after that (at least EARLY_SETTLE_MIN_SECONDS) has a partition that does not answer.
 EARLY_SETTLE_SECONDS = 0.25
-# A topic's metadata lookup that takes longer than this (a topic the broker does not have takes
-# publish_timeout to be found missing) holds back only the keys with a row for that topic.
-LOOKUP_GRACE_SECONDS = 0.25
+EARLY_SETTLE_MIN_SECONDS = 0.05
+EARLY_SETTLE_FACTOR = 3.0
 
 
 @dataclass
@@ -303,10 +304,10 @@ class KafkaPublisher:
         except errors.BrokerUnavailableError as exc:
             sent.futures = [exc] * len(records)
             return self.outcomes(sent, exc)
-        # Topics without metadata yet are looked up, each on its own. A topic that does not exist
-        # takes publish_timeout to be found missing, and other keys must not wait for it
-        # (guarantee 5): the keys with a row for a topic still unresolved after a moment wait for
-        # its lookup, every other key goes out at once.
+        # Topics without metadata yet are looked up, each on its own, while every key without a
+        # row for such a topic goes out at once: a topic that does not exist takes
+        # publish_timeout to be found missing, and other keys must not wait for it (guarantee 5).
+        # The keys with a row for a looked-up topic go out once its lookup has answered.
         producer = self.producer
         unknown = {
             t
@@ -314,25 +315,19 @@ class KafkaPublisher:
             if broker.known_partitions(producer, t) is None
         }
         lookups = {t: asyncio.ensure_future(self._topic_errors({t})) for t in unknown}
-        if lookups:
-            await asyncio.wait(lookups.values(), timeout=LOOKUP_GRACE_SECONDS)
         topic_errors: dict[str, BaseException] = {}
-        for lookup in (f for f in lookups.values() if f.done()):
-            topic_errors |= lookup.result()
-        unresolved = {t for t, f in lookups.items() if not f.done()}
         now: list[int] = list(range(len(records)))
         later: list[int] = []
-        if unresolved:
+        if unknown:
             waiting_keys = {
                 r.ordering_key
                 for r, t in zip(records, topics, strict=True)
-                if t in unresolved and r.ordering_key is not None
+                if t in unknown and r.ordering_key is not None
             }
             later = [
                 i
                 for i, (r, t) in enumerate(zip(records, topics, strict=True))
-                if t in unresolved
-                or (r.ordering_key is not None and r.ordering_key in waiting_keys)
+                if t in unknown or (r.ordering_key is not None and r.ordering_key in waiting_keys)
             ]
             waiting = set(later)
             now = [i for i in now if i not in waiting]
@@ -346,8 +341,8 @@ class KafkaPublisher:
                 return self._final_outcomes(sent)
             if now and early is not None:
                 await early()  # settle the keys already acknowledged while the lookups run
-            for t in unresolved:
-                topic_errors |= await lookups[t]
+            for lookup in lookups.values():
+                topic_errors |= await lookup
             await self._publish_part(
                 records, topics, later, sent, heartbeat, early, topic_errors, failed_keys
             )
@@ -599,8 +594,17 @@ class KafkaPublisher:
         pending = {f for i in indices if isinstance(f := sent.futures[i], asyncio.Future)}
         if pending and early is not None:
             heartbeat()
-            wait = min(EARLY_SETTLE_SECONDS, self._settings.publish_timeout_seconds)
-            _, pending = await asyncio.wait(pending, timeout=wait)
+            limit = min(EARLY_SETTLE_SECONDS, self._settings.publish_timeout_seconds)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            done, pending = await asyncio.wait(
+                pending, timeout=limit, return_when=asyncio.FIRST_COMPLETED
+            )
+            if pending and done:
+                first = loop.time() - started
+                wait = min(limit, max(EARLY_SETTLE_MIN_SECONDS, EARLY_SETTLE_FACTOR * first))
+                if wait > first:
+                    _, pending = await asyncio.wait(pending, timeout=wait - first)
             if pending:
                 await early()
         while pending:

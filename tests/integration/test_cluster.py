@@ -629,9 +629,10 @@ async def test_sigterm_past_the_grace_period_makes_no_duplicates(
 
 
 # Below this, "2x normal" would be a bound tighter than the scheduling noise of a shared 2-core
-# machine: a normal p99 of 30 ms must not make 60 ms the limit. 0.25 s is also how long a healthy
-# key that shares a claim with a partition that does not answer waits by design before its rows
-# are settled on their own (publisher.EARLY_SETTLE_SECONDS).
+# machine: a normal p99 of 30 ms must not make 60 ms the limit. 0.25 s is also the longest a
+# healthy key that shares a claim with a partition that does not answer waits by design before its
+# rows are settled on their own (publisher.EARLY_SETTLE_SECONDS; usually EARLY_SETTLE_FACTOR times
+# the first partition's ack time, at least EARLY_SETTLE_MIN_SECONDS).
 LATENCY_FLOOR = 0.25
 
 

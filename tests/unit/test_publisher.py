@@ -338,3 +338,31 @@ async def test_a_send_on_a_producer_being_retired_is_a_transient_failure_not_a_c
     outcomes = await publisher.publish(records, Sent())
     assert isinstance(outcomes[0], errors.BrokerUnavailableError)
     assert isinstance(outcomes[1], NotAttempted)
+
+
+async def test_the_answered_keys_are_settled_soon_after_the_first_ack_not_at_the_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review F10, one partition silent: once another partition of the wave has answered, the
+    answered keys are settled after EARLY_SETTLE_FACTOR times that answer's wait (at least
+    EARLY_SETTLE_MIN_SECONDS), not after the EARLY_SETTLE_SECONDS cap (here an hour: a publisher
+    that waited for the cap would never call `early` within the test)."""
+    monkeypatch.setattr(publisher_module, "EARLY_SETTLE_SECONDS", 3600.0)
+    monkeypatch.setattr(publisher_module, "EARLY_SETTLE_MIN_SECONDS", 0.01)
+    loop = asyncio.get_running_loop()
+    answered: asyncio.Future[object] = loop.create_future()
+    silent: asyncio.Future[object] = loop.create_future()
+    loop.call_soon(answered.set_result, "metadata")
+    early_called = asyncio.Event()
+
+    async def early() -> None:
+        assert answered.done()
+        assert not silent.done()
+        early_called.set()
+        silent.set_result("metadata")  # then the wave completes
+
+    publisher = KafkaPublisher(Settings(publish_timeout_seconds=7200))
+    sent = Sent([answered, silent])
+    waiting = asyncio.ensure_future(publisher._await_acks(sent, [0, 1], lambda: None, early))
+    await asyncio.wait_for(early_called.wait(), timeout=30)
+    assert await waiting is False
