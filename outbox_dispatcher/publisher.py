@@ -65,6 +65,7 @@ class KafkaPublisher:
         self._broken: BaseException | None = None  # the producer's state is lost: replace it
         self._replacing = asyncio.Lock()
         self._closing: dict[int, asyncio.Future[None]] = {}  # id(producer): its bounded close
+        self._submitting: set[asyncio.Task[Any]] = set()  # in send_batch (see _submit)
         self._keyless_turn = 0  # see _keyless_partition
 
     def _build(self, context: ssl.SSLContext | None) -> AIOKafkaProducer:
@@ -199,6 +200,15 @@ class KafkaPublisher:
         closing = [self._close(p, reason) for p in used]
         if closing:
             await asyncio.wait(closing)  # not gather: a cancelled caller must not cancel them
+        # A submission still waiting for its partition's previous batch to leave never reached
+        # the closed producer: it ends here, unacknowledged (its rows are given back). The
+        # others wait on answers the close has settled: let them take those answers first (an
+        # acknowledged row must not be given back).
+        tasks = {t for t in sent.futures if isinstance(t, asyncio.Task) and not t.done()}
+        for task in tasks & self._submitting:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=STOP_FLUSH_SECONDS)
         return True
 
     async def broker_reachable(self, seconds: float = 5.0) -> bool:
@@ -398,6 +408,7 @@ class KafkaPublisher:
                 wave = [i for i in wave if i not in held]
             if await self._await_acks(sent, wave, heartbeat, early):
                 return True
+            self._unsubmitted(records, wave, sent, failed_keys)
             await self._retry_rejected_alone(records, topics, encoding, wave, sent, heartbeat)
             self._after_wave(records, wave, sent, failed_keys)
         return False
@@ -514,32 +525,61 @@ class KafkaPublisher:
             # producer's own batches did (closed, it would go at once; nothing else appends to
             # it: the dispatcher never uses send()).
             spans = [self._tracer.start(records[i], topic) for i in members]
-            try:
-                future: asyncio.Future[object] = await producer.send_batch(
-                    builder, topic, partition=partition
-                )
-            except (
-                kafka_errors.KafkaError,
-                # A producer being closed by another loop (retire) fails a send that waited on it.
-                errors.BrokerUnavailableError,
-                AssertionError,  # a partition the producer's metadata no longer has
-            ) as exc:
-                self._note(exc)
-                for span in spans:
-                    self._tracer.fail(span, exc)
-                for i in members:
-                    key = records[i].ordering_key
-                    # A key's rows of one wave share its batch: its first row takes the failure,
-                    # the later ones were not attempted on their own account.
-                    sent.futures[i] = NotAttempted() if key in failed_keys else exc
-                    if key is not None:
-                        failed_keys.add(key)
-                continue
+            # Submitted concurrently: aiokafka's send_batch waits until the partition's previous
+            # batch has left, and a partition that does not answer must not hold back the
+            # submission (and so the acks and the early settle) of the wave's other partitions.
+            submission: asyncio.Future[object] = asyncio.ensure_future(
+                self._submit(producer, builder, topic, partition)
+            )
             for i in members:
-                sent.futures[i] = future
+                sent.futures[i] = submission
             for span in spans:
-                self._tracer.end_on_ack(span, future)
+                self._tracer.end_on_ack(span, submission)
         return deferred
+
+    async def _submit(
+        self, producer: AIOKafkaProducer, builder: Any, topic: str, partition: int
+    ) -> object:
+        """Hand a built batch to the producer, then wait for the broker's answer: one awaitable
+        per batch from submission to ack. A send_batch that raises (a producer being closed by
+        another loop, an assertion on a partition its metadata no longer has) fails as
+        _NotSubmitted: nothing of the batch was sent (see _unsubmitted)."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._submitting.add(task)
+        try:
+            delivery = await producer.send_batch(builder, topic, partition=partition)
+        except (kafka_errors.KafkaError, errors.BrokerUnavailableError, AssertionError) as exc:
+            raise _NotSubmitted(exc) from exc
+        finally:
+            if task is not None:
+                self._submitting.discard(task)
+        return await delivery
+
+    def _unsubmitted(
+        self,
+        records: Sequence[OutboxRecord],
+        wave: Sequence[int],
+        sent: Sent,
+        failed_keys: set[str],
+    ) -> None:
+        """Batches of the wave that never reached the producer, as if the send had failed at
+        once: a key's first row takes the failure, its later rows were not attempted on their own
+        account."""
+        seen: set[str] = set()
+        for i in wave:
+            item = sent.futures[i]
+            if not (isinstance(item, asyncio.Future) and item.done() and not item.cancelled()):
+                continue
+            problem = item.exception()
+            if not isinstance(problem, _NotSubmitted):
+                continue
+            self._note(problem.cause)
+            key = records[i].ordering_key
+            sent.futures[i] = NotAttempted() if key is not None and key in seen else problem.cause
+            if key is not None:
+                seen.add(key)
+                failed_keys.add(key)
 
     def _target(
         self,
@@ -698,7 +738,8 @@ class KafkaPublisher:
             elif not item.done() or item.cancelled():
                 results.append(unacknowledged)
             else:
-                results.append(item.exception())
+                problem = item.exception()
+                results.append(problem.cause if isinstance(problem, _NotSubmitted) else problem)
         missing = (total or 0) - len(results)
         results.extend([not_sent] * max(0, missing))
         return results
@@ -787,6 +828,14 @@ def _failed(item: asyncio.Future[object] | BaseException | None) -> bool:
     if item is None or isinstance(item, BaseException):
         return True
     return not item.done() or item.cancelled() or item.exception() is not None
+
+
+class _NotSubmitted(Exception):  # noqa: N818 (a wrapper, not an error of its own)
+    """send_batch raised: the batch never reached the producer (see KafkaPublisher._submit)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 def _rejected(future: asyncio.Future[object]) -> bool:
