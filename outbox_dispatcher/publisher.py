@@ -347,15 +347,37 @@ class KafkaPublisher:
                 records, topics, now, sent, heartbeat, early, topic_errors, failed_keys
             ):
                 return self._final_outcomes(sent)  # given up on: the rest is not attempted
-            if not later:
-                return self._final_outcomes(sent)
-            if now and early is not None:
-                await early()  # settle the keys already acknowledged while the lookups run
-            for lookup in lookups.values():
-                topic_errors |= await lookup
-            await self._publish_part(
-                records, topics, later, sent, heartbeat, early, topic_errors, failed_keys
-            )
+            if now and later and early is not None:
+                await early()  # settle the keys already acknowledged while lookups run
+            pending = dict(lookups)
+            while later:
+                # Each key goes once every topic it has a row for has answered its lookup.
+                if pending:
+                    await asyncio.wait(pending.values(), return_when=asyncio.FIRST_COMPLETED)
+                for t, lookup in list(pending.items()):
+                    if lookup.done():
+                        topic_errors |= lookup.result()
+                        del pending[t]
+                blocked = {
+                    records[i].ordering_key
+                    for i in later
+                    if topics[i] in pending and records[i].ordering_key is not None
+                }
+                ready = [
+                    i
+                    for i in later
+                    if topics[i] not in pending and records[i].ordering_key not in blocked
+                ]
+                if not ready:
+                    continue
+                if await self._publish_part(
+                    records, topics, ready, sent, heartbeat, early, topic_errors, failed_keys
+                ):
+                    return self._final_outcomes(sent)
+                done = set(ready)
+                later = [i for i in later if i not in done]
+                if later and early is not None:
+                    await early()
         finally:
             for lookup in lookups.values():
                 if not lookup.done():
