@@ -11,6 +11,7 @@ import signal
 import sys
 import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -101,6 +102,24 @@ async def _published_rows(conn: asyncpg.Connection, topic: str, n: int, keys: in
     )
 
 
+def _ctrl_c_as_at_a_terminal() -> None:
+    """In the child before exec: SIGINT at its default and unblocked, as a shell gives it. A
+    disposition of "ignored" or a blocked SIGINT inherited from the test process would survive
+    the exec, and Python would then never see the Ctrl-C this test sends (CI saw the replay wait
+    60 s after it, twice, in full runs only)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _signal_dispositions(pid: int) -> str:
+    """The process's blocked, ignored and caught signal masks (for a failure message)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text(encoding="ascii").splitlines()
+    except OSError as exc:
+        return f"unknown ({exc})"
+    return " ".join(line for line in status if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+
+
 async def _wait_for_lock_wait(conn: asyncpg.Connection) -> None:
     for _ in range(600):
         waiting = await conn.fetchval(
@@ -137,10 +156,21 @@ async def test_an_interrupted_replay_changes_nothing_and_says_so_in_one_line(
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
+            preexec_fn=_ctrl_c_as_at_a_terminal,
         )
         await _wait_for_lock_wait(conn)
+        dispositions = _signal_dispositions(process.pid)
         process.send_signal(signal.SIGINT)
-        out, err = await asyncio.wait_for(process.communicate(), 60)
+        try:
+            out, err = await asyncio.wait_for(process.communicate(), 60)
+        except TimeoutError:
+            process.kill()
+            out, err = await process.communicate()
+            msg = (
+                f"the replay did not exit within 60 s of SIGINT; its signal masks {dispositions}; "
+                f"stderr: {err.decode()[-2000:]}"
+            )
+            raise AssertionError(msg) from None
         await lock.rollback()
     finally:
         await blocker.close()
