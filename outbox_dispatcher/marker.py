@@ -123,7 +123,7 @@ class Marker:
         retried = False
         while True:
             try:
-                return await self._store.settle_ids(**arguments), retried
+                return await self._store.settle(**arguments), retried
             except db.RETRIABLE_ERRORS as exc:
                 if loop.time() + pause > deadline:
                     log.error(

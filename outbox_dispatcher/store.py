@@ -71,34 +71,9 @@ class Store:
         delays: Sequence[float],
         counted: Sequence[int],
         delete_published: bool,
-    ) -> int:
-        """Record one batch's outcomes and release its keys; rows that were still ours."""
-        return len(
-            await self.settle_ids(
-                token=token,
-                keys=keys,
-                ids=ids,
-                outcomes=outcomes,
-                errors=errors,
-                delays=delays,
-                counted=counted,
-                delete_published=delete_published,
-            )
-        )
-
-    async def settle_ids(
-        self,
-        *,
-        token: uuid.UUID,
-        keys: Sequence[str],
-        ids: Sequence[int],
-        outcomes: Sequence[str],
-        errors: Sequence[str | None],
-        delays: Sequence[float],
-        counted: Sequence[int],
-        delete_published: bool,
     ) -> list[int]:
-        """As settle, but the ids of the rows that were still ours."""
+        """Record one batch's outcomes and release its keys; the ids of the rows that were still
+        ours."""
         rows = await self._fetch(
             self._queries.settle,
             token,
