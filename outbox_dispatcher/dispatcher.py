@@ -337,9 +337,10 @@ class Dispatcher:
 
         If acks are still missing after EARLY_SETTLE_SECONDS (sooner once other partitions
         answered: see publisher.EARLY_SETTLE_FACTOR), the keys whose rows are all
-        acknowledged are settled at once (their keys released), and `stalled` is set when other
-        partitions answer, so that the claim loop goes on while this batch waits for a partition
-        that does not acknowledge (review F10): only the keys that map to it wait."""
+        acknowledged are settled at once (their keys released), then those of each later
+        answer, and `stalled` is set when other partitions answer, so that the claim loop goes
+        on while this batch waits for a partition that does not acknowledge (review F10): only
+        the keys that map to it wait."""
         records = batch.records
         loop = asyncio.get_running_loop()
         self.in_flight.add(batch.token, [r.id for r in records])
@@ -357,7 +358,11 @@ class Dispatcher:
                 self.in_flight.add(
                     batch.token, [r.id for i, r in enumerate(records) if i not in settled_early]
                 )
-            if stalled is not None and (done or await publisher.broker_reachable(1.0)):
+            if (
+                stalled is not None
+                and not stalled.is_set()
+                and (done or await publisher.broker_reachable(1.0))
+            ):
                 stalled.set()
 
         try:

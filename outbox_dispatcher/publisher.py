@@ -297,8 +297,9 @@ class KafkaPublisher:
         early: Callable[[], Awaitable[None]] | None = None,
     ) -> list[BaseException | None]:
         """Publish a claim and return each record's outcome (None: acknowledged). `early` is
-        called when a wave's acks take longer than EARLY_SETTLE_SECONDS (the caller settles the
-        keys already acknowledged).
+        called when a wave's acks take longer than EARLY_SETTLE_SECONDS (sooner once one
+        partition answered), then again at each later answer while some are still missing (the
+        caller settles the keys already acknowledged).
 
         A key's rows go out in waves, one per topic it visits in this claim: its rows for the
         next topic are handed to the producer only once every earlier row of the key is
@@ -654,10 +655,10 @@ class KafkaPublisher:
         settles every future for good, and return True: the unacknowledged rows are given back
         with no copy left that could still be delivered."""
         pending = {f for i in indices if isinstance(f := sent.futures[i], asyncio.Future)}
+        loop = asyncio.get_running_loop()
         if pending and early is not None:
             heartbeat()
             limit = min(EARLY_SETTLE_SECONDS, self._settings.publish_timeout_seconds)
-            loop = asyncio.get_running_loop()
             started = loop.time()
             done, pending = await asyncio.wait(
                 pending, timeout=limit, return_when=asyncio.FIRST_COMPLETED
@@ -669,19 +670,32 @@ class KafkaPublisher:
                     _, pending = await asyncio.wait(pending, timeout=wait - first)
             if pending:
                 await early()
+        deadline = loop.time() + self._settings.publish_timeout_seconds
         while pending:
             heartbeat()  # waiting for a broker is not being stuck
-            _, pending = await asyncio.wait(pending, timeout=self._settings.publish_timeout_seconds)
-            if not pending:
-                break
+            remaining = deadline - loop.time()
+            if remaining > 0:
+                if early is None:
+                    _, pending = await asyncio.wait(pending, timeout=remaining)
+                    continue
+                # Each later answer settles the keys it completes at once: a partition that
+                # answers after the early settle (e.g. behind another partition's retries on the
+                # same broker) must not wait for the silent one's publish_timeout and close.
+                done, pending = await asyncio.wait(
+                    pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                )
+                if done and pending:
+                    await early()
+                continue
             if await self.broker_reachable():
                 log.warning("publish_timed_out", unacknowledged=len(pending))
                 for future in pending:
                     future.add_done_callback(_consume)
                 if await self.retire(sent, _UNACKNOWLEDGED):
                     return True
-                continue
-            log.warning("broker_unreachable_waiting", unacknowledged=len(pending))
+            else:
+                log.warning("broker_unreachable_waiting", unacknowledged=len(pending))
+            deadline = loop.time() + self._settings.publish_timeout_seconds
         return False
 
     async def _retry_rejected_alone(
@@ -1040,7 +1054,9 @@ async def _close(producer: AIOKafkaProducer, reason: str) -> None:
         broker.fail_buffered(producer, errors.BrokerUnavailableError(reason))
     try:
         await stopping
-    except kafka_errors.KafkaError as exc:
+    except Exception as exc:  # noqa: BLE001 - the producer is discarded whatever its stop() raised
+        # Once its batches were failed here, aiokafka's sender can raise KeyError while ending: a
+        # request still in flight re-enqueues a batch that fail_buffered already completed.
         log.debug("producer_stop_failed", error=errors.describe(exc))
 
 

@@ -107,6 +107,27 @@ async def test_replacing_a_producer_does_not_wait_unbounded_for_the_old_one(
     assert old.failed.is_set() and old.stopped
 
 
+class SenderEndsInKeyError(HangingProducer):
+    """aiokafka 0.14: a request still in flight when its batch was failed re-enqueues it on its
+    way out, and the sender (so stop()) ends in KeyError."""
+
+    async def stop(self) -> None:
+        await super().stop()
+        raise KeyError("MessageBatch")
+
+
+async def test_closing_a_producer_whose_sender_ends_in_key_error_is_quiet(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """make chaos (NotEnoughReplicas for 120 s): every close past the flush bound left an
+    unretrieved KeyError in the log; the producer is discarded either way."""
+    monkeypatch.setattr(publisher_module, "STOP_FLUSH_SECONDS", 0.05)
+    old = SenderEndsInKeyError()
+    async with asyncio.timeout(5):
+        await publisher_module._close(old, "test")  # type: ignore[arg-type]
+    assert old.failed.is_set() and old.stopped
+
+
 def sized(i: int, topic: str, key: str | None, payload: int) -> OutboxRecord:
     return OutboxRecord(
         i, topic, key, b"x" * payload, {}, uuid.uuid4(), datetime.now(UTC), 0, False
@@ -366,6 +387,41 @@ async def test_the_answered_keys_are_settled_soon_after_the_first_ack_not_at_the
     waiting = asyncio.ensure_future(publisher._await_acks(sent, [0, 1], lambda: None, early))
     await asyncio.wait_for(early_called.wait(), timeout=30)
     assert await waiting is False
+
+
+async def test_a_partition_answering_after_the_early_settle_is_settled_when_it_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review F10, one partition silent and one slower than the first: the slower partition's
+    keys are settled when it answers, not after the silent one's publish_timeout and the close
+    of its producer (make chaos, NotEnoughReplicas on one topic for 120 s: the other topic's
+    partitions on the same broker answered after the retrying one's 100 ms backoff, just past
+    the early settle; their keys waited 9 s and the other topic's p99 was 7.8 s)."""
+    monkeypatch.setattr(publisher_module, "EARLY_SETTLE_MIN_SECONDS", 0.01)
+    loop = asyncio.get_running_loop()
+    first: asyncio.Future[object] = loop.create_future()
+    slower: asyncio.Future[object] = loop.create_future()
+    silent: asyncio.Future[object] = loop.create_future()
+    loop.call_soon(first.set_result, "metadata")
+    calls: list[tuple[bool, bool, bool]] = []
+    second_call = asyncio.Event()
+
+    async def early() -> None:
+        calls.append((first.done(), slower.done(), silent.done()))
+        if len(calls) == 1:
+            loop.call_later(0.05, slower.set_result, "metadata")
+        else:
+            second_call.set()
+
+    publisher = KafkaPublisher(Settings(publish_timeout_seconds=7200))
+    sent = Sent([first, slower, silent])
+    waiting = asyncio.ensure_future(publisher._await_acks(sent, [0, 1, 2], lambda: None, early))
+    try:
+        await asyncio.wait_for(second_call.wait(), timeout=30)
+    finally:
+        silent.set_result("metadata")
+    assert await waiting is False
+    assert calls[:2] == [(True, False, False), (True, True, False)]
 
 
 class OnePartitionStuck(FakeProducer):
