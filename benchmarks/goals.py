@@ -1,4 +1,5 @@
-"""The goal table of issue 14 ("Claim engine v2"), judged from one run's results.
+"""The goal tables of issue 14 ("Claim engine v2") and issue 10 ("Publisher v2"), judged from one
+run's results.
 
 Each goal names the scenario figure (or the same-run ratio) it is judged on, so the printed table
 and the JSON say target, measured, measured/target and met or missed without anyone copying
@@ -122,6 +123,29 @@ def _goals() -> list[Goal]:
         ),
         Goal("latency at 2k/s, 10-row transactions, p50", False, 5, f"{steady_2k}.p50_ms", "ms"),
         Goal("latency at 2k/s, 10-row transactions, p99", False, 20, f"{steady_2k}.p99_ms", "ms"),
+    ]
+    goals += [  # issue 10
+        Goal(
+            "dispatcher CPU per 1k events in the drain (issue 10)",
+            False,
+            10,
+            "drain.dispatcher_cpu_ms_per_1k",
+            "ms",
+        ),
+        Goal(
+            "hot key: one ordering key, order checked (issue 10)",
+            True,
+            20_000,
+            "hot_key.events_per_second",
+            "events/s",
+        ),
+        Goal(
+            "Kafka client alone: the batch API (used) vs send() (issue 10: use the faster)",
+            True,
+            1.0,
+            "ratio.kafka_batch_api_vs_send",
+            also="baseline_kafka_batch_api.events_per_second",
+        ),
     ]
     return goals
 

@@ -914,6 +914,7 @@ def ratios(results: dict[str, dict[str, float]]) -> dict[str, float]:
 
     derived = {
         "drain_vs_kafka_only": fig("drain") / fig("baseline_kafka_only"),
+        "kafka_batch_api_vs_send": fig("baseline_kafka_batch_api") / fig("baseline_kafka_only"),
         "drain_vs_postgres_only": fig("drain") / fig("baseline_postgres_only"),
         "drain_vs_handwritten": fig("drain") / fig("baseline_handwritten"),
         "two_processes_vs_one": fig("scaling_2_processes") / fig("scaling_4_tasks"),
