@@ -337,10 +337,10 @@ class Dispatcher:
 
         If acks are still missing after EARLY_SETTLE_SECONDS (sooner once other partitions
         answered: see publisher.EARLY_SETTLE_FACTOR), the keys whose rows are all
-        acknowledged are settled at once (their keys released), then those of each later
-        answer, and `stalled` is set when other partitions answer, so that the claim loop goes
-        on while this batch waits for a partition that does not acknowledge (review F10): only
-        the keys that map to it wait."""
+        acknowledged are settled at once (their keys released), then those of later answers
+        (every EARLY_SETTLE_SECONDS), and `stalled` is set when other partitions answer, so that
+        the claim loop goes on while this batch waits for a partition that does not acknowledge
+        (review F10): only the keys that map to it wait."""
         records = batch.records
         loop = asyncio.get_running_loop()
         self.in_flight.add(batch.token, [r.id for r in records])

@@ -298,8 +298,8 @@ class KafkaPublisher:
     ) -> list[BaseException | None]:
         """Publish a claim and return each record's outcome (None: acknowledged). `early` is
         called when a wave's acks take longer than EARLY_SETTLE_SECONDS (sooner once one
-        partition answered), then again at each later answer while some are still missing (the
-        caller settles the keys already acknowledged).
+        partition answered), then every EARLY_SETTLE_SECONDS in which later answers came while
+        some are still missing (the caller settles the keys already acknowledged).
 
         A key's rows go out in waves, one per topic it visits in this claim: its rows for the
         next topic are handed to the producer only once every earlier row of the key is
@@ -678,11 +678,14 @@ class KafkaPublisher:
                 if early is None:
                     _, pending = await asyncio.wait(pending, timeout=remaining)
                     continue
-                # Each later answer settles the keys it completes at once: a partition that
-                # answers after the early settle (e.g. behind another partition's retries on the
-                # same broker) must not wait for the silent one's publish_timeout and close.
+                # The answers that came meanwhile are settled every EARLY_SETTLE_SECONDS while
+                # others are missing: a partition that answers after the early settle (e.g.
+                # behind another partition's retries on the same broker) must not wait for the
+                # silent one's publish_timeout and close. Coalesced, not one settle per answer:
+                # a wave of many partitions that lingers past the early settle would otherwise
+                # add a statement per partition.
                 done, pending = await asyncio.wait(
-                    pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                    pending, timeout=min(remaining, EARLY_SETTLE_SECONDS)
                 )
                 if done and pending:
                     await early()

@@ -389,39 +389,47 @@ async def test_the_answered_keys_are_settled_soon_after_the_first_ack_not_at_the
     assert await waiting is False
 
 
-async def test_a_partition_answering_after_the_early_settle_is_settled_when_it_answers(
+async def test_partitions_answering_after_the_early_settle_are_settled_before_publish_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Review F10, one partition silent and one slower than the first: the slower partition's
-    keys are settled when it answers, not after the silent one's publish_timeout and the close
-    of its producer (make chaos, NotEnoughReplicas on one topic for 120 s: the other topic's
-    partitions on the same broker answered after the retrying one's 100 ms backoff, just past
-    the early settle; their keys waited 9 s and the other topic's p99 was 7.8 s)."""
+    """Review F10, one partition silent and three slower than the first: the slower
+    partitions' keys are settled soon after they answer (in one settle: answers are coalesced
+    over EARLY_SETTLE_SECONDS), not after the silent one's publish_timeout and the close of its
+    producer (make chaos, NotEnoughReplicas on one topic for 120 s: the other topic's partitions
+    on the same broker answered after the retrying one's 100 ms backoff, just past the early
+    settle; their keys waited 9 s and the other topic's p99 was 7.8 s)."""
     monkeypatch.setattr(publisher_module, "EARLY_SETTLE_MIN_SECONDS", 0.01)
+    monkeypatch.setattr(publisher_module, "EARLY_SETTLE_SECONDS", 0.3)
     loop = asyncio.get_running_loop()
     first: asyncio.Future[object] = loop.create_future()
-    slower: asyncio.Future[object] = loop.create_future()
+    slower = [loop.create_future() for _ in range(3)]
     silent: asyncio.Future[object] = loop.create_future()
     loop.call_soon(first.set_result, "metadata")
-    calls: list[tuple[bool, bool, bool]] = []
+    calls: list[tuple[bool, list[bool], bool]] = []
     second_call = asyncio.Event()
 
     async def early() -> None:
-        calls.append((first.done(), slower.done(), silent.done()))
+        calls.append((first.done(), [f.done() for f in slower], silent.done()))
         if len(calls) == 1:
-            loop.call_later(0.05, slower.set_result, "metadata")
+            for n, future in enumerate(slower):
+                loop.call_later(0.02 * (n + 1), future.set_result, "metadata")
         else:
             second_call.set()
 
     publisher = KafkaPublisher(Settings(publish_timeout_seconds=7200))
-    sent = Sent([first, slower, silent])
-    waiting = asyncio.ensure_future(publisher._await_acks(sent, [0, 1, 2], lambda: None, early))
+    sent = Sent([first, *slower, silent])
+    waiting = asyncio.ensure_future(
+        publisher._await_acks(sent, [0, 1, 2, 3, 4], lambda: None, early)
+    )
     try:
         await asyncio.wait_for(second_call.wait(), timeout=30)
     finally:
         silent.set_result("metadata")
     assert await waiting is False
-    assert calls[:2] == [(True, False, False), (True, True, False)]
+    assert calls == [
+        (True, [False, False, False], False),
+        (True, [True, True, True], False),  # one settle for the three later answers
+    ]
 
 
 class OnePartitionStuck(FakeProducer):
