@@ -961,7 +961,7 @@ def table(
         lines.append(f"| {name} | {shown} |")
     for name, value in derived.items():
         lines.append(f"| ratio {name} | {value:.2f} |")
-    return "\n".join(lines) + "\n\n### Goals (issue 14)\n\n" + goals_table(verdicts)
+    return "\n".join(lines) + "\n\n### Goals (issues 14 and 10)\n\n" + goals_table(verdicts)
 
 
 async def main_async(args: argparse.Namespace) -> int:
