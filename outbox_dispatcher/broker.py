@@ -37,19 +37,6 @@ def available_partitions(producer: AIOKafkaProducer, topic: str) -> set[int] | N
     return partitions
 
 
-def known_topics(producer: AIOKafkaProducer) -> set[str]:
-    """The topics in the producer's cached metadata."""
-    topics: set[str] = producer.client.cluster.topics()
-    return topics
-
-
-async def load_topics(producer: AIOKafkaProducer, topics: set[str]) -> bool:
-    """Track `topics` and fetch their metadata (aiokafka asks the brokers in turn, each within its
-    request timeout, until one answers); False when none answered."""
-    loaded: bool = await producer.client.set_topics(sorted(topics))
-    return loaded
-
-
 async def all_metadata(producer: AIOKafkaProducer) -> ClusterMetadata:
     """Every topic's metadata from a broker, naming no topic, so that nothing is auto-created;
     raises when no broker answers."""

@@ -152,40 +152,18 @@ class KafkaPublisher:
             if self._broken is None:
                 return
             reason = errors.describe(self._broken)
+            fresh = self._build(self._context)
             try:
-                fresh = await self._started()
+                async with asyncio.timeout(max(self._settings.publish_timeout_seconds, 10.0)):
+                    await fresh.start()
             except (kafka_errors.KafkaError, OSError, TimeoutError) as exc:
+                await _close(fresh, "the fresh producer could not start")
                 raise errors.BrokerUnavailableError(errors.describe(exc)) from exc
             old, self._producer = self._producer, fresh
             self._broken = None
             log.warning("producer_replaced", reason=reason)
         if old is not None:
             await self._close(old, "the producer was replaced; the broker did not take its records")
-
-    async def _started(self) -> AIOKafkaProducer:
-        """A fresh producer, started (bounded) and knowing the topics the current one knows.
-        Without them, every claim would look its topics up again, and a lookup that asks a broker
-        which does not answer (one blackholed, for instance) waits a whole request timeout while
-        every key of the topic waits with it (CI: the blackholed-partition test's healthy keys at
-        p99 4.0 s). The metadata is fetched here, off the claim path, while the current producer
-        still serves the other partitions; if no broker answers in time the fresh producer is
-        used anyway (its sends look the topics up, as before)."""
-        fresh = self._build(self._context)
-        try:
-            async with asyncio.timeout(max(self._settings.publish_timeout_seconds, 10.0)):
-                await fresh.start()
-        except (kafka_errors.KafkaError, OSError, TimeoutError):
-            await self._close(fresh, "the fresh producer could not start")
-            raise
-        current = self._producer
-        topics = broker.known_topics(current) if current is not None else set()
-        if topics:
-            try:
-                async with asyncio.timeout(max(self._settings.publish_timeout_seconds, 10.0)):
-                    await broker.load_topics(fresh, topics)
-            except (kafka_errors.KafkaError, OSError, TimeoutError) as exc:
-                log.info("producer_metadata_not_loaded", error=errors.describe(exc))
-        return fresh
 
     def _close(self, producer: AIOKafkaProducer, reason: str) -> asyncio.Future[None]:
         """The producer's bounded close (_close), started once however many callers ask."""
@@ -206,9 +184,14 @@ class KafkaPublisher:
         if replace and self._producer in used:
             async with self._replacing:
                 if self._producer in used:
+                    fresh = self._build(self._context)
                     try:
-                        fresh = await self._started()
+                        async with asyncio.timeout(
+                            max(self._settings.publish_timeout_seconds, 10.0)
+                        ):
+                            await fresh.start()
                     except (kafka_errors.KafkaError, OSError, TimeoutError) as exc:
+                        await self._close(fresh, "the fresh producer could not start")
                         log.warning("producer_replacement_failed", error=errors.describe(exc))
                         return False
                     self._producer = fresh

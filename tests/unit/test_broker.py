@@ -72,14 +72,6 @@ async def test_the_producer_client_caches_which_partitions_have_a_leader(
     assert broker.available_partitions(producer, "never-seen") is None
 
 
-async def test_the_producer_client_lists_and_tracks_topics(producer: AIOKafkaProducer) -> None:
-    topics = reach(producer, "client.cluster.topics", "known_topics")
-    assert callable(topics)
-    assert broker.known_topics(producer) == set()
-    set_topics = reach(producer, "client.set_topics", "load_topics")
-    assert list(inspect.signature(set_topics).parameters) == ["topics"]
-
-
 async def test_the_producer_client_fetches_all_metadata(producer: AIOKafkaProducer) -> None:
     fetch = reach(producer, "client.fetch_all_metadata", "all_metadata")
     assert inspect.iscoroutinefunction(fetch)

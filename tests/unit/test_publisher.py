@@ -69,7 +69,6 @@ class HangingProducer:
         self.failed = asyncio.Event()
         self.stopped = False
         self._message_accumulator = self
-        self.client = SimpleNamespace(cluster=SimpleNamespace(topics=set))
 
     def fail_all(self, exception: BaseException) -> None:
         self.failed.set()
@@ -234,21 +233,13 @@ class FakeProducer:
         log: list[Submitted] | None = None,
     ) -> None:
         everything = set(range(partitions))
-        self.loaded: list[list[str]] = []
-
-        async def set_topics(topics: list[str]) -> bool:
-            self.loaded.append(topics)
-            return True
-
         self.client = SimpleNamespace(
             cluster=SimpleNamespace(
                 partitions_for_topic=lambda topic: set(everything),
                 available_partitions_for_topic=lambda topic: set(
                     everything if available is None else available
                 ),
-                topics=lambda: {"t", "u"},
-            ),
-            set_topics=set_topics,
+            )
         )
         self.room = room
         self.refuse = refuse
@@ -352,22 +343,6 @@ async def test_a_refused_batch_is_sent_again_one_record_at_a_time() -> None:
     ]
     sizes = [(s.topic, len(s.batch.records)) for s in log]
     assert sizes == [("t", 5), ("u", 1)] + [("t", 1)] * 5
-
-
-async def test_a_fresh_producer_knows_the_topics_of_the_one_it_replaces_before_it_takes_over() -> (
-    None
-):
-    """CI, one broker blackholed: after a producer replacement, the fresh producer looked each
-    topic up on the claim path, a lookup that asked the blackholed broker waited its request
-    timeout, and every key of the topic with it (healthy keys' p99 4.0 s). The fresh producer
-    now loads the old one's topics before it is used."""
-    fresh = FakeProducer()
-    publisher = with_producer(FakeProducer())
-    publisher._build = lambda context: fresh  # type: ignore[assignment,method-assign,return-value]
-    publisher._broken = kafka_errors.OutOfOrderSequenceNumber()
-    await publisher._replace_if_broken()
-    assert publisher._producer is fresh
-    assert fresh.loaded == [["t", "u"]]
 
 
 class ClosedProducer(FakeProducer):
