@@ -675,19 +675,15 @@ class KafkaPublisher:
             heartbeat()  # waiting for a broker is not being stuck
             remaining = deadline - loop.time()
             if remaining > 0:
-                if early is None:
-                    _, pending = await asyncio.wait(pending, timeout=remaining)
-                    continue
-                # The answers that came meanwhile are settled every EARLY_SETTLE_SECONDS while
-                # others are missing: a partition that answers after the early settle (e.g.
-                # behind another partition's retries on the same broker) must not wait for the
-                # silent one's publish_timeout and close. Coalesced, not one settle per answer:
-                # a wave of many partitions that lingers past the early settle would otherwise
-                # add a statement per partition.
-                done, pending = await asyncio.wait(
-                    pending, timeout=min(remaining, EARLY_SETTLE_SECONDS)
-                )
-                if done and pending:
+                # With `early`, the answers that came meanwhile are settled every
+                # EARLY_SETTLE_SECONDS while others are missing: a partition that answers after
+                # the early settle (e.g. behind another partition's retries on the same broker)
+                # must not wait for the silent one's publish_timeout and close. Coalesced, not one
+                # settle per answer: a wave of many partitions that lingers past the early settle
+                # would otherwise add a statement per partition.
+                step = remaining if early is None else min(remaining, EARLY_SETTLE_SECONDS)
+                done, pending = await asyncio.wait(pending, timeout=step)
+                if early is not None and done and pending:
                     await early()
                 continue
             if await self.broker_reachable():
