@@ -1,20 +1,29 @@
 """The one module that reaches below aiokafka's public API (AIOKafkaProducer's documented methods).
 
 aiokafka 0.14 offers no public way to fail buffered batches, to ask for metadata without
-auto-creating topics, to read the cached cluster metadata, or to open one raw connection; the
-dispatcher needs each. Every reach is here, behind a small function, and
-tests/unit/test_broker.py names each private attribute used, so that an aiokafka upgrade that
-moves one fails there, clearly, rather than in an outage. The version is pinned in pyproject.toml.
+auto-creating topics, to read the cached cluster metadata, to ask several brokers for it at once,
+or to open one raw connection; the dispatcher needs each. Every reach is here, behind a small
+function, and tests/unit/test_broker.py names each private attribute used, so that an aiokafka
+upgrade that moves one fails there, clearly, rather than in an outage. The version is pinned in
+pyproject.toml.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import random
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.client import ConnectionGroup
 from aiokafka.cluster import ClusterMetadata
 from aiokafka.conn import AIOKafkaConnection, create_conn
+from aiokafka.errors import KafkaError
 from aiokafka.protocol.metadata import MetadataRequest
+
+# How many brokers a metadata lookup asks at once (see _first_answer).
+ASKED_AT_ONCE = 3
 
 
 def fail_buffered(producer: AIOKafkaProducer, exception: BaseException) -> None:
@@ -43,16 +52,87 @@ async def all_metadata(producer: AIOKafkaProducer) -> ClusterMetadata:
     return await producer.client.fetch_all_metadata()
 
 
+async def answers(producer: AIOKafkaProducer) -> None:
+    """Returns once a broker answered a Metadata request naming no topic: connected brokers are
+    asked first (_first_answer), then, if none is connected or none answered, aiokafka's own
+    round of every known broker. Raises when no broker answers."""
+    with contextlib.suppress(KafkaError, OSError):
+        if await _first_answer(producer, MetadataRequest([])) is not None:
+            return
+    await producer.client.fetch_all_metadata()
+
+
 async def topic_error_codes(producer: AIOKafkaProducer, topics: list[str]) -> dict[str, int] | None:
     """Per topic, the error code of a Metadata request (v4+) with allow_auto_topic_creation=false
-    (0: it exists); None when the producer knows no broker to ask. Raises what the request
-    raises (KafkaError, OSError)."""
-    client = producer.client
-    node = client.get_random_node()
-    if node is None:
-        return None
-    response = await client.send(node, MetadataRequest(topics, allow_auto_topic_creation=False))
+    (0: it exists), asked of connected brokers first (_first_answer), else of a random one; None
+    when the producer knows no broker to ask. Raises what the request raises (KafkaError,
+    OSError)."""
+    request = MetadataRequest(topics, allow_auto_topic_creation=False)
+    response = await _first_answer(producer, request)
+    if response is None:
+        client = producer.client
+        node = client.get_random_node()
+        if node is None:
+            return None
+        response = await client.send(node, request)
     return {entry[1]: entry[0] for entry in response.topics}
+
+
+async def load_topics(producer: AIOKafkaProducer, topics: list[str]) -> bool:
+    """Fetch `topics`' metadata into the producer's cache from the first connected broker to
+    answer, and track them (aiokafka's periodic refresh then keeps them; tracking them through
+    its add_topic would also start a refresh from a random broker at once). The request names
+    every topic already cached too: a response replaces the whole cache. False when no broker
+    is connected or the answer names no broker; raises what the request raises when no broker
+    asked answers. A topic still being created may come back without partitions: the
+    producer's partitions_for() then waits for it the usual way."""
+    client = producer.client
+    cached: set[str] = client.cluster.topics()
+    response = await _first_answer(producer, MetadataRequest(sorted(cached | set(topics))))
+    if response is None or not response.brokers:
+        return False
+    client.cluster.update_metadata(response)
+    client._topics.update(topics)
+    return True
+
+
+async def _first_answer(producer: AIOKafkaProducer, request: MetadataRequest) -> Any:
+    """The first answer to `request` from up to ASKED_AT_ONCE brokers the producer is connected
+    to, asked at once (None when it is connected to none).
+
+    aiokafka asks one broker at a time, in random order, each within the request timeout, and
+    opens one connection at a time for all brokers: a broker that never completes a connection
+    or never answers (a network partition that drops packets) made a lookup wait a whole
+    request timeout, and every connection the producer was opening meanwhile, so every key of
+    the topic, about one time in three (CI, the blackholed-partition test). Only brokers
+    already connected are asked: a silent one among them costs its request, not a connection.
+    Raises the last failure when every broker asked failed."""
+    client = producer.client
+    nodes = [
+        node.nodeId
+        for node in client.cluster.brokers()
+        if (conn := client._conns.get((node.nodeId, ConnectionGroup.DEFAULT))) is not None
+        and conn.connected()
+    ]
+    if not nodes:
+        return None
+    pending = {
+        asyncio.ensure_future(client.send(node, request))
+        for node in random.sample(nodes, min(ASKED_AT_ONCE, len(nodes)))
+    }
+    failure: BaseException | None = None
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for asked in done:
+                failure = asked.exception()
+                if failure is None:
+                    return asked.result()
+    finally:
+        for asked in pending:
+            asked.cancel()  # aiokafka drops the answer of a cancelled request
+    assert failure is not None  # noqa: S101 (every broker asked failed)
+    raise failure
 
 
 async def open_connection(host: str, port: int, **options: Any) -> AIOKafkaConnection:

@@ -8,6 +8,7 @@ acknowledged (those are marked) and which it had not (those are given back).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -214,7 +215,7 @@ class KafkaPublisher:
     async def broker_reachable(self, seconds: float = 5.0) -> bool:
         try:
             async with asyncio.timeout(seconds):
-                await broker.all_metadata(self.producer)
+                await broker.answers(self.producer)
         except (kafka_errors.KafkaError, OSError, TimeoutError):
             return False
         return True
@@ -238,6 +239,10 @@ class KafkaPublisher:
         async def lookup(topic: str) -> BaseException | None:
             try:
                 async with asyncio.timeout(timeout):
+                    # Asked of several brokers at once (broker._first_answer); what this finds
+                    # missing or failing, the producer's own lookup then decides.
+                    with contextlib.suppress(kafka_errors.KafkaError, OSError):
+                        await broker.load_topics(self.producer, [topic])
                     await self.producer.partitions_for(topic)
             except (kafka_errors.KafkaError, TimeoutError) as exc:
                 failure: BaseException = exc

@@ -5,15 +5,20 @@ started."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import aiokafka
 import pytest
 from aiokafka import AIOKafkaProducer
+from aiokafka import errors as kafka_errors
+from aiokafka.client import ConnectionGroup
+from aiokafka.conn import AIOKafkaConnection
 from aiokafka.protocol import metadata
 
 from outbox_dispatcher import broker
@@ -78,15 +83,157 @@ async def test_the_producer_client_fetches_all_metadata(producer: AIOKafkaProduc
     assert list(inspect.signature(fetch).parameters) == []
 
 
-async def test_the_producer_client_sends_a_request_to_a_random_node(
+async def test_the_producer_client_sends_a_request_to_each_connected_broker(
     producer: AIOKafkaProducer,
 ) -> None:
-    get_random_node = reach(producer, "client.get_random_node", "topic_error_codes")
-    send = reach(producer, "client.send", "topic_error_codes")
+    brokers = reach(producer, "client.cluster.brokers", "_first_answer")
+    send = reach(producer, "client.send", "_first_answer")
+    conns = reach(producer, "client._conns", "_first_answer")
     assert inspect.iscoroutinefunction(send)
     assert list(inspect.signature(send).parameters)[:2] == ["node_id", "request"]
-    assert get_random_node() is None, "no broker known before start"
+    assert brokers() == set(), "no broker known before start"
+    assert conns == {}, "_conns maps (node id, ConnectionGroup) to a connection"
+    assert reach(AIOKafkaConnection, "connected", "_first_answer")
+    assert ConnectionGroup.DEFAULT in ConnectionGroup
+    get_random_node = reach(producer, "client.get_random_node", "topic_error_codes")
+    assert get_random_node() is None
     assert await broker.topic_error_codes(producer, ["t"]) is None
+    assert await broker.load_topics(producer, ["t"]) is False
+
+
+async def test_the_producer_client_caches_the_topics_a_metadata_answer_names(
+    producer: AIOKafkaProducer,
+) -> None:
+    assert reach(producer, "client.cluster.topics", "load_topics")() == set()
+    update = reach(producer, "client.cluster.update_metadata", "load_topics")
+    assert list(inspect.signature(update).parameters) == ["metadata"]
+    tracked = reach(producer, "client._topics", "load_topics")
+    assert tracked == set(), "_topics: the topics aiokafka's metadata refresh names"
+
+
+V4 = metadata.MetadataRequest_v4
+
+
+class Node:
+    def __init__(self, node_id: int) -> None:
+        self.nodeId = node_id
+
+
+class Cluster:
+    """The part of aiokafka's ClusterMetadata that load_topics uses."""
+
+    def __init__(self, nodes: list[int], cached: set[str]) -> None:
+        self.nodes = nodes
+        self.cached = cached
+        self.updates: list[Any] = []
+
+    def brokers(self) -> set[Node]:
+        return {Node(n) for n in self.nodes}
+
+    def topics(self) -> set[str]:
+        return set(self.cached)
+
+    def update_metadata(self, metadata: Any) -> None:
+        self.updates.append(metadata)
+
+
+class Client:
+    """A client connected to `connected` of `nodes`; node `silent` takes requests and never
+    answers (a blackholed broker), and is the random node: aiokafka's own lookups ask it
+    first. Connecting to a node that is not connected is aiokafka's business (it opens one
+    connection at a time): this client refuses it, so that a test sees any such attempt."""
+
+    def __init__(
+        self,
+        nodes: list[int],
+        silent: int,
+        connected: set[int] | None = None,
+        failing: frozenset[int] = frozenset(),
+    ) -> None:
+        self.cluster = Cluster(nodes, {"cached"})
+        self._conns = {
+            (n, ConnectionGroup.DEFAULT): SimpleNamespace(connected=lambda: True)
+            for n in (set(nodes) if connected is None else connected)
+        }
+        self._topics: set[str] = {"cached"}
+        self.silent = silent
+        self.failing = failing
+        self.asked: list[tuple[int, Any]] = []
+        self.cancelled: list[int] = []
+        self.fetched_all = 0
+
+    def get_random_node(self) -> int:
+        return self.silent
+
+    async def fetch_all_metadata(self) -> None:
+        self.fetched_all += 1
+
+    async def send(self, node_id: int, request: Any) -> Any:
+        assert (node_id, ConnectionGroup.DEFAULT) in self._conns, f"connects to {node_id}"
+        self.asked.append((node_id, request))
+        if node_id == self.silent:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled.append(node_id)
+                raise
+        if node_id in self.failing:
+            raise kafka_errors.RequestTimedOutError
+        await asyncio.sleep(0.01)
+        return SimpleNamespace(
+            brokers=[(n, "h", 1, None) for n in self.cluster.nodes],
+            topics=[(0, topic, False, []) for topic in request.build(V4).topics],
+        )
+
+
+def fake(client: Client) -> AIOKafkaProducer:
+    return cast("AIOKafkaProducer", SimpleNamespace(client=client))
+
+
+async def test_a_lookup_does_not_wait_for_a_broker_that_never_answers() -> None:
+    """CI's blackholed-partition test (issue 10): aiokafka asks one broker at a time, each within
+    the request timeout, so a broker that never answers made a topic lookup wait a whole
+    request timeout, and every key of the topic with it. The connected brokers are asked at
+    once; the first answer is taken, the silent request is dropped, and a broker not connected
+    is not asked (aiokafka opens one connection at a time: one that hangs holds up the
+    others)."""
+    client = Client([1, 2, 3, 4], silent=3, connected={1, 2, 3})
+    async with asyncio.timeout(2):
+        codes = await broker.topic_error_codes(fake(client), ["a"])
+        loaded = await broker.load_topics(fake(client), ["new"])
+        await broker.answers(fake(client))
+    await asyncio.sleep(0)  # the last cancelled request ends
+    assert codes == {"a": 0}
+    assert loaded is True
+    assert sorted(node for node, _ in client.asked) == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert client.cancelled == [3, 3, 3], "the silent requests are cancelled, not left behind"
+    (update,) = client.cluster.updates
+    assert sorted(topic for _, topic, _, _ in update.topics) == ["cached", "new"], (
+        "the request names the cached topics too: an answer replaces the whole cache"
+    )
+    assert client._topics == {"cached", "new"}
+    assert client.fetched_all == 0
+
+
+async def test_a_lookup_raises_the_failure_when_no_connected_broker_answers() -> None:
+    client = Client([1, 2], silent=99, failing=frozenset({1, 2}))
+    with pytest.raises(kafka_errors.RequestTimedOutError):
+        await broker.load_topics(fake(client), ["new"])
+    assert client.cluster.updates == []
+    assert client._topics == {"cached"}
+    await broker.answers(fake(client))
+    assert client.fetched_all == 1, "aiokafka's own round of the brokers is the fallback"
+
+
+async def test_with_no_broker_connected_aiokafka_chooses() -> None:
+    client = Client([1, 2], silent=2, connected=set())
+    client._conns[(1, ConnectionGroup.DEFAULT)] = SimpleNamespace(connected=lambda: False)
+    assert await broker.load_topics(fake(client), ["new"]) is False, "a closed one is not asked"
+    await broker.answers(fake(client))
+    assert client.fetched_all == 1
+    with pytest.raises(AssertionError, match="connects to 2"):
+        await broker.topic_error_codes(fake(client), ["a"])  # aiokafka's random node
+    assert client.asked == []
 
 
 def test_metadata_request_v4_and_later_can_refuse_auto_creation() -> None:
