@@ -19,7 +19,8 @@
 # run when a test needs them):
 #   cluster-start | cluster-stop | cluster-status
 #                a three-node KRaft cluster (each node broker+controller, a 3-voter quorum,
-#                default.replication.factor=3, min.insync.replicas=2), same jars as the single broker
+#                default.replication.factor=3, min.insync.replicas=2), same jars as the single broker;
+#                started with no node running, it starts empty (a test fixture: test topics only)
 #   broker-stop N | broker-start N | broker-kill N
 #                one node of that cluster (N = 1..3; kill = SIGKILL, no controlled shutdown)
 #   cluster-env  print OUTBOX_CLUSTER_BOOTSTRAP_SERVERS=... for it, and OUTBOX_CLUSTER_PROXIED=
@@ -1065,8 +1066,18 @@ cluster_check_ports() {
 
 cluster_start() {
   cluster_check_ports
+  local n running=0
+  for n in $(seq 1 "$CLUSTER_SIZE"); do
+    node_pid "$(cluster_node_dir "$n")" >/dev/null && running=1
+  done
+  # Started with no node running, the cluster starts empty: it only holds test topics, and
+  # Kafka 4.1.1's controller can keep a corrupt record of a topic deleted while a broker was out
+  # of its ISR ("existed in isrMembers, but not in the topics map"), after which that broker
+  # can never register again; seen on a data folder reused by a later test run.
+  if (( running == 0 )); then
+    rm -rf "$CLUSTER_DIR"/node*/data "$CLUSTER_DIR/cluster.id"
+  fi
   cluster_prepare
-  local n
   log "starting the three-node Kafka cluster (ports $(cluster_port 1)-$(cluster_port "$CLUSTER_SIZE"), logs $CLUSTER_DIR/node*/logs)"
   # All at once: a node finishes starting only once a quorum of controllers is up.
   for n in $(seq 1 "$CLUSTER_SIZE"); do
