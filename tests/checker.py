@@ -102,6 +102,9 @@ class Verdict:
     duplicate_details: list[Duplicate] = field(default_factory=list)
     dead: list[str] = field(default_factory=list)  # dead-lettered rows: never expected
     max_copies: int = 0
+    # The lost rows as the table shows them (verdict_for): "not published yet" is a row the
+    # dispatchers never got to (a test that stopped them too soon), "marked published" a real loss.
+    lost_in_table: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -131,6 +134,7 @@ class Verdict:
                 "reordered_across_topics": self.reordered_across_topics[:5],
                 "unexpected": self.unexpected[:5],
                 "duplicated": [asdict(d) for d in self.duplicate_details[:5]],
+                "lost_in_table": self.lost_in_table,
             },
         }
 
@@ -331,7 +335,21 @@ async def verdict_for(
         records = await consume(bootstrap, topics, expected, timeout)
     except AssertionError:
         records = await consume(bootstrap, topics, 0, quiet=5.0)
-    return check(records, written, event_id_header)
+    verdict = check(records, written, event_id_header)
+    if verdict.lost:
+        conn = await asyncpg.connect(database_url)
+        try:
+            rows = await conn.fetch(
+                "SELECT published_at IS NOT NULL AS published, count(*) AS n"
+                f" FROM {table} WHERE event_id::text = ANY($1::text[]) GROUP BY 1",
+                verdict.lost,
+            )
+        finally:
+            await conn.close()
+        verdict.lost_in_table = {
+            "marked published" if r["published"] else "not published yet": r["n"] for r in rows
+        }
+    return verdict
 
 
 def main(argv: Sequence[str] | None = None) -> int:

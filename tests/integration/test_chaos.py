@@ -183,7 +183,16 @@ class Writer:
     attempted: int = 0
     failures: int = 0
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
     _seq: dict[str, int] = field(default_factory=dict)
+
+    async def finish(self) -> None:
+        """Stop writing and wait until the transaction in flight has committed or failed. A test
+        that then waits for every row to be settled must not look before that commit lands: CI
+        once saw 20 rows (one transaction) committed after such a check, never claimed before
+        the dispatchers stopped, and counted as lost."""
+        self.stop.set()
+        await self.finished.wait()
 
     async def run(self) -> None:
         conn: asyncpg.Connection | None = None
@@ -220,6 +229,7 @@ class Writer:
                     continue
                 await asyncio.sleep(self.per_tx / self.rate)
         finally:
+            self.finished.set()
             if conn is not None:
                 conn.terminate()
 
@@ -382,7 +392,7 @@ async def test_crashes_kill_9_under_load(
                 {"pid": victim.pid, "killed_at": killed_at, "orphans": [dict(r) for r in orphans]}
             )
             f.start(slot)
-        writer.stop.set()
+        await writer.finish()
         await wait_all_settled(conn, scale(120, 300))
     orphan_ids = {
         o["id"]: (k["killed_at"], o["lease_expires_at"]) for k in kills for o in k["orphans"]
@@ -519,7 +529,7 @@ async def test_broker_restart_under_load(
             "SELECT max(published_at) FROM outbox WHERE id <= $1", backlog
         )
         await asyncio.sleep(3)  # some load after the recovery
-        writer.stop.set()
+        await writer.finish()
         await wait_all_settled(conn, 120)
         same = all(p.poll() is None for p in f.slots.values())
     dead = await count(conn, "dead_at IS NOT NULL")
@@ -620,7 +630,7 @@ async def test_database_restart_under_load(
             await wait_until(all_ready, 60, "/readyz to report 200 again")
             readiness["ready_again_after_db_back_s"] = round(time.monotonic() - back, 2)
             await asyncio.sleep(3)
-            writer.stop.set()
+            await writer.finish()
             await wait_all_settled(conn, 120)
             crashes = [
                 (slot, p.pid, p.poll()) for slot, p in f.slots.items() if p.poll() is not None
@@ -862,7 +872,7 @@ async def test_poison_row_dead_letters_after_max_attempts(
                 return await count(conn, "ordering_key = 'poison' AND published_at IS NULL") == 0
 
             await wait_until(key_resumed, 30, "the key to resume after the requeue")
-        writer.stop.set()
+        await writer.finish()
         await wait_all_settled(conn, 60)
     history = await conn.fetch(
         "SELECT what, at, attempts, next_attempt_at, dead FROM outbox_audit WHERE id = $1"

@@ -158,7 +158,7 @@ async def failover_run(
         await cluster.wait_fully_replicated(topic)
         rejoined_after = time.monotonic() - killed
         await asyncio.sleep(scale(3, 15))
-        writer.stop.set()
+        await writer.finish()
         await wait_all_settled(conn, scale(120, 600))
     dead = await count(conn, "dead_at IS NOT NULL")
     verdict = await verdict_for(database_url, cluster.bootstrap, [topic], timeout=scale(120, 600))
@@ -281,8 +281,8 @@ async def not_enough_replicas_run(
         await cluster.wait_fully_replicated(strict)
         recovered = time.time()
         await asyncio.sleep(3)
-        strict_writer.stop.set()
-        other_writer.stop.set()
+        await strict_writer.finish()
+        await other_writer.finish()
         await wait_all_settled(conn, scale(120, 600))
     dead = await count(conn, "dead_at IS NOT NULL")
     verdicts = {
@@ -758,7 +758,7 @@ async def test_one_blackholed_partition_leaves_the_others_at_normal_latency(
             )
             await proxies[3].restore()
             restored = time.monotonic()
-            writer.stop.set()
+            await writer.finish()
             await wait_all_settled(conn, scale(120, 600))
             drained_after = time.monotonic() - restored
     finally:
