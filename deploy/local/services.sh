@@ -23,6 +23,11 @@
 #                started with no node running, it starts empty (a test fixture: test topics only)
 #   broker-stop N | broker-start N | broker-kill N
 #                one node of that cluster (N = 1..3; kill = SIGKILL, no controlled shutdown)
+#   broker-pause N | broker-resume N
+#                SIGSTOP / SIGCONT one node: it stops answering and fetching, keeps its state
+#   dump-log N TOPIC PARTITION
+#                the record batches of a partition's log on node N as its broker wrote them
+#                (kafka.tools.DumpLogSegments: offsets, producer id, epoch, base sequence)
 #   cluster-env  print OUTBOX_CLUSTER_BOOTSTRAP_SERVERS=... for it, and OUTBOX_CLUSTER_PROXIED=
 #                node:proxied_port:proxy_port,... (each node's PROXIED listener and its proxy)
 #   kafka3-start | kafka3-stop   a single Kafka 3.x broker (deploy/local/kafka3/pom.xml)
@@ -1120,6 +1125,28 @@ broker_stop() {
   log "cluster node $1 stopped (SIG$2)"
 }
 
+# broker_signal N SIGNAL: STOP or CONT, for a node that must go silent without losing its state.
+broker_signal() {
+  cluster_check_node "$1"
+  local pid
+  pid=$(node_pid "$(cluster_node_dir "$1")") || die "cluster node $1 is not running"
+  kill "-$2" "$pid"
+  log "cluster node $1 sent SIG$2"
+}
+
+# dump_log N TOPIC PARTITION: every segment of the partition's log on node N, batch by batch.
+dump_log() {
+  cluster_check_node "$1"
+  local dir files
+  dir="$(cluster_node_dir "$1")/data/$2-$3"
+  [[ -d $dir ]] || die "node $1 holds no replica of $2-$3 ($dir)"
+  files=$(find "$dir" -name '*.log' | sort | paste -sd, -)
+  [[ -n $files ]] || return 0
+  kafka_ensure_java
+  java -cp "$KAFKA_LIBS/*" "-Dlog4j2.configurationFile=$KAFKA_LOG4J" \
+    kafka.tools.DumpLogSegments --files "$files" --deep-iteration=false 9>&- >&3
+}
+
 cluster_bootstrap() {
   local n out=""
   for n in $(seq 1 "$CLUSTER_SIZE"); do out+="${out:+,}$KAFKA_HOST:$(cluster_port "$n")"; done
@@ -1369,6 +1396,9 @@ main() {
     broker-start)   take_lock; broker_start "${2:-}" ;;
     broker-stop)    take_lock; broker_stop "${2:-}" TERM ;;
     broker-kill)    take_lock; broker_stop "${2:-}" KILL ;;
+    broker-pause)   broker_signal "${2:-}" STOP ;;
+    broker-resume)  broker_signal "${2:-}" CONT ;;
+    dump-log)       dump_log "${2:-}" "${3:-}" "${4:-}" ;;
     kafka3-start)   take_lock; kafka3_start ;;
     kafka3-stop)    take_lock; kafka3_stop ;;
     kafka3-env)     printf 'OUTBOX_KAFKA3_BOOTSTRAP_SERVERS=%s:%s\n' "$KAFKA_HOST" "$KAFKA3_PORT" >&3 ;;
