@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from collections.abc import Collection
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
@@ -27,9 +28,52 @@ ASKED_AT_ONCE = 3
 
 
 def fail_buffered(producer: AIOKafkaProducer, exception: BaseException) -> None:
-    """Fail every batch the producer still buffers (what aiokafka's own Sender._fail_all does
-    when its sender dies), so that stop() need not wait for a broker that is away."""
+    """Fail every batch the producer still holds, those a request has carried included (what
+    aiokafka's own Sender._fail_all does when its sender dies), so that stop() need not wait
+    for a broker that is away. Only for a process that is stopping: a batch a request carried
+    may be in the broker's log already."""
     producer._message_accumulator.fail_all(exception)
+
+
+def withdraw_unsent(
+    producer: AIOKafkaProducer,
+    exception: BaseException,
+    builders: Collection[object] | None = None,
+) -> int:
+    """Fail the batches the producer holds that no produce request has carried yet (those of
+    `builders` only, when given), and return how many: none of them can be in the broker's
+    log, so their records may be given back and sent again by anyone. A batch a request has
+    carried (aiokafka counts its drains in retry_count) is left alone: the broker may have
+    appended it, and only this producer's retries, under the same producer id and sequence
+    numbers, are recognised by the broker as that append (issue 25). A withdrawn batch used no
+    sequence number (they are assigned when a batch is drained). Its drain waiter is released,
+    so that a submission waiting behind it appends its own batch."""
+    accumulator = producer._message_accumulator
+    wanted = None if builders is None else {id(b) for b in builders}
+    withdrawn = 0
+    for tp, queue in list(accumulator._batches.items()):
+        for batch in list(queue):
+            if batch.retry_count or (wanted is not None and id(batch._builder) not in wanted):
+                continue
+            queue.remove(batch)
+            withdrawn += 1
+            if not batch.future.done():
+                batch.future.set_exception(exception)
+            if not batch._drain_waiter.done():
+                batch._drain_waiter.set_result(None)
+        if not queue:
+            del accumulator._batches[tp]
+    return withdrawn
+
+
+def producer_id(producer: AIOKafkaProducer) -> int | None:
+    """The producer id the broker gave this idempotent producer (None before it has one), for
+    the logs: the broker's log names each batch's producer id."""
+    manager = producer._txn_manager
+    if manager is None or not manager.has_pid():
+        return None
+    pid: int = manager.producer_id
+    return pid
 
 
 def known_partitions(producer: AIOKafkaProducer, topic: str) -> set[int] | None:

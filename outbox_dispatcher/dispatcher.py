@@ -49,16 +49,30 @@ READINESS_ERRORS: tuple[type[BaseException], ...] = (
 
 
 # Batches one claim loop may have waiting for partitions that do not acknowledge while it claims
-# on (each holds only the keys of those partitions once its other keys are settled).
+# on (each holds only the keys of those partitions once its other keys are settled). Parked
+# batches do not count: past publish_timeout they wait only for requests in flight that the
+# broker keeps refusing (Sent.parked), at most one per partition and producer, and nothing the
+# loop could do would help them; a loop at the cap looks again every PARKED_CHECK_SECONDS.
 MAX_STALLED_BATCHES = 8
+PARKED_CHECK_SECONDS = 1.0
 
 
-def _reap(batches: set[asyncio.Future[float]]) -> None:
+def _reap(
+    batches: set[asyncio.Future[float]], deliveries: dict[asyncio.Future[float], Sent]
+) -> None:
     """Drop finished batches, raising what one raised (a dead batch stops the loop, as
     before)."""
     for task in [t for t in batches if t.done()]:
         batches.discard(task)
+        deliveries.pop(task, None)
         task.result()
+
+
+def _stalled(
+    batches: set[asyncio.Future[float]], deliveries: dict[asyncio.Future[float], Sent]
+) -> int:
+    """The batches that count against MAX_STALLED_BATCHES: all but the parked ones."""
+    return sum(1 for t in batches if not (t in deliveries and deliveries[t].parked))
 
 
 def instance_id() -> str:
@@ -250,6 +264,7 @@ class Dispatcher:
         backoff = s.backoff_initial_seconds
         loop = asyncio.get_running_loop()
         batches: set[asyncio.Future[float]] = set()  # this loop's batches being published
+        deliveries: dict[asyncio.Future[float], Sent] = {}  # what each of them has sent
         try:
             while not self.stopping.is_set():
                 self.heartbeats.beat(name)
@@ -288,12 +303,14 @@ class Dispatcher:
                 if len(batch.records) >= s.batch_size:
                     self.wakeup.notify()  # a full batch: there is probably more for another loop
                 stalled = asyncio.Event()
+                sent = Sent()
                 task = asyncio.ensure_future(
                     self._process(
-                        batch, publisher, marker, lambda: self.heartbeats.beat(name), stalled
+                        batch, publisher, marker, lambda: self.heartbeats.beat(name), stalled, sent
                     )
                 )
                 batches.add(task)
+                deliveries[task] = sent
                 stall = asyncio.ensure_future(stalled.wait())
                 try:
                     await asyncio.wait({task, stall}, return_when=asyncio.FIRST_COMPLETED)
@@ -301,7 +318,8 @@ class Dispatcher:
                     stall.cancel()
                 if task.done():
                     batches.discard(task)
-                    _reap(batches)
+                    deliveries.pop(task, None)
+                    _reap(batches, deliveries)
                     outage = task.result()
                     if outage:
                         await pause(self.stopping, outage)
@@ -309,13 +327,15 @@ class Dispatcher:
                 # The batch waits for a partition that does not acknowledge; its other keys are
                 # settled. Claim on (its waiting keys stay leased), up to MAX_STALLED_BATCHES.
                 log.debug("batch_stalled", rows=len(batch.records), stalled_batches=len(batches))
-                _reap(batches)
-                while len(batches) >= MAX_STALLED_BATCHES:
-                    await asyncio.wait(batches, return_when=asyncio.FIRST_COMPLETED)
-                    _reap(batches)
+                _reap(batches, deliveries)
+                while _stalled(batches, deliveries) >= MAX_STALLED_BATCHES:
+                    await asyncio.wait(
+                        batches, timeout=PARKED_CHECK_SECONDS, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    _reap(batches, deliveries)
             if batches:  # graceful shutdown: let stalled batches finish (within the grace period)
                 await asyncio.wait(batches)
-                _reap(batches)
+                _reap(batches, deliveries)
         except BaseException:
             for unfinished in batches:
                 unfinished.cancel()
@@ -332,6 +352,7 @@ class Dispatcher:
         marker: Marker,
         heartbeat: Callable[[], None] = lambda: None,
         stalled: asyncio.Event | None = None,
+        sent: Sent | None = None,
     ) -> float:
         """Publish one batch and settle it; returns how long to pause for a broker outage.
 
@@ -345,16 +366,25 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         self.in_flight.add(batch.token, [r.id for r in records])
         claimed_at = loop.time()
-        sent = Sent()
+        sent = Sent() if sent is None else sent
         settled_early: set[int] = set()
+        transient = False  # an early part met an outage: pause before the next claim
 
         async def early() -> None:
+            nonlocal transient
             done = acknowledged_keys(records, sent, settled_early)
             if done:
                 part = Batch(batch.token, [records[i] for i in done])
                 outcomes = publisher.outcomes(Sent([sent.futures[i] for i in done]), NotAttempted())
-                await self._settle(part, outcomes, marker, claimed_at, time.time(), early=True)
+                # Before the settle: a cancel during it lets the shielded settle finish, and the
+                # cancel path must not settle these rows a second time (review N12).
                 settled_early.update(done)
+                results = await self._settle(
+                    part, outcomes, marker, claimed_at, time.time(), early=True
+                )
+                transient = transient or any(
+                    res.failure is errors.Failure.TRANSIENT for res in results
+                )
                 self.in_flight.add(
                     batch.token, [r.id for i, r in enumerate(records) if i not in settled_early]
                 )
@@ -372,7 +402,7 @@ class Dispatcher:
                 # Shutdown past the grace period: close the producer first (bounded), so that no
                 # copy of a row given back can still be delivered by it after another dispatcher
                 # re-claimed the row; then mark what was acknowledged, give back the rest.
-                await publisher.retire(sent, "the dispatcher stopped", replace=False)
+                await publisher.abandon(sent, "the dispatcher stopped")
                 stopped = NotAttempted("dispatcher shut down")
                 outcomes = [
                     stopped
@@ -389,14 +419,16 @@ class Dispatcher:
                 raise
             rest = [i for i in range(len(records)) if i not in settled_early]
             part = Batch(batch.token, [records[i] for i in rest])
-            if not part.records:
-                return 0.0
-            results = await self._settle(
-                part, [outcomes[i] for i in rest], marker, claimed_at, time.time()
+            results = (
+                await self._settle(
+                    part, [outcomes[i] for i in rest], marker, claimed_at, time.time()
+                )
+                if part.records
+                else []
             )
         finally:
             self.in_flight.discard(batch.token)
-        if any(res.failure is errors.Failure.TRANSIENT for res in results):
+        if transient or any(res.failure is errors.Failure.TRANSIENT for res in results):
             return self.retry_policy.outage_delay()
         return 0.0
 
@@ -468,26 +500,25 @@ class Dispatcher:
 def acknowledged_keys(records: Sequence[OutboxRecord], sent: Sent, already: set[int]) -> list[int]:
     """Indices of rows not yet settled whose key has every row of the batch acknowledged
     (keyless rows: the row itself). A key with any row pending, failed or not yet sent waits
-    for the whole batch: its rows are settled together, in one statement."""
+    for the whole batch: its rows are settled together, in one statement. Once nothing more is
+    sent for the claim (sent.final), a key whose rows all have their answer, failures included,
+    is settled too: only rows still in flight wait."""
 
-    def acked(i: int) -> bool:
+    def answered(i: int) -> bool:
         item = sent.futures[i] if i < len(sent.futures) else None
-        return (
-            isinstance(item, asyncio.Future)
-            and item.done()
-            and not item.cancelled()
-            and item.exception() is None
-        )
+        if isinstance(item, asyncio.Future):
+            return item.done() and (sent.final or (not item.cancelled() and not item.exception()))
+        return sent.final and item is not None
 
     key_done: dict[str, bool] = {}
     for i, record in enumerate(records):
         key = record.ordering_key
         if key is not None:
-            key_done[key] = key_done.get(key, True) and acked(i)
+            key_done[key] = key_done.get(key, True) and answered(i)
     return [
         i
         for i, record in enumerate(records)
         if i not in already
-        and acked(i)
+        and answered(i)
         and (record.ordering_key is None or key_done[record.ordering_key])
     ]

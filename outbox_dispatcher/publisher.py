@@ -52,8 +52,18 @@ class Sent:
     has not been handed to the producer."""
 
     futures: list[asyncio.Future[object] | BaseException | None] = field(default_factory=list)
-    # The producers that hold its futures: closing them settles every future (see retire).
+    # The producers that hold its futures: closing them settles every future (see abandon).
     producers: list[AIOKafkaProducer] = field(default_factory=list)
+    # Each submission's producer and batch builder: what withdraw_unsent looks for.
+    batches: dict[asyncio.Future[object], tuple[AIOKafkaProducer, Any]] = field(
+        default_factory=dict
+    )
+    # Nothing more will be sent for this claim: every record without an answer yet is being
+    # retried by its producer, or will not be attempted (see KafkaPublisher._stop_sending).
+    final: bool = False
+    # Past publish_timeout, waiting only for requests in flight (the broker answers, refusing
+    # them for now): nothing the claim loop could do would help, see dispatcher.MAX_STALLED_BATCHES.
+    parked: bool = False
 
 
 class KafkaPublisher:
@@ -66,7 +76,10 @@ class KafkaPublisher:
         self._broken: BaseException | None = None  # the producer's state is lost: replace it
         self._replacing = asyncio.Lock()
         self._closing: dict[int, asyncio.Future[None]] = {}  # id(producer): its bounded close
-        self._submitting: set[asyncio.Task[Any]] = set()  # in send_batch (see _submit)
+        # id(producer): a replaced producer and its unbounded close (see _retire).
+        self._retiring: dict[int, tuple[AIOKafkaProducer, asyncio.Future[None]]] = {}
+        # Submissions not yet handed to their producer (waiting in send_batch, see _submit).
+        self._submitting: dict[asyncio.Future[object], AIOKafkaProducer] = {}
         self._keyless_turn = 0  # see _keyless_partition
 
     def _build(self, context: ssl.SSLContext | None) -> AIOKafkaProducer:
@@ -129,9 +142,13 @@ class KafkaPublisher:
         self._producer = producer
 
     async def stop(self) -> None:
-        """Flush and close (bounded, see _close), with any producer still being retired."""
+        """Flush and close (bounded, see _close) the producer and any producer still being
+        retired: the process is stopping, so what a partition still holds past the bound is
+        failed and given back (a copy may then follow, as after a crash; docs/guarantees.md)."""
         if self._producer is not None:
             producer, self._producer = self._producer, None
+            self._close(producer, "the dispatcher stopped while the broker was away")
+        for producer, _ in list(self._retiring.values()):
             self._close(producer, "the dispatcher stopped while the broker was away")
         if self._closing:
             await asyncio.wait(list(self._closing.values()))
@@ -144,9 +161,9 @@ class KafkaPublisher:
         """An idempotent producer whose sequence state the broker no longer accepts (e.g. after
         the broker restarted and lost its producer state, or refused a batch whose sequence
         numbers were used up) fails every later send: start a fresh producer (new producer id).
-        Its failed records are retried in order, never counted. The old producer is closed
-        outside the lock and within a bound: its flush may wait for a broker that is away, and
-        the other claim loops must not wait with it (review F11)."""
+        Its failed records are retried in order, never counted. The old producer is retired
+        outside the lock and without waiting for it (see _retire): what it still has in flight
+        may be in the broker's log, and only its own retries are recognised as such."""
         if self._broken is None:
             return
         async with self._replacing:
@@ -162,42 +179,63 @@ class KafkaPublisher:
                 raise errors.BrokerUnavailableError(errors.describe(exc)) from exc
             old, self._producer = self._producer, fresh
             self._broken = None
-            log.warning("producer_replaced", reason=reason)
+            log.warning(
+                "producer_replaced",
+                reason=reason,
+                old_producer_id=None if old is None else broker.producer_id(old),
+                producer_id=broker.producer_id(fresh),
+            )
         if old is not None:
-            await self._close(old, "the producer was replaced; the broker did not take its records")
+            self._retire(old, "the producer was replaced; the broker did not take its records")
+
+    def _retire(self, producer: AIOKafkaProducer, reason: str) -> None:
+        """Stop using `producer` without failing what a request has carried. Submissions still
+        waiting to reach it end (their rows are given back: never sent), and so do its batches
+        no request has carried yet (broker.withdraw_unsent). What is in flight stays with it:
+        its retries, under its producer id and sequence numbers, are the only ones the broker
+        recognises as an append it already made. It is closed once the broker has answered
+        everything (aiokafka's stop() flushes), or at the process's stop (bounded there)."""
+        unsent = errors.BrokerUnavailableError(reason)
+        for task, owner in list(self._submitting.items()):
+            if owner is producer:
+                task.cancel()
+        broker.withdraw_unsent(producer, unsent)
+        if id(producer) in self._retiring:
+            return
+
+        async def close() -> None:
+            try:
+                await producer.stop()
+            except Exception as exc:  # noqa: BLE001 - discarded whatever its stop() raised
+                log.debug("producer_stop_failed", error=errors.describe(exc))
+            # A batch appended after stop()'s flush took its snapshot (N11) is never sent.
+            broker.withdraw_unsent(producer, unsent)
+
+        retiring = asyncio.ensure_future(close())
+        self._retiring[id(producer)] = (producer, retiring)
+        retiring.add_done_callback(lambda _: self._retiring.pop(id(producer), None))
 
     def _close(self, producer: AIOKafkaProducer, reason: str) -> asyncio.Future[None]:
-        """The producer's bounded close (_close), started once however many callers ask."""
+        """The producer's bounded close (_close), started once however many callers ask; a
+        producer being retired gets the bound too (the process is stopping)."""
         closing = self._closing.get(id(producer))
         if closing is None:
-            closing = asyncio.ensure_future(_close(producer, reason))
+            retiring = self._retiring.get(id(producer))
+            closing = asyncio.ensure_future(
+                _close(producer, reason, None if retiring is None else retiring[1])
+            )
             self._closing[id(producer)] = closing
             closing.add_done_callback(lambda _: self._closing.pop(id(producer), None))
         return closing
 
-    async def retire(self, sent: Sent, reason: str, *, replace: bool = True) -> bool:
-        """Close the producers holding sent's futures (with a fresh producer for later sends when
-        `replace`), so that every future is settled: acknowledged, or failed for good. Only then
-        may unacknowledged rows be given back: an open idempotent producer retries a drained
-        batch for ever, and would deliver it after the re-claim did (review F4). False if no
-        fresh producer could be started (the caller keeps waiting)."""
+    async def abandon(self, sent: Sent, reason: str) -> None:
+        """The process is stopping past its grace period: close the producers holding sent's
+        futures (bounded, see _close), so that every future is settled, acknowledged or failed
+        for good, before unacknowledged rows are given back (an open idempotent producer retries
+        a drained batch for ever, and would deliver it after the re-claim did: review F4). A
+        request in flight when the bound ends may still be appended: docs/guarantees.md counts
+        that among the copies a crash can make."""
         used = [p for p in dict.fromkeys(sent.producers) if p is not None]
-        if replace and self._producer in used:
-            async with self._replacing:
-                if self._producer in used:
-                    fresh = self._build(self._context)
-                    try:
-                        async with asyncio.timeout(
-                            max(self._settings.publish_timeout_seconds, 10.0)
-                        ):
-                            await fresh.start()
-                    except (kafka_errors.KafkaError, OSError, TimeoutError) as exc:
-                        await self._close(fresh, "the fresh producer could not start")
-                        log.warning("producer_replacement_failed", error=errors.describe(exc))
-                        return False
-                    self._producer = fresh
-                    self._broken = None
-                    log.warning("producer_replaced", reason=reason)
         closing = [self._close(p, reason) for p in used]
         if closing:
             await asyncio.wait(closing)  # not gather: a cancelled caller must not cancel them
@@ -205,12 +243,11 @@ class KafkaPublisher:
         # the closed producer: it ends here, unacknowledged (its rows are given back). The
         # others wait on answers the close has settled: let them take those answers first (an
         # acknowledged row must not be given back).
-        tasks = {t for t in sent.futures if isinstance(t, asyncio.Task) and not t.done()}
-        for task in tasks & self._submitting:
+        tasks = {t for t in sent.futures if isinstance(t, asyncio.Future) and not t.done()}
+        for task in tasks & self._submitting.keys():
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=STOP_FLUSH_SECONDS)
-        return True
 
     async def broker_reachable(self, seconds: float = 5.0) -> bool:
         try:
@@ -352,7 +389,7 @@ class KafkaPublisher:
             if now and await self._publish_part(
                 records, topics, now, sent, heartbeat, early, topic_errors, failed_keys
             ):
-                return self._final_outcomes(sent)  # given up on: the rest is not attempted
+                return await self._given_up(sent, heartbeat, early)
             if now and later and early is not None:
                 await early()  # settle the keys already acknowledged while lookups run
             pending = dict(lookups)
@@ -379,7 +416,7 @@ class KafkaPublisher:
                 if await self._publish_part(
                     records, topics, ready, sent, heartbeat, early, topic_errors, failed_keys
                 ):
-                    return self._final_outcomes(sent)
+                    return await self._given_up(sent, heartbeat, early)
                 done = set(ready)
                 later = [i for i in later if i not in done]
                 if later and early is not None:
@@ -391,6 +428,36 @@ class KafkaPublisher:
                 elif not lookup.cancelled():
                     lookup.exception()  # retrieved: a lookup nobody waited for fails quietly
         return self._final_outcomes(sent)
+
+    async def _given_up(
+        self,
+        sent: Sent,
+        heartbeat: Callable[[], None],
+        early: Callable[[], Awaitable[None]] | None,
+    ) -> list[BaseException | None]:
+        """publish_timeout passed and records were withdrawn unsent (_await_acks): nothing more
+        is sent for this claim. The keys that have all their answers are settled at once (their
+        rows given back or marked), then what is in flight is waited for (_drain)."""
+        self._stop_sending(sent)
+        if early is not None:
+            await early()
+        await self._drain(sent, heartbeat, early)
+        return self._final_outcomes(sent)
+
+    def _stop_sending(self, sent: Sent) -> None:
+        """Every record not handed to the producer yet is not attempted. The records of a batch
+        the broker refused whole are not blamed either: they are not retried one by one now
+        (review F9), and the refusal used up the producer's sequence numbers."""
+        sent.final = True
+        shared: dict[int, int] = {}
+        for item in sent.futures:
+            shared[id(item)] = shared.get(id(item), 0) + 1
+        for i, item in enumerate(sent.futures):
+            if item is None:
+                sent.futures[i] = NotAttempted()
+            elif isinstance(item, asyncio.Future) and _rejected(item) and shared[id(item)] > 1:
+                self._broken = self._broken or item.exception()
+                sent.futures[i] = NotAttempted()
 
     async def _publish_part(
         self,
@@ -559,6 +626,10 @@ class KafkaPublisher:
             submission: asyncio.Future[object] = asyncio.ensure_future(
                 self._submit(producer, builder, topic, partition)
             )
+            # Registered before it runs: a retirement that comes first must find it (N11).
+            self._submitting[submission] = producer
+            submission.add_done_callback(self._submitted)
+            sent.batches[submission] = (producer, builder)
             for i in members:
                 sent.futures[i] = submission
             for span in spans:
@@ -572,17 +643,18 @@ class KafkaPublisher:
         per batch from submission to ack. A send_batch that raises (a producer being closed by
         another loop, an assertion on a partition its metadata no longer has) fails as
         _NotSubmitted: nothing of the batch was sent (see _unsubmitted)."""
-        task = asyncio.current_task()
-        if task is not None:
-            self._submitting.add(task)
         try:
             delivery = await producer.send_batch(builder, topic, partition=partition)
         except (kafka_errors.KafkaError, errors.BrokerUnavailableError, AssertionError) as exc:
             raise _NotSubmitted(exc) from exc
         finally:
+            task = asyncio.current_task()
             if task is not None:
-                self._submitting.discard(task)
+                self._submitting.pop(task, None)
         return await delivery
+
+    def _submitted(self, submission: asyncio.Future[object]) -> None:
+        self._submitting.pop(submission, None)
 
     def _unsubmitted(
         self,
@@ -653,28 +725,20 @@ class KafkaPublisher:
         heartbeat: Callable[[], None],
         early: Callable[[], Awaitable[None]] | None = None,
     ) -> bool:
-        """Wait for the broker's answers to sent[indices]. While the broker is unreachable, keep
-        waiting: the producer retries by itself and the lease keeper keeps the rows ours, so an
-        outage ends in delivery, not in duplicates. If the broker answers but the records stay
-        unacknowledged past publish_timeout, close their producer (a fresh one takes over), which
-        settles every future for good, and return True: the unacknowledged rows are given back
-        with no copy left that could still be delivered."""
+        """Wait for the broker's answers to sent[indices]. True once publish_timeout has passed
+        with the broker answering and some of them withdrawn unsent (see _withdraw): the rest of
+        the claim is not attempted, and what is in flight is waited for (_drain). While the
+        broker is unreachable, keep waiting: the producer retries by itself and the lease keeper
+        keeps the rows ours, so an outage ends in delivery, not in duplicates. Requests in flight
+        are never failed: a request the broker appended and then answered with an error (a
+        follower out of the ISR: NOT_ENOUGH_REPLICAS_AFTER_APPEND, REQUEST_TIMED_OUT) is
+        committed once the ISR shrinks, and only its producer's own retry is recognised by the
+        broker as that append; a row given back would be sent again under another producer id
+        and appended twice (issue 25)."""
         pending = {f for i in indices if isinstance(f := sent.futures[i], asyncio.Future)}
-        loop = asyncio.get_running_loop()
         if pending and early is not None:
-            heartbeat()
-            limit = min(EARLY_SETTLE_SECONDS, self._settings.publish_timeout_seconds)
-            started = loop.time()
-            done, pending = await asyncio.wait(
-                pending, timeout=limit, return_when=asyncio.FIRST_COMPLETED
-            )
-            if pending and done:
-                first = loop.time() - started
-                wait = min(limit, max(EARLY_SETTLE_MIN_SECONDS, EARLY_SETTLE_FACTOR * first))
-                if wait > first:
-                    _, pending = await asyncio.wait(pending, timeout=wait - first)
-            if pending:
-                await early()
+            pending = await self._await_first_answers(pending, heartbeat, early)
+        loop = asyncio.get_running_loop()
         deadline = loop.time() + self._settings.publish_timeout_seconds
         while pending:
             heartbeat()  # waiting for a broker is not being stuck
@@ -683,24 +747,98 @@ class KafkaPublisher:
                 # With `early`, the answers that came meanwhile are settled every
                 # EARLY_SETTLE_SECONDS while others are missing: a partition that answers after
                 # the early settle (e.g. behind another partition's retries on the same broker)
-                # must not wait for the silent one's publish_timeout and close. Coalesced, not one
-                # settle per answer: a wave of many partitions that lingers past the early settle
-                # would otherwise add a statement per partition.
+                # must not wait for the silent one. Coalesced, not one settle per answer: a wave
+                # of many partitions that lingers past the early settle would otherwise add a
+                # statement per partition.
                 step = remaining if early is None else min(remaining, EARLY_SETTLE_SECONDS)
                 done, pending = await asyncio.wait(pending, timeout=step)
                 if early is not None and done and pending:
                     await early()
                 continue
-            if await self.broker_reachable():
-                log.warning("publish_timed_out", unacknowledged=len(pending))
-                for future in pending:
-                    future.add_done_callback(_consume)
-                if await self.retire(sent, _UNACKNOWLEDGED):
-                    return True
-            else:
+            if not await self.broker_reachable():
                 log.warning("broker_unreachable_waiting", unacknowledged=len(pending))
+            elif withdrawn := self._withdraw(sent, pending):
+                log.warning(
+                    "publish_timed_out",
+                    given_back=len(withdrawn),
+                    in_flight=len(pending - withdrawn),
+                )
+                await asyncio.wait(withdrawn, timeout=STOP_FLUSH_SECONDS)
+                return True
+            else:
+                sent.parked = True
+                log.warning(
+                    "publish_waiting_for_broker",
+                    in_flight=len(pending),
+                    why=_IN_FLIGHT,
+                )
             deadline = loop.time() + self._settings.publish_timeout_seconds
         return False
+
+    async def _await_first_answers(
+        self,
+        pending: set[asyncio.Future[object]],
+        heartbeat: Callable[[], None],
+        early: Callable[[], Awaitable[None]],
+    ) -> set[asyncio.Future[object]]:
+        """The early settle (review F10): once EARLY_SETTLE_SECONDS have passed, or sooner once
+        one partition answered (EARLY_SETTLE_FACTOR times its wait, at least
+        EARLY_SETTLE_MIN_SECONDS), settle what is acknowledged; returns what is still pending."""
+        loop = asyncio.get_running_loop()
+        heartbeat()
+        limit = min(EARLY_SETTLE_SECONDS, self._settings.publish_timeout_seconds)
+        started = loop.time()
+        done, pending = await asyncio.wait(
+            pending, timeout=limit, return_when=asyncio.FIRST_COMPLETED
+        )
+        if pending and done:
+            first = loop.time() - started
+            wait = min(limit, max(EARLY_SETTLE_MIN_SECONDS, EARLY_SETTLE_FACTOR * first))
+            if wait > first:
+                _, pending = await asyncio.wait(pending, timeout=wait - first)
+        if pending:
+            await early()
+        return pending
+
+    def _withdraw(
+        self, sent: Sent, pending: set[asyncio.Future[object]]
+    ) -> set[asyncio.Future[object]]:
+        """The pending submissions that never reached the broker, ended now: those still
+        waiting to be handed to their producer, and batches the producer still queues behind a
+        request in flight on the same partition (broker.withdraw_unsent). Their rows can be
+        given back with no copy left anywhere."""
+        withdrawn: set[asyncio.Future[object]] = set()
+        unsent = errors.BrokerUnavailableError(_UNACKNOWLEDGED)
+        for future in pending:
+            if future in self._submitting:
+                future.cancel()
+                withdrawn.add(future)
+                continue
+            producer, builder = sent.batches.get(future, (None, None))
+            if producer is not None and broker.withdraw_unsent(producer, unsent, [builder]):
+                withdrawn.add(future)
+        return withdrawn
+
+    async def _drain(
+        self,
+        sent: Sent,
+        heartbeat: Callable[[], None],
+        early: Callable[[], Awaitable[None]] | None,
+    ) -> None:
+        """Once the claim was given up on: wait for every request still in flight, however long
+        the broker refuses it (see _await_acks), settling the keys answered meanwhile."""
+        pending = {f for f in sent.futures if isinstance(f, asyncio.Future) and not f.done()}
+        loop = asyncio.get_running_loop()
+        warned = loop.time()
+        while pending:
+            sent.parked = True
+            heartbeat()
+            done, pending = await asyncio.wait(pending, timeout=EARLY_SETTLE_SECONDS)
+            if early is not None and done:
+                await early()
+            if pending and loop.time() - warned >= self._settings.publish_timeout_seconds:
+                warned = loop.time()
+                log.warning("publish_waiting_for_broker", in_flight=len(pending), why=_IN_FLIGHT)
 
     async def _retry_rejected_alone(
         self,
@@ -786,6 +924,11 @@ class KafkaPublisher:
 
 
 _UNACKNOWLEDGED = "the broker did not acknowledge within OUTBOX_PUBLISH_TIMEOUT_SECONDS"
+_IN_FLIGHT = (
+    "the broker answers but refuses or does not confirm records a request carried (e.g. "
+    "NotEnoughReplicas); they may be in its log already, so they are retried by the same "
+    "producer until it answers, never given back to be sent twice"
+)
 
 
 def _waves(
@@ -1046,12 +1189,16 @@ def _tls_failed(settings: Settings, exc: ssl.SSLError) -> str:
     return f"the TLS handshake with Kafka failed ({errors.describe(exc)}): {hint}"
 
 
-async def _close(producer: AIOKafkaProducer, reason: str) -> None:
-    """Flush and close a producer within STOP_FLUSH_SECONDS. aiokafka's stop() waits for every
-    buffered record to be delivered, which never happens while a partition does not acknowledge:
-    past the bound, fail what is left (its records are then given back, unmarked: once stopped,
-    the producer sends nothing more)."""
-    stopping = asyncio.ensure_future(producer.stop())
+async def _close(
+    producer: AIOKafkaProducer, reason: str, stopping: asyncio.Future[None] | None = None
+) -> None:
+    """Flush and close a producer within STOP_FLUSH_SECONDS (`stopping`: its stop() already
+    under way, see KafkaPublisher._retire). aiokafka's stop() waits for every buffered record
+    to be delivered, which never happens while a partition does not acknowledge: past the
+    bound, fail what is left (its records are then given back, unmarked: once stopped, the
+    producer sends nothing more). Only where the process stops or a producer never served."""
+    if stopping is None:
+        stopping = asyncio.ensure_future(producer.stop())
     done, _ = await asyncio.wait({stopping}, timeout=STOP_FLUSH_SECONDS)
     if not done:
         log.warning("producer_flush_abandoned", reason=reason)

@@ -25,6 +25,8 @@
 #                one node of that cluster (N = 1..3; kill = SIGKILL, no controlled shutdown)
 #   broker-pause N | broker-resume N
 #                SIGSTOP / SIGCONT one node: it stops answering and fetching, keeps its state
+#   quorum-leader
+#                the node id of the cluster's active controller (the KRaft quorum leader)
 #   dump-log N TOPIC PARTITION
 #                the record batches of a partition's log on node N as its broker wrote them
 #                (kafka.tools.DumpLogSegments: offsets, producer id, epoch, base sequence)
@@ -1147,6 +1149,13 @@ dump_log() {
     kafka.tools.DumpLogSegments --files "$files" --deep-iteration=false 9>&- >&3
 }
 
+quorum_leader() {
+  kafka_ensure_java
+  java -cp "$KAFKA_LIBS/*" "-Dlog4j2.configurationFile=$KAFKA_LOG4J" \
+    org.apache.kafka.tools.MetadataQuorumCommand --bootstrap-server "$(cluster_bootstrap)" \
+    describe --status 9>&- 2>/dev/null | awk '$1 == "LeaderId:" { print $2; found = 1 } END { exit !found }' >&3
+}
+
 cluster_bootstrap() {
   local n out=""
   for n in $(seq 1 "$CLUSTER_SIZE"); do out+="${out:+,}$KAFKA_HOST:$(cluster_port "$n")"; done
@@ -1398,6 +1407,7 @@ main() {
     broker-kill)    take_lock; broker_stop "${2:-}" KILL ;;
     broker-pause)   broker_signal "${2:-}" STOP ;;
     broker-resume)  broker_signal "${2:-}" CONT ;;
+    quorum-leader)  quorum_leader ;;
     dump-log)       dump_log "${2:-}" "${3:-}" "${4:-}" ;;
     kafka3-start)   take_lock; kafka3_start ;;
     kafka3-stop)    take_lock; kafka3_stop ;;

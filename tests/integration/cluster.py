@@ -21,6 +21,7 @@ from typing import Any
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
+from aiokafka.protocol.admin import AlterConfigsRequest
 
 BROKERS = (1, 2, 3)
 
@@ -32,6 +33,37 @@ class PartitionState:
     isr: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class LogBatch:
+    """One record batch of a partition's log, as DumpLogSegments prints it."""
+
+    base_offset: int
+    last_offset: int
+    producer_id: int
+    producer_epoch: int
+    base_sequence: int
+
+    @staticmethod
+    def parse(line: str) -> LogBatch | None:
+        if not line.startswith("baseOffset:"):
+            return None
+        words = line.split()
+        fields = dict(zip(words[0::2], words[1::2], strict=False))
+        return LogBatch(
+            int(fields["baseOffset:"]),
+            int(fields["lastOffset:"]),
+            int(fields["producerId:"]),
+            int(fields["producerEpoch:"]),
+            int(fields["baseSequence:"]),
+        )
+
+    def __str__(self) -> str:
+        return (
+            f"offsets {self.base_offset}-{self.last_offset}: producer id {self.producer_id}, "
+            f"epoch {self.producer_epoch}, base sequence {self.base_sequence}"
+        )
+
+
 @dataclass
 class Cluster:
     bootstrap: str
@@ -41,6 +73,7 @@ class Cluster:
     # fault proxy to that listener): a client bootstrapped at the proxies reaches each node only
     # through its proxy. Empty when the script runs without those listeners.
     proxied: dict[int, tuple[int, int]] = field(default_factory=dict)
+    paused: set[int] = field(default_factory=set)
 
     @staticmethod
     def parse_proxied(text: str) -> dict[int, tuple[int, int]]:
@@ -55,6 +88,13 @@ class Cluster:
         command = ["bash", str(self.control), *args]
         await asyncio.to_thread(subprocess.run, command, check=True, timeout=180)
 
+    async def _output(self, *args: str) -> str:
+        command = ["bash", str(self.control), *args]
+        done = await asyncio.to_thread(
+            subprocess.run, command, check=True, timeout=180, capture_output=True, text=True
+        )
+        return done.stdout
+
     async def stop(self, broker: int) -> None:
         """Controlled shutdown (SIGTERM): the broker hands its leaderships over first."""
         await self._run("broker-stop", str(broker))
@@ -67,8 +107,31 @@ class Cluster:
         await self._run("broker-start", str(broker))
 
     async def start_all(self) -> None:
+        for broker in sorted(self.paused):
+            await self.resume(broker)
         for broker in BROKERS:
             await self.start(broker)
+
+    async def pause(self, broker: int) -> None:
+        """SIGSTOP: the broker stops answering and fetching but keeps its state, as a long GC
+        pause or a frozen VM would; resume() (or the next test's start_all) continues it."""
+        await self._run("broker-pause", str(broker))
+        self.paused.add(broker)
+
+    async def resume(self, broker: int) -> None:
+        await self._run("broker-resume", str(broker))
+        self.paused.discard(broker)
+
+    async def quorum_leader(self) -> int:
+        """The active controller's node id (a broker paused while it leads the quorum would
+        hold up every metadata change, topic configs included, until a new leader is elected)."""
+        return int((await self._output("quorum-leader")).strip())
+
+    async def log_batches(self, broker: int, topic: str, partition: int) -> list[LogBatch]:
+        """The partition's record batches as `broker` wrote them to its log (DumpLogSegments):
+        the broker's view of who wrote what, for telling copies apart."""
+        text = await self._output("dump-log", str(broker), topic, str(partition))
+        return [batch for line in text.splitlines() if (batch := LogBatch.parse(line))]
 
     @contextlib.asynccontextmanager
     async def admin(self) -> AsyncIterator[AIOKafkaAdminClient]:
@@ -157,12 +220,20 @@ class Cluster:
         await self.wait_fully_replicated(name)
         return name
 
-    async def set_topic_config(self, topic: str, config: Mapping[str, str]) -> None:
+    async def set_topic_config(
+        self, topic: str, config: Mapping[str, str], *, via: int | None = None
+    ) -> None:
         """Replace the topic's configuration (AlterConfigs: what `config` leaves out returns to
-        the broker's default)."""
+        the broker's default). `via`: the broker asked (the admin client otherwise asks a random
+        one, which may be a paused broker that never answers)."""
         resource = ConfigResource(ConfigResourceType.TOPIC, topic, configs=dict(config))
         async with self.admin() as admin:
-            responses = await admin.alter_configs([resource])
+            if via is None:
+                responses = await admin.alter_configs([resource])
+            else:
+                entry = (resource.resource_type.value, topic, list(config.items()))
+                request = AlterConfigsRequest(resources=[entry])
+                responses = [await admin._send_request(request, via)]
         for response in responses:
             for resource_error in response.resources:
                 assert resource_error[0] == 0, resource_error

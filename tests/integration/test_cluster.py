@@ -33,7 +33,7 @@ from outbox_dispatcher.settings import Settings
 from tests.checker import Verdict, verdict_for
 from tests.faultproxy import FaultProxy
 
-from .cluster import Cluster
+from .cluster import Cluster, LogBatch
 from .helpers import (
     count,
     insert_sequenced,
@@ -290,6 +290,7 @@ async def not_enough_replicas_run(
         for name, t in (("strict", strict), ("other", other))
     }
     figures = {
+        "strict_copies_in_log": await copies_in_log(cluster, verdicts["strict"]),
         "outage_s": round(ended - stopped, 1),
         "strict_rows_waiting_at_outage_end": strict_stuck,
         "other_rows_published_during_outage": other_flowed,
@@ -303,6 +304,30 @@ async def not_enough_replicas_run(
     }
     report("cluster_not_enough_replicas", verdicts["strict"], record_property, **figures)
     return {"verdicts": verdicts, "dead": dead, **figures}
+
+
+async def copies_in_log(cluster: Cluster, verdict: Verdict, most: int = 10) -> list[str]:
+    """For each duplicate (the first `most`), the batches that hold its two copies in the
+    partition leader's log: the broker's view of who wrote each (producer id, epoch, base
+    sequence). Two producer ids: a row given back and sent again; one producer id with two
+    sequence numbers: the dispatcher sent it twice through one producer."""
+    found: list[str] = []
+    logs: dict[tuple[str, int], list[LogBatch]] = {}
+    for duplicate in verdict.duplicate_details[:most]:
+        described = []
+        for where in (duplicate.first, duplicate.copy):
+            place, _, offset = where.rpartition("@")
+            topic, _, partition = place.rpartition("/")
+            key = (topic, int(partition))
+            if key not in logs:
+                leader = (await cluster.partitions(topic))[int(partition)].leader
+                logs[key] = await cluster.log_batches(leader, topic, int(partition))
+            batch = next(
+                (b for b in logs[key] if b.base_offset <= int(offset) <= b.last_offset), None
+            )
+            described.append(f"{where} in {batch}")
+        found.append(f"{duplicate.event_id}: " + "; ".join(described))
+    return found
 
 
 async def test_not_enough_replicas_then_recovery_loses_nothing(
@@ -349,6 +374,102 @@ async def test_not_enough_replicas_leaves_other_topics_latency_alone(
     )
     normal = max(run["other_p99_latency_before_s"], 0.5)
     assert run["other_p99_latency_during_s"] <= 2 * normal, run
+
+
+# --- c2. a record in the log before the broker says NotEnoughReplicas (issue 25) ---------------
+
+
+async def after_append_run(
+    conn: asyncpg.Connection,
+    database_url: str,
+    cluster: Cluster,
+    cluster_settings: Callable[..., Settings],
+    tmp_path: Path,
+) -> dict[str, Any]:
+    """The way the 6 copies of issue 25 were made, on purpose: the leader appends a produce
+    request and then answers it with an error, so the producer does not know that its records
+    are in the log.
+
+    Topic `appended` has one partition on the three brokers, min.insync.replicas=3. A follower
+    freezes (SIGSTOP, as in a long GC pause; never the quorum's leader), so an acks=all request
+    waits in the leader's purgatory after its append. The request times out
+    (REQUEST_TIMED_OUT); once the controller fences the frozen broker, the ISR shrinks to two,
+    the high watermark passes the records (they are committed) and every retry is refused
+    NOT_ENOUGH_REPLICAS (or a request still waiting is answered
+    NOT_ENOUGH_REPLICAS_AFTER_APPEND): that is what a controlled shutdown of a follower did to
+    the requests in flight in CI. The follower thaws after several publish_timeouts. A retry by
+    the same producer is then recognised by the broker as a duplicate (same producer id, epoch
+    and sequence) and answered with the first append's offset; a row given back and sent again
+    under another producer id is appended a second time."""
+    quorum = await cluster.quorum_leader()
+    follower = next(b for b in (3, 2, 1) if b != quorum)
+    leader = next(b for b in (1, 2, 3) if b != follower)
+    third = next(b for b in (1, 2, 3) if b not in (leader, follower))
+    config = {**APPEND_TIME, "min.insync.replicas": "3"}
+    topic = await cluster.create_topic(
+        config=config, assignments={0: [leader, follower, third]}, prefix="appended"
+    )
+    publish_timeout = 4.0
+    settings = cluster_settings(claim_tasks=1, publish_timeout_seconds=publish_timeout)
+    keys, per_key = 10, 3
+    async with fleet(settings, tmp_path, 1) as f:
+        await insert_sequenced(conn, topic, keys=keys, per_key=1)  # warm: metadata, connections
+        await wait_all_settled(conn, 30)
+        await cluster.pause(follower)
+        try:
+            await insert_sequenced(conn, topic, keys=keys, per_key=per_key, first_seq=1)
+
+            async def claimed() -> bool:
+                return await count(conn, "lease_token IS NOT NULL") > 0
+
+            await wait_until(claimed, 10, "the rows to be claimed", interval=0.02)
+            # Appended, timed out, refused; the code before issue 25 gave the rows back after
+            # publish_timeout and sent them again under a fresh producer id.
+            await asyncio.sleep(3 * publish_timeout)
+            waiting = await count(conn, "published_at IS NULL AND dead_at IS NULL")
+        finally:
+            await cluster.resume(follower)
+        await wait_all_settled(conn, 60)
+    verdict = await verdict_for(database_url, cluster.bootstrap, [topic], timeout=60)
+    batches = await cluster.log_batches(leader, topic, 0)
+    return {
+        "verdict": verdict,
+        "rows": keys * (per_key + 1),
+        "rows_waiting_while_frozen": waiting,
+        "leader_log": [str(b) for b in batches],
+        "producer_ids_in_log": sorted({b.producer_id for b in batches}),
+        "records_in_log": sum(b.last_offset - b.base_offset + 1 for b in batches),
+        "producer_errors": sorted(
+            {
+                str(e["event"]).rpartition("Error: ")[2][:80]
+                for e in log_events(f.log_of[0])
+                if str(e.get("event", "")).startswith("Got error produce response")
+            }
+        ),
+        "producer_replaced": len(log_events(f.log_of[0], "producer_replaced")),
+    }
+
+
+async def test_a_record_appended_before_not_enough_replicas_is_not_sent_twice(
+    conn: asyncpg.Connection,
+    database_url: str,
+    cluster: Cluster,
+    cluster_settings: Callable[..., Settings],
+    tmp_path: Path,
+    record_property: Any,
+) -> None:
+    """Issue 25 (review N10): no copy without a crash when the broker appends a record and then
+    answers with an error. The rows stay with the producer that sent them until the broker
+    answers them for good; the checker finds each row once, and the leader's log holds one
+    record per row, all from one producer id."""
+    run = await after_append_run(conn, database_url, cluster, cluster_settings, tmp_path)
+    verdict = run.pop("verdict")
+    report("cluster_after_append", verdict, record_property, **run)
+    assert run["rows_waiting_while_frozen"] > 0, ("the fault held the rows back", run)
+    assert_nothing_lost(verdict, 0)
+    assert verdict.duplicates == 0, (verdict.summary(), run)
+    assert run["records_in_log"] == run["rows"], run
+    assert len(run["producer_ids_in_log"]) == 1, run
 
 
 # --- d. a leaderless partition past publish_timeout, a hot key spanning producer batches -----

@@ -20,6 +20,7 @@ from aiokafka import errors as kafka_errors
 from aiokafka.client import ConnectionGroup
 from aiokafka.conn import AIOKafkaConnection
 from aiokafka.protocol import metadata
+from aiokafka.structs import TopicPartition
 
 from outbox_dispatcher import broker
 
@@ -57,6 +58,56 @@ async def test_the_producer_buffers_in__message_accumulator_with_fail_all(
     assert reach(producer, "_message_accumulator._exception", "fail_buffered").args == (
         "stopped",
     ), "fail_all records the exception that later sends get"
+
+
+async def test_the_producer_queues_batches_in__message_accumulator__batches(
+    producer: AIOKafkaProducer,
+) -> None:
+    """withdraw_unsent (issue 25) reads the accumulator's queue of batches per partition, each
+    batch's builder, its drain count and its drain waiter."""
+    batches = reach(producer, "_message_accumulator._batches", "withdraw_unsent")
+    assert batches == {}, "_batches maps a TopicPartition to a deque of MessageBatch"
+    append = reach(producer, "_message_accumulator._append_batch", "withdraw_unsent (test)")
+    pop = reach(producer, "_message_accumulator._pop_batch", "withdraw_unsent (test)")
+    assert list(inspect.signature(append).parameters) == ["builder", "tp"]
+    assert list(inspect.signature(pop).parameters) == ["tp"]
+    batch = append(producer.create_batch(), TopicPartition("t", 0))
+    for name in ("_builder", "retry_count", "future", "_drain_waiter"):
+        reach(batch, name, "withdraw_unsent")
+    broker.withdraw_unsent(producer, RuntimeError("cleanup"))
+
+
+async def test_withdraw_unsent_fails_queued_batches_and_leaves_those_a_request_carried(
+    producer: AIOKafkaProducer,
+) -> None:
+    """Issue 25: a batch the sender has drained into a produce request may be in the broker's
+    log: it stays with the producer, whose retries the broker recognises. A batch still queued
+    has used no sequence number and cannot be in the log: it is failed, and whoever waits to
+    append behind it goes on."""
+    manager = reach(producer, "_txn_manager", "producer_id")
+    assert broker.producer_id(producer) is None, "no producer id before the broker gives one"
+    manager.set_pid_and_epoch(4242, 0)
+    assert broker.producer_id(producer) == 4242
+    accumulator = producer._message_accumulator
+    tp, other = TopicPartition("t", 0), TopicPartition("t", 1)
+    carried = accumulator._append_batch(producer.create_batch(), tp)
+    assert accumulator._pop_batch(tp) is carried  # drained: a request carries it
+    accumulator.reenqueue(carried)  # refused with a retriable error: queued again, first
+    queued_builder = producer.create_batch()
+    queued = accumulator._append_batch(queued_builder, tp)
+    elsewhere = accumulator._append_batch(producer.create_batch(), other)
+    refusal = RuntimeError("not acknowledged in time")
+
+    assert broker.withdraw_unsent(producer, refusal, [queued_builder]) == 1
+    assert isinstance(queued.future.exception(), RuntimeError)
+    assert queued._drain_waiter.done(), "a submission waiting behind it may append"
+    assert list(accumulator._batches[tp]) == [carried], "the carried batch stays, first"
+    assert not carried.future.done() and not elsewhere.future.done()
+
+    assert broker.withdraw_unsent(producer, refusal) == 1  # every queued batch: `elsewhere`
+    assert elsewhere.future.done() and not carried.future.done()
+    assert other not in accumulator._batches
+    carried.failure(RuntimeError("cleanup"))
 
 
 async def test_the_producer_client_caches_cluster_metadata(producer: AIOKafkaProducer) -> None:
