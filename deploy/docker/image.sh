@@ -174,14 +174,16 @@ service_images() {
   postgres=$(local_image outbox-postgres "$LOCAL/postgres.Dockerfile" "$LOCAL" \
     "$LOCAL/postgres-entrypoint.sh")
   local kafka_files=("$LOCAL/kafka.Dockerfile" "$LOCAL/kafka-entrypoint.sh"
-    "$ROOT/deploy/local/kafka/pom.xml" "$ROOT/deploy/local/kafka/log4j2.properties")
+    "$ROOT/deploy/local/lib/kafka-props.sh" "$ROOT/deploy/local/kafka/pom.xml"
+    "$ROOT/deploy/local/kafka/log4j2.properties")
   local debian
   debian=$(debian_base)
   kafka="localhost/outbox-kafka:$(printf '%s %s' "$debian" "$(recipe_hash "${kafka_files[@]}")" | sha256sum | cut -c1-12)"
   if ! image_exists "$kafka"; then
     tmp=$(mktemp -d)
     kafka_libs "$tmp/libs"
-    cp "$LOCAL/kafka-entrypoint.sh" "$ROOT/deploy/local/kafka/log4j2.properties" "$tmp/"
+    cp "$LOCAL/kafka-entrypoint.sh" "$ROOT/deploy/local/lib/kafka-props.sh" \
+      "$ROOT/deploy/local/kafka/log4j2.properties" "$tmp/"
     log "building $kafka"
     build "$kafka" "$LOCAL/kafka.Dockerfile" "$tmp" --build-arg "DEBIAN_IMAGE=$debian"
     rm -rf "$tmp"

