@@ -9,7 +9,7 @@ from typing import Any
 import asyncpg
 
 from outbox_dispatcher import registry
-from outbox_dispatcher.display import columns, inert
+from outbox_dispatcher.display import age_text, columns, inert
 from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import Store
 
@@ -223,19 +223,6 @@ def counting_policy(dispatchers: list[Dispatcher], default: str) -> str:
         policies = {d.dead_letter_policy for d in dispatchers}
         return "block" if "block" in policies else "skip"
     return default
-
-
-def age_text(seconds: float | None) -> str:
-    """An age for people: 2.4s, 12m05s, 3h04m, 3d04h (JSON keeps the seconds)."""
-    if seconds is None:
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    whole = int(seconds)
-    for unit, size, sub, sub_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60)):
-        if whole >= size:
-            return f"{whole // size}{unit}{whole % size // sub_size:02d}{sub}"
-    return f"{whole // 60}m{whole % 60:02d}s"
 
 
 def _dispatchers_line(dispatchers: list[Dispatcher], policy: str | None) -> str:

@@ -27,7 +27,7 @@ from starlette.routing import Route
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from outbox_dispatcher import __version__, display, errors, status
+from outbox_dispatcher import __version__, display, errors
 from outbox_dispatcher.console import auth, history, openapi, service
 from outbox_dispatcher.console.inputs import (
     AuditQuery,
@@ -119,7 +119,7 @@ def _environment() -> Environment:
     # on the terminal; autoescaping then makes the rest inert HTML.
     env.filters["inert"] = lambda value: display.inert("" if value is None else str(value))
     env.filters["inert_lines"] = lambda value: display.inert_multiline(str(value))
-    env.filters["age"] = status.age_text
+    env.filters["age"] = display.age_text
     env.filters["time"] = _time
     env.filters["json"] = lambda value: orjson.dumps(value).decode()
     env.filters["ascii_json"] = _ascii_json

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import asyncpg
 import structlog
 
-from outbox_dispatcher import db, errors, operations, status
+from outbox_dispatcher import db, display, errors, operations
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.store import Store
 
@@ -122,7 +122,7 @@ def svg(samples: list[Sample], now: float, window_seconds: float = WINDOW_SECOND
             f'<text x="{WIDTH - PAD}" y="{PAD - 8}" font-size="12" fill="#d62728" '
             f'text-anchor="end">oldest pending age (max {top_lag:.1f}s)</text>',
             f'<text x="{PAD}" y="{bottom + 16}" font-size="11" fill="#666">'
-            f"{status.age_text(span)} ago</text>",
+            f"{display.age_text(span)} ago</text>",
             f'<text x="{WIDTH - PAD}" y="{bottom + 16}" font-size="11" fill="#666" '
             'text-anchor="end">now</text>',
             "</svg>",

@@ -75,7 +75,7 @@ def test_status_table_escapes_pause_notes_and_who() -> None:
 
 
 def test_ages_are_for_people_in_the_table() -> None:
-    assert [status.age_text(s) for s in (None, 2.44, 725, 11_040, 273_600.3)] == [
+    assert [display.age_text(s) for s in (None, 2.44, 725, 11_040, 273_600.3)] == [
         "-",
         "2.4s",
         "12m05s",
