@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass
 import asyncpg
 import structlog
 
-from outbox_dispatcher import db, display, errors, operations
+from outbox_dispatcher import db, display, errors
+from outbox_dispatcher.operate.session import connected
 from outbox_dispatcher.settings import Settings
-from outbox_dispatcher.store import Store
 
 log = structlog.get_logger(__name__)
 
@@ -61,8 +61,8 @@ async def sample_forever(settings: Settings, history: History) -> None:
     failing = False
     while True:
         try:
-            async with operations.connected(settings) as (conn, queries):
-                row = await Store(conn, queries).gauges(block_on_dead=False)
+            async with connected(settings) as session:
+                row = await session.store.gauges(block_on_dead=False)
         except _TOLERATED as exc:
             if not failing:
                 log.warning("console_sample_failed", error=errors.describe(exc))
