@@ -19,6 +19,14 @@ from outbox_dispatcher.settings import Settings
 
 log = structlog.get_logger(__name__)
 
+# What `console` needs beyond the dispatcher: the install extra outbox-dispatcher[console].
+WEB_STACK = frozenset({"starlette", "jinja2", "markupsafe", "uvicorn", "itsdangerous"})
+WEB_STACK |= {"python_multipart", "multipart"}  # python-multipart, by its new and its old name
+NO_WEB_STACK = (
+    "`outbox-dispatcher console` needs the console's web stack (missing: {missing}): "
+    "install it with pip install 'outbox-dispatcher[console]'"
+)
+
 
 def configure_run_parser(commands: Commands) -> None:
     command(
@@ -129,13 +137,19 @@ def configure_console_parser(commands: Commands) -> None:
         description="Serve the operator console on OUTBOX_CONSOLE_HOST:OUTBOX_CONSOLE_PORT: the "
         "backlog, dead rows, blocked keys and the audit as pages and under /api/v1/; with "
         "OUTBOX_CONSOLE_TOKEN also requeue, discard, replay, pause and resume. Read-only without "
-        "a token.",
+        "a token. Needs the install extra outbox-dispatcher[console].",
     )
 
 
 async def _console(settings: Settings, _: argparse.Namespace) -> int:
-    # Imported here: the web stack is loaded only by the command that serves it.
-    from outbox_dispatcher import console
+    # Imported here: the web stack is an install extra, loaded only by the command that serves it.
+    try:
+        from outbox_dispatcher import console
+    except ImportError as missing:
+        name = (missing.name or "").partition(".")[0]
+        if name not in WEB_STACK:
+            raise
+        raise errors.ConfigurationError(NO_WEB_STACK.format(missing=name)) from None
 
     # The schema is checked once before serving, so that a wrong database fails at start.
     async with connected(settings):

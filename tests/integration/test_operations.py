@@ -12,6 +12,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -27,6 +28,7 @@ from outbox_dispatcher.operate.filters import Filters
 from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
+from tests.unit.test_console_extra import SITECUSTOMIZE
 
 from .helpers import (
     Services,
@@ -366,6 +368,35 @@ async def _background(coro: Any) -> AsyncIterator[asyncio.Task[Any]]:
         yield task
     finally:
         await task
+
+
+# --- without the console extra ------------------------------------------------------------------
+
+
+async def test_the_operator_commands_run_without_the_console_extra(
+    conn: asyncpg.Connection, make_settings: Any, tmp_path: Path
+) -> None:
+    """The web stack is the install extra outbox-dispatcher[console]: where its imports fail,
+    as where it is not installed, status, dead list and dead requeue work as ever."""
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    without = {"PYTHONPATH": str(tmp_path)}
+    await conn.execute(
+        "INSERT INTO outbox (topic, ordering_key, payload, dead_at, attempts, last_error)"
+        " VALUES ('orders', 'k', 'x', now(), 10, 'boom')"
+    )
+    settings = settings_for(make_settings)
+    blocked = await cli(settings, "-c", "import starlette", env=without, module=False)
+    assert blocked.code == 1 and "No module named 'starlette'" in blocked.err
+    shown = await cli(settings, "status", "--json", env=without)
+    assert shown.code == 0, shown.err
+    assert json.loads(shown.out)["totals"]["dead"] == 1
+    listed = await cli(settings, "dead", "list", "--json", env=without)
+    assert listed.code == 0 and [r["ordering_key"] for r in json.loads(listed.out)] == ["k"]
+    requeued = await cli(settings, "dead", "requeue", "--all", env=without)
+    assert (requeued.code, requeued.out.strip()) == (0, "requeued 1 dead row")
+    console = await cli(settings, "console", env=without)
+    assert console.code == 2 and len(console.err.splitlines()) == 1
+    assert "outbox-dispatcher[console]" in console.err
 
 
 # --- cleanup and retention ----------------------------------------------------------------------
