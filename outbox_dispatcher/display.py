@@ -53,3 +53,16 @@ def columns(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return [
         "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in cells
     ]
+
+
+def age_text(seconds: float | None) -> str:
+    """An age for people: 2.4s, 12m05s, 3h04m, 3d04h (JSON keeps the seconds)."""
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    whole = int(seconds)
+    for unit, size, sub, sub_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60)):
+        if whole >= size:
+            return f"{whole // size}{unit}{whole % size // sub_size:02d}{sub}"
+    return f"{whole // 60}m{whole % 60:02d}s"

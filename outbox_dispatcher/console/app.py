@@ -17,7 +17,6 @@ import orjson
 import structlog
 from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup, escape
-from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.sessions import SessionMiddleware
@@ -27,20 +26,18 @@ from starlette.routing import Route
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from outbox_dispatcher import __version__, display, errors, status
+from outbox_dispatcher import __version__, display, errors
 from outbox_dispatcher.console import auth, history, openapi, service
 from outbox_dispatcher.console.inputs import (
     AuditQuery,
     BlockedQuery,
-    DeadFilter,
     DeadQuery,
     InputError,
-    PauseBody,
-    ReplayFilter,
-    ResumeBody,
+    action_body,
     from_query,
     parse,
 )
+from outbox_dispatcher.console.service import ACTIONS
 from outbox_dispatcher.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -119,32 +116,12 @@ def _environment() -> Environment:
     # on the terminal; autoescaping then makes the rest inert HTML.
     env.filters["inert"] = lambda value: display.inert("" if value is None else str(value))
     env.filters["inert_lines"] = lambda value: display.inert_multiline(str(value))
-    env.filters["age"] = status.age_text
+    env.filters["age"] = display.age_text
     env.filters["time"] = _time
     env.filters["json"] = lambda value: orjson.dumps(value).decode()
     env.filters["ascii_json"] = _ascii_json
     env.filters["exact"] = _exact_attribute
     return env
-
-
-# Actions by name: the body model and what runs it.
-Action = Callable[..., Awaitable[service.Outcome]]
-
-
-def _dead(discard: bool) -> Action:
-    async def run(settings: Settings, body: Any, **kw: Any) -> service.Outcome:
-        return await service.dead_change(settings, body, discard=discard, **kw)
-
-    return run
-
-
-ACTIONS: dict[str, tuple[type[BaseModel], Action]] = {
-    "dead-requeue": (DeadFilter, _dead(discard=False)),
-    "dead-discard": (DeadFilter, _dead(discard=True)),
-    "replay": (ReplayFilter, service.replay),
-    "pause": (PauseBody, service.pause),
-    "resume": (ResumeBody, service.resume),
-}
 
 
 class Console:
@@ -242,7 +219,7 @@ class Console:
     # --- API actions -----------------------------------------------------------------------
 
     def api_action(self, name: str) -> Callable[[Request], Awaitable[Response]]:
-        model, run = ACTIONS[name]
+        model = ACTIONS[name][0]
 
         async def endpoint(request: Request) -> Response:
             if not auth.enabled(self.settings):
@@ -262,8 +239,8 @@ class Console:
             if dry_run not in ("true", "false"):
                 return self.problem(request, 400, "dry_run must be true or false")
             body = parse(model, data)
-            outcome = await run(
-                self.settings, body, dry_run=dry_run == "true", client=_client(request)
+            outcome = await service.act(
+                self.settings, name, body, dry_run=dry_run == "true", client=_client(request)
             )
             if not outcome.dry_run:
                 log.info("console_action", command=outcome.command, rows=outcome.rows, via="api")
@@ -311,18 +288,23 @@ class Console:
             return form, self.problem(request, 401, "log in (with OUTBOX_CONSOLE_TOKEN) to act")
         return form, None
 
+    async def _named(self, request: Request) -> tuple[Any, str, Response | None]:
+        """The form of an action post and the action it names, or the refusal."""
+        form, refused = await self._acting(request)
+        name = str(form.get("action", ""))
+        if refused is None and name not in ACTIONS:
+            refused = self.problem(request, 400, f"unknown action {display.inert(name)!r}")
+        return form, name, refused
+
     async def confirm(self, request: Request) -> Response:
         """Step one of an action from a page: count what it would change, ask."""
-        form, refused = await self._acting(request)
+        form, name, refused = await self._named(request)
         if refused:
             return refused
-        name = str(form.get("action", ""))
-        if name not in ACTIONS:
-            return self.problem(request, 400, f"unknown action {display.inert(name)!r}")
-        model, run = ACTIONS[name]
-        data = _action_body(name, form)
-        body = parse(model, data)
-        outcome = await run(self.settings, body, dry_run=True, client=_client(request))
+        body = parse(ACTIONS[name][0], action_body(name, form))
+        outcome = await service.act(
+            self.settings, name, body, dry_run=True, client=_client(request)
+        )
         return self.page(
             request,
             "confirm.html",
@@ -331,19 +313,17 @@ class Console:
 
     async def run(self, request: Request) -> Response:
         """Step two: do it; the page says how many rows changed."""
-        form, refused = await self._acting(request)
+        form, name, refused = await self._named(request)
         if refused:
             return refused
-        name = str(form.get("action", ""))
-        if name not in ACTIONS:
-            return self.problem(request, 400, f"unknown action {display.inert(name)!r}")
-        model, run = ACTIONS[name]
         try:
             data = orjson.loads(str(form.get("body", "")))
         except orjson.JSONDecodeError:
             return self.problem(request, 400, "the action's body is not JSON")
-        body = parse(model, data)
-        outcome = await run(self.settings, body, dry_run=False, client=_client(request))
+        body = parse(ACTIONS[name][0], data)
+        outcome = await service.act(
+            self.settings, name, body, dry_run=False, client=_client(request)
+        )
         log.info("console_action", command=outcome.command, rows=outcome.rows, via="page")
         expected = form.get("expected")
         return self.page(request, "done.html", {"outcome": outcome, "expected": expected})
@@ -431,27 +411,6 @@ def _client(request: Request) -> str | None:
 
 def _multi(request: Request) -> dict[str, list[str]]:
     return {"id": request.query_params.getlist("id")}
-
-
-def _action_body(name: str, form: Any) -> dict[str, Any]:
-    """A page's action form as the API's body. Dead-row forms say their scope: the rows ticked
-    (ids), every row matching the filter, or every dead row."""
-    data = from_query(form, {"id": form.getlist("id")})
-    if not name.startswith("dead-"):
-        return data
-    scope = form.get("scope", "selected")
-    if scope == "selected":
-        return {"ids": data["ids"]} if "ids" in data else {}
-    if scope == "all":
-        return {"all": True}
-    # The page's filter, carried as JSON (exact, whatever characters a key holds).
-    try:
-        current = orjson.loads(str(form.get("filter", "{}")))
-    except orjson.JSONDecodeError:
-        raise InputError("the form's filter is not JSON") from None
-    if not isinstance(current, dict):
-        raise InputError("the form's filter is not a JSON object")
-    return current
 
 
 def create_app(settings: Settings, *, sample: bool = True) -> Starlette:

@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass
 import asyncpg
 import structlog
 
-from outbox_dispatcher import db, errors, operations, status
+from outbox_dispatcher import db, display, errors
+from outbox_dispatcher.operate.session import connected
 from outbox_dispatcher.settings import Settings
-from outbox_dispatcher.store import Store
 
 log = structlog.get_logger(__name__)
 
@@ -61,8 +61,8 @@ async def sample_forever(settings: Settings, history: History) -> None:
     failing = False
     while True:
         try:
-            async with operations.connected(settings) as (conn, queries):
-                row = await Store(conn, queries).gauges(block_on_dead=False)
+            async with connected(settings) as session:
+                row = await session.store.gauges(block_on_dead=False)
         except _TOLERATED as exc:
             if not failing:
                 log.warning("console_sample_failed", error=errors.describe(exc))
@@ -122,7 +122,7 @@ def svg(samples: list[Sample], now: float, window_seconds: float = WINDOW_SECOND
             f'<text x="{WIDTH - PAD}" y="{PAD - 8}" font-size="12" fill="#d62728" '
             f'text-anchor="end">oldest pending age (max {top_lag:.1f}s)</text>',
             f'<text x="{PAD}" y="{bottom + 16}" font-size="11" fill="#666">'
-            f"{status.age_text(span)} ago</text>",
+            f"{display.age_text(span)} ago</text>",
             f'<text x="{WIDTH - PAD}" y="{bottom + 16}" font-size="11" fill="#666" '
             'text-anchor="end">now</text>',
             "</svg>",

@@ -7,9 +7,11 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from outbox_dispatcher import operations, routing
+from outbox_dispatcher import routing
+from outbox_dispatcher.operate.filters import FIELDS, ROUTED, Filters, refusal
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -67,13 +69,13 @@ class DeadFilter(_Input):
     @field_validator("topic")
     @classmethod
     def _topic(cls, value: str | None) -> str | None:
-        if value is not None and value != operations.NULL_TOPIC and not routing.valid_topic(value):
-            msg = f"not a valid Kafka topic name (or {operations.NULL_TOPIC!r})"
+        if value is not None and value != ROUTED and not routing.valid_topic(value):
+            msg = f"not a valid Kafka topic name (or {ROUTED!r})"
             raise ValueError(msg)
         return value
 
-    def filters(self) -> operations.Filters:
-        return operations.Filters(
+    def filters(self) -> Filters:
+        return Filters(
             ids=self.ids,
             key=self.key,
             topic=self.topic,
@@ -85,10 +87,10 @@ class DeadFilter(_Input):
             error=self.error,
         )
 
-    def checked(self, what: str) -> operations.Filters:
+    def checked(self, what: str) -> Filters:
         """The filters of an action; an empty filter without `all` is refused, as in the CLI."""
         filters = self.filters()
-        _refuse_unfiltered(filters, self.all, what, DEAD_FIELDS)
+        _refuse_unfiltered(filters, self.all, what, replay=False)
         return filters
 
 
@@ -120,8 +122,8 @@ class ReplayFilter(_Input):
             raise ValueError(msg)
         return value
 
-    def checked(self, what: str) -> operations.Filters:
-        filters = operations.Filters(
+    def checked(self, what: str) -> Filters:
+        filters = Filters(
             from_id=self.from_id,
             to_id=self.to_id,
             key=self.key,
@@ -129,10 +131,7 @@ class ReplayFilter(_Input):
             since=self.since,
             until=self.until,
         )
-        _refuse_unfiltered(filters, self.all, what, REPLAY_FIELDS)
-        if self.from_id is not None and self.to_id is not None and self.from_id > self.to_id:
-            msg = f"from_id {self.from_id} is after to_id {self.to_id}: no row is between"
-            raise InputError(msg)
+        _refuse_unfiltered(filters, self.all, what, replay=True)
         return filters
 
 
@@ -177,17 +176,11 @@ class BlockedQuery(_Input):
     _text = field_validator("key")(_no_nul)
 
 
-DEAD_FIELDS = "ids, key, keyless, topic, since, until, dead_since, dead_until, error"
-REPLAY_FIELDS = "from_id, to_id, key, topic, since, until"
-
-
-def _refuse_unfiltered(
-    filters: operations.Filters, everything: bool, what: str, fields: str
-) -> None:
-    if everything and not filters.empty():
-        raise InputError('"all" cannot be combined with filters')
-    if not everything and filters.empty():
-        raise InputError(f'refusing to {what} without a filter: give {fields}, or "all": true')
+def _refuse_unfiltered(filters: Filters, everything: bool, what: str, *, replay: bool) -> None:
+    """The refusals of the actions (operate.filters), in the body's own names."""
+    problem = refusal(filters, everything=everything, what=what, names=FIELDS, replay=replay)
+    if problem is not None:
+        raise InputError(problem)
 
 
 def parse(model: type[M], data: object) -> M:
@@ -220,3 +213,24 @@ def from_query(params: Mapping[str, str], multi: Mapping[str, list[str]]) -> dic
     if ids:
         data["ids"] = ids
     return data
+
+
+def action_body(name: str, form: Any) -> dict[str, Any]:
+    """A page's action form as the API's body. Dead-row forms say their scope: the rows ticked
+    (ids), every row matching the filter, or every dead row."""
+    data = from_query(form, {"id": form.getlist("id")})
+    if not name.startswith("dead-"):
+        return data
+    scope = form.get("scope", "selected")
+    if scope == "selected":
+        return {"ids": data["ids"]} if "ids" in data else {}
+    if scope == "all":
+        return {"all": True}
+    # The page's filter, carried as JSON (exact, whatever characters a key holds).
+    try:
+        current = orjson.loads(str(form.get("filter", "{}")))
+    except orjson.JSONDecodeError:
+        raise InputError("the form's filter is not JSON") from None
+    if not isinstance(current, dict):
+        raise InputError("the form's filter is not a JSON object")
+    return current

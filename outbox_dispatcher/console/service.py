@@ -1,18 +1,19 @@
-"""What the console's pages and API both do, over the operations of admin.py, status.py and the
-store: each function opens a connection as the CLI does, returns data and renders nothing."""
+"""What the console's pages and API both do: each function opens a session (as the CLI does),
+reads or performs through operate/, and shapes the answer as JSON-ready data; it renders nothing.
+"""
 
 from __future__ import annotations
 
 import codecs
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
+from pydantic import BaseModel
 
-from outbox_dispatcher import admin, listener, operations, registry, status
 from outbox_dispatcher.console import history
 from outbox_dispatcher.console.inputs import (
     AuditQuery,
@@ -22,9 +23,24 @@ from outbox_dispatcher.console.inputs import (
     InputError,
     PauseBody,
     ReplayFilter,
+    ResumeBody,
 )
+from outbox_dispatcher.operate import reads
+from outbox_dispatcher.operate.actions import (
+    Action,
+    ActionRefusedError,
+    ActionResult,
+    DeadDiscard,
+    DeadRequeue,
+    Origin,
+    Pause,
+    Replay,
+    Resume,
+    perform,
+    refuse,
+)
+from outbox_dispatcher.operate.session import connected
 from outbox_dispatcher.settings import Settings
-from outbox_dispatcher.store import Store
 
 
 def _json_value(value: object) -> object:
@@ -41,12 +57,9 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
 
 async def overview(settings: Settings, samples: history.History) -> dict[str, Any]:
     """`status --json`, plus the sampled history of the last hour."""
-    async with operations.connected(settings) as (conn, queries):
-        pauses = await status.read_pauses(conn, queries)
-        dispatchers = await status.read_dispatchers(conn, queries, registry.LIVE_SECONDS)
-        policy = status.counting_policy(dispatchers, settings.dead_letter_policy.value)
-        topics = await status.read(conn, queries, block_on_dead=policy == "block", pauses=pauses)
-    report = status.as_json(topics, pauses, dispatchers, policy)
+    async with connected(settings) as session:
+        now = await reads.snapshot(session, settings.dead_letter_policy.value)
+    report = now.as_json()
     report["history"] = {
         "source": "sampled by this console process, in memory",
         "interval_seconds": settings.console_sample_seconds,
@@ -57,18 +70,20 @@ async def overview(settings: Settings, samples: history.History) -> dict[str, An
 
 
 async def dead(settings: Settings, query: DeadQuery) -> list[dict[str, Any]]:
-    async with operations.connected(settings) as (conn, queries):
-        found = await operations.dead_list(conn, queries, query.filters(), query.limit)
+    async with connected(settings) as session:
+        found = await reads.dead_list(session, query.filters(), query.limit)
     return [_plain(row) for row in found]
 
 
 async def blocked(settings: Settings, query: BlockedQuery) -> dict[str, Any]:
     """Blocked keys, each with why it waits, under the running dispatchers' policy."""
-    async with operations.connected(settings) as (conn, queries):
-        dispatchers = await status.read_dispatchers(conn, queries, registry.LIVE_SECONDS)
-        policy = status.counting_policy(dispatchers, settings.dead_letter_policy.value)
-        rows = await Store(conn, queries).blocked_keys(
-            block_on_dead=policy == "block", topic=query.topic, key=query.key, limit=query.limit
+    async with connected(settings) as session:
+        policy, rows = await reads.blocked(
+            session,
+            settings.dead_letter_policy.value,
+            topic=query.topic,
+            key=query.key,
+            limit=query.limit,
         )
     keys = []
     for row in rows:
@@ -82,9 +97,10 @@ async def blocked(settings: Settings, query: BlockedQuery) -> dict[str, Any]:
 
 async def row(settings: Settings, row_id: int) -> dict[str, Any] | None:
     """One row; its payload only with OUTBOX_CONSOLE_SHOW_PAYLOAD, decoded where it can be."""
-    async with operations.connected(settings) as (conn, queries):
-        found = await Store(conn, queries).row_detail(
-            id=row_id,
+    async with connected(settings) as session:
+        found = await reads.row(
+            session,
+            row_id,
             payload=settings.console_show_payload,
             payload_max_bytes=settings.console_payload_max_bytes,
         )
@@ -132,131 +148,66 @@ def decode_payload(data: bytes | None, total: int | None) -> dict[str, Any] | No
 
 
 async def audit(settings: Settings, query: AuditQuery) -> list[dict[str, Any]]:
-    async with operations.connected(settings) as (conn, queries):
-        rows = await Store(conn, queries).audit_list(command=query.command, limit=query.limit)
-    found = []
-    for r in rows:
-        entry = _plain(dict(r))
-        entry["filter"] = orjson.loads(r["filter"])
-        found.append(entry)
-    return found
+    async with connected(settings) as session:
+        found = await reads.audit(session, query.command, query.limit)
+    return [_plain(entry) for entry in found]
 
 
 # --- actions -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """What an action did (or, as a dry run, would do): the answer of the API and the pages."""
+def _dead(kind: type[DeadRequeue | DeadDiscard]) -> Callable[[Settings, Any], Action]:
+    def action(settings: Settings, body: DeadFilter) -> Action:
+        filters = body.checked(f"{kind.verb} dead rows")
+        return kind(filters, settings.cleanup_batch_size, everything=body.all)
 
-    command: str
-    rows: int
-    dry_run: bool
-    detail: str
-
-    def as_json(self) -> dict[str, object]:
-        return {
-            "command": self.command,
-            "rows": self.rows,
-            "dry_run": self.dry_run,
-            "detail": self.detail,
-        }
+    return action
 
 
-def _origin(client: str | None) -> operations.Origin:
-    return {"via": "console", "http_client": client or "?"}
-
-
-async def dead_change(
-    settings: Settings, body: DeadFilter, *, discard: bool, dry_run: bool, client: str | None
-) -> Outcome:
-    verb = "discard" if discard else "requeue"
-    command = f"dead {verb}"
-    filters = body.checked(f"{verb} dead rows")
-    async with operations.connected(settings) as (conn, queries):
-        if dry_run:
-            n = await operations.dead_count(conn, queries, filters)
-            return Outcome(command, n, True, f"would {verb} {admin.rows(n, 'dead row')}")
-        operation = operations.dead_discard if discard else operations.dead_requeue
-        n = await operation(
-            conn, queries, filters, settings.cleanup_batch_size, origin=_origin(client)
-        )
-        if n and not discard:
-            await operations.wake(conn, queries, listener.channel_name(settings))
-    done = "discarded" if discard else "requeued"
-    return Outcome(command, n, False, f"{done} {admin.rows(n, 'dead row')}")
-
-
-async def replay(
-    settings: Settings, body: ReplayFilter, *, dry_run: bool, client: str | None
-) -> Outcome:
+def _replay(settings: Settings, body: ReplayFilter) -> Action:
     filters = body.checked("replay published rows")
-    if settings.delete_on_publish:
-        raise InputError(
-            "nothing to replay: with OUTBOX_DELETE_ON_PUBLISH the dispatcher deletes rows once "
-            "they are published"
-        )
-    async with operations.connected(settings) as (conn, queries):
-        if dry_run:
-            n = await operations.replay_count(conn, queries, filters)
-            return Outcome("replay", n, True, f"would replay {admin.rows(n, 'published row')}")
-        n = await operations.replay(
-            conn, queries, filters, settings.cleanup_batch_size, origin=_origin(client)
-        )
-        if n:
-            await operations.wake(conn, queries, listener.channel_name(settings))
-    return Outcome("replay", n, False, f"replayed {admin.rows(n, 'published row')}")
-
-
-async def _pending_of(settings: Settings, topic: str | None) -> tuple[int, int]:
-    """Pending and in-flight rows of a topic (None: of the whole table)."""
-    async with operations.connected(settings) as (conn, queries):
-        topics = await status.read(conn, queries)
-    chosen = [t for t in topics if topic is None or t.topic == topic]
-    return sum(t.pending for t in chosen), sum(t.in_flight for t in chosen)
-
-
-def _what(topic: str | None) -> str:
-    return f"topic {topic}" if topic else "the whole table"
-
-
-async def pause(
-    settings: Settings, body: PauseBody, *, dry_run: bool, client: str | None
-) -> Outcome:
-    topic = body.target()
-    pending, in_flight = await _pending_of(settings, topic)
-    waiting = admin.rows(pending - in_flight, "pending row")
-    if dry_run:
-        return Outcome("pause", pending, True, f"would pause {_what(topic)}: {waiting} would wait")
-    async with operations.connected(settings) as (conn, queries):
-        await operations.pause(conn, queries, topic, body.reason, origin=_origin(client))
-    return Outcome(
-        "pause",
-        1,
-        False,
-        f"paused {_what(topic)}: {waiting} wait; {in_flight} already claimed still go out",
+    return Replay(
+        filters,
+        settings.cleanup_batch_size,
+        everything=body.all,
+        deletes_on_publish=settings.delete_on_publish,
     )
 
 
-async def resume(
-    settings: Settings, body: PauseBody, *, dry_run: bool, client: str | None
-) -> Outcome:
-    topic = body.target()
-    pending, _ = await _pending_of(settings, topic)
-    if dry_run:
-        return Outcome(
-            "resume",
-            pending,
-            True,
-            f"would resume {_what(topic)}: {admin.rows(pending, 'pending row')} go out again",
-        )
-    async with operations.connected(settings) as (conn, queries):
-        lifted = await operations.resume(
-            conn, queries, topic, listener.channel_name(settings), origin=_origin(client)
-        )
-    if lifted is None:
-        return Outcome("resume", 0, False, f"{_what(topic)} was not paused: nothing changed")
-    return Outcome("resume", 1, False, f"resumed {_what(topic)}")
+def _pause(settings: Settings, body: PauseBody) -> Action:
+    return Pause(body.target(), count_waiting=True, reason=body.reason)
+
+
+def _resume(settings: Settings, body: PauseBody) -> Action:
+    return Resume(body.target(), count_waiting=True)
+
+
+# Each action by name: the model of its body and how the body becomes the action.
+ACTIONS: dict[str, tuple[type[BaseModel], Callable[[Settings, Any], Action]]] = {
+    "dead-requeue": (DeadFilter, _dead(DeadRequeue)),
+    "dead-discard": (DeadFilter, _dead(DeadDiscard)),
+    "replay": (ReplayFilter, _replay),
+    "pause": (PauseBody, _pause),
+    "resume": (ResumeBody, _resume),
+}
+
+
+def _origin(client: str | None) -> Origin:
+    return {"via": "console", "http_client": client or "?"}
+
+
+async def act(
+    settings: Settings, name: str, body: BaseModel, *, dry_run: bool, client: str | None
+) -> ActionResult:
+    """The action `name` of this body: counted as a dry run (the confirmation page), or done.
+    A refusal is the request's fault (HTTP 400)."""
+    action = ACTIONS[name][1](settings, body)
+    try:
+        refuse(action)
+        async with connected(settings) as session:
+            return await perform(action, session, dry_run=dry_run, origin=_origin(client))
+    except ActionRefusedError as exc:
+        raise InputError(exc.message) from None
 
 
 def now() -> float:

@@ -134,14 +134,17 @@ class Ran:
 
 
 async def cli(
-    settings: Settings, *args: str, env: dict[str, str] | None = None, stdin: bytes | None = None
+    settings: Settings,
+    *args: str,
+    env: dict[str, str] | None = None,
+    stdin: bytes | None = None,
+    module: bool = True,
 ) -> Ran:
     """`outbox-dispatcher ARGS` as a real process with these settings in its environment (plus
-    `env`)."""
+    `env`); with module=False, `python ARGS` in the same environment."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
-        "-m",
-        "outbox_dispatcher",
+        *(("-m", "outbox_dispatcher") if module else ()),
         *args,
         env={**settings_env(settings), **(env or {})},
         stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,

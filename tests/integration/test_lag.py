@@ -11,7 +11,10 @@ import asyncpg
 import orjson
 import pytest
 
-from outbox_dispatcher import operations, status
+from outbox_dispatcher.operate import reads
+from outbox_dispatcher.operate.actions import DeadRequeue, Replay, perform
+from outbox_dispatcher.operate.filters import Filters
+from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import Store
 
@@ -33,8 +36,9 @@ async def gauges(conn: asyncpg.Connection) -> dict[str, Any]:
     return row
 
 
-async def topic_status(conn: asyncpg.Connection, topic: str | None) -> status.TopicStatus:
-    [found] = [t for t in await status.read(conn, QUERIES) if t.topic == topic]
+async def topic_status(conn: asyncpg.Connection, topic: str | None) -> reads.TopicStatus:
+    session = Session(conn, QUERIES, "public.outbox")
+    [found] = [t for t in await reads.topics(session) if t.topic == topic]
     return found
 
 
@@ -90,8 +94,9 @@ async def test_a_replay_of_old_rows_lags_from_the_replay(conn: asyncpg.Connectio
         "       now() - interval '2 days' FROM generate_series(1, 50) i"
     )
     await backdate_clock(conn, minutes=2 * 24 * 60 - 1)
-    rows = await operations.replay(conn, QUERIES, operations.Filters(topic="lag-r"), batch_size=20)
-    assert rows == 50
+    session = Session(conn, QUERIES, "public.outbox")
+    replayed = await perform(Replay(Filters(topic="lag-r"), batch_size=20), session)
+    assert replayed.rows == 50
     row = await gauges(conn)
     assert row["pending"] == 50
     assert 0 <= row["oldest_pending_age_seconds"] < 60
@@ -106,8 +111,8 @@ async def test_a_replay_of_old_rows_lags_from_the_replay(conn: asyncpg.Connectio
         "INSERT INTO outbox (topic, ordering_key, payload, created_at, dead_at, last_error) "
         "VALUES ('lag-d', 'd', 'x', now() - interval '2 days', now() - interval '1 day', 'e')"
     )
-    requeued = await operations.dead_requeue(conn, QUERIES, operations.Filters(topic="lag-d"), 100)
-    assert requeued == 1
+    requeued = await perform(DeadRequeue(Filters(topic="lag-d"), batch_size=100), session)
+    assert requeued.rows == 1
     row = await gauges(conn)
     assert row["pending"] == 1
     assert 0 <= row["oldest_pending_age_seconds"] < 60

@@ -12,6 +12,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -19,9 +20,15 @@ import pytest
 from aiokafka import ConsumerRecord
 from aiokafka.admin import AIOKafkaAdminClient
 
-from outbox_dispatcher import admin, cleanup, operations, status
+from outbox_dispatcher import cleanup
+from outbox_dispatcher.cli import tables
+from outbox_dispatcher.operate import reads
+from outbox_dispatcher.operate.actions import DeadDiscard, Pause, Replay, perform
+from outbox_dispatcher.operate.filters import Filters
+from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
+from tests.unit.test_console_extra import SITECUSTOMIZE
 
 from .helpers import (
     Services,
@@ -39,6 +46,10 @@ from .helpers import (
 pytestmark = pytest.mark.integration
 
 QUERIES = Queries.for_table("public", "outbox")
+
+
+def session(conn: asyncpg.Connection) -> Session:
+    return Session(conn, QUERIES, "public.outbox")
 
 
 def settings_for(make_settings: Any, **overrides: Any) -> Settings:
@@ -195,8 +206,8 @@ async def test_dead_rows_are_listed_requeued_in_order_under_block_and_discarded(
         [row] = json.loads(shown.out)["topics"]
         assert (row["blocked_keys"], row["dead_blocked_keys"], row["dead"]) == (2, 1, 4)
         assert json.loads(shown.out)["totals"]["blocked_keys"] == 2
-        topics = await status.read(conn, QUERIES, block_on_dead=True)
-        assert status.as_table(topics).splitlines()[1].endswith("2 (1 dead)")
+        topics = await reads.topics(session(conn), block_on_dead=True)
+        assert tables.as_table(topics).splitlines()[1].endswith("2 (1 dead)")
 
         listed = await cli(settings, "dead", "list", "--topic", topic, "--json")
         assert listed.code == 0, listed.err
@@ -204,9 +215,7 @@ async def test_dead_rows_are_listed_requeued_in_order_under_block_and_discarded(
         assert [d["ordering_key"] for d in dead] == ["key-0", "gone-1", "gone-2", "gone-3"]
         assert set(dead[0]) >= {"id", "event_id", "topic", "attempts", "dead_at", "last_error"}
         assert dead[0]["last_error"] == "boom" and dead[0]["attempts"] == 10
-        plain = admin.dead_table(
-            await operations.dead_list(conn, QUERIES, operations.Filters(key="key-0"), 9)
-        )
+        plain = tables.dead_table(await reads.dead_list(session(conn), Filters(key="key-0"), 9))
         assert "boom" in plain and "gone-1" not in plain
         requeued = await cli(settings, "dead", "requeue", "--key", "key-0")
         assert requeued.code == 0, requeued.err
@@ -223,10 +232,10 @@ async def test_dead_rows_are_listed_requeued_in_order_under_block_and_discarded(
         assert "boom" in trace["last_error"]
 
         # Filters by time and id, in-process; ids of rows that are not dead are left alone.
-        recent = operations.Filters(since=datetime.now(UTC) - timedelta(hours=1))
-        assert await operations.dead_list(conn, QUERIES, recent, 100) == []
-        old = operations.Filters(until=datetime(2021, 1, 1, tzinfo=UTC))
-        assert len(await operations.dead_list(conn, QUERIES, old, 100)) == 3
+        recent = Filters(since=datetime.now(UTC) - timedelta(hours=1))
+        assert await reads.dead_list(session(conn), recent, 100) == []
+        old = Filters(until=datetime(2021, 1, 1, tzinfo=UTC))
+        assert len(await reads.dead_list(session(conn), old, 100)) == 3
         published_id = await conn.fetchval(
             "SELECT min(id) FROM outbox WHERE published_at IS NOT NULL"
         )
@@ -244,9 +253,8 @@ async def test_dead_rows_are_listed_requeued_in_order_under_block_and_discarded(
         assert discarded.code == 0, discarded.err
         assert discarded.out.strip() == "discarded 2 dead rows"
         assert await count(conn, f"id = {published_id}") == 1
-        assert (
-            await operations.dead_discard(conn, QUERIES, operations.Filters(key="gone-3"), 1) == 1
-        )
+        gone = DeadDiscard(Filters(key="gone-3"), batch_size=1)
+        assert (await perform(gone, session(conn))).rows == 1
         assert await count(conn, "dead_at IS NOT NULL") == 0
 
     verdict = check(
@@ -291,7 +299,7 @@ async def test_replay_sends_rows_again_in_order_before_newer_rows_of_their_keys(
         async with _background(writer()) as written:
             await asyncio.sleep(0.05)
             replayed = await _replay_in_own_connection(
-                settings, operations.Filters(topic=topic, to_id=last_id)
+                settings, Filters(topic=topic, to_id=last_id)
             )
             await asyncio.sleep(0.3)
             stop.set()
@@ -344,10 +352,11 @@ async def test_replay_sends_rows_again_in_order_before_newer_rows_of_their_keys(
     assert verdict.duplicates == 410
 
 
-async def _replay_in_own_connection(settings: Settings, filters: operations.Filters) -> int:
+async def _replay_in_own_connection(settings: Settings, filters: Filters) -> int:
     conn = await asyncpg.connect(settings.database_url.get_secret_value())
     try:
-        return await operations.replay(conn, QUERIES, filters, settings.cleanup_batch_size)
+        replay = Replay(filters, settings.cleanup_batch_size)
+        return (await perform(replay, session(conn))).rows
     finally:
         await conn.close()
 
@@ -359,6 +368,35 @@ async def _background(coro: Any) -> AsyncIterator[asyncio.Task[Any]]:
         yield task
     finally:
         await task
+
+
+# --- without the console extra ------------------------------------------------------------------
+
+
+async def test_the_operator_commands_run_without_the_console_extra(
+    conn: asyncpg.Connection, make_settings: Any, tmp_path: Path
+) -> None:
+    """The web stack is the install extra outbox-dispatcher[console]: where its imports fail,
+    as where it is not installed, status, dead list and dead requeue work as ever."""
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    without = {"PYTHONPATH": str(tmp_path)}
+    await conn.execute(
+        "INSERT INTO outbox (topic, ordering_key, payload, dead_at, attempts, last_error)"
+        " VALUES ('orders', 'k', 'x', now(), 10, 'boom')"
+    )
+    settings = settings_for(make_settings)
+    blocked = await cli(settings, "-c", "import starlette", env=without, module=False)
+    assert blocked.code == 1 and "No module named 'starlette'" in blocked.err
+    shown = await cli(settings, "status", "--json", env=without)
+    assert shown.code == 0, shown.err
+    assert json.loads(shown.out)["totals"]["dead"] == 1
+    listed = await cli(settings, "dead", "list", "--json", env=without)
+    assert listed.code == 0 and [r["ordering_key"] for r in json.loads(listed.out)] == ["k"]
+    requeued = await cli(settings, "dead", "requeue", "--all", env=without)
+    assert (requeued.code, requeued.out.strip()) == (0, "requeued 1 dead row")
+    console = await cli(settings, "console", env=without)
+    assert console.code == 2 and len(console.err.splitlines()) == 1
+    assert "outbox-dispatcher[console]" in console.err
 
 
 # --- cleanup and retention ----------------------------------------------------------------------
@@ -467,7 +505,7 @@ async def test_check_reports_ok_or_one_line_per_problem(
     missing = f"missing-{uuid.uuid4().hex[:12]}"
     await conn.fetchval("SELECT outbox_enqueue($1, 'k', 'v'::bytea)", missing)
     await conn.fetchval("SELECT outbox_enqueue(NULL, 'k', 'v'::bytea)")
-    await operations.pause(conn, QUERIES, topic, "testing")
+    await perform(Pause(topic, reason="testing"), session(conn))
     bad_topic = await cli(settings_for(make_settings), "check")
     assert bad_topic.code == 1
     problems = bad_topic.err.strip().splitlines()

@@ -23,9 +23,11 @@ import asyncpg
 import orjson
 import pytest
 
-from outbox_dispatcher import admin as commands
-from outbox_dispatcher import db, errors, migrations, status
+from outbox_dispatcher import db, errors, migrations
 from outbox_dispatcher.dispatcher import Dispatcher
+from outbox_dispatcher.operate import reads
+from outbox_dispatcher.operate.actions import ReleaseHeld, perform
+from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.publisher import KafkaPublisher
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
@@ -405,7 +407,8 @@ async def test_dispatcher_role_publishes_and_can_do_nothing_else(
                 disp = await asyncpg.connect(dispatcher_url)
                 try:
                     queries = Queries.for_table("public", "outbox")
-                    topics = await status.read(disp, queries)
+                    session = Session(disp, queries, "public.outbox")
+                    topics = await reads.topics(session)
                     assert [t.published for t in topics] == [len(expected)]
                     # The metrics sampler's clock and gauges (version 7), and the operator
                     # commands that set pending_since, work under the dispatcher role.
@@ -414,7 +417,7 @@ async def test_dispatcher_role_publishes_and_can_do_nothing_else(
                     gauges = await store.gauges(block_on_dead=False)
                     await store.clock_prune(first_pending_id=gauges["first_pending_id"])
                     assert gauges["pending"] == 0
-                    assert await commands.release_held(disp, queries, None) == 0
+                    assert (await perform(ReleaseHeld(), session)).rows == 0
                     for statement in [*FORBIDDEN, f'SET ROLE "{owner}"']:
                         with pytest.raises(asyncpg.InsufficientPrivilegeError):
                             await disp.execute(statement)

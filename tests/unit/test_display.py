@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from outbox_dispatcher import admin, display, status
+from outbox_dispatcher import display
+from outbox_dispatcher.cli import tables
+from outbox_dispatcher.operate import reads
 
 FORGING_KEY = "line1\nid  event_id  topic  key\n999  fake-row  orders  admin"
 CLEAR_SCREEN = "evil\x1b[2J\x1b[H\x1b[31mPWNED\x1b[0m"
@@ -50,7 +52,7 @@ def _dead_row(key: str, topic: str | None = "orders", error: str = "boom") -> di
 
 def test_dead_list_table_cannot_clear_the_screen_or_forge_a_row() -> None:
     rows = [_dead_row(key, error="reason " + key) for key in HOSTILE]
-    table = admin.dead_table(rows)
+    table = tables.dead_table(rows)
     lines = table.split("\n")
     assert len(lines) == 1 + len(HOSTILE)  # the header and one line per row: nothing forged
     assert not any(line.startswith("999") for line in lines)
@@ -59,23 +61,23 @@ def test_dead_list_table_cannot_clear_the_screen_or_forge_a_row() -> None:
 
 
 def test_status_table_escapes_pause_notes_and_who() -> None:
-    pause = status.Pause(
+    pause = reads.Pause(
         topic="orders",
         paused_at=datetime(2026, 11, 30, tzinfo=UTC),
         paused_by="ceo\x1b[31m",
         reason="smtp down\x1b[2J\x1b[H\x1b[32mALL GOOD\x1b[0m\nfake: line",
     )
-    table = status.as_table([status.TopicStatus("orders", 1, 0, 0, 0, 1.0)], [pause])
+    table = tables.as_table([reads.TopicStatus("orders", 1, 0, 0, 0, 1.0)], [pause])
     assert not _visible_controls(table)
     assert "fake: line" not in table.split("\n")
     assert table.split("\n")[-1].startswith("paused: topic orders since")
     # JSON stays exact.
-    assert status.as_json([], [pause])["pauses"] == [pause.as_json()]
+    assert reads.as_json([], [pause])["pauses"] == [pause.as_json()]
     assert pause.as_json()["reason"] == pause.reason
 
 
 def test_ages_are_for_people_in_the_table() -> None:
-    assert [status.age_text(s) for s in (None, 2.44, 725, 11_040, 273_600.3)] == [
+    assert [display.age_text(s) for s in (None, 2.44, 725, 11_040, 273_600.3)] == [
         "-",
         "2.4s",
         "12m05s",

@@ -1,0 +1,165 @@
+"""The commands that are a process of their own or set one up: `run` (the dispatcher, until a
+signal), `migrate` and `console` (the operator console, until a signal)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+import structlog
+
+from outbox_dispatcher import db, errors, migrations, tracing
+from outbox_dispatcher.cli.flags import BATCHED, CONNECT, EVERY, Commands, command
+from outbox_dispatcher.cli.terminal import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+from outbox_dispatcher.dispatcher import Dispatcher
+from outbox_dispatcher.operate.session import connected
+from outbox_dispatcher.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+# What `console` needs beyond the dispatcher: the install extra outbox-dispatcher[console].
+WEB_STACK = frozenset({"starlette", "jinja2", "markupsafe", "uvicorn", "itsdangerous"})
+WEB_STACK |= {"python_multipart", "multipart"}  # python-multipart, by its new and its old name
+NO_WEB_STACK = (
+    "`outbox-dispatcher console` needs the console's web stack (missing: {missing}): "
+    "install it with pip install 'outbox-dispatcher[console]'"
+)
+
+
+def configure_run_parser(commands: Commands) -> None:
+    command(
+        commands,
+        "run",
+        settings=EVERY,
+        handler=_run,
+        help="dispatch until SIGTERM/SIGINT",
+        description="Dispatch until SIGTERM/SIGINT.",
+    )
+
+
+async def _run(settings: Settings, _: argparse.Namespace) -> int:
+    if settings.tracing:
+        try:
+            tracing.configure_sdk()
+        except ImportError as missing:
+            msg = "OUTBOX_TRACING needs OpenTelemetry: install outbox-dispatcher[otel]"
+            raise errors.ConfigurationError(msg) from missing
+    dispatcher = Dispatcher(settings)
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+
+    def on_signal(signum: signal.Signals) -> None:
+        if dispatcher.stopping.is_set():
+            log.warning("second_signal_cancelling", signal=signum.name)
+            if main_task is not None:
+                main_task.cancel()
+        else:
+            log.info("signal_received", signal=signum.name)
+            dispatcher.stop()
+
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for signum in signals:
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        return await _dispatch(dispatcher)
+    finally:
+        for signum in signals:
+            loop.remove_signal_handler(signum)
+
+
+async def _dispatch(dispatcher: Dispatcher) -> int:
+    code = EXIT_OK
+    try:
+        await dispatcher.run()
+    except* errors.ConfigurationError as config_errors:
+        for exc in config_errors.exceptions:
+            log.error("configuration_error", error=str(exc))
+        code = EXIT_CONFIG
+    except* errors.OutboxDispatcherError as failures:
+        for failure in failures.exceptions:
+            log.error("failed", error=str(failure), error_type=type(failure).__name__)
+        code = EXIT_FAILED
+    except* Exception as crashes:
+        # A dead loop stopped the TaskGroup: exit non-zero so that the process is restarted.
+        for crash in crashes.exceptions:
+            log.error("loop_died", error=errors.describe(crash), exc_info=crash)
+        code = EXIT_FAILED
+    return code
+
+
+def configure_migrate_parser(commands: Commands) -> None:
+    command(
+        commands,
+        "migrate",
+        settings=CONNECT,
+        handler=_migrate,
+        help="create or upgrade the outbox schema (idempotent)",
+        description="Create or upgrade the outbox schema; safe to run concurrently.",
+    )
+
+
+async def _migrate(settings: Settings, _: argparse.Namespace) -> int:
+    conn = await db.connect(settings.database_url.get_secret_value(), settings)
+    try:
+        applied = await migrations.migrate(conn, settings.db_schema, settings.table)
+        version = await migrations.current_version(conn, settings.db_schema, settings.table)
+    finally:
+        await conn.close()
+    log.info("schema_ready", version=version, applied=applied)
+    where = f"{settings.db_schema}.{settings.table}"
+    done = f"applied {', '.join(map(str, applied))}" if applied else "nothing to apply"
+    sys.stdout.write(f"schema {where} is at version {version} ({done})\n")
+    return EXIT_OK
+
+
+CONSOLE_SETTINGS = (
+    *BATCHED,
+    "dead_letter_policy",
+    "delete_on_publish",
+    "console_host",
+    "console_port",
+    "console_token",
+    "console_show_payload",
+    "console_payload_max_bytes",
+    "console_sample_seconds",
+)
+
+
+def configure_console_parser(commands: Commands) -> None:
+    command(
+        commands,
+        "console",
+        settings=CONSOLE_SETTINGS,
+        handler=_console,
+        help="serve the operator console (pages and a JSON API) until SIGTERM/SIGINT",
+        description="Serve the operator console on OUTBOX_CONSOLE_HOST:OUTBOX_CONSOLE_PORT: the "
+        "backlog, dead rows, blocked keys and the audit as pages and under /api/v1/; with "
+        "OUTBOX_CONSOLE_TOKEN also requeue, discard, replay, pause and resume. Read-only without "
+        "a token. Needs the install extra outbox-dispatcher[console].",
+    )
+
+
+async def _console(settings: Settings, _: argparse.Namespace) -> int:
+    # Imported here: the web stack is an install extra, loaded only by the command that serves it.
+    try:
+        from outbox_dispatcher import console
+    except ImportError as missing:
+        name = (missing.name or "").partition(".")[0]
+        if name not in WEB_STACK:
+            raise
+        raise errors.ConfigurationError(NO_WEB_STACK.format(missing=name)) from None
+
+    # The schema is checked once before serving, so that a wrong database fails at start.
+    async with connected(settings):
+        pass
+    log.info(
+        "console_starting",
+        host=settings.console_host,
+        port=settings.console_port,
+        read_only=settings.console_token is None,
+        show_payload=settings.console_show_payload,
+    )
+    await console.serve(settings)
+    return EXIT_OK

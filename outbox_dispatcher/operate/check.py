@@ -1,0 +1,167 @@
+"""`check`: the settings, the database and its schema version, the broker, and the topics the
+outbox needs, as findings (data); the CLI prints them, one line each."""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import asyncpg
+
+from outbox_dispatcher import broker, db, errors, migrations
+from outbox_dispatcher.operate import reads
+from outbox_dispatcher.operate.session import Session
+from outbox_dispatcher.publisher import KafkaPublisher
+from outbox_dispatcher.routing import Router
+from outbox_dispatcher.settings import SECRETS_DIR_VARIABLE, Settings, env_name
+
+# How many pending routed rows `check` routes to find the topics they need.
+CHECK_ROUTED_ROWS = 1000
+CHECK_BROKER_SECONDS = 15.0
+
+# OUTBOX_* variables of the development tooling (deploy/local/services.sh, the tests), not settings.
+TOOLING_PREFIXES = ("OUTBOX_TEST_", "OUTBOX_SERVICES_", "OUTBOX_PGBOUNCER_", "OUTBOX_KAFKA_AUTO_")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One line of the report: `ok` and `note` inform, a `warning` is worth a look, and any
+    `problem` fails the check."""
+
+    level: Literal["ok", "note", "warning", "problem"]
+    text: str
+
+
+@dataclass
+class _Findings:
+    found: list[Finding] = field(default_factory=list)
+    needed: dict[str, str] = field(default_factory=dict)  # topic -> who needs it
+    dead_topics: set[str] = field(default_factory=set)
+
+    def add(self, level: Literal["ok", "note", "warning", "problem"], text: str) -> None:
+        self.found.append(Finding(level, text))
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """OUTBOX_* variables that name no setting (a misspelling is otherwise silently ignored),
+    each with the closest setting's variable, if one is close."""
+    known = {env_name(name) for name in Settings.model_fields}
+    valid = known | {f"{name}_FILE" for name in known} | {SECRETS_DIR_VARIABLE}
+    found = []
+    for variable in sorted(environ):
+        if not variable.startswith("OUTBOX_") or variable in valid:
+            continue
+        if variable.startswith(TOOLING_PREFIXES):
+            continue
+        close = difflib.get_close_matches(variable, sorted(valid), n=1, cutoff=0.8)
+        found.append((variable, close[0] if close else None))
+    return found
+
+
+async def check(settings: Settings) -> list[Finding]:
+    """Configuration, database, schema version, broker and the topics rows need."""
+    report = _Findings()
+    report.add("ok", f"settings are valid (table {settings.db_schema}.{settings.table})")
+    for variable, close in unknown_variables(os.environ):
+        hint = f": did you mean {close}?" if close else ""
+        report.add("warning", f"{variable} is not a setting and is ignored{hint}")
+    if settings.default_topic:
+        report.needed[settings.default_topic] = "OUTBOX_DEFAULT_TOPIC"
+    try:
+        conn = await db.connect(settings.database_url.get_secret_value(), settings)
+    except errors.OutboxDispatcherError as exc:
+        report.add("problem", f"database: {exc}")
+    else:
+        try:
+            await _check_database(conn, settings, report)
+        finally:
+            await conn.close()
+    await _check_broker(settings, report)
+    return report.found
+
+
+async def _check_database(conn: asyncpg.Connection, settings: Settings, report: _Findings) -> None:
+    report.add("ok", "database is reachable")
+    schema, table = settings.db_schema, settings.table
+    try:
+        await migrations.check_version(conn, schema, table)
+    except errors.SchemaVersionError as exc:
+        report.add("problem", f"schema: {exc}")
+        return
+    report.add("ok", f"schema {schema}.{table} is at version {migrations.latest_version()}")
+    session = Session.of(conn, settings)
+    store = session.store
+    for row in await store.pending_topics():
+        report.needed.setdefault(row["topic"], "pending rows")
+    for row in await store.dead_topics():
+        report.dead_topics.add(row["topic"])
+    await _check_routed(session, settings, report)
+    for p in await reads.read_pauses(session):
+        what = "the whole table" if p.topic == reads.WHOLE_TABLE else f"topic {p.topic}"
+        report.add("note", f"{what} is paused since {p.paused_at.isoformat(timespec='seconds')}")
+
+
+async def _check_routed(session: Session, settings: Settings, report: _Findings) -> None:
+    """The topics of pending rows without one, as the dispatcher would route them."""
+    router = Router(settings.default_topic, settings.topic_template)
+    unroutable: dict[str, int] = {}
+    for row in await session.store.pending_routed_headers(limit=CHECK_ROUTED_ROWS):
+        try:
+            report.needed.setdefault(router.topic_for(None, row["headers"]), "pending routed rows")
+        except errors.RoutingError as exc:
+            unroutable[str(exc)] = unroutable.get(str(exc), 0) + 1
+    for reason, n in unroutable.items():
+        report.add("problem", f"{n} pending routed rows cannot be routed: {reason}")
+
+
+async def _existing_topics(settings: Settings) -> set[str]:
+    """Every topic on the broker: all topics' metadata, naming none, so nothing is auto-created."""
+    publisher = KafkaPublisher(settings)
+    # The client logs each failed connection itself; the report's line says it once.
+    client_log = logging.getLogger("aiokafka")
+    level = client_log.level
+    client_log.setLevel(logging.CRITICAL)
+    try:
+        async with asyncio.timeout(CHECK_BROKER_SECONDS):
+            await publisher.start()
+            cluster = await broker.all_metadata(publisher.producer)
+    finally:
+        await publisher.stop()
+        client_log.setLevel(level)
+    existing: set[str] = cluster.topics()
+    return existing
+
+
+async def _check_broker(settings: Settings, report: _Findings) -> None:
+    try:
+        existing = await _existing_topics(settings)
+    except (errors.OutboxDispatcherError, TimeoutError) as exc:
+        report.add("problem", f"broker: {exc or 'no answer within 15 seconds'}")
+        return
+    report.add("ok", f"broker {settings.kafka_bootstrap_servers} is reachable")
+    needed = report.needed
+    missing = sorted(t for t in needed if t not in existing)
+    for topic in missing:
+        report.add(
+            "problem",
+            f"topic {topic!r} ({needed[topic]}) does not exist on the broker: create it "
+            "(or fix the rows or setting that name it)",
+        )
+    for topic in sorted(report.dead_topics - existing - set(needed)):
+        report.add(
+            "note",
+            f"topic {topic!r} of dead rows does not exist: create it before `dead requeue`, or "
+            "the rows die again",
+        )
+    if needed and not missing:
+        report.add(
+            "ok",
+            "the one topic the outbox needs exists"
+            if len(needed) == 1
+            else f"all {len(needed)} topics the outbox needs exist",
+        )

@@ -1,0 +1,99 @@
+"""Which rows an operator action touches, and the refusals that keep a mass change deliberate.
+
+No face here: the CLI builds Filters from its flags, the console from its JSON bodies, and each
+names its own inputs in the refusals (`Names`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+# How dead rows show a NULL topic or key (and what a topic or key filter accepts for them).
+ROUTED = "(routed)"
+NO_KEY = "(none)"
+
+
+@dataclass(frozen=True)
+class Filters:
+    """Which rows a command touches; None means any. Times compare with created_at."""
+
+    ids: list[int] | None = None
+    key: str | None = None
+    topic: str | None = None  # ROUTED: rows with no topic (routed by the dispatcher)
+    since: datetime | None = None
+    until: datetime | None = None
+    from_id: int | None = None
+    to_id: int | None = None
+    keyless: bool | None = None  # True: rows with no ordering key
+    dead_since: datetime | None = None  # dead_at, for dead rows
+    dead_until: datetime | None = None
+    error: str | None = None  # dead rows whose last_error contains this, in any case
+
+    def empty(self) -> bool:
+        return all(value is None for value in vars(self).values())
+
+    def dead_args(self) -> tuple[object, ...]:
+        """The dead-row statements' filter parameters, in their order ($1..$9)."""
+        return (
+            self.ids,
+            self.key,
+            self.topic,
+            self.since,
+            self.until,
+            self.keyless,
+            self.dead_since,
+            self.dead_until,
+            self.error,
+        )
+
+    def replay_args(self) -> tuple[object, ...]:
+        """The replay statements' filter parameters, in their order ($1..$6)."""
+        return (self.from_id, self.to_id, self.key, self.topic, self.since, self.until)
+
+    def as_json(self) -> dict[str, object]:
+        """The filter for the audit table: only what was given, times in ISO 8601."""
+        return {
+            name: value.isoformat() if isinstance(value, datetime) else value
+            for name, value in vars(self).items()
+            if value is not None
+        }
+
+
+@dataclass(frozen=True)
+class Names:
+    """How a face names the inputs a refusal mentions: flags (CLI) or body fields (console)."""
+
+    every: str  # the "every row" input, as a subject: --all / "all"
+    every_given: str  # ... as something to give: --all / "all": true
+    dead_filters: str  # the filters of the dead-row actions
+    replay_filters: str  # the filters of replay
+    from_id: str
+    to_id: str
+
+
+# The inputs by their own names, as the console's JSON bodies give them.
+FIELDS = Names(
+    every='"all"',
+    every_given='"all": true',
+    dead_filters="ids, key, keyless, topic, since, until, dead_since, dead_until, error",
+    replay_filters="from_id, to_id, key, topic, since, until",
+    from_id="from_id",
+    to_id="to_id",
+)
+
+
+def refusal(
+    filters: Filters, *, everything: bool, what: str, names: Names, replay: bool
+) -> str | None:
+    """Why a mass change is refused: `everything` with filters, no filter without it, or an
+    empty id range. None: it may go on."""
+    if everything and not filters.empty():
+        return f"{names.every} cannot be combined with filters"
+    if not everything and filters.empty():
+        given = names.replay_filters if replay else names.dead_filters
+        return f"refusing to {what} without a filter: give {given}, or {names.every_given}"
+    first, last = filters.from_id, filters.to_id
+    if first is not None and last is not None and first > last:
+        return f"{names.from_id} {first} is after {names.to_id} {last}: no row is between"
+    return None

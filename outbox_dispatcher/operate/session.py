@@ -1,0 +1,52 @@
+"""What every operator read and action runs on: one connection to one outbox table.
+
+Built once per command (CLI) or request (console) by `connected`, and handed to the reads and to
+`actions.perform`, so that nothing below rebuilds a store from a connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import asyncpg
+from asyncpg.transaction import Transaction
+
+from outbox_dispatcher import db, listener, migrations
+from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import Store
+
+
+class Session:
+    """A connection, the table's statements over it, and the channel its dispatchers listen on
+    (an action that makes rows pending wakes them there)."""
+
+    def __init__(self, conn: asyncpg.Connection, queries: Queries, channel: str) -> None:
+        self.conn = conn
+        self.queries = queries
+        self.store = Store(conn, queries)
+        self.channel = channel
+
+    @classmethod
+    def of(cls, conn: asyncpg.Connection, settings: Settings) -> Session:
+        """A session on `conn` for the table the settings name."""
+        queries = Queries.for_table(settings.db_schema, settings.table)
+        return cls(conn, queries, listener.channel_name(settings))
+
+    def transaction(self) -> Transaction:
+        return self.conn.transaction()
+
+
+@contextlib.asynccontextmanager
+async def connected(settings: Settings) -> AsyncIterator[Session]:
+    """A session for an operator command: its changes are durable before it reports them
+    (synchronous_commit on, whatever the dispatcher's own setting), and the schema is the
+    version this code knows."""
+    durable = settings.model_copy(update={"synchronous_commit": "on"})
+    conn = await db.connect(settings.database_url.get_secret_value(), durable)
+    try:
+        await migrations.check_version(conn, settings.db_schema, settings.table)
+        yield Session.of(conn, settings)
+    finally:
+        await conn.close()
