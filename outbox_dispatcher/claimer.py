@@ -36,6 +36,9 @@ class Claimer:
         # Keys asked for per claim, fitted by _fit: batch_size while keys are shallow, a few under
         # a backlog of deep keys (one hot key: one).
         self._max_keys = s.batch_size
+        # New rows a claim looks at (when it holds the discovery cursor): twice a batch, so that
+        # under a backlog of few keys the rows past this batch's keys are registered as work.
+        self._scan = max(2 * s.batch_size, 100)
         # Tokens of claims that may have committed although their reply never arrived.
         self._unsure: list[uuid.UUID] = []
 
@@ -72,6 +75,7 @@ class Claimer:
             "token": token,
             "block_on_dead": self._block,
             "max_attempts": self._max_attempts,
+            "scan": self._scan,
         }
 
     def _fit(self, rows: list[Row]) -> None:

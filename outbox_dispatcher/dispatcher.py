@@ -35,7 +35,7 @@ from outbox_dispatcher.marker import Marker
 from outbox_dispatcher.models import Batch, OutboxRecord, Outcome, Result
 from outbox_dispatcher.publisher import KafkaPublisher, NotAttempted, Sent
 from outbox_dispatcher.retries import RetryPolicy
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import Store
 
@@ -142,6 +142,7 @@ class Dispatcher:
             retry_for=s.lease_seconds,
             delete_on_publish=s.delete_on_publish,
             owner=self.owner,
+            block_on_dead=s.dead_letter_policy is DeadLetterPolicy.BLOCK,
         )
         readiness = ReadinessCache(lambda: self._readiness(pool, publisher))
         # Without LISTEN nobody hears a notification: writers are never asked to send one.
@@ -207,11 +208,13 @@ class Dispatcher:
             checks["database"] = f"unreachable: {errors.describe(exc)}"
         else:
             checks["database"] = "ok"
-            expected = migrations.latest_version()
+            # A range, not one version: a rolling upgrade's expand step keeps older dispatchers
+            # ready beside it (review N8).
             checks["schema"] = (
                 "ok"
-                if version == expected
-                else f"version {version}, this dispatcher needs {expected}"
+                if migrations.supported(version)
+                else f"version {version}, this dispatcher needs version {migrations.OLDEST_SUPPORTED} "
+                f"to {migrations.latest_version()}"
             )
         reachable = await publisher.broker_reachable(3.0)
         checks["broker"] = "ok" if reachable else "unreachable"

@@ -204,6 +204,17 @@ class Metrics:
             ["topic", "reason"],
             registry=r,
         )
+        self.sweep_repaired = Counter(
+            "outbox_sweep_repaired",
+            "Pending rows the anti-entropy sweep found that no claim knew of (written below the "
+            "claim cursor or with triggers off); each was handed to the claims.",
+            registry=r,
+        )
+        self.sweep_passes = Counter(
+            "outbox_sweep_passes",
+            "Passes of the anti-entropy sweep over the whole table this dispatcher finished.",
+            registry=r,
+        )
         self.reclaims = Counter(
             "outbox_lease_reclaims",
             "Rows taken over after their previous owner's lease expired.",

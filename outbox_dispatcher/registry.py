@@ -9,7 +9,7 @@ import asyncio
 import asyncpg
 import structlog
 
-from outbox_dispatcher import db
+from outbox_dispatcher import db, migrations
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import Store
@@ -35,7 +35,9 @@ async def heartbeat(pool: asyncpg.Pool, queries: Queries, settings: Settings, ow
     while True:
         try:
             await store.dispatcher_beat(
-                owner=owner, dead_letter_policy=settings.dead_letter_policy.value
+                owner=owner,
+                dead_letter_policy=settings.dead_letter_policy.value,
+                version=migrations.latest_version(),
             )
         except _TOLERATED as exc:
             if not warned:

@@ -81,6 +81,13 @@ async def wait_until(
     raise AssertionError(msg)
 
 
+# Rows a claim holds, for count(): leases live on the key's work (outbox_leases reads them per
+# row), not on the rows.
+LEASED = "id IN (SELECT id FROM outbox_leases)"
+LIVE_LEASE = "id IN (SELECT id FROM outbox_leases WHERE lease_expires_at > now())"
+EXPIRED_LEASE = "id IN (SELECT id FROM outbox_leases WHERE lease_expires_at <= now())"
+
+
 async def count(conn: asyncpg.Connection, where: str = "true") -> int:
     value: int = await conn.fetchval(f"SELECT count(*) FROM outbox WHERE {where}")
     return value

@@ -35,6 +35,7 @@ from tests.faultproxy import FaultProxy
 
 from .cluster import Cluster, LogBatch
 from .helpers import (
+    LEASED,
     count,
     insert_sequenced,
     kill9,
@@ -420,7 +421,7 @@ async def after_append_run(
             await insert_sequenced(conn, topic, keys=keys, per_key=per_key, first_seq=1)
 
             async def claimed() -> bool:
-                return await count(conn, "lease_token IS NOT NULL") > 0
+                return await count(conn, LEASED) > 0
 
             await wait_until(claimed, 10, "the rows to be claimed", interval=0.02)
             # Appended, timed out, refused; the code before issue 25 gave the rows back after
@@ -514,7 +515,7 @@ async def leaderless_run(
     async with fleet(settings, tmp_path, 1) as f:
 
         async def claimed() -> bool:
-            return await count(conn, "lease_token IS NOT NULL") > 0
+            return await count(conn, LEASED) > 0
 
         await wait_until(claimed, 60, "the first claim", interval=0.05)
         # The first batch of each partition expires unsent after publish_timeout (consuming its
@@ -694,7 +695,7 @@ async def test_sigterm_past_the_grace_period_makes_no_duplicates(
         await wait_started([log_a])
 
         async def all_claimed() -> bool:
-            return await count(conn, "lease_token IS NOT NULL") == total
+            return await count(conn, LEASED) == total
 
         await wait_until(all_claimed, 30, "A to claim every row")
         await asyncio.sleep(3)  # sent, refused, retried by the producer
@@ -721,7 +722,7 @@ async def test_sigterm_past_the_grace_period_makes_no_duplicates(
     assert code == 0, log_a.read_text()[-4000:]
     published_by_a = await count(conn, "published_at IS NOT NULL")
     given_back = await count(conn, "published_at IS NULL AND dead_at IS NULL")
-    assert await count(conn, "lease_token IS NOT NULL") == 0, "A gave back or marked every row"
+    assert await count(conn, LEASED) == 0, "A gave back or marked every row"
     # The broker returns before the topic is deleted (Kafka 4.1.1's controller could not
     # register broker 3 again after a topic was deleted while 3 was out of its ISR).
     await cluster.start(3)

@@ -165,8 +165,8 @@ async def test_crashes_kill_9_and_restart_under_write_load_through_pgbouncer(
 
             async def victim_in_flight(pid: int = victim.pid) -> bool:
                 n: int = await conn.fetchval(
-                    "SELECT count(*) FROM outbox WHERE published_at IS NULL "
-                    "AND lease_expires_at > now() AND lease_owner LIKE '%:' || $1::text || ':%'",
+                    "SELECT count(*) FROM outbox_leases WHERE lease_expires_at > now()"
+                    " AND lease_owner LIKE '%:' || $1::text || ':%'",
                     str(pid),
                 )
                 return n > 0
@@ -174,8 +174,7 @@ async def test_crashes_kill_9_and_restart_under_write_load_through_pgbouncer(
             await wait_until(victim_in_flight, 60, "the victim to hold leased rows")
             in_flight_at_kills.append(
                 await conn.fetchval(
-                    "SELECT count(*) FROM outbox WHERE published_at IS NULL "
-                    "AND lease_expires_at > now()"
+                    "SELECT count(*) FROM outbox_leases WHERE lease_expires_at > now()"
                 )
             )
             kill9(victim)
