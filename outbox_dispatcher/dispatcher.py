@@ -213,8 +213,8 @@ class Dispatcher:
             checks["schema"] = (
                 "ok"
                 if migrations.supported(version)
-                else f"version {version}, this dispatcher needs version {migrations.OLDEST_SUPPORTED} "
-                f"to {migrations.latest_version()}"
+                else f"version {version}, this dispatcher needs version "
+                f"{migrations.OLDEST_SUPPORTED} to {migrations.latest_version()}"
             )
         reachable = await publisher.broker_reachable(3.0)
         checks["broker"] = "ok" if reachable else "unreachable"

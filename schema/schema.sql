@@ -165,6 +165,9 @@ CREATE TABLE ${schema}.${table}_work (
     state "char" NOT NULL DEFAULT 'r',
     not_before timestamptz NOT NULL DEFAULT '-infinity',
     head_topic text,
+    -- State p: the pauses it was parked under (<table>_cursor.pause_gen then); once the pauses
+    -- change, it is looked at again.
+    paused_gen bigint,
     -- The key's owner: the claim whose batch holds its rows from claim_first to head_id - 1.
     claim_token uuid,
     claim_owner text,
@@ -195,10 +198,13 @@ CREATE INDEX ${table}_work_waiting_idx ON ${schema}.${table}_work (not_before)
     WHERE claim_token IS NULL AND state = 'w';
 CREATE INDEX ${table}_work_claimed_idx ON ${schema}.${table}_work (claim_expires_at)
     WHERE claim_token IS NOT NULL;
--- Paused keys by topic (a resumed topic's keys are taken again); blocked keys (a policy switch
--- to skip takes them); crash loops (the reclaimer).
-CREATE INDEX ${table}_work_parked_idx ON ${schema}.${table}_work (state, head_topic)
-    WHERE claim_token IS NULL AND state IN ('p', 'b');
+-- Paused keys by the pauses they were parked under (after a pause or resume, those parked
+-- before it are looked at again, once); blocked keys (a dispatcher that does not block takes
+-- them); crash loops (the reclaimer).
+CREATE INDEX ${table}_work_paused_idx ON ${schema}.${table}_work (paused_gen)
+    WHERE claim_token IS NULL AND state = 'p';
+CREATE INDEX ${table}_work_blocked_idx ON ${schema}.${table}_work (head_id)
+    WHERE claim_token IS NULL AND state = 'b';
 CREATE INDEX ${table}_work_looping_idx ON ${schema}.${table}_work (claim_expires_at)
     WHERE state = 'x';
 
@@ -216,7 +222,10 @@ CREATE TABLE ${schema}.${table}_cursor (
     swept bigint NOT NULL DEFAULT 0,
     sweep_started_at timestamptz NOT NULL DEFAULT now(),
     -- Version 9 dispatchers may run beside this one: claims also write and respect row leases.
-    compat boolean NOT NULL DEFAULT false
+    compat boolean NOT NULL DEFAULT false,
+    -- Bumped by every change of <table>_paused (a trigger): keys parked under older pauses are
+    -- looked at again.
+    pause_gen bigint NOT NULL DEFAULT 0
 );
 
 COMMENT ON TABLE ${schema}.${table}_cursor IS
@@ -292,6 +301,21 @@ CREATE TRIGGER ${table}_truncated
     AFTER TRUNCATE ON ${schema}.${table}
     FOR EACH STATEMENT EXECUTE FUNCTION ${schema}.${table}_truncated();
 
+-- Operators' pauses: any change, whoever makes it (the CLI, the console, plain SQL), makes the
+-- claims look again at keys parked under the pauses before it. One write per statement.
+CREATE FUNCTION ${schema}.${table}_pauses_changed() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    UPDATE ${schema}.${table}_cursor SET pause_gen = pause_gen + 1 WHERE one;
+    RETURN NULL;
+END;
+$fn$;
+
+CREATE TRIGGER ${table}_pauses_changed
+    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON ${schema}.${table}_paused
+    FOR EACH STATEMENT EXECUTE FUNCTION ${schema}.${table}_pauses_changed();
+
 
 -- ---------------------------------------------------------------------------------------------
 -- Discovery, by the claim that holds the cursor row (`c`): the rows above the cursor (at most
@@ -330,41 +354,49 @@ DECLARE
     v_touched boolean[];
     v_top bigint;
     v_changed bigint[];
+    v_changed_keys text[];
+    v_left_keys text[];
+    v_left_rows text[];
     v_lk text[];
     v_lkl boolean[];
 BEGIN
     -- Rows writers or operators changed (taken in once: the log is emptied here). A row moved to
     -- another key while a live claim of its old key holds it waits in the log until that claim
     -- ends: a row is never in two live claims.
-    WITH taken AS (
-        DELETE FROM ${schema}.${table}_changed x
-         WHERE x.seq IN (SELECT y.seq FROM ${schema}.${table}_changed y ORDER BY y.seq LIMIT p_scan)
-           AND NOT (x.old_key IS DISTINCT FROM x.ordering_key AND EXISTS (
-               SELECT 1 FROM ${schema}.${table}_work w
-                WHERE w.ordering_key = coalesce(x.old_key, x.id::text)
-                  AND w.keyless = (x.old_key IS NULL)
-                  AND w.claim_token IS NOT NULL AND w.claim_expires_at > now()
-                  AND (w.keyless OR (x.id >= w.claim_first AND x.id < w.head_id))))
-        RETURNING x.id, x.ordering_key, x.old_key
-    ),
-    left_behind AS (
+    IF EXISTS (SELECT 1 FROM ${schema}.${table}_changed) THEN
+        WITH taken AS (
+            DELETE FROM ${schema}.${table}_changed x
+             WHERE x.seq IN (SELECT y.seq FROM ${schema}.${table}_changed y
+                              ORDER BY y.seq LIMIT p_scan)
+               AND NOT (x.old_key IS DISTINCT FROM x.ordering_key AND EXISTS (
+                   SELECT 1 FROM ${schema}.${table}_work w
+                    WHERE w.ordering_key = coalesce(x.old_key, x.id::text)
+                      AND w.keyless = (x.old_key IS NULL)
+                      AND w.claim_token IS NOT NULL AND w.claim_expires_at > now()
+                      AND (w.keyless OR (x.id >= w.claim_first AND x.id < w.head_id))))
+            RETURNING x.id, x.ordering_key, x.old_key
+        )
+        SELECT array_agg(DISTINCT t.id),
+               array_agg(DISTINCT t.ordering_key) FILTER (WHERE t.ordering_key IS NOT NULL),
+               array_agg(DISTINCT t.old_key)
+                   FILTER (WHERE t.old_key IS DISTINCT FROM t.ordering_key
+                           AND t.old_key IS NOT NULL),
+               array_agg(DISTINCT t.id::text)
+                   FILTER (WHERE t.old_key IS DISTINCT FROM t.ordering_key AND t.old_key IS NULL)
+          INTO v_changed, v_changed_keys, v_left_keys, v_left_rows
+          FROM taken t;
         -- The key a row left: what it waited on may have gone with the row (its claim looks
         -- again; a key emptied so is dropped there).
         UPDATE ${schema}.${table}_work w SET state = 'r', not_before = '-infinity'
-          FROM (SELECT DISTINCT coalesce(t.old_key, t.id::text) AS wk, t.old_key IS NULL AS kl
-                  FROM taken t WHERE t.old_key IS DISTINCT FROM t.ordering_key) t
-         WHERE w.ordering_key = t.wk AND w.keyless = t.kl
-           AND w.claim_token IS NULL AND w.state IN ('w', 'p')
-    ),
-    unblocked AS (
+         WHERE ((w.ordering_key = ANY (v_left_keys) AND NOT w.keyless)
+                OR (w.ordering_key = ANY (v_left_rows) AND w.keyless))
+           AND w.claim_token IS NULL AND w.state IN ('w', 'p');
         -- A dead row requeued or removed: its key may be blocked no more.
         UPDATE ${schema}.${table}_work w SET state = 'r', not_before = '-infinity'
-          FROM (SELECT DISTINCT t.ordering_key FROM taken t WHERE t.ordering_key IS NOT NULL) t
-         WHERE w.ordering_key = t.ordering_key AND NOT w.keyless AND w.state = 'b'
+         WHERE w.ordering_key = ANY (v_changed_keys) AND NOT w.keyless AND w.state = 'b'
            AND NOT EXISTS (SELECT 1 FROM ${schema}.${table} d
-                            WHERE d.ordering_key = t.ordering_key AND d.dead_at IS NOT NULL)
-    )
-    SELECT array_agg(DISTINCT t.id) INTO v_changed FROM taken t;
+                            WHERE d.ordering_key = w.ordering_key AND d.dead_at IS NOT NULL);
+    END IF;
 
     -- What is new: id, key, pending, whether it can go now (due, topic not paused, no live lease
     -- of a version 9 dispatcher), and whether it lies above the cursor.
@@ -551,6 +583,7 @@ AS $fn$
 #variable_conflict use_column
 DECLARE
     v_paused text[];
+    v_gen bigint;
     c ${schema}.${table}_cursor;
     v_taken integer := 0;
     v_keys text[];
@@ -558,9 +591,24 @@ DECLARE
     v_heads bigint[];
     v_old boolean[];
 BEGIN
-    SELECT array_agg(p.topic) INTO v_paused FROM ${schema}.${table}_paused p;
+    -- The pauses and their generation, in one snapshot.
+    SELECT (SELECT array_agg(p.topic) FROM ${schema}.${table}_paused p), x.pause_gen
+      INTO v_paused, v_gen
+      FROM ${schema}.${table}_cursor x WHERE x.one;
     IF '*' = ANY (v_paused) THEN
         RETURN;
+    END IF;
+    -- Keys parked under older pauses whose topic is still paused: parked under these ones now
+    -- (a bounded step; the rest at the next claims).
+    IF EXISTS (SELECT 1 FROM ${schema}.${table}_work w
+                WHERE w.claim_token IS NULL AND w.state = 'p' AND w.paused_gen < v_gen) THEN
+        UPDATE ${schema}.${table}_work x SET paused_gen = v_gen
+         WHERE (x.ordering_key, x.keyless) IN (
+                   SELECT w.ordering_key, w.keyless FROM ${schema}.${table}_work w
+                    WHERE w.claim_token IS NULL AND w.state = 'p' AND w.paused_gen < v_gen
+                      AND w.head_topic = ANY (v_paused)
+                    LIMIT 4 * p_max_keys
+                      FOR UPDATE SKIP LOCKED);
     END IF;
 
     SELECT * INTO c FROM ${schema}.${table}_cursor x WHERE x.one;
@@ -599,17 +647,24 @@ BEGIN
          ORDER BY w.head_id LIMIT p_max_keys
            FOR UPDATE SKIP LOCKED
     ),
-    unparked AS (
+    resumed AS (
+        -- Parked under older pauses, and its topic is not paused now.
         SELECT w.keyless, w.ordering_key, w.head_id, false FROM ${schema}.${table}_work w
-         WHERE w.claim_token IS NULL AND w.state IN ('p', 'b')
-           AND ((w.state = 'p' AND (v_paused IS NULL OR w.head_topic <> ALL (v_paused)))
-                OR (w.state = 'b' AND NOT p_block_on_dead))
-         LIMIT p_max_keys
+         WHERE w.claim_token IS NULL AND w.state = 'p' AND w.paused_gen < v_gen
+           AND (v_paused IS NULL OR w.head_topic <> ALL (v_paused))
+         ORDER BY w.paused_gen LIMIT p_max_keys
+           FOR UPDATE SKIP LOCKED
+    ),
+    unblocked AS (
+        -- Blocked by a dead row, and this dispatcher does not block.
+        SELECT w.keyless, w.ordering_key, w.head_id, false FROM ${schema}.${table}_work w
+         WHERE NOT p_block_on_dead AND w.claim_token IS NULL AND w.state = 'b'
+         ORDER BY w.head_id LIMIT p_max_keys
            FOR UPDATE SKIP LOCKED
     ),
     cand AS (
         SELECT * FROM expired UNION ALL SELECT * FROM due UNION ALL SELECT * FROM ready
-        UNION ALL SELECT * FROM unparked
+        UNION ALL SELECT * FROM resumed UNION ALL SELECT * FROM unblocked
     )
     SELECT array_agg(c.ordering_key ORDER BY c.head_id), array_agg(c.keyless ORDER BY c.head_id),
            array_agg(c.head_id ORDER BY c.head_id), array_agg(c.old ORDER BY c.head_id)
@@ -703,6 +758,7 @@ BEGIN
                             WHEN v_paused IS NOT NULL AND i.topic = ANY (v_paused) THEN 'p'
                             WHEN i.next_attempt_at > now() THEN 'w'
                             ELSE 'r' END,
+               paused_gen = v_gen,
                not_before = CASE WHEN i.looping THEN x.not_before
                                  WHEN i.next_attempt_at > now() THEN i.next_attempt_at
                                  ELSE '-infinity' END,
@@ -817,6 +873,7 @@ AS $fn$
 DECLARE
     v_paused text[];
     v_compat boolean;
+    v_gen bigint;
     v_late bigint[];
 BEGIN
     SELECT x.compat INTO v_compat FROM ${schema}.${table}_cursor x WHERE x.one;
@@ -887,7 +944,9 @@ BEGIN
        AND EXISTS (SELECT 1 FROM mine m WHERE m.ordering_key = b.wk AND m.keyless = b.kl)
     RETURNING o.id;
 
-    SELECT array_agg(p.topic) INTO v_paused FROM ${schema}.${table}_paused p;
+    SELECT (SELECT array_agg(p.topic) FROM ${schema}.${table}_paused p), x.pause_gen
+      INTO v_paused, v_gen
+      FROM ${schema}.${table}_cursor x WHERE x.one;
     WITH batch AS (
         SELECT coalesce(u.k, u.id::text) AS wk, u.k IS NULL AS kl,
                min(u.id) FILTER (WHERE u.outcome NOT IN ('published', 'dead')) AS again
@@ -929,6 +988,7 @@ BEGIN
            state = CASE WHEN h.blocked THEN 'b'
                         WHEN v_paused IS NOT NULL AND h.topic = ANY (v_paused) THEN 'p'
                         WHEN h.next_attempt_at > now() THEN 'w' ELSE 'r' END,
+           paused_gen = v_gen,
            not_before = CASE WHEN NOT h.blocked AND h.next_attempt_at > now()
                              THEN h.next_attempt_at ELSE '-infinity' END,
            claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL
