@@ -19,17 +19,18 @@ import structlog
 from aiokafka import AIOKafkaProducer
 from aiokafka import errors as kafka_errors
 
-from outbox_dispatcher import broker, errors
+from outbox_dispatcher import errors
 from outbox_dispatcher.errors import NotAttempted as NotAttempted
 from outbox_dispatcher.errors import TopicMissingError as TopicMissingError
-from outbox_dispatcher.models import OutboxRecord
-from outbox_dispatcher.records import (
+from outbox_dispatcher.kafka import internals
+from outbox_dispatcher.kafka.records import (
     BATCH_HEADER,
     KafkaRecord,
     RecordEncoder,
     partition_in,
     record_size,
 )
+from outbox_dispatcher.models import OutboxRecord
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.tracing import Tracer
 
@@ -182,8 +183,8 @@ class KafkaPublisher:
             log.warning(
                 "producer_replaced",
                 reason=reason,
-                old_producer_id=None if old is None else broker.producer_id(old),
-                producer_id=broker.producer_id(fresh),
+                old_producer_id=None if old is None else internals.producer_id(old),
+                producer_id=internals.producer_id(fresh),
             )
         if old is not None:
             self._retire(old, "the producer was replaced; the broker did not take its records")
@@ -191,7 +192,7 @@ class KafkaPublisher:
     def _retire(self, producer: AIOKafkaProducer, reason: str) -> None:
         """Stop using `producer` without failing what a request has carried. Submissions still
         waiting to reach it end (their rows are given back: never sent), and so do its batches
-        no request has carried yet (broker.withdraw_unsent). What is in flight stays with it:
+        no request has carried yet (internals.withdraw_unsent). What is in flight stays with it:
         its retries, under its producer id and sequence numbers, are the only ones the broker
         recognises as an append it already made. It is closed once the broker has answered
         everything (aiokafka's stop() flushes), or at the process's stop (bounded there)."""
@@ -199,7 +200,7 @@ class KafkaPublisher:
         for task, owner in list(self._submitting.items()):
             if owner is producer:
                 task.cancel()
-        broker.withdraw_unsent(producer, unsent)
+        internals.withdraw_unsent(producer, unsent)
         if id(producer) in self._retiring:
             return
 
@@ -209,7 +210,7 @@ class KafkaPublisher:
             except Exception as exc:  # noqa: BLE001 - discarded whatever its stop() raised
                 log.debug("producer_stop_failed", error=errors.describe(exc))
             # A batch appended after stop()'s flush took its snapshot (N11) is never sent.
-            broker.withdraw_unsent(producer, unsent)
+            internals.withdraw_unsent(producer, unsent)
 
         retiring = asyncio.ensure_future(close())
         self._retiring[id(producer)] = (producer, retiring)
@@ -252,7 +253,7 @@ class KafkaPublisher:
     async def broker_reachable(self, seconds: float = 5.0) -> bool:
         try:
             async with asyncio.timeout(seconds):
-                await broker.answers(self.producer)
+                await internals.answers(self.producer)
         except (kafka_errors.KafkaError, OSError, TimeoutError):
             return False
         return True
@@ -260,7 +261,7 @@ class KafkaPublisher:
     async def _topic_errors(self, topics: set[str]) -> dict[str, BaseException]:
         """Fetch metadata for topics not yet known, so that send() never blocks on one."""
         producer = self.producer
-        unknown = [t for t in topics if broker.known_partitions(producer, t) is None]
+        unknown = [t for t in topics if internals.known_partitions(producer, t) is None]
         if not unknown:
             return {}
         timeout = min(self._settings.publish_timeout_seconds, 10.0)
@@ -276,10 +277,10 @@ class KafkaPublisher:
         async def lookup(topic: str) -> BaseException | None:
             try:
                 async with asyncio.timeout(timeout):
-                    # Asked of several brokers at once (broker._first_answer); what this finds
+                    # Asked of several brokers at once (internals._first_answer); what this finds
                     # missing or failing, the producer's own lookup then decides.
                     with contextlib.suppress(kafka_errors.KafkaError, OSError):
-                        await broker.load_topics(self.producer, [topic])
+                        await internals.load_topics(self.producer, [topic])
                     await self.producer.partitions_for(topic)
             except (kafka_errors.KafkaError, TimeoutError) as exc:
                 failure: BaseException = exc
@@ -316,7 +317,7 @@ class KafkaPublisher:
         }
         try:
             async with asyncio.timeout(seconds):
-                codes = await broker.topic_error_codes(self.producer, topics)
+                codes = await internals.topic_error_codes(self.producer, topics)
         except (kafka_errors.KafkaError, OSError, TimeoutError):
             return unavailable
         if codes is None:
@@ -365,7 +366,7 @@ class KafkaPublisher:
         unknown = {
             t
             for t in {t for t in topics if isinstance(t, str)}
-            if broker.known_partitions(producer, t) is None
+            if internals.known_partitions(producer, t) is None
         }
         lookups = {t: asyncio.ensure_future(self._topic_errors({t})) for t in unknown}
         topic_errors: dict[str, BaseException] = {}
@@ -479,7 +480,7 @@ class KafkaPublisher:
             [records[i] for i in indices],
             [topics[i] for i in indices],
             self._settings.kafka_max_batch_bytes,
-            lambda topic: broker.known_partitions(producer, topic),
+            lambda topic: internals.known_partitions(producer, topic),
             sizes=sizes,
         )
         encoding = dict(zip(indices, encoded, strict=True))
@@ -700,7 +701,7 @@ class KafkaPublisher:
         if topic in ordered:
             partitions = ordered[topic]
         else:
-            known = broker.known_partitions(self.producer, topic)
+            known = internals.known_partitions(self.producer, topic)
             partitions = ordered[topic] = sorted(known) if known else None
         if partitions is None:
             return errors.BrokerUnavailableError(
@@ -713,7 +714,7 @@ class KafkaPublisher:
         order to keep, and one batch beats several; a wave budgets their bytes against every
         partition of the topic), partitions taken in turn from wave to wave, among those with a
         leader when any has one (as the producer's own partitioner prefers)."""
-        available = broker.available_partitions(self.producer, topic)
+        available = internals.available_partitions(self.producer, topic)
         choices = sorted(available) if available else partitions
         self._keyless_turn += 1
         return choices[self._keyless_turn % len(choices)]
@@ -805,7 +806,7 @@ class KafkaPublisher:
     ) -> set[asyncio.Future[object]]:
         """The pending submissions that never reached the broker, ended now: those still
         waiting to be handed to their producer, and batches the producer still queues behind a
-        request in flight on the same partition (broker.withdraw_unsent). Their rows can be
+        request in flight on the same partition (internals.withdraw_unsent). Their rows can be
         given back with no copy left anywhere."""
         withdrawn: set[asyncio.Future[object]] = set()
         unsent = errors.BrokerUnavailableError(_UNACKNOWLEDGED)
@@ -815,7 +816,7 @@ class KafkaPublisher:
                 withdrawn.add(future)
                 continue
             producer, builder = sent.batches.get(future, (None, None))
-            if producer is not None and broker.withdraw_unsent(producer, unsent, [builder]):
+            if producer is not None and internals.withdraw_unsent(producer, unsent, [builder]):
                 withdrawn.add(future)
         return withdrawn
 
@@ -1099,7 +1100,7 @@ async def diagnose(
     password = s.kafka_sasl_password.get_secret_value() if s.kafka_sasl_password else None
     try:
         async with asyncio.timeout(min(10.0, s.publish_timeout_seconds)):
-            conn = await broker.open_connection(
+            conn = await internals.open_connection(
                 host,
                 int(port),
                 client_id=s.kafka_client_id,
@@ -1202,7 +1203,7 @@ async def _close(
     done, _ = await asyncio.wait({stopping}, timeout=STOP_FLUSH_SECONDS)
     if not done:
         log.warning("producer_flush_abandoned", reason=reason)
-        broker.fail_buffered(producer, errors.BrokerUnavailableError(reason))
+        internals.fail_buffered(producer, errors.BrokerUnavailableError(reason))
     try:
         await stopping
     except Exception as exc:  # noqa: BLE001 - the producer is discarded whatever its stop() raised

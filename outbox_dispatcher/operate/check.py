@@ -13,7 +13,8 @@ from typing import Literal
 
 import asyncpg
 
-from outbox_dispatcher import broker, db, errors, migrations
+from outbox_dispatcher import db, errors, migrations
+from outbox_dispatcher.kafka import internals
 from outbox_dispatcher.operate import reads
 from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.publisher import KafkaPublisher
@@ -129,7 +130,7 @@ async def _existing_topics(settings: Settings) -> set[str]:
     try:
         async with asyncio.timeout(CHECK_BROKER_SECONDS):
             await publisher.start()
-            cluster = await broker.all_metadata(publisher.producer)
+            cluster = await internals.all_metadata(publisher.producer)
     finally:
         await publisher.stop()
         client_log.setLevel(level)

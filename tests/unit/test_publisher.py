@@ -17,9 +17,9 @@ from aiokafka.structs import TopicPartition
 from outbox_dispatcher import errors
 from outbox_dispatcher import publisher as publisher_module
 from outbox_dispatcher.dispatcher import acknowledged_keys
+from outbox_dispatcher.kafka.records import partition_of, record_size
 from outbox_dispatcher.models import OutboxRecord
 from outbox_dispatcher.publisher import KafkaPublisher, NotAttempted, Sent, _waves
-from outbox_dispatcher.records import partition_of, record_size
 from outbox_dispatcher.settings import Settings
 
 

@@ -1,4 +1,4 @@
-"""How a row becomes a Kafka record (outbox_dispatcher/records.py): no broker needed."""
+"""How a row becomes a Kafka record (outbox_dispatcher/kafka/records.py): no broker needed."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.models import OutboxRecord
-from outbox_dispatcher.records import (
+from outbox_dispatcher.kafka.records import (
     BATCH_HEADER,
     RecordEncoder,
     cloudevents_headers,
@@ -22,6 +21,7 @@ from outbox_dispatcher.records import (
     record_size,
     serialized_size,
 )
+from outbox_dispatcher.models import OutboxRecord
 from outbox_dispatcher.settings import Settings
 
 EVENT_ID = uuid.UUID("0192a5f0-0000-7000-8000-000000000001")
