@@ -8,7 +8,19 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from outbox_dispatcher.errors import Failure
+
+class Failure(enum.Enum):
+    """How a failed publish of one row is handled (kafka/failures.py classifies)."""
+
+    # The row itself cannot ever be published (too large, invalid topic, not authorized):
+    # dead-letter it now.
+    PERMANENT = "permanent"
+    # Something about this row failed and may succeed later: count the attempt, back off,
+    # dead-letter after max_attempts.
+    ROW = "row"
+    # The broker or the network is down: back off, but do not count the attempt; an outage must
+    # not dead-letter anything.
+    TRANSIENT = "transient"
 
 
 class OutboxRecord(NamedTuple):

@@ -22,7 +22,7 @@ from aiokafka import errors as kafka_errors
 from outbox_dispatcher import errors
 from outbox_dispatcher.errors import NotAttempted as NotAttempted
 from outbox_dispatcher.errors import TopicMissingError as TopicMissingError
-from outbox_dispatcher.kafka import internals
+from outbox_dispatcher.kafka import failures, internals
 from outbox_dispatcher.kafka.records import (
     BATCH_HEADER,
     KafkaRecord,
@@ -155,7 +155,7 @@ class KafkaPublisher:
             await asyncio.wait(list(self._closing.values()))
 
     def _note(self, outcome: BaseException | None) -> None:
-        if isinstance(outcome, errors.PRODUCER_STATE_ERRORS):
+        if isinstance(outcome, failures.PRODUCER_STATE):
             self._broken = outcome
 
     async def _replace_if_broken(self) -> None:
@@ -1030,8 +1030,8 @@ def _rejected(future: asyncio.Future[object]) -> bool:
     exc = future.exception()
     return (
         isinstance(exc, kafka_errors.KafkaError)
-        and not isinstance(exc, errors.PRODUCER_STATE_ERRORS + errors.TOPIC_ERRORS)
-        and errors.classify(exc) is not errors.Failure.TRANSIENT
+        and not isinstance(exc, failures.PRODUCER_STATE + failures.TOPIC)
+        and failures.classify(exc) is not errors.Failure.TRANSIENT
     )
 
 

@@ -52,3 +52,11 @@ def test_the_operator_layer_imports_neither_face() -> None:
 
 def test_the_console_does_not_import_the_cli() -> None:
     assert offenders("console", "outbox_dispatcher.cli") == []
+
+
+def test_the_root_exceptions_import_no_kafka_client() -> None:
+    """errors.py keeps the root exception and its subclasses; how a publish failure is handled
+    is the Kafka side's (kafka/failures.py)."""
+    found = imports(PACKAGE / "errors.py")
+    assert "outbox_dispatcher.kafka.failures" in found
+    assert [name for name in sorted(found) if name.split(".")[0] == "aiokafka"] == []
