@@ -22,14 +22,13 @@ from aiokafka import errors as kafka_errors
 from outbox_dispatcher import errors
 from outbox_dispatcher.errors import NotAttempted as NotAttempted
 from outbox_dispatcher.errors import TopicMissingError as TopicMissingError
-from outbox_dispatcher.kafka import failures, internals
+from outbox_dispatcher.kafka import failures, internals, tls
 from outbox_dispatcher.kafka.records import (
-    BATCH_HEADER,
     KafkaRecord,
     RecordEncoder,
     partition_in,
-    record_size,
 )
+from outbox_dispatcher.kafka.waves import plan_waves
 from outbox_dispatcher.models import OutboxRecord
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.tracing import Tracer
@@ -112,8 +111,8 @@ class KafkaPublisher:
         return self._producer
 
     async def start(self) -> None:
-        context = ssl_context(self._settings)
-        problem = await diagnose(self._settings, context)
+        context = tls.ssl_context(self._settings)
+        problem = await tls.diagnose(self._settings, context)
         if problem is not None:
             raise problem
         self._context = context
@@ -125,7 +124,7 @@ class KafkaPublisher:
             kafka_errors.AuthenticationFailedError,
         ) as exc:
             await producer.stop()
-            raise errors.ConfigurationError(_SASL_REJECTED.format(errors.describe(exc))) from exc
+            raise errors.ConfigurationError(tls.SASL_REJECTED.format(errors.describe(exc))) from exc
         except (kafka_errors.KafkaError, OSError) as exc:
             await producer.stop()
             msg = (
@@ -476,7 +475,7 @@ class KafkaPublisher:
         producer = self.producer
         encoded = self._encode(records, topics, indices)
         sizes = [item.size if isinstance(item, KafkaRecord) else 0 for item in encoded]
-        waves = _waves(
+        waves = plan_waves(
             [records[i] for i in indices],
             [topics[i] for i in indices],
             self._settings.kafka_max_batch_bytes,
@@ -932,81 +931,6 @@ _IN_FLIGHT = (
 )
 
 
-def _waves(
-    records: Sequence[OutboxRecord],
-    topics: Sequence[str | BaseException],
-    batch_bytes: int = 1 << 62,
-    partitions: Callable[[str], set[int] | None] = lambda topic: None,
-    extra: int = 0,
-    sizes: Sequence[int] | None = None,
-) -> list[list[int]]:
-    """Record indices by wave (each wave is sent, then awaited, before the next).
-
-    A key's rows stay in its current wave while their topic stays the same (one partition,
-    ordered by the producer) and move to the next wave at each change of topic (F1). A wave
-    holds at most one producer batch (`batch_bytes`) per partition, so that a key's rows never
-    straddle two producer batches of one partition in flight at once: a batch that expires
-    unsent uses up sequence numbers, and a broker without state for the producer id would
-    accept the next batch, delivering later rows first (review F3). Keyless rows have no order
-    to keep; the publisher puts a wave's keyless rows of a topic in any one partition of it,
-    so their bytes count against every partition of it. `sizes`: each record's bytes in a batch
-    at most (KafkaRecord.size), else estimated from the row (record_size, plus `extra`)."""
-    limit = max(1, batch_bytes - BATCH_HEADER)
-    if sizes is None:
-        sizes = [
-            record_size(r, extra) if isinstance(t, str) else 0
-            for r, t in zip(records, topics, strict=True)
-        ]
-    if sum(sizes) <= limit:
-        limit = 1 << 62  # the whole claim fits in one batch per partition: no byte accounting
-    waves: list[list[int]] = []
-    at: dict[str, tuple[int, str | BaseException]] = {}
-    keyed: dict[tuple[str, int | str, int], int] = {}  # (topic, partition, wave): bytes
-    busiest: dict[tuple[str, int], int] = {}  # (topic, wave): the most keyed bytes of a partition
-    keyless: dict[tuple[str, int], int] = {}  # (topic, wave): bytes
-    partition_cache: dict[tuple[str, str], int | str] = {}
-    ordered: dict[str, list[int] | None] = {}  # topic: its partitions by id
-    for i, (record, topic) in enumerate(zip(records, topics, strict=True)):
-        key = record.ordering_key
-        wave = 0
-        if key is not None:
-            previous = at.get(key)
-            if previous is not None:
-                wave, previous_topic = previous
-                if previous_topic != topic:
-                    wave += 1
-        if isinstance(topic, str) and limit < 1 << 62:
-            size = sizes[i]
-            if key is None:
-                while (used := keyless.get((topic, wave), 0) + busiest.get((topic, wave), 0)) and (
-                    used + size > limit
-                ):
-                    wave += 1
-                keyless[(topic, wave)] = keyless.get((topic, wave), 0) + size
-            else:
-                partition = partition_cache.get((topic, key))
-                if partition is None:
-                    if topic not in ordered:
-                        known = partitions(topic)
-                        ordered[topic] = sorted(known) if known else None
-                    candidates = ordered[topic]
-                    partition = partition_in(candidates, key) if candidates else key
-                    partition_cache[(topic, key)] = partition
-                while (
-                    used := keyed.get((topic, partition, wave), 0) + keyless.get((topic, wave), 0)
-                ) and used + size > limit:
-                    wave += 1
-                load = keyed.get((topic, partition, wave), 0) + size
-                keyed[(topic, partition, wave)] = load
-                busiest[(topic, wave)] = max(busiest.get((topic, wave), 0), load)
-        if key is not None:
-            at[key] = (wave, topic)
-        while wave >= len(waves):
-            waves.append([])
-        waves[wave].append(i)
-    return waves
-
-
 def _failed(item: asyncio.Future[object] | BaseException | None) -> bool:
     """A record that is not (or not yet) acknowledged: its key's later rows must wait."""
     if item is None or isinstance(item, BaseException):
@@ -1042,152 +966,6 @@ def _exception_of(item: asyncio.Future[object] | BaseException | None) -> BaseEx
         if exc is not None:
             return exc
     return errors.BrokerUnavailableError("the broker refused a batch")
-
-
-_SASL_REJECTED = (
-    "Kafka rejected the SASL credentials ({}): check OUTBOX_KAFKA_SASL_USERNAME, "
-    "OUTBOX_KAFKA_SASL_PASSWORD and OUTBOX_KAFKA_SASL_MECHANISM"
-)
-
-
-def ssl_context(settings: Settings) -> ssl.SSLContext | None:
-    """The TLS context for SSL and SASL_SSL: the broker verified against kafka_ssl_cafile (the
-    system CAs without it), a client certificate when one is configured."""
-    s = settings
-    if s.kafka_security_protocol not in ("SSL", "SASL_SSL"):
-        return None
-    try:
-        context = ssl.create_default_context(cafile=s.kafka_ssl_cafile)
-    except (OSError, ssl.SSLError) as exc:
-        msg = (
-            f"cannot load the CA file OUTBOX_KAFKA_SSL_CAFILE={s.kafka_ssl_cafile!r} "
-            f"({errors.describe(exc)}): give a readable PEM bundle"
-        )
-        raise errors.ConfigurationError(msg) from exc
-    context.check_hostname = s.kafka_ssl_check_hostname
-    if s.kafka_ssl_certfile:
-        key_password = s.kafka_ssl_key_password
-        try:
-            # Never let OpenSSL prompt on a terminal for a missing key password.
-            context.load_cert_chain(
-                s.kafka_ssl_certfile,
-                s.kafka_ssl_keyfile,
-                password=key_password.get_secret_value() if key_password else _no_password,
-            )
-        except (OSError, ssl.SSLError) as exc:
-            msg = (
-                f"cannot load the client certificate OUTBOX_KAFKA_SSL_CERTFILE="
-                f"{s.kafka_ssl_certfile!r} with OUTBOX_KAFKA_SSL_KEYFILE={s.kafka_ssl_keyfile!r} "
-                f"({errors.describe(exc)}): check both files and OUTBOX_KAFKA_SSL_KEY_PASSWORD"
-            )
-            raise errors.ConfigurationError(msg) from exc
-    return context
-
-
-def _no_password() -> bytes:
-    return b""
-
-
-async def diagnose(
-    settings: Settings, context: ssl.SSLContext | None
-) -> errors.ConfigurationError | None:
-    """Connect once to the first bootstrap server the way the producer will, and turn a refused
-    login or certificate into one clear configuration error. The producer itself would only
-    report "Unable to bootstrap", which reads like an outage. Anything else (the broker is down)
-    is left to the producer's own start."""
-    s = settings
-    host, _, port = s.kafka_bootstrap_servers.split(",")[0].rpartition(":")
-    password = s.kafka_sasl_password.get_secret_value() if s.kafka_sasl_password else None
-    try:
-        async with asyncio.timeout(min(10.0, s.publish_timeout_seconds)):
-            conn = await internals.open_connection(
-                host,
-                int(port),
-                client_id=s.kafka_client_id,
-                request_timeout_ms=int(s.publish_timeout_seconds * 1000),
-                ssl_context=context,
-                security_protocol=s.kafka_security_protocol,
-                sasl_mechanism=s.kafka_sasl_mechanism or "PLAIN",
-                sasl_plain_username=s.kafka_sasl_username,
-                sasl_plain_password=password,
-            )
-    except (kafka_errors.SaslAuthenticationFailed, kafka_errors.AuthenticationFailedError) as exc:
-        return errors.ConfigurationError(_SASL_REJECTED.format(errors.describe(exc)))
-    except kafka_errors.UnsupportedSaslMechanismError as exc:
-        return errors.ConfigurationError(
-            f"the broker does not accept OUTBOX_KAFKA_SASL_MECHANISM={s.kafka_sasl_mechanism} "
-            f"({errors.describe(exc)}): use one it enables"
-        )
-    except ssl.SSLCertVerificationError as exc:
-        return errors.ConfigurationError(_certificate_rejected(exc))
-    except ssl.SSLError as exc:
-        return errors.ConfigurationError(_tls_failed(s, exc))
-    except (kafka_errors.KafkaError, OSError, TimeoutError, ValueError):
-        if context is not None:
-            return await _diagnose_tls(s, host, int(port), context)
-        return None
-    conn.close()
-    return None
-
-
-async def _diagnose_tls(
-    settings: Settings, host: str, port: int, context: ssl.SSLContext
-) -> errors.ConfigurationError | None:
-    """What aiokafka reports as a closed connection. With TLS 1.3 a broker that refuses the
-    client's certificate (or its absence) lets the handshake finish and sends its alert after
-    the client's first bytes; a listener that does not speak TLS drops the handshake."""
-    writer: asyncio.StreamWriter | None = None
-    handshake_done = False
-    try:
-        async with asyncio.timeout(5.0):
-            reader, writer = await asyncio.open_connection(host, port, ssl=context)
-            handshake_done = True
-            writer.write(b"\x00\x00\x00\x00")  # an empty Kafka request: the broker closes
-            await writer.drain()
-            await reader.read(1)
-    except ssl.SSLCertVerificationError as exc:
-        return errors.ConfigurationError(_certificate_rejected(exc))
-    except ssl.SSLError as exc:
-        return errors.ConfigurationError(_tls_failed(settings, exc))
-    except ConnectionResetError as exc:
-        if handshake_done:
-            return None
-        return errors.ConfigurationError(
-            f"{host}:{port} dropped the TLS handshake ({errors.describe(exc)}): it is probably "
-            "not a TLS listener; check OUTBOX_KAFKA_SECURITY_PROTOCOL and the port in "
-            "OUTBOX_KAFKA_BOOTSTRAP_SERVERS"
-        )
-    except (OSError, TimeoutError):
-        return None
-    finally:
-        if writer is not None:
-            writer.close()
-    return None
-
-
-def _certificate_rejected(exc: ssl.SSLCertVerificationError) -> str:
-    return (
-        f"the Kafka broker's TLS certificate was not accepted ({exc.verify_message or exc}): "
-        "OUTBOX_KAFKA_SSL_CAFILE must name the CA that signed it, and the certificate must name "
-        "the host in OUTBOX_KAFKA_BOOTSTRAP_SERVERS (or set OUTBOX_KAFKA_SSL_CHECK_HOSTNAME=false)"
-    )
-
-
-def _tls_failed(settings: Settings, exc: ssl.SSLError) -> str:
-    alert = str(exc).upper()
-    if "CERTIFICATE" in alert and not settings.kafka_ssl_certfile:
-        hint = (
-            "the broker wants a client certificate: set OUTBOX_KAFKA_SSL_CERTFILE and "
-            "OUTBOX_KAFKA_SSL_KEYFILE"
-        )
-    elif "CERTIFICATE" in alert:
-        hint = (
-            "the broker refused the client certificate OUTBOX_KAFKA_SSL_CERTFILE: it must be "
-            "signed by a CA the broker trusts"
-        )
-    else:
-        hint = "check OUTBOX_KAFKA_SECURITY_PROTOCOL and the OUTBOX_KAFKA_SSL_* settings"
-    return f"the TLS handshake with Kafka failed ({errors.describe(exc)}): {hint}"
 
 
 async def _close(

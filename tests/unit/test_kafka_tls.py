@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.publisher import ssl_context
+from outbox_dispatcher.kafka.tls import ssl_context
 from outbox_dispatcher.settings import Settings
 
 
