@@ -105,7 +105,7 @@ async def _timed_produce(
     publisher = KafkaPublisher(settings)
     await publisher.start()
     try:
-        producer = publisher.producer
+        producer = publisher.producers.current()
         await producer.partitions_for(topic)
         batches = _batches(records, settings.batch_size)
         started = time.perf_counter()

@@ -8,8 +8,6 @@ acknowledged (those are marked) and which it had not (those are given back).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ssl
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,12 +20,14 @@ from aiokafka import errors as kafka_errors
 from outbox_dispatcher import errors
 from outbox_dispatcher.errors import NotAttempted as NotAttempted
 from outbox_dispatcher.errors import TopicMissingError as TopicMissingError
-from outbox_dispatcher.kafka import failures, internals, tls
+from outbox_dispatcher.kafka import failures, internals, producers
+from outbox_dispatcher.kafka.producers import NotSubmitted, Producers
 from outbox_dispatcher.kafka.records import (
     KafkaRecord,
     RecordEncoder,
     partition_in,
 )
+from outbox_dispatcher.kafka.topics import TopicLookup
 from outbox_dispatcher.kafka.waves import plan_waves
 from outbox_dispatcher.models import OutboxRecord
 from outbox_dispatcher.settings import Settings
@@ -35,7 +35,6 @@ from outbox_dispatcher.tracing import Tracer
 
 log = structlog.get_logger(__name__)
 
-STOP_FLUSH_SECONDS = 5.0
 # A wave whose acks are missing this long after it was sent settles the keys already acknowledged
 # and lets the claim loop go on, so that one partition that does not acknowledge holds back only
 # its own keys (review F10). Sooner once one partition has answered: the others normally answer
@@ -70,163 +69,24 @@ class KafkaPublisher:
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
         self._encoder = RecordEncoder(settings)
-        self._producer: AIOKafkaProducer | None = None
         self._tracer = Tracer(settings.tracing)
-        self._context: ssl.SSLContext | None = None
-        self._broken: BaseException | None = None  # the producer's state is lost: replace it
-        self._replacing = asyncio.Lock()
-        self._closing: dict[int, asyncio.Future[None]] = {}  # id(producer): its bounded close
-        # id(producer): a replaced producer and its unbounded close (see _retire).
-        self._retiring: dict[int, tuple[AIOKafkaProducer, asyncio.Future[None]]] = {}
-        # Submissions not yet handed to their producer (waiting in send_batch, see _submit).
-        self._submitting: dict[asyncio.Future[object], AIOKafkaProducer] = {}
-        self._keyless_turn = 0  # see _keyless_partition
-
-    def _build(self, context: ssl.SSLContext | None) -> AIOKafkaProducer:
-        s = self._settings
-        return AIOKafkaProducer(
-            bootstrap_servers=s.kafka_bootstrap_servers.split(","),
-            client_id=s.kafka_client_id,
-            acks="all",
-            enable_idempotence=True,
-            linger_ms=s.kafka_linger_ms,
-            max_batch_size=s.kafka_max_batch_bytes,
-            max_request_size=s.kafka_max_request_bytes,
-            compression_type=None if s.kafka_compression == "none" else s.kafka_compression,
-            request_timeout_ms=int(s.publish_timeout_seconds * 1000),
-            security_protocol=s.kafka_security_protocol,
-            ssl_context=context,
-            sasl_mechanism=s.kafka_sasl_mechanism or "PLAIN",
-            sasl_plain_username=s.kafka_sasl_username,
-            sasl_plain_password=(
-                s.kafka_sasl_password.get_secret_value() if s.kafka_sasl_password else None
-            ),
-        )
+        self.producers = Producers(settings)
+        self.topics = TopicLookup(self.producers, settings)
 
     @property
     def producer(self) -> AIOKafkaProducer:
-        if self._producer is None:
-            msg = "the publisher is not started"
-            raise errors.OutboxDispatcherError(msg)
-        return self._producer
+        return self.producers.current()
 
     async def start(self) -> None:
-        context = tls.ssl_context(self._settings)
-        problem = await tls.diagnose(self._settings, context)
-        if problem is not None:
-            raise problem
-        self._context = context
-        producer = self._build(context)
-        try:
-            await producer.start()
-        except (
-            kafka_errors.SaslAuthenticationFailed,
-            kafka_errors.AuthenticationFailedError,
-        ) as exc:
-            await producer.stop()
-            raise errors.ConfigurationError(tls.SASL_REJECTED.format(errors.describe(exc))) from exc
-        except (kafka_errors.KafkaError, OSError) as exc:
-            await producer.stop()
-            msg = (
-                f"cannot reach Kafka at {self._settings.kafka_bootstrap_servers} "
-                f"({errors.describe(exc)}): check OUTBOX_KAFKA_BOOTSTRAP_SERVERS and the broker"
-            )
-            raise errors.BrokerUnavailableError(msg) from exc
-        except (ValueError, OverflowError) as exc:  # e.g. a port the socket layer refuses
-            await producer.stop()
-            msg = (
-                f"the Kafka client refused the settings ({errors.describe(exc)}): check the "
-                "OUTBOX_KAFKA_* settings"
-            )
-            raise errors.ConfigurationError(msg) from exc
-        self._producer = producer
+        await self.producers.start()
 
     async def stop(self) -> None:
-        """Flush and close (bounded, see _close) the producer and any producer still being
-        retired: the process is stopping, so what a partition still holds past the bound is
-        failed and given back (a copy may then follow, as after a crash; docs/guarantees.md)."""
-        if self._producer is not None:
-            producer, self._producer = self._producer, None
-            self._close(producer, "the dispatcher stopped while the broker was away")
-        for producer, _ in list(self._retiring.values()):
-            self._close(producer, "the dispatcher stopped while the broker was away")
-        if self._closing:
-            await asyncio.wait(list(self._closing.values()))
+        """Flush and close the producers (bounded: the process is stopping, see
+        Producers.stop)."""
+        await self.producers.stop()
 
-    def _note(self, outcome: BaseException | None) -> None:
-        if isinstance(outcome, failures.PRODUCER_STATE):
-            self._broken = outcome
-
-    async def _replace_if_broken(self) -> None:
-        """An idempotent producer whose sequence state the broker no longer accepts (e.g. after
-        the broker restarted and lost its producer state, or refused a batch whose sequence
-        numbers were used up) fails every later send: start a fresh producer (new producer id).
-        Its failed records are retried in order, never counted. The old producer is retired
-        outside the lock and without waiting for it (see _retire): what it still has in flight
-        may be in the broker's log, and only its own retries are recognised as such."""
-        if self._broken is None:
-            return
-        async with self._replacing:
-            if self._broken is None:
-                return
-            reason = errors.describe(self._broken)
-            fresh = self._build(self._context)
-            try:
-                async with asyncio.timeout(max(self._settings.publish_timeout_seconds, 10.0)):
-                    await fresh.start()
-            except (kafka_errors.KafkaError, OSError, TimeoutError) as exc:
-                await _close(fresh, "the fresh producer could not start")
-                raise errors.BrokerUnavailableError(errors.describe(exc)) from exc
-            old, self._producer = self._producer, fresh
-            self._broken = None
-            log.warning(
-                "producer_replaced",
-                reason=reason,
-                old_producer_id=None if old is None else internals.producer_id(old),
-                producer_id=internals.producer_id(fresh),
-            )
-        if old is not None:
-            self._retire(old, "the producer was replaced; the broker did not take its records")
-
-    def _retire(self, producer: AIOKafkaProducer, reason: str) -> None:
-        """Stop using `producer` without failing what a request has carried. Submissions still
-        waiting to reach it end (their rows are given back: never sent), and so do its batches
-        no request has carried yet (internals.withdraw_unsent). What is in flight stays with it:
-        its retries, under its producer id and sequence numbers, are the only ones the broker
-        recognises as an append it already made. It is closed once the broker has answered
-        everything (aiokafka's stop() flushes), or at the process's stop (bounded there)."""
-        unsent = errors.BrokerUnavailableError(reason)
-        for task, owner in list(self._submitting.items()):
-            if owner is producer:
-                task.cancel()
-        internals.withdraw_unsent(producer, unsent)
-        if id(producer) in self._retiring:
-            return
-
-        async def close() -> None:
-            try:
-                await producer.stop()
-            except Exception as exc:  # noqa: BLE001 - discarded whatever its stop() raised
-                log.debug("producer_stop_failed", error=errors.describe(exc))
-            # A batch appended after stop()'s flush took its snapshot (N11) is never sent.
-            internals.withdraw_unsent(producer, unsent)
-
-        retiring = asyncio.ensure_future(close())
-        self._retiring[id(producer)] = (producer, retiring)
-        retiring.add_done_callback(lambda _: self._retiring.pop(id(producer), None))
-
-    def _close(self, producer: AIOKafkaProducer, reason: str) -> asyncio.Future[None]:
-        """The producer's bounded close (_close), started once however many callers ask; a
-        producer being retired gets the bound too (the process is stopping)."""
-        closing = self._closing.get(id(producer))
-        if closing is None:
-            retiring = self._retiring.get(id(producer))
-            closing = asyncio.ensure_future(
-                _close(producer, reason, None if retiring is None else retiring[1])
-            )
-            self._closing[id(producer)] = closing
-            closing.add_done_callback(lambda _: self._closing.pop(id(producer), None))
-        return closing
+    async def broker_reachable(self, seconds: float = 5.0) -> bool:
+        return await self.topics.reachable(seconds)
 
     async def abandon(self, sent: Sent, reason: str) -> None:
         """The process is stopping past its grace period: close the producers holding sent's
@@ -235,101 +95,17 @@ class KafkaPublisher:
         a drained batch for ever, and would deliver it after the re-claim did: review F4). A
         request in flight when the bound ends may still be appended: docs/guarantees.md counts
         that among the copies a crash can make."""
-        used = [p for p in dict.fromkeys(sent.producers) if p is not None]
-        closing = [self._close(p, reason) for p in used]
-        if closing:
-            await asyncio.wait(closing)  # not gather: a cancelled caller must not cancel them
+        await self.producers.close_bounded(sent.producers, reason)
         # A submission still waiting for its partition's previous batch to leave never reached
         # the closed producer: it ends here, unacknowledged (its rows are given back). The
         # others wait on answers the close has settled: let them take those answers first (an
         # acknowledged row must not be given back).
         tasks = {t for t in sent.futures if isinstance(t, asyncio.Future) and not t.done()}
-        for task in tasks & self._submitting.keys():
-            task.cancel()
+        for task in tasks:
+            if self.producers.handing_over(task):
+                task.cancel()
         if tasks:
-            await asyncio.wait(tasks, timeout=STOP_FLUSH_SECONDS)
-
-    async def broker_reachable(self, seconds: float = 5.0) -> bool:
-        try:
-            async with asyncio.timeout(seconds):
-                await internals.answers(self.producer)
-        except (kafka_errors.KafkaError, OSError, TimeoutError):
-            return False
-        return True
-
-    async def _topic_errors(self, topics: set[str]) -> dict[str, BaseException]:
-        """Fetch metadata for topics not yet known, so that send() never blocks on one."""
-        producer = self.producer
-        unknown = [t for t in topics if internals.known_partitions(producer, t) is None]
-        if not unknown:
-            return {}
-        timeout = min(self._settings.publish_timeout_seconds, 10.0)
-        absent: dict[str, BaseException] = {}
-        if not self._settings.kafka_allow_auto_create_topics:
-            # The producer's own metadata requests always allow auto-creation: only topics the
-            # broker confirms may reach them.
-            absent = await self._without_auto_creation(unknown, timeout)
-            unknown = [t for t in unknown if t not in absent]
-            if not unknown:
-                return absent
-
-        async def lookup(topic: str) -> BaseException | None:
-            try:
-                async with asyncio.timeout(timeout):
-                    # Asked of several brokers at once (internals._first_answer); what this finds
-                    # missing or failing, the producer's own lookup then decides.
-                    with contextlib.suppress(kafka_errors.KafkaError, OSError):
-                        await internals.load_topics(self.producer, [topic])
-                    await self.producer.partitions_for(topic)
-            except (kafka_errors.KafkaError, TimeoutError) as exc:
-                failure: BaseException = exc
-                return failure
-            return None
-
-        results = await asyncio.gather(*(lookup(t) for t in unknown))
-        failed = {t: exc for t, exc in zip(unknown, results, strict=True) if exc is not None}
-        if failed and not all(
-            isinstance(exc, kafka_errors.TopicAuthorizationFailedError) for exc in failed.values()
-        ):
-            # A missing topic and an unreachable broker look alike from here; ask the broker.
-            reachable = await self.broker_reachable()
-            for topic, exc in list(failed.items()):
-                if isinstance(exc, kafka_errors.TopicAuthorizationFailedError):
-                    continue
-                if reachable:
-                    failed[topic] = TopicMissingError(
-                        f"topic {topic!r} does not exist and was not auto-created: create it, "
-                        "or requeue the row with a valid topic"
-                    )
-                else:
-                    failed[topic] = errors.BrokerUnavailableError()
-        return absent | failed
-
-    async def _without_auto_creation(
-        self, topics: list[str], seconds: float
-    ) -> dict[str, BaseException]:
-        """Ask the broker about topics with allow_auto_topic_creation=false (Metadata v4+); a
-        topic it does not know is missing. If the broker cannot be asked, every topic waits
-        (transient): looking it up through the producer would auto-create it."""
-        unavailable: dict[str, BaseException] = {
-            topic: errors.BrokerUnavailableError() for topic in topics
-        }
-        try:
-            async with asyncio.timeout(seconds):
-                codes = await internals.topic_error_codes(self.producer, topics)
-        except (kafka_errors.KafkaError, OSError, TimeoutError):
-            return unavailable
-        if codes is None:
-            return unavailable
-        missing: dict[str, BaseException] = {}
-        for topic, code in codes.items():
-            if code == kafka_errors.UnknownTopicOrPartitionError.errno:
-                missing[topic] = TopicMissingError(
-                    f"topic {topic!r} does not exist and OUTBOX_KAFKA_ALLOW_AUTO_CREATE_TOPICS is "
-                    "false: create the topic (the row is retried until max_attempts; once "
-                    "dead-lettered, `outbox-dispatcher dead requeue` sends it again)"
-                )
-        return missing
+            await asyncio.wait(tasks, timeout=producers.STOP_FLUSH_SECONDS)
 
     async def publish(
         self,
@@ -353,7 +129,7 @@ class KafkaPublisher:
             return []
         topics = [self._encoder.topic(record) for record in records]
         try:
-            await self._replace_if_broken()
+            await self.producers.replace_if_broken()
         except errors.BrokerUnavailableError as exc:
             sent.futures = [exc] * len(records)
             return self.outcomes(sent, exc)
@@ -361,13 +137,8 @@ class KafkaPublisher:
         # row for such a topic goes out at once: a topic that does not exist takes
         # publish_timeout to be found missing, and other keys must not wait for it (guarantee 5).
         # The keys with a row for a looked-up topic go out once its lookup has answered.
-        producer = self.producer
-        unknown = {
-            t
-            for t in {t for t in topics if isinstance(t, str)}
-            if internals.known_partitions(producer, t) is None
-        }
-        lookups = {t: asyncio.ensure_future(self._topic_errors({t})) for t in unknown}
+        unknown = self.topics.unknown({t for t in topics if isinstance(t, str)})
+        lookups = {t: asyncio.ensure_future(self.topics.errors_for({t})) for t in unknown}
         topic_errors: dict[str, BaseException] = {}
         now: list[int] = list(range(len(records)))
         later: list[int] = []
@@ -456,7 +227,7 @@ class KafkaPublisher:
             if item is None:
                 sent.futures[i] = NotAttempted()
             elif isinstance(item, asyncio.Future) and _rejected(item) and shared[id(item)] > 1:
-                self._broken = self._broken or item.exception()
+                self.producers.condemn(_exception_of(item), keep_earlier=True)
                 sent.futures[i] = NotAttempted()
 
     async def _publish_part(
@@ -472,14 +243,13 @@ class KafkaPublisher:
     ) -> bool:
         """Send records[indices] wave by wave (see publish); True if given up on after
         publish_timeout (the rest is not attempted)."""
-        producer = self.producer
         encoded = self._encode(records, topics, indices)
         sizes = [item.size if isinstance(item, KafkaRecord) else 0 for item in encoded]
         waves = plan_waves(
             [records[i] for i in indices],
             [topics[i] for i in indices],
             self._settings.kafka_max_batch_bytes,
-            lambda topic: internals.known_partitions(producer, topic),
+            self.topics.partitions,
             sizes=sizes,
         )
         encoding = dict(zip(indices, encoded, strict=True))
@@ -487,7 +257,7 @@ class KafkaPublisher:
         while queue:
             wave = queue.popleft()
             try:
-                await self._replace_if_broken()
+                await self.producers.replace_if_broken()
             except errors.BrokerUnavailableError as exc:
                 for i in wave:
                     sent.futures[i] = exc
@@ -546,9 +316,9 @@ class KafkaPublisher:
                 if verdict is None:
                     verdict = failed[id(answer)] = _failed(answer)
                     if answer.done() and not answer.cancelled():
-                        self._note(answer.exception())
+                        self.producers.note(answer.exception())
                         if _rejected(answer):  # its sequence numbers were used up: a new producer
-                            self._broken = answer.exception()
+                            self.producers.condemn(_exception_of(answer))
             else:
                 verdict = True
             key = records[i].ordering_key
@@ -599,7 +369,7 @@ class KafkaPublisher:
             else:
                 partition = keyless.get(topic, -1)
                 if partition < 0:
-                    partition = keyless[topic] = self._keyless_partition(topic, partitions)
+                    partition = keyless[topic] = self.topics.keyless_partition(topic, partitions)
             slot = batches.get((topic, partition))
             if slot is None:
                 slot = batches[(topic, partition)] = (producer.create_batch(), [])
@@ -623,38 +393,13 @@ class KafkaPublisher:
             # Submitted concurrently: aiokafka's send_batch waits until the partition's previous
             # batch has left, and a partition that does not answer must not hold back the
             # submission (and so the acks and the early settle) of the wave's other partitions.
-            submission: asyncio.Future[object] = asyncio.ensure_future(
-                self._submit(producer, builder, topic, partition)
-            )
-            # Registered before it runs: a retirement that comes first must find it (N11).
-            self._submitting[submission] = producer
-            submission.add_done_callback(self._submitted)
+            submission = self.producers.submit(producer, builder, topic, partition)
             sent.batches[submission] = (producer, builder)
             for i in members:
                 sent.futures[i] = submission
             for span in spans:
                 self._tracer.end_on_ack(span, submission)
         return deferred
-
-    async def _submit(
-        self, producer: AIOKafkaProducer, builder: Any, topic: str, partition: int
-    ) -> object:
-        """Hand a built batch to the producer, then wait for the broker's answer: one awaitable
-        per batch from submission to ack. A send_batch that raises (a producer being closed by
-        another loop, an assertion on a partition its metadata no longer has) fails as
-        _NotSubmitted: nothing of the batch was sent (see _unsubmitted)."""
-        try:
-            delivery = await producer.send_batch(builder, topic, partition=partition)
-        except (kafka_errors.KafkaError, errors.BrokerUnavailableError, AssertionError) as exc:
-            raise _NotSubmitted(exc) from exc
-        finally:
-            task = asyncio.current_task()
-            if task is not None:
-                self._submitting.pop(task, None)
-        return await delivery
-
-    def _submitted(self, submission: asyncio.Future[object]) -> None:
-        self._submitting.pop(submission, None)
 
     def _unsubmitted(
         self,
@@ -672,9 +417,9 @@ class KafkaPublisher:
             if not (isinstance(item, asyncio.Future) and item.done() and not item.cancelled()):
                 continue
             problem = item.exception()
-            if not isinstance(problem, _NotSubmitted):
+            if not isinstance(problem, NotSubmitted):
                 continue
-            self._note(problem.cause)
+            self.producers.note(problem.cause)
             key = records[i].ordering_key
             sent.futures[i] = NotAttempted() if key is not None and key in seen else problem.cause
             if key is not None:
@@ -700,23 +445,13 @@ class KafkaPublisher:
         if topic in ordered:
             partitions = ordered[topic]
         else:
-            known = internals.known_partitions(self.producer, topic)
+            known = self.topics.partitions(topic)
             partitions = ordered[topic] = sorted(known) if known else None
         if partitions is None:
             return errors.BrokerUnavailableError(
                 f"the producer knows no partitions of topic {topic!r} yet"
             )
         return topic, item, partitions
-
-    def _keyless_partition(self, topic: str, partitions: list[int]) -> int:
-        """Where a wave's keyless records of a topic go: all to one partition (they have no
-        order to keep, and one batch beats several; a wave budgets their bytes against every
-        partition of the topic), partitions taken in turn from wave to wave, among those with a
-        leader when any has one (as the producer's own partitioner prefers)."""
-        available = internals.available_partitions(self.producer, topic)
-        choices = sorted(available) if available else partitions
-        self._keyless_turn += 1
-        return choices[self._keyless_turn % len(choices)]
 
     async def _await_acks(
         self,
@@ -755,7 +490,7 @@ class KafkaPublisher:
                 if early is not None and done and pending:
                     await early()
                 continue
-            if not await self.broker_reachable():
+            if not await self.topics.reachable():
                 log.warning("broker_unreachable_waiting", unacknowledged=len(pending))
             elif withdrawn := self._withdraw(sent, pending):
                 log.warning(
@@ -763,7 +498,7 @@ class KafkaPublisher:
                     given_back=len(withdrawn),
                     in_flight=len(pending - withdrawn),
                 )
-                await asyncio.wait(withdrawn, timeout=STOP_FLUSH_SECONDS)
+                await asyncio.wait(withdrawn, timeout=producers.STOP_FLUSH_SECONDS)
                 return True
             else:
                 sent.parked = True
@@ -810,7 +545,7 @@ class KafkaPublisher:
         withdrawn: set[asyncio.Future[object]] = set()
         unsent = errors.BrokerUnavailableError(_UNACKNOWLEDGED)
         for future in pending:
-            if future in self._submitting:
+            if self.producers.handing_over(future):
                 future.cancel()
                 withdrawn.add(future)
                 continue
@@ -862,7 +597,7 @@ class KafkaPublisher:
         if not suspects:
             return
         # The rejected batch used up sequence numbers the broker never saw: a fresh producer id.
-        self._broken = self._broken or _exception_of(sent.futures[suspects[0]])
+        self.producers.condemn(_exception_of(sent.futures[suspects[0]]), keep_earlier=True)
         log.info("batch_rejected_retrying_alone", rows=len(suspects))
         for i in suspects:
             sent.futures[i] = None  # not sent (a cancelled retry gives it back, not blames it)
@@ -873,7 +608,7 @@ class KafkaPublisher:
                 sent.futures[i] = NotAttempted()
                 continue
             try:
-                await self._replace_if_broken()
+                await self.producers.replace_if_broken()
             except errors.BrokerUnavailableError as exc:
                 sent.futures[i] = exc
             else:
@@ -883,7 +618,8 @@ class KafkaPublisher:
                     sent.futures[i] = errors.BrokerUnavailableError(_UNACKNOWLEDGED)
             item = sent.futures[i]
             if isinstance(item, asyncio.Future) and _rejected(item):
-                self._broken = item.exception()  # this refusal also used up a sequence number
+                # This refusal also used up a sequence number.
+                self.producers.condemn(_exception_of(item))
             if key is not None and _failed(item):
                 failed_keys.add(key)
 
@@ -892,7 +628,7 @@ class KafkaPublisher:
             sent, errors.BrokerUnavailableError(_UNACKNOWLEDGED), unsent=NotAttempted()
         )
         for outcome in outcomes:
-            self._note(outcome)
+            self.producers.note(outcome)
         return outcomes
 
     @staticmethod
@@ -917,7 +653,7 @@ class KafkaPublisher:
                 results.append(unacknowledged)
             else:
                 problem = item.exception()
-                results.append(problem.cause if isinstance(problem, _NotSubmitted) else problem)
+                results.append(problem.cause if isinstance(problem, NotSubmitted) else problem)
         missing = (total or 0) - len(results)
         results.extend([not_sent] * max(0, missing))
         return results
@@ -938,25 +674,12 @@ def _failed(item: asyncio.Future[object] | BaseException | None) -> bool:
     return not item.done() or item.cancelled() or item.exception() is not None
 
 
-class _NotSubmitted(Exception):  # noqa: N818 (a wrapper, not an error of its own)
-    """send_batch raised: the batch never reached the producer (see KafkaPublisher._submit)."""
-
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
-
-
 def _rejected(future: asyncio.Future[object]) -> bool:
     """The broker refused the record's batch (an error that is neither an outage nor the
     producer's own state): the refusal may be another record's fault."""
     if not future.done() or future.cancelled():
         return False
-    exc = future.exception()
-    return (
-        isinstance(exc, kafka_errors.KafkaError)
-        and not isinstance(exc, failures.PRODUCER_STATE + failures.TOPIC)
-        and failures.classify(exc) is not errors.Failure.TRANSIENT
-    )
+    return failures.is_rejection(future.exception())
 
 
 def _exception_of(item: asyncio.Future[object] | BaseException | None) -> BaseException:
@@ -966,28 +689,6 @@ def _exception_of(item: asyncio.Future[object] | BaseException | None) -> BaseEx
         if exc is not None:
             return exc
     return errors.BrokerUnavailableError("the broker refused a batch")
-
-
-async def _close(
-    producer: AIOKafkaProducer, reason: str, stopping: asyncio.Future[None] | None = None
-) -> None:
-    """Flush and close a producer within STOP_FLUSH_SECONDS (`stopping`: its stop() already
-    under way, see KafkaPublisher._retire). aiokafka's stop() waits for every buffered record
-    to be delivered, which never happens while a partition does not acknowledge: past the
-    bound, fail what is left (its records are then given back, unmarked: once stopped, the
-    producer sends nothing more). Only where the process stops or a producer never served."""
-    if stopping is None:
-        stopping = asyncio.ensure_future(producer.stop())
-    done, _ = await asyncio.wait({stopping}, timeout=STOP_FLUSH_SECONDS)
-    if not done:
-        log.warning("producer_flush_abandoned", reason=reason)
-        internals.fail_buffered(producer, errors.BrokerUnavailableError(reason))
-    try:
-        await stopping
-    except Exception as exc:  # noqa: BLE001 - the producer is discarded whatever its stop() raised
-        # Once its batches were failed here, aiokafka's sender can raise KeyError while ending: a
-        # request still in flight re-enqueues a batch that fail_buffered already completed.
-        log.debug("producer_stop_failed", error=errors.describe(exc))
 
 
 def _consume(future: asyncio.Future[object]) -> None:

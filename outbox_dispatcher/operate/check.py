@@ -14,7 +14,6 @@ from typing import Literal
 import asyncpg
 
 from outbox_dispatcher import db, errors, migrations
-from outbox_dispatcher.kafka import internals
 from outbox_dispatcher.operate import reads
 from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.publisher import KafkaPublisher
@@ -130,12 +129,10 @@ async def _existing_topics(settings: Settings) -> set[str]:
     try:
         async with asyncio.timeout(CHECK_BROKER_SECONDS):
             await publisher.start()
-            cluster = await internals.all_metadata(publisher.producer)
+            return await publisher.topics.existing()
     finally:
         await publisher.stop()
         client_log.setLevel(level)
-    existing: set[str] = cluster.topics()
-    return existing
 
 
 async def _check_broker(settings: Settings, report: _Findings) -> None:

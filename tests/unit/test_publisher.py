@@ -17,6 +17,7 @@ from aiokafka.structs import TopicPartition
 from outbox_dispatcher import errors
 from outbox_dispatcher import publisher as publisher_module
 from outbox_dispatcher.dispatcher import acknowledged_keys
+from outbox_dispatcher.kafka import producers as producers_module
 from outbox_dispatcher.kafka.records import partition_of
 from outbox_dispatcher.models import OutboxRecord
 from outbox_dispatcher.publisher import KafkaPublisher, NotAttempted, Sent
@@ -153,7 +154,7 @@ def reachable(publisher: KafkaPublisher) -> None:
     async def answers(seconds: float = 5.0) -> bool:
         return True
 
-    publisher.broker_reachable = answers  # type: ignore[method-assign]
+    publisher.topics.reachable = answers  # type: ignore[method-assign]
 
 
 async def test_records_in_flight_past_publish_timeout_are_waited_for_not_given_back(
@@ -183,7 +184,7 @@ async def test_records_in_flight_past_publish_timeout_are_waited_for_not_given_b
         assert settled and settled[0] == [1], "the answered key was settled early"
         queueing.answer(0)  # the ISR is back: the same producer's retry is acknowledged
         assert await asyncio.wait_for(publishing, 5) == [None, None]
-        assert publisher._producer is queueing, "no replacement"
+        assert publisher.producers.current() is queueing, "no replacement"
     finally:
         sender.cancel()
 
@@ -225,18 +226,17 @@ async def test_replacing_a_producer_fails_nothing_it_has_in_flight(
     request carried are failed (given back), and a submission still waiting to reach it is
     ended (review N11)."""
     publisher = with_producer(queueing)  # type: ignore[arg-type]
-    publisher._build = lambda context: FreshProducer()  # type: ignore[assignment,method-assign,return-value]
+    publisher.producers.factory = lambda context: FreshProducer()  # type: ignore[assignment,method-assign,return-value]
     accumulator = queueing._message_accumulator
     flying = accumulator._append_batch(FakeBatch(10), TopicPartition("t", 0))
     queueing.carry(0)
     queued = accumulator._append_batch(FakeBatch(10), TopicPartition("t", 1))
-    waiting = asyncio.ensure_future(queueing.send_batch(FakeBatch(10), "t", partition=1))
-    publisher._submitting[waiting] = queueing  # type: ignore[assignment]
+    waiting = publisher.producers.submit(queueing, FakeBatch(10), "t", 1)  # type: ignore[arg-type]
     await asyncio.sleep(0.01)  # waits behind `queued`
-    publisher._broken = kafka_errors.OutOfOrderSequenceNumber()
+    publisher.producers.condemn(kafka_errors.OutOfOrderSequenceNumber())
     async with asyncio.timeout(1):
-        await publisher._replace_if_broken()
-    assert isinstance(publisher._producer, FreshProducer)
+        await publisher.producers.replace_if_broken()
+    assert isinstance(publisher.producers.current(), FreshProducer)
     await asyncio.sleep(0.05)
     assert isinstance(queued.future.exception(), errors.BrokerUnavailableError)
     assert waiting.cancelled(), "never appended to the retired producer"
@@ -244,7 +244,7 @@ async def test_replacing_a_producer_fails_nothing_it_has_in_flight(
     assert accumulator._exception is None, "nothing failed wholesale"
     queueing.answer(0)
     await wait_for(lambda: queueing.stopped)
-    assert not publisher._retiring
+    assert not publisher.producers.retiring
 
 
 async def wait_for(condition: Any, timeout: float = 5.0) -> None:
@@ -258,14 +258,14 @@ async def test_stopping_closes_a_retired_producer_within_the_bound(
 ) -> None:
     """A retired producer waits for its requests in flight as long as the process runs; the
     process's stop bounds it (STOP_FLUSH_SECONDS), failing what is left."""
-    monkeypatch.setattr(publisher_module, "STOP_FLUSH_SECONDS", 0.2)
+    monkeypatch.setattr(producers_module, "STOP_FLUSH_SECONDS", 0.2)
     publisher = with_producer(queueing)  # type: ignore[arg-type]
-    publisher._build = lambda context: FreshProducer()  # type: ignore[assignment,method-assign,return-value]
+    publisher.producers.factory = lambda context: FreshProducer()  # type: ignore[assignment,method-assign,return-value]
     flying = queueing._message_accumulator._append_batch(FakeBatch(10), TopicPartition("t", 0))
     queueing.carry(0)
-    publisher._broken = kafka_errors.OutOfOrderSequenceNumber()
-    await publisher._replace_if_broken()
-    publisher._producer = None  # the fresh one is not ours to close here
+    publisher.producers.condemn(kafka_errors.OutOfOrderSequenceNumber())
+    await publisher.producers.replace_if_broken()
+    publisher.producers.use(None)  # the fresh one is not ours to close here
     async with asyncio.timeout(3):
         await publisher.stop()
     assert isinstance(flying.future.exception(), errors.BrokerUnavailableError)
@@ -286,10 +286,10 @@ async def test_closing_a_producer_whose_sender_ends_in_key_error_is_quiet(
 ) -> None:
     """make chaos (NotEnoughReplicas for 120 s): every close past the flush bound left an
     unretrieved KeyError in the log; the producer is discarded either way."""
-    monkeypatch.setattr(publisher_module, "STOP_FLUSH_SECONDS", 0.05)
+    monkeypatch.setattr(producers_module, "STOP_FLUSH_SECONDS", 0.05)
     old = SenderEndsInKeyError()
     async with asyncio.timeout(5):
-        await publisher_module._close(old, "test")  # type: ignore[arg-type]
+        await producers_module.close_bounded(old, "test")  # type: ignore[arg-type]
     assert old.failed.is_set() and old.stopped
 
 
@@ -404,7 +404,7 @@ class FakeProducer:
 
 def with_producer(producer: FakeProducer, **settings: Any) -> KafkaPublisher:
     publisher = KafkaPublisher(Settings(**settings))
-    publisher._producer = producer  # type: ignore[assignment]
+    publisher.producers.use(producer)  # type: ignore[arg-type]
     return publisher
 
 
@@ -458,7 +458,7 @@ async def test_a_refused_batch_is_sent_again_one_record_at_a_time() -> None:
     log: list[Submitted] = []
     producer = FakeProducer(partitions=1, refuse=frozenset({b"bad"}), log=log)
     publisher = with_producer(producer)
-    publisher._build = lambda context: FakeProducer(  # type: ignore[assignment,method-assign,return-value]
+    publisher.producers.factory = lambda context: FakeProducer(  # type: ignore[assignment,method-assign,return-value]
         partitions=1, refuse=frozenset({b"bad"}), log=log
     )
     records = [rec(i, "t", f"k{i}") for i in range(4)]
