@@ -21,9 +21,9 @@ from pydantic import SecretStr
 
 from outbox_dispatcher import db
 from outbox_dispatcher.claimer import Claimer
+from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.marker import Marker
 from outbox_dispatcher.models import Batch, Outcome, Result
-from outbox_dispatcher.publisher import KafkaPublisher
 from outbox_dispatcher.settings import Settings, quote_identifier
 from outbox_dispatcher.sql import Queries
 

@@ -10,10 +10,8 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import time
 import uuid
-from collections import defaultdict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine
 from typing import Any
 
 import asyncpg
@@ -30,10 +28,10 @@ from outbox_dispatcher import (
     registry,
 )
 from outbox_dispatcher.claimer import Claimer, Wakeup, pause
+from outbox_dispatcher.dispatch.batch import BatchRun, Settling
 from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
+from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.marker import Marker
-from outbox_dispatcher.models import Batch, OutboxRecord, Outcome, Result
-from outbox_dispatcher.publisher import KafkaPublisher, NotAttempted, Sent
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
@@ -51,14 +49,14 @@ READINESS_ERRORS: tuple[type[BaseException], ...] = (
 # Batches one claim loop may have waiting for partitions that do not acknowledge while it claims
 # on (each holds only the keys of those partitions once its other keys are settled). Parked
 # batches do not count: past publish_timeout they wait only for requests in flight that the
-# broker keeps refusing (Sent.parked), at most one per partition and producer, and nothing the
+# broker keeps refusing (BatchRun.parked), at most one per partition and producer, and nothing the
 # loop could do would help them; a loop at the cap looks again every PARKED_CHECK_SECONDS.
 MAX_STALLED_BATCHES = 8
 PARKED_CHECK_SECONDS = 1.0
 
 
 def _reap(
-    batches: set[asyncio.Future[float]], deliveries: dict[asyncio.Future[float], Sent]
+    batches: set[asyncio.Future[float]], deliveries: dict[asyncio.Future[float], BatchRun]
 ) -> None:
     """Drop finished batches, raising what one raised (a dead batch stops the loop, as
     before)."""
@@ -69,7 +67,7 @@ def _reap(
 
 
 def _stalled(
-    batches: set[asyncio.Future[float]], deliveries: dict[asyncio.Future[float], Sent]
+    batches: set[asyncio.Future[float]], deliveries: dict[asyncio.Future[float], BatchRun]
 ) -> int:
     """The batches that count against MAX_STALLED_BATCHES: all but the parked ones."""
     return sum(1 for t in batches if not (t in deliveries and deliveries[t].parked))
@@ -88,7 +86,7 @@ class Dispatcher:
         self.stopping = asyncio.Event()
         self.in_flight = reclaimer.InFlight()
         self.retry_policy = RetryPolicy(settings)
-        self.published = 0
+        self._settling: Settling | None = None  # made with the pool (see _supervise)
         self.wakeup = Wakeup()
         self._last_batch = float("-inf")
         self.metrics = metrics.Metrics()
@@ -100,6 +98,11 @@ class Dispatcher:
             + max(settings.poll_interval_seconds, settings.lease_seconds / 3)
         )
         self._http: HealthServer | None = None
+
+    @property
+    def published(self) -> int:
+        """Rows published since the dispatcher started."""
+        return 0 if self._settling is None else self._settling.published
 
     @property
     def http_port(self) -> int | None:
@@ -143,6 +146,7 @@ class Dispatcher:
             delete_on_publish=s.delete_on_publish,
             owner=self.owner,
         )
+        settling = self._settling = Settling(marker, self.retry_policy, self.metrics)
         readiness = ReadinessCache(lambda: self._readiness(pool, publisher))
         # Without LISTEN nobody hears a notification: writers are never asked to send one.
         waiting = (
@@ -162,7 +166,7 @@ class Dispatcher:
             claim_tasks = [
                 tg.create_task(
                     self._guard(
-                        self._claim_loop(f"claim-{i}", claimer, publisher, marker, waiting),
+                        self._claim_loop(f"claim-{i}", claimer, publisher, settling, waiting),
                         f"claim-{i}",
                     ),
                     name=f"claim-{i}",
@@ -213,7 +217,7 @@ class Dispatcher:
                 if version == expected
                 else f"version {version}, this dispatcher needs {expected}"
             )
-        reachable = await publisher.broker_reachable(3.0)
+        reachable = await publisher.reachable(3.0)
         checks["broker"] = "ok" if reachable else "unreachable"
         ready = all(value == "ok" for value in checks.values())
         self.metrics.ready.set(int(ready))
@@ -256,7 +260,7 @@ class Dispatcher:
         name: str,
         claimer: Claimer,
         publisher: KafkaPublisher,
-        marker: Marker,
+        settling: Settling,
         waiting: listener.Waiting | None = None,
     ) -> None:
         s = self.settings
@@ -264,7 +268,7 @@ class Dispatcher:
         backoff = s.backoff_initial_seconds
         loop = asyncio.get_running_loop()
         batches: set[asyncio.Future[float]] = set()  # this loop's batches being published
-        deliveries: dict[asyncio.Future[float], Sent] = {}  # what each of them has sent
+        deliveries: dict[asyncio.Future[float], BatchRun] = {}  # each one's run
         try:
             while not self.stopping.is_set():
                 self.heartbeats.beat(name)
@@ -303,14 +307,17 @@ class Dispatcher:
                 if len(batch.records) >= s.batch_size:
                     self.wakeup.notify()  # a full batch: there is probably more for another loop
                 stalled = asyncio.Event()
-                sent = Sent()
-                task = asyncio.ensure_future(
-                    self._process(
-                        batch, publisher, marker, lambda: self.heartbeats.beat(name), stalled, sent
-                    )
+                run = BatchRun(
+                    batch,
+                    publisher,
+                    settling,
+                    self.in_flight,
+                    lambda: self.heartbeats.beat(name),
+                    stalled,
                 )
+                task = asyncio.ensure_future(run.run())
                 batches.add(task)
-                deliveries[task] = sent
+                deliveries[task] = run
                 stall = asyncio.ensure_future(stalled.wait())
                 try:
                     await asyncio.wait({task, stall}, return_when=asyncio.FIRST_COMPLETED)
@@ -344,181 +351,3 @@ class Dispatcher:
             raise
         finally:
             self.heartbeats.forget(name)
-
-    async def _process(
-        self,
-        batch: Batch,
-        publisher: KafkaPublisher,
-        marker: Marker,
-        heartbeat: Callable[[], None] = lambda: None,
-        stalled: asyncio.Event | None = None,
-        sent: Sent | None = None,
-    ) -> float:
-        """Publish one batch and settle it; returns how long to pause for a broker outage.
-
-        If acks are still missing after EARLY_SETTLE_SECONDS (sooner once other partitions
-        answered: see publisher.EARLY_SETTLE_FACTOR), the keys whose rows are all
-        acknowledged are settled at once (their keys released), then those of later answers
-        (every EARLY_SETTLE_SECONDS), and `stalled` is set when other partitions answer, so that
-        the claim loop goes on while this batch waits for a partition that does not acknowledge
-        (review F10): only the keys that map to it wait."""
-        records = batch.records
-        loop = asyncio.get_running_loop()
-        self.in_flight.add(batch.token, [r.id for r in records])
-        claimed_at = loop.time()
-        sent = Sent() if sent is None else sent
-        settled_early: set[int] = set()
-        transient = False  # an early part met an outage: pause before the next claim
-
-        async def early() -> None:
-            nonlocal transient
-            done = acknowledged_keys(records, sent, settled_early)
-            if done:
-                part = Batch(batch.token, [records[i] for i in done])
-                outcomes = publisher.outcomes(Sent([sent.futures[i] for i in done]), NotAttempted())
-                # Before the settle: a cancel during it lets the shielded settle finish, and the
-                # cancel path must not settle these rows a second time (review N12).
-                settled_early.update(done)
-                results = await self._settle(
-                    part, outcomes, marker, claimed_at, time.time(), early=True
-                )
-                transient = transient or any(
-                    res.failure is errors.Failure.TRANSIENT for res in results
-                )
-                self.in_flight.add(
-                    batch.token, [r.id for i, r in enumerate(records) if i not in settled_early]
-                )
-            if (
-                stalled is not None
-                and not stalled.is_set()
-                and (done or await publisher.broker_reachable(1.0))
-            ):
-                stalled.set()
-
-        try:
-            try:
-                outcomes = await publisher.publish(records, sent, heartbeat, early)
-            except asyncio.CancelledError:
-                # Shutdown past the grace period: close the producer first (bounded), so that no
-                # copy of a row given back can still be delivered by it after another dispatcher
-                # re-claimed the row; then mark what was acknowledged, give back the rest.
-                await publisher.abandon(sent, "the dispatcher stopped")
-                stopped = NotAttempted("dispatcher shut down")
-                outcomes = [
-                    stopped
-                    if o is not None and errors.classify(o) is errors.Failure.TRANSIENT
-                    else o
-                    for o in publisher.outcomes(sent, stopped, total=len(records))
-                ]
-                rest = [i for i in range(len(records)) if i not in settled_early]
-                part = Batch(batch.token, [records[i] for i in rest])
-                if part.records:
-                    await marker.settle_shielded(
-                        part, self.retry_policy.results(part.records, [outcomes[i] for i in rest])
-                    )
-                raise
-            rest = [i for i in range(len(records)) if i not in settled_early]
-            part = Batch(batch.token, [records[i] for i in rest])
-            results = (
-                await self._settle(
-                    part, [outcomes[i] for i in rest], marker, claimed_at, time.time()
-                )
-                if part.records
-                else []
-            )
-        finally:
-            self.in_flight.discard(batch.token)
-        if transient or any(res.failure is errors.Failure.TRANSIENT for res in results):
-            return self.retry_policy.outage_delay()
-        return 0.0
-
-    async def _settle(
-        self,
-        batch: Batch,
-        outcomes: Sequence[BaseException | None],
-        marker: Marker,
-        claimed_at: float,
-        acked_at: float,
-        *,
-        early: bool = False,
-    ) -> list[Result]:
-        """Settle (part of) a batch, then its metrics and logs."""
-        m = self.metrics
-        records = batch.records
-        loop = asyncio.get_running_loop()
-        m.publish_duration.observe(loop.time() - claimed_at)
-        results = self.retry_policy.results(records, outcomes)
-        started = loop.time()
-        settled = await marker.settle_shielded(batch, results)
-        m.mark_duration.observe(loop.time() - started)
-        published = sum(1 for o in outcomes if o is None)
-        self.published += published
-        if settled:
-            m.record_batch(records, results, acked_at)
-        self._log_failures(records, results)
-        log.debug(
-            "batch_settled",
-            rows=len(records),
-            published=published,
-            settled=settled,
-            early=early,
-            reclaimed=sum(r.reclaimed for r in records),
-            duration_ms=round((loop.time() - claimed_at) * 1000, 1),
-            first_id=records[0].id,
-            last_id=records[-1].id,
-        )
-        return results
-
-    @staticmethod
-    def _log_failures(records: list[OutboxRecord], results: list[Result]) -> None:
-        """One line per dead-lettered row (each needs an operator's eye); one line per reason
-        for rows that will be retried, so that an outage does not flood the log."""
-        retried: dict[str, list[OutboxRecord]] = defaultdict(list)
-        for record, result in zip(records, results, strict=True):
-            if result.outcome is Outcome.DEAD:
-                log.error(
-                    "dead_lettered",
-                    id=record.id,
-                    event_id=str(record.event_id),
-                    topic=record.topic,
-                    ordering_key=record.ordering_key,
-                    attempts=record.attempts + int(result.counted),
-                    reason=result.error,
-                )
-            elif result.error:
-                retried[result.error].append(record)
-        for reason, failed in retried.items():
-            log.warning(
-                "publish_failed_will_retry",
-                rows=len(failed),
-                reason=reason,
-                topics=sorted({r.topic or "(routed)" for r in failed}),
-                first_event_ids=[str(r.event_id) for r in failed[:3]],
-            )
-
-
-def acknowledged_keys(records: Sequence[OutboxRecord], sent: Sent, already: set[int]) -> list[int]:
-    """Indices of rows not yet settled whose key has every row of the batch acknowledged
-    (keyless rows: the row itself). A key with any row pending, failed or not yet sent waits
-    for the whole batch: its rows are settled together, in one statement. Once nothing more is
-    sent for the claim (sent.final), a key whose rows all have their answer, failures included,
-    is settled too: only rows still in flight wait."""
-
-    def answered(i: int) -> bool:
-        item = sent.futures[i] if i < len(sent.futures) else None
-        if isinstance(item, asyncio.Future):
-            return item.done() and (sent.final or (not item.cancelled() and not item.exception()))
-        return sent.final and item is not None
-
-    key_done: dict[str, bool] = {}
-    for i, record in enumerate(records):
-        key = record.ordering_key
-        if key is not None:
-            key_done[key] = key_done.get(key, True) and answered(i)
-    return [
-        i
-        for i, record in enumerate(records)
-        if i not in already
-        and answered(i)
-        and (record.ordering_key is None or key_done[record.ordering_key])
-    ]

@@ -45,6 +45,18 @@ class OutboxRecord(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
+class Part:
+    """Rows of one claim whose publish has its answers, by their index in the claim: keys that
+    can be settled while others still wait (final=False; it may be empty, a moment at which the
+    claim loop may go on), or every row not settled yet once nothing more is sent (final=True,
+    always last). `outcomes` go with `indices`: None acknowledged, else why not."""
+
+    indices: list[int]
+    outcomes: list[BaseException | None]
+    final: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
     """The rows of one claim; they share one lease token."""
 

@@ -1,17 +1,20 @@
 """What the publisher knows of topics: their partitions, lookups of topics not yet known (asked of
 the brokers the producer is connected to, see internals.load_topics), whether a broker answers,
-every topic that exists, and where a wave's keyless rows go."""
+every topic that exists, and where a wave's keyless rows go; and the lookups one claim waits
+for."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 
 from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.kafka import internals
 from outbox_dispatcher.kafka.producers import Producers
+from outbox_dispatcher.models import OutboxRecord
 from outbox_dispatcher.settings import Settings
 
 
@@ -128,3 +131,69 @@ class TopicLookup:
                     "dead-lettered, `outbox-dispatcher dead requeue` sends it again)"
                 )
         return missing
+
+
+class ClaimLookups:
+    """The lookups one claim waits for, one task per topic not yet known: which of its records
+    go now, and which once the topics of their keys have answered. A topic that does not exist
+    takes publish_timeout to be found missing, and the other keys must not wait for it
+    (guarantee 5)."""
+
+    def __init__(
+        self,
+        lookup: TopicLookup,
+        records: Sequence[OutboxRecord],
+        topics: Sequence[str | BaseException],
+    ) -> None:
+        self._records = records
+        self._topics = topics
+        unknown = lookup.unknown({t for t in topics if isinstance(t, str)})
+        self._tasks = {t: asyncio.ensure_future(lookup.errors_for({t})) for t in unknown}
+        self._pending = dict(self._tasks)
+        self.errors: dict[str, BaseException] = {}  # the verdicts, topic by topic
+
+    def split(self) -> tuple[list[int], list[int]]:
+        """The records that go now, and those that wait for a lookup: the rows of a topic
+        looked up, and every row of a key that has one."""
+        unknown = self._tasks.keys()
+        records, topics = self._records, self._topics
+        waiting_keys = {
+            r.ordering_key
+            for r, t in zip(records, topics, strict=True)
+            if t in unknown and r.ordering_key is not None
+        }
+        later = [
+            i
+            for i, (r, t) in enumerate(zip(records, topics, strict=True))
+            if t in unknown or (r.ordering_key is not None and r.ordering_key in waiting_keys)
+        ]
+        waiting = set(later)
+        return [i for i in range(len(records)) if i not in waiting], later
+
+    async def ready(self, later: Sequence[int]) -> list[int]:
+        """Once one more lookup has answered: the records of `later` whose key has every topic
+        it has a row for answered."""
+        pending = self._pending
+        if pending:
+            await asyncio.wait(pending.values(), return_when=asyncio.FIRST_COMPLETED)
+        for topic, task in list(pending.items()):
+            if task.done():
+                self.errors |= task.result()
+                del pending[topic]
+        records, topics = self._records, self._topics
+        blocked = {
+            records[i].ordering_key
+            for i in later
+            if topics[i] in pending and records[i].ordering_key is not None
+        }
+        return [
+            i for i in later if topics[i] not in pending and records[i].ordering_key not in blocked
+        ]
+
+    def cancel(self) -> None:
+        """End the lookups nobody waits for any more."""
+        for task in self._tasks.values():
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled():
+                task.exception()  # retrieved: a lookup nobody waited for fails quietly

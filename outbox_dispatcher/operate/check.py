@@ -14,9 +14,9 @@ from typing import Literal
 import asyncpg
 
 from outbox_dispatcher import db, errors, migrations
+from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.operate import reads
 from outbox_dispatcher.operate.session import Session
-from outbox_dispatcher.publisher import KafkaPublisher
 from outbox_dispatcher.routing import Router
 from outbox_dispatcher.settings import SECRETS_DIR_VARIABLE, Settings, env_name
 
