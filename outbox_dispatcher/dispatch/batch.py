@@ -15,6 +15,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
@@ -27,6 +28,16 @@ from outbox_dispatcher.reclaimer import InFlight
 from outbox_dispatcher.retries import RetryPolicy
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class SettleConfig:
+    """What the settler (marker.Marker) is made with."""
+
+    # How long a settle retries while the database is away before it leaves the rows to their
+    # lease (settle_failed).
+    retry_for_seconds: float
+    delete_on_publish: bool
 
 
 class Settler(Protocol):

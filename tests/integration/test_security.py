@@ -24,7 +24,7 @@ import orjson
 import pytest
 
 from outbox_dispatcher import db, errors, migrations
-from outbox_dispatcher.dispatcher import Dispatcher
+from outbox_dispatcher.dispatch.supervisor import Dispatcher
 from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.operate import reads
 from outbox_dispatcher.operate.actions import ReleaseHeld, perform
