@@ -21,6 +21,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka import errors as kafka_errors
 from aiokafka.structs import TopicPartition
 
+from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.kafka.records import partition_of
 from outbox_dispatcher.models import Batch, OutboxRecord, Result
@@ -181,7 +182,7 @@ class QueueingProducer:
 
 def publisher_with(producer: object, **settings: Any) -> KafkaPublisher:
     """A publisher (under `settings`) whose producer is `producer`, as if started."""
-    publisher = KafkaPublisher(Settings(**settings))
+    publisher = KafkaPublisher(configs_of(Settings(**settings)).publisher)
     publisher.producers.use(producer)  # type: ignore[arg-type]
     return publisher
 

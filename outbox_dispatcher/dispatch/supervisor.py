@@ -33,7 +33,12 @@ from outbox_dispatcher.claimer import Claimer, Wakeup
 from outbox_dispatcher.dispatch.batch import SettleConfig, Settling
 from outbox_dispatcher.dispatch.claim_loop import ClaimLoop, ClaimLoopConfig, Shared
 from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
-from outbox_dispatcher.kafka.publisher import KafkaPublisher
+from outbox_dispatcher.kafka.delivery import DeliveryConfig
+from outbox_dispatcher.kafka.producers import ProducerConfig
+from outbox_dispatcher.kafka.publisher import KafkaPublisher, PublisherConfig
+from outbox_dispatcher.kafka.records import RecordConfig
+from outbox_dispatcher.kafka.tls import ConnectionConfig
+from outbox_dispatcher.kafka.topics import TopicConfig
 from outbox_dispatcher.marker import Marker
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.settings import Settings
@@ -57,6 +62,7 @@ def instance_id() -> str:
 class Dispatcher:
     def __init__(self, settings: Settings, *, owner: str | None = None) -> None:
         self.settings = settings
+        self.configs = configs_of(settings)
         self.owner = owner or instance_id()
         self.queries = Queries.for_table(settings.db_schema, settings.table)
         self.stopping = asyncio.Event()
@@ -102,7 +108,7 @@ class Dispatcher:
         try:
             async with pool.acquire() as conn:
                 await migrations.check_version(conn, s.db_schema, s.table)
-            publisher = KafkaPublisher(s)
+            publisher = KafkaPublisher(self.configs.publisher)
             await publisher.start()
             try:
                 await self._supervise(pool, publisher)
@@ -114,7 +120,7 @@ class Dispatcher:
 
     async def _supervise(self, pool: asyncpg.Pool, publisher: KafkaPublisher) -> None:
         s = self.settings
-        configs = configs_of(s)
+        configs = self.configs
         claimer = Claimer(pool, self.queries, s, self.owner)
         marker = Marker(
             pool,
@@ -251,6 +257,7 @@ class Dispatcher:
 class Configs:
     """Each moved component's own config, built from the settings here and nowhere else."""
 
+    publisher: PublisherConfig
     claim_loop: ClaimLoopConfig
     settle: SettleConfig
 
@@ -258,6 +265,7 @@ class Configs:
 def configs_of(settings: Settings) -> Configs:
     s = settings
     return Configs(
+        publisher=_publisher_config(s),
         claim_loop=ClaimLoopConfig(
             batch_size=s.batch_size,
             backoff_initial_seconds=s.backoff_initial_seconds,
@@ -270,4 +278,49 @@ def configs_of(settings: Settings) -> Configs:
         settle=SettleConfig(
             retry_for_seconds=s.lease_seconds, delete_on_publish=s.delete_on_publish
         ),
+    )
+
+
+def _publisher_config(s: Settings) -> PublisherConfig:
+    connection = ConnectionConfig(
+        bootstrap_servers=s.kafka_bootstrap_servers,
+        client_id=s.kafka_client_id,
+        security_protocol=s.kafka_security_protocol,
+        sasl_mechanism=s.kafka_sasl_mechanism,
+        sasl_username=s.kafka_sasl_username,
+        sasl_password=s.kafka_sasl_password,
+        ssl_cafile=s.kafka_ssl_cafile,
+        ssl_certfile=s.kafka_ssl_certfile,
+        ssl_keyfile=s.kafka_ssl_keyfile,
+        ssl_key_password=s.kafka_ssl_key_password,
+        ssl_check_hostname=s.kafka_ssl_check_hostname,
+        request_timeout_seconds=s.publish_timeout_seconds,
+    )
+    return PublisherConfig(
+        producer=ProducerConfig(
+            connection=connection,
+            linger_ms=s.kafka_linger_ms,
+            max_batch_bytes=s.kafka_max_batch_bytes,
+            max_request_bytes=s.kafka_max_request_bytes,
+            compression=s.kafka_compression,
+        ),
+        records=RecordConfig(
+            default_topic=s.default_topic,
+            topic_template=s.topic_template,
+            event_id_header=s.event_id_header,
+            cloudevents=s.cloudevents,
+            cloudevents_source=s.cloudevents_source,
+            cloudevents_type=s.cloudevents_type,
+            cloudevents_content_type=s.cloudevents_content_type,
+            max_request_bytes=s.kafka_max_request_bytes,
+        ),
+        topics=TopicConfig(
+            publish_timeout_seconds=s.publish_timeout_seconds,
+            allow_auto_create_topics=s.kafka_allow_auto_create_topics,
+        ),
+        delivery=DeliveryConfig(
+            publish_timeout_seconds=s.publish_timeout_seconds,
+            max_batch_bytes=s.kafka_max_batch_bytes,
+        ),
+        tracing=s.tracing,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -20,7 +21,7 @@ from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.kafka import failures, internals, tls
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.kafka.tls import ConnectionConfig
 
 log = structlog.get_logger(__name__)
 
@@ -38,9 +39,18 @@ class NotSubmitted(Exception):  # noqa: N818 (a wrapper, not an error of its own
         self.cause = cause
 
 
+@dataclass(frozen=True)
+class ProducerConfig:
+    connection: ConnectionConfig
+    linger_ms: int
+    max_batch_bytes: int
+    max_request_bytes: int
+    compression: str  # "none", or aiokafka's compression_type
+
+
 class Producers:
-    def __init__(self, settings: Settings, factory: Factory | None = None) -> None:
-        self._settings = settings
+    def __init__(self, config: ProducerConfig, factory: Factory | None = None) -> None:
+        self._config = config
         self.factory: Factory = factory or self._aiokafka
         self._current: AIOKafkaProducer | None = None
         self._context: ssl.SSLContext | None = None
@@ -53,24 +63,22 @@ class Producers:
         self._submitting: dict[asyncio.Future[object], AIOKafkaProducer] = {}
 
     def _aiokafka(self, context: ssl.SSLContext | None) -> AIOKafkaProducer:
-        s = self._settings
+        c, s = self._config, self._config.connection
         return AIOKafkaProducer(
-            bootstrap_servers=s.kafka_bootstrap_servers.split(","),
-            client_id=s.kafka_client_id,
+            bootstrap_servers=s.bootstrap_servers.split(","),
+            client_id=s.client_id,
             acks="all",
             enable_idempotence=True,
-            linger_ms=s.kafka_linger_ms,
-            max_batch_size=s.kafka_max_batch_bytes,
-            max_request_size=s.kafka_max_request_bytes,
-            compression_type=None if s.kafka_compression == "none" else s.kafka_compression,
-            request_timeout_ms=int(s.publish_timeout_seconds * 1000),
-            security_protocol=s.kafka_security_protocol,
+            linger_ms=c.linger_ms,
+            max_batch_size=c.max_batch_bytes,
+            max_request_size=c.max_request_bytes,
+            compression_type=None if c.compression == "none" else c.compression,
+            request_timeout_ms=int(s.request_timeout_seconds * 1000),
+            security_protocol=s.security_protocol,
             ssl_context=context,
-            sasl_mechanism=s.kafka_sasl_mechanism or "PLAIN",
-            sasl_plain_username=s.kafka_sasl_username,
-            sasl_plain_password=(
-                s.kafka_sasl_password.get_secret_value() if s.kafka_sasl_password else None
-            ),
+            sasl_mechanism=s.sasl_mechanism or "PLAIN",
+            sasl_plain_username=s.sasl_username,
+            sasl_plain_password=s.sasl_password.get_secret_value() if s.sasl_password else None,
         )
 
     def current(self) -> AIOKafkaProducer:
@@ -91,8 +99,9 @@ class Producers:
     async def start(self) -> None:
         """Diagnose the connection, then start the first producer; a refused login or
         certificate is one configuration error, an unreachable broker a retriable one."""
-        context = tls.ssl_context(self._settings)
-        problem = await tls.diagnose(self._settings, context)
+        connection = self._config.connection
+        context = tls.ssl_context(connection)
+        problem = await tls.diagnose(connection, context)
         if problem is not None:
             raise problem
         self._context = context
@@ -105,7 +114,7 @@ class Producers:
             raise errors.ConfigurationError(tls.SASL_REJECTED.format(errors.describe(exc))) from exc
         except (kafka_errors.KafkaError, OSError) as exc:
             msg = (
-                f"cannot reach Kafka at {self._settings.kafka_bootstrap_servers} "
+                f"cannot reach Kafka at {connection.bootstrap_servers} "
                 f"({errors.describe(exc)}): check OUTBOX_KAFKA_BOOTSTRAP_SERVERS and the broker"
             )
             raise errors.BrokerUnavailableError(msg) from exc
@@ -166,7 +175,9 @@ class Producers:
                 return
             reason = errors.describe(self._broken)
             try:
-                fresh = await self._start_fresh(max(self._settings.publish_timeout_seconds, 10.0))
+                fresh = await self._start_fresh(
+                    max(self._config.connection.request_timeout_seconds, 10.0)
+                )
             except (kafka_errors.KafkaError, OSError, TimeoutError) as exc:
                 raise errors.BrokerUnavailableError(errors.describe(exc)) from exc
             old, self._current = self._current, fresh

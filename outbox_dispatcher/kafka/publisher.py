@@ -9,13 +9,13 @@ they come.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from outbox_dispatcher.kafka.delivery import Delivery, DeliveryConfig
-from outbox_dispatcher.kafka.producers import Producers
-from outbox_dispatcher.kafka.records import RecordEncoder
-from outbox_dispatcher.kafka.topics import TopicLookup
+from outbox_dispatcher.kafka.producers import ProducerConfig, Producers
+from outbox_dispatcher.kafka.records import RecordConfig, RecordEncoder
+from outbox_dispatcher.kafka.topics import TopicConfig, TopicLookup
 from outbox_dispatcher.models import OutboxRecord
-from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.tracing import Tracer
 
 
@@ -23,16 +23,24 @@ def _nothing() -> None:
     pass
 
 
+@dataclass(frozen=True)
+class PublisherConfig:
+    """The Kafka side's configs, one per component (built by dispatch/supervisor.configs_of)."""
+
+    producer: ProducerConfig
+    records: RecordConfig
+    topics: TopicConfig
+    delivery: DeliveryConfig
+    tracing: bool  # OpenTelemetry producer spans (tracing.py)
+
+
 class KafkaPublisher:
-    def __init__(self, settings: Settings) -> None:
-        self._encoder = RecordEncoder(settings)
-        self._tracer = Tracer(settings.tracing)
-        self._config = DeliveryConfig(
-            publish_timeout_seconds=settings.publish_timeout_seconds,
-            max_batch_bytes=settings.kafka_max_batch_bytes,
-        )
-        self.producers = Producers(settings)
-        self.topics = TopicLookup(self.producers, settings)
+    def __init__(self, config: PublisherConfig) -> None:
+        self._encoder = RecordEncoder(config.records)
+        self._tracer = Tracer(config.tracing)
+        self._config = config.delivery
+        self.producers = Producers(config.producer)
+        self.topics = TopicLookup(self.producers, config.topics)
 
     async def start(self) -> None:
         await self.producers.start()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from aiokafka import errors as kafka_errors
 
@@ -15,13 +16,18 @@ from outbox_dispatcher import errors
 from outbox_dispatcher.kafka import internals
 from outbox_dispatcher.kafka.producers import Producers
 from outbox_dispatcher.models import OutboxRecord
-from outbox_dispatcher.settings import Settings
+
+
+@dataclass(frozen=True)
+class TopicConfig:
+    publish_timeout_seconds: float  # a lookup waits at most this long, and at most 10 s
+    allow_auto_create_topics: bool
 
 
 class TopicLookup:
-    def __init__(self, producers: Producers, settings: Settings) -> None:
+    def __init__(self, producers: Producers, config: TopicConfig) -> None:
         self._producers = producers
-        self._settings = settings
+        self._config = config
         self._keyless_turn = 0  # see keyless_partition
 
     def partitions(self, topic: str) -> set[int] | None:
@@ -64,9 +70,9 @@ class TopicLookup:
         unknown = [t for t in topics if self.partitions(t) is None]
         if not unknown:
             return {}
-        timeout = min(self._settings.publish_timeout_seconds, 10.0)
+        timeout = min(self._config.publish_timeout_seconds, 10.0)
         absent: dict[str, BaseException] = {}
-        if not self._settings.kafka_allow_auto_create_topics:
+        if not self._config.allow_auto_create_topics:
             # The producer's own metadata requests always allow auto-creation: only topics the
             # broker confirms may reach them.
             absent = await self._without_auto_creation(unknown, timeout)

@@ -14,6 +14,7 @@ from typing import Literal
 import asyncpg
 
 from outbox_dispatcher import db, errors, migrations
+from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.operate import reads
 from outbox_dispatcher.operate.session import Session
@@ -121,7 +122,7 @@ async def _check_routed(session: Session, settings: Settings, report: _Findings)
 
 async def _existing_topics(settings: Settings) -> set[str]:
     """Every topic on the broker: all topics' metadata, naming none, so nothing is auto-created."""
-    publisher = KafkaPublisher(settings)
+    publisher = KafkaPublisher(configs_of(settings).publisher)
     # The client logs each failed connection itself; the report's line says it once.
     client_log = logging.getLogger("aiokafka")
     level = client_log.level

@@ -27,6 +27,7 @@ import orjson
 import pytest
 from aiokafka.partitioner import murmur2
 
+from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka.publisher import KafkaPublisher, all_outcomes
 from outbox_dispatcher.models import OutboxRecord
 from outbox_dispatcher.settings import Settings
@@ -943,7 +944,7 @@ async def test_a_topic_lookup_does_not_wait_for_a_blackholed_broker(
     try:
         proxies[3].blackhole()
         for n in range(LOOKUPS):
-            publisher = KafkaPublisher(settings)
+            publisher = KafkaPublisher(configs_of(settings).publisher)
             await publisher.start()  # its producer id may be asked of broker 3: not timed
             try:
                 record = OutboxRecord(

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka import acks as acks_module
 from outbox_dispatcher.kafka.acks import Acks
 from outbox_dispatcher.kafka.producers import Producers
@@ -17,11 +18,11 @@ from outbox_dispatcher.settings import Settings
 
 def waits() -> Acks:
     """A claim's waits whose publish_timeout never comes within a test."""
-    settings = Settings(publish_timeout_seconds=7200)
-    producers = Producers(settings)
+    configs = configs_of(Settings(publish_timeout_seconds=7200)).publisher
+    producers = Producers(configs.producer)
     return Acks(
         producers,
-        TopicLookup(producers, settings),
+        TopicLookup(producers, configs.topics),
         {},
         publish_timeout_seconds=7200,
         heartbeat=lambda: None,
