@@ -42,6 +42,9 @@ class DeliveryConfig:
 
 
 class Delivery:
+    """A claim's records, every record's answer, and what has been handed out in parts. It is
+    iterated once: iterating it is sending the claim."""
+
     def __init__(
         self,
         records: Sequence[OutboxRecord],
@@ -76,6 +79,7 @@ class Delivery:
             heartbeat=heartbeat,
         )
         self._gave_up = False  # past publish_timeout records were withdrawn unsent (see _send)
+        self._iterated = False
 
     @property
     def parked(self) -> bool:
@@ -88,6 +92,10 @@ class Delivery:
         return self._batches.producers_used
 
     def __aiter__(self) -> AsyncGenerator[Part, None]:
+        if self._iterated:
+            msg = "a delivery is iterated once: iterating it sends the claim"
+            raise errors.OutboxDispatcherError(msg)
+        self._iterated = True
         return self._parts()
 
     async def _parts(self) -> AsyncGenerator[Part, None]:

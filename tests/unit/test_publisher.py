@@ -390,3 +390,11 @@ async def test_a_partition_whose_submission_waits_does_not_hold_back_the_others(
     assert outcomes == [None] * len(records)
     stuck = {i for i, r in enumerate(records) if r.ordering_key in keys[0]}
     assert settled_early and set(settled_early[0]) == set(range(len(records))) - stuck
+
+
+async def test_a_delivery_sends_its_claim_once() -> None:
+    publisher = publisher_with(FakeProducer())
+    delivery = publisher.publish([rec(0, "t", "k")])
+    assert await all_outcomes(delivery) == [None]
+    with pytest.raises(errors.OutboxDispatcherError, match="iterated once"):
+        await all_outcomes(delivery)
