@@ -29,6 +29,10 @@ class TopicLookup:
         self._producers = producers
         self._config = config
         self._keyless_turn = 0  # see keyless_partition
+        # One load at a time: an answer replaces the whole cache, and a request names what is
+        # cached when it is sent (internals.load_topics); two sent together each dropped the
+        # other's topic.
+        self._loading = asyncio.Lock()
 
     def partitions(self, topic: str) -> set[int] | None:
         """The topic's partitions in the current producer's metadata (None: not known yet)."""
@@ -86,7 +90,8 @@ class TopicLookup:
                     # Asked of several brokers at once (internals._first_answer); what this finds
                     # missing or failing, the producer's own lookup then decides.
                     with contextlib.suppress(kafka_errors.KafkaError, OSError):
-                        await internals.load_topics(self._producers.current(), [topic])
+                        async with self._loading:
+                            await internals.load_topics(self._producers.current(), [topic])
                     await self._producers.current().partitions_for(topic)
             except (kafka_errors.KafkaError, TimeoutError) as exc:
                 failure: BaseException = exc
