@@ -13,10 +13,11 @@ from typing import Literal
 
 import asyncpg
 
-from outbox_dispatcher import broker, db, errors, migrations
+from outbox_dispatcher import db, errors, migrations
+from outbox_dispatcher.dispatch.supervisor import configs_of
+from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.operate import reads
 from outbox_dispatcher.operate.session import Session
-from outbox_dispatcher.publisher import KafkaPublisher
 from outbox_dispatcher.routing import Router
 from outbox_dispatcher.settings import SECRETS_DIR_VARIABLE, Settings, env_name
 
@@ -121,7 +122,7 @@ async def _check_routed(session: Session, settings: Settings, report: _Findings)
 
 async def _existing_topics(settings: Settings) -> set[str]:
     """Every topic on the broker: all topics' metadata, naming none, so nothing is auto-created."""
-    publisher = KafkaPublisher(settings)
+    publisher = KafkaPublisher(configs_of(settings).publisher)
     # The client logs each failed connection itself; the report's line says it once.
     client_log = logging.getLogger("aiokafka")
     level = client_log.level
@@ -129,12 +130,10 @@ async def _existing_topics(settings: Settings) -> set[str]:
     try:
         async with asyncio.timeout(CHECK_BROKER_SECONDS):
             await publisher.start()
-            cluster = await broker.all_metadata(publisher.producer)
+            return await publisher.topics.existing()
     finally:
         await publisher.stop()
         client_log.setLevel(level)
-    existing: set[str] = cluster.topics()
-    return existing
 
 
 async def _check_broker(settings: Settings, report: _Findings) -> None:

@@ -19,7 +19,7 @@ import asyncpg
 import orjson
 from pydantic import SecretStr
 
-from outbox_dispatcher.dispatcher import Dispatcher
+from outbox_dispatcher.dispatch.supervisor import Dispatcher
 from outbox_dispatcher.settings import Settings
 
 # Moved to tests/checker.py; re-exported so that older tests keep importing them from here.

@@ -27,8 +27,9 @@ import orjson
 import pytest
 from aiokafka.partitioner import murmur2
 
+from outbox_dispatcher.dispatch.supervisor import configs_of
+from outbox_dispatcher.kafka.publisher import KafkaPublisher, all_outcomes
 from outbox_dispatcher.models import OutboxRecord
-from outbox_dispatcher.publisher import KafkaPublisher, Sent
 from outbox_dispatcher.settings import Settings
 from tests.checker import Verdict, verdict_for
 from tests.faultproxy import FaultProxy
@@ -757,8 +758,8 @@ async def test_sigterm_past_the_grace_period_makes_no_duplicates(
 # Below this, "2x normal" would be a bound tighter than the scheduling noise of a shared 2-core
 # machine: a normal p99 of 30 ms must not make 60 ms the limit. 0.25 s is also the longest a
 # healthy key that shares a claim with a partition that does not answer waits by design before its
-# rows are settled on their own (publisher.EARLY_SETTLE_SECONDS; usually EARLY_SETTLE_FACTOR times
-# the first partition's ack time, at least EARLY_SETTLE_MIN_SECONDS).
+# rows are settled on their own (EARLY_SETTLE_SECONDS in kafka/acks.py; usually
+# EARLY_SETTLE_FACTOR times the first partition's ack time, at least EARLY_SETTLE_MIN_SECONDS).
 LATENCY_FLOOR = 0.25
 LOOKUPS = 10
 
@@ -944,14 +945,14 @@ async def test_a_topic_lookup_does_not_wait_for_a_blackholed_broker(
     try:
         proxies[3].blackhole()
         for n in range(LOOKUPS):
-            publisher = KafkaPublisher(settings)
+            publisher = KafkaPublisher(configs_of(settings).publisher)
             await publisher.start()  # its producer id may be asked of broker 3: not timed
             try:
                 record = OutboxRecord(
                     n, topic, f"k{n}", b"x", {}, uuid.uuid4(), datetime.now(UTC), 0, False
                 )
                 started = time.monotonic()
-                outcomes = await publisher.publish([record], Sent())
+                outcomes = await all_outcomes(publisher.publish([record]))
                 seconds.append(round(time.monotonic() - started, 3))
                 assert outcomes == [None], outcomes
             finally:
