@@ -64,6 +64,8 @@ NAMES = (
     "outbox_publish_failures_total",
     "outbox_dead_lettered_total",
     "outbox_lease_reclaims_total",
+    "outbox_sweep_repaired_total",
+    "outbox_sweep_passes_total",
     "outbox_claim_duration_seconds",
     "outbox_publish_duration_seconds",
     "outbox_mark_duration_seconds",
