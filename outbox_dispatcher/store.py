@@ -130,6 +130,11 @@ class Store:
         [(repaired, wrapped)] = await self._fetch(self._queries.sweep, rows, hold_seconds)
         return int(repaired), bool(wrapped)
 
+    async def engine_drift(self) -> Row:
+        """Pending rows no claim will look at: rows, keys, the first id."""
+        [row] = await self._fetch(self._queries.engine_drift)
+        return row
+
     async def live_older_dispatchers(self, *, seconds: float, version: int) -> int:
         [(count,)] = await self._fetch(self._queries.live_older_dispatchers, seconds, version)
         return int(count)

@@ -53,6 +53,7 @@ class Queries:
     schema_version_before_steps: str
     sweep: str
     live_older_dispatchers: str
+    engine_drift: str
     status: str
     gauges: str
     clock_tick: str
@@ -109,6 +110,7 @@ class Queries:
             "work": qualified(f"{table}_work"),
             "cursor": qualified(f"{table}_cursor"),
             "leases": qualified(f"{table}_leases"),
+            "changed": qualified(f"{table}_changed"),
             "waiting": qualified(f"{table}_waiting"),
             "inbox": qualified(inbox),
             "paused": qualified(f"{table}_paused"),

@@ -599,6 +599,23 @@ SELECT coalesce(max(version), 0) FROM {version_table}
 -- lease) and whether it finished a pass.
 SELECT repaired, wrapped FROM {sweep_fn}($1, $2)
 
+-- engine_drift --
+-- `check`: pending rows at or below the cursor that no claim will look at (not in a hole, not in
+-- the change log, at or after no head of their key's work): rows written around the engine's
+-- bookkeeping that the sweep has not found yet. One pass over the table: an operator's command.
+SELECT count(*) AS rows, count(DISTINCT coalesce(o.ordering_key, o.id::text)) AS keys,
+       min(o.id) AS first_id
+  FROM {table} o, {cursor} c
+ WHERE c.one AND o.id <= c.position AND o.published_at IS NULL AND o.dead_at IS NULL
+   AND NOT EXISTS (SELECT 1 FROM unnest(c.hole_lo, c.hole_hi) AS h(lo, hi)
+                    WHERE o.id >= h.lo AND o.id <= h.hi)
+   AND NOT EXISTS (SELECT 1 FROM {changed} x WHERE x.id = o.id)
+   AND NOT EXISTS (
+       SELECT 1 FROM {work} w
+        WHERE w.ordering_key = coalesce(o.ordering_key, o.id::text)
+          AND w.keyless = (o.ordering_key IS NULL)
+          AND (w.head_id <= o.id OR (w.claim_token IS NOT NULL AND w.claim_first <= o.id)))
+
 -- live_older_dispatchers --
 -- Dispatchers that beat within $1 seconds and run a version older than $2 (version 9 and older
 -- record none).

@@ -4,6 +4,7 @@ leases and fencing, backoff, dead-letter policies. No Kafka involved."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -19,6 +20,7 @@ from outbox_dispatcher.models import Batch, Outcome, Result
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import Store
+from tests.faultproxy import fault_proxy
 
 pytestmark = pytest.mark.integration
 
@@ -183,11 +185,65 @@ async def test_a_claim_whose_reply_was_lost_is_released_by_its_token(
     c = claimer(pool, make_settings())
     lost = uuid.uuid4()
     assert len(await pool.fetch(QUERIES.claim, *c.arguments(lost).values())) == 3
-    c._unsure.append(lost)  # what claim() records when the call fails mid-flight
+    c._unsure.append((lost, time.monotonic() + 30))  # what claim() records on a lost reply
     batch = await c.claim()
     assert batch is not None and [r.id for r in batch.records] == ids
     assert all(not r.reclaimed and r.attempts == 0 for r in batch.records)
     assert c._unsure == []
+
+
+async def test_a_lost_claim_still_running_on_the_server_is_released_once_it_commits(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, database_url: str, make_settings: Any
+) -> None:
+    """Review N14: the network dropped a claim's bytes while the claim was still running on the
+    server (here: waiting for a lock). The claimer's first release found nothing, the claim then
+    committed, and its keys stayed leased to nobody for a whole lease, with an attempt counted.
+    The claimer now tries the token again at each claim until its lease could have expired."""
+    host, port = database_url.split("@", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    await insert(conn, ["k", "k"])
+    first = await claimer(pool, make_settings(batch_size=1)).claim()
+    assert first is not None
+    await settle(pool, first, [Result(Outcome.PUBLISHED)])  # k is known, its next row ready
+    new = await insert(conn, ["k", "new"])
+    async with fault_proxy(host, int(port)) as proxy:
+        proxied = await asyncpg.create_pool(
+            database_url.replace(f"{host}:{port}", proxy.address),
+            min_size=1,
+            max_size=2,
+            init=db.init_connection,
+            command_timeout=1,
+        )
+        try:
+            c = claimer(proxied, make_settings(batch_size=10, lease_seconds=30))
+            holder = conn.transaction()
+            await holder.start()
+            await conn.execute("SELECT 1 FROM outbox_work WHERE ordering_key = 'k' FOR UPDATE")
+            claiming = asyncio.ensure_future(c.claim())
+            await asyncio.sleep(0.3)  # the claim waits for k's lock on the server
+            proxy.blackhole()
+            with pytest.raises(db.RETRIABLE_ERRORS):
+                await claiming
+            await proxy.restore()
+            assert await c.claim() is None, "released nothing: the lost claim has not committed"
+            await holder.commit()  # the lost claim goes on and commits k and new
+
+            async def committed() -> bool:
+                return bool(
+                    await conn.fetchval(
+                        "SELECT count(*) FROM outbox_work WHERE claim_token IS NOT NULL"
+                    )
+                )
+
+            for _ in range(50):
+                if await committed():
+                    break
+                await asyncio.sleep(0.1)
+            batch = await c.claim()
+            assert batch is not None, "the lost claim's keys were given back"
+            assert sorted(r.id for r in batch.records) == [first.records[0].id + 1, *new]
+            assert all(r.attempts == 0 for r in batch.records)
+        finally:
+            await proxied.close()
 
 
 async def test_a_key_in_backoff_does_not_hold_back_other_keys(
