@@ -28,7 +28,7 @@ from .helpers import (
     count,
     event_ids,
     insert_sequenced,
-    kill9,
+    kill9_with_rows_in_flight,
     spawn,
     stop_all,
     wait_all_settled,
@@ -173,12 +173,10 @@ async def test_crashes_kill_9_and_restart_under_write_load_through_pgbouncer(
 
             await wait_until(victim_in_flight, 60, "the victim to hold leased rows")
             in_flight_at_kills.append(
-                await conn.fetchval(
-                    "SELECT count(*) FROM outbox WHERE published_at IS NULL "
-                    "AND lease_expires_at > now()"
+                await kill9_with_rows_in_flight(
+                    conn, victim, "published_at IS NULL AND lease_expires_at > now()", 30
                 )
             )
-            kill9(victim)
             victim = spawn(settings, tmp_path / f"victim-{kill + 1}.log")
             processes.append(victim)
             await asyncio.sleep(1.0)

@@ -25,6 +25,7 @@ from .helpers import (
     event_ids,
     insert_sequenced,
     kill9,
+    kill9_with_rows_in_flight,
     settings_env,
     spawn,
     stop_all,
@@ -98,9 +99,9 @@ async def test_kill_9_mid_batch_loses_nothing_and_keeps_order(
             return await count(conn, "published_at IS NOT NULL") >= 200
 
         await wait_until(some_published, 60, "the victim to publish some rows")
-        in_flight = await count(conn, "published_at IS NULL AND lease_expires_at > now()")
-        kill9(victim)
-        assert in_flight > 0, "the kill must land with rows in flight"
+        in_flight = await kill9_with_rows_in_flight(
+            conn, victim, "published_at IS NULL AND lease_expires_at > now()", 30
+        )
         orphans = await count(conn, "published_at IS NULL AND lease_expires_at > now()")
         survivor = spawn(settings, tmp_path / "survivor.log")
         await wait_all_settled(conn, 120)
