@@ -216,6 +216,28 @@ def kill9(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=10)
 
 
+async def kill9_with_rows_in_flight(
+    conn: asyncpg.Connection, process: subprocess.Popen[bytes], in_flight_sql: str, timeout: float
+) -> int:
+    """Kill -9 a dispatcher at a moment it holds leases; return how many rows they cover.
+
+    A count taken while the process runs races its next settle (a probe saw 0 rows in flight
+    between two batches), so the process is frozen with SIGSTOP first: its leases cannot change
+    while the count runs, and it is killed only if the count found some.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        os.killpg(process.pid, signal.SIGSTOP)
+        in_flight = int(await conn.fetchval(f"SELECT count(*) FROM outbox WHERE {in_flight_sql}"))
+        if in_flight > 0:
+            kill9(process)
+            return in_flight
+        os.killpg(process.pid, signal.SIGCONT)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no rows were in flight within {timeout}s")
+        await asyncio.sleep(0.02)
+
+
 async def http_get(port: int, path: str) -> tuple[int, bytes]:
     """GET http://127.0.0.1:port/path: (status, body)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 import asyncpg
-import orjson
 import pytest
 
 from outbox_dispatcher import db

@@ -23,12 +23,13 @@ import asyncpg
 import pytest
 
 from .helpers import (
+    LIVE_LEASE,
     check,
     consume,
     count,
     event_ids,
     insert_sequenced,
-    kill9,
+    kill9_with_rows_in_flight,
     spawn,
     stop_all,
     wait_all_settled,
@@ -172,12 +173,7 @@ async def test_crashes_kill_9_and_restart_under_write_load_through_pgbouncer(
                 return n > 0
 
             await wait_until(victim_in_flight, 60, "the victim to hold leased rows")
-            in_flight_at_kills.append(
-                await conn.fetchval(
-                    "SELECT count(*) FROM outbox_leases WHERE lease_expires_at > now()"
-                )
-            )
-            kill9(victim)
+            in_flight_at_kills.append(await kill9_with_rows_in_flight(conn, victim, LIVE_LEASE, 30))
             victim = spawn(settings, tmp_path / f"victim-{kill + 1}.log")
             processes.append(victim)
             await asyncio.sleep(1.0)

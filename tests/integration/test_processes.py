@@ -27,6 +27,7 @@ from .helpers import (
     event_ids,
     insert_sequenced,
     kill9,
+    kill9_with_rows_in_flight,
     settings_env,
     spawn,
     stop_all,
@@ -100,9 +101,7 @@ async def test_kill_9_mid_batch_loses_nothing_and_keeps_order(
             return await count(conn, "published_at IS NOT NULL") >= 200
 
         await wait_until(some_published, 60, "the victim to publish some rows")
-        in_flight = await count(conn, LIVE_LEASE)
-        kill9(victim)
-        assert in_flight > 0, "the kill must land with rows in flight"
+        in_flight = await kill9_with_rows_in_flight(conn, victim, LIVE_LEASE, 30)
         orphans = await count(conn, LIVE_LEASE)
         survivor = spawn(settings, tmp_path / "survivor.log")
         await wait_all_settled(conn, 120)
