@@ -101,6 +101,10 @@ async def _check_database(
         report.add("problem", f"schema: {exc}")
         return
     report.add("ok", f"schema {schema}.{table} is at version {migrations.latest_version()}")
+    try:
+        await db.require_read_committed(conn)
+    except errors.ConfigurationError as exc:
+        report.add("problem", str(exc))
     session = Session.of(conn, settings)
     store = session.store
     for row in await store.pending_topics():
