@@ -121,6 +121,10 @@ async def perform(
         return ActionResult(action.command, rows, dry_run, detail, matching, done=False)
     with progress(matching) if progress else contextlib.nullcontext() as advance:
         rows = await _act(action, session, advance, origin)
+    # An action may look again once its change is visible to everyone (a pause's count).
+    after_commit = getattr(action, "after_commit", None)
+    if after_commit is not None:
+        await after_commit(session)
     if rows and action.wakes:
         await session.store.wake(channel=session.channel)
     return ActionResult(action.command, rows, False, action.describe(rows, dry_run=False), matching)
@@ -383,6 +387,12 @@ class Pause(_Waiting):
         row = await session.store.pause(topic=self.topic or reads.WHOLE_TABLE, reason=self.reason)
         self.paused = reads.Pause(**dict(row or {}))
         return 1
+
+    async def after_commit(self, session: Session) -> None:
+        """Count again once claims that began before the pause have ended: they may still lease
+        rows of the topic, and "already claimed" must be every row that still goes out."""
+        if self.count_waiting and await session.store.wait_for_pause_readers():
+            self.pending, self.in_flight = await reads.pending_of(session, self.topic)
 
     def audited(self) -> dict[str, object]:
         return {"topic": self.topic, "reason": self.reason}
