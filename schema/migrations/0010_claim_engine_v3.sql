@@ -141,6 +141,9 @@ CREATE TABLE ${schema}.${table}_changed (
     old_key text
 );
 
+-- A row's earlier changes, for discovery (a row moved twice while in flight).
+CREATE INDEX ${table}_changed_id_idx ON ${schema}.${table}_changed (id, seq);
+
 COMMENT ON TABLE ${schema}.${table}_changed IS
     'outbox-dispatcher bookkeeping: rows whose key or topic changed, that became pending again, or dead rows removed; appended by a trigger, taken in by the next claim.';
 
@@ -269,12 +272,17 @@ BEGIN
             DELETE FROM ${schema}.${table}_changed x
              WHERE x.seq IN (SELECT y.seq FROM ${schema}.${table}_changed y
                               ORDER BY y.seq LIMIT p_scan)
-               AND NOT (x.old_key IS DISTINCT FROM x.ordering_key AND EXISTS (
-                   SELECT 1 FROM ${schema}.${table}_work w
-                    WHERE w.ordering_key = coalesce(x.old_key, x.id::text)
-                      AND w.keyless = (x.old_key IS NULL)
-                      AND w.claim_token IS NOT NULL AND w.claim_expires_at > now()
-                      AND (w.keyless OR (x.id >= w.claim_first AND x.id < w.head_id))))
+               -- (and so does every later change of the row: moved on again, it is still
+               -- in that claim)
+               AND NOT EXISTS (
+                   SELECT 1 FROM ${schema}.${table}_changed y
+                    WHERE y.id = x.id AND y.seq <= x.seq
+                      AND y.old_key IS DISTINCT FROM y.ordering_key AND EXISTS (
+                          SELECT 1 FROM ${schema}.${table}_work w
+                           WHERE w.ordering_key = coalesce(y.old_key, y.id::text)
+                             AND w.keyless = (y.old_key IS NULL)
+                             AND w.claim_token IS NOT NULL AND w.claim_expires_at > now()
+                             AND (w.keyless OR (y.id >= w.claim_first AND y.id < w.head_id))))
             RETURNING x.id, x.ordering_key, x.old_key
         )
         SELECT array_agg(DISTINCT t.id),
@@ -517,14 +525,16 @@ BEGIN
     END IF;
     -- Keys parked under older pauses whose topic is still paused: parked under these ones now
     -- (a bounded step; the rest at the next claims).
-    IF EXISTS (SELECT 1 FROM ${schema}.${table}_work w
-                WHERE w.claim_token IS NULL AND w.state = 'p' AND w.paused_gen < v_gen) THEN
+    -- (Read as the oldest generation, an index's first entry: a cached generic plan of
+    -- "paused_gen < $1" expects a third of the work and reads all of it.)
+    IF (SELECT w.paused_gen FROM ${schema}.${table}_work w
+         WHERE w.claim_token IS NULL AND w.state = 'p' ORDER BY w.paused_gen LIMIT 1) < v_gen THEN
         UPDATE ${schema}.${table}_work x SET paused_gen = v_gen
          WHERE (x.ordering_key, x.keyless) IN (
                    SELECT w.ordering_key, w.keyless FROM ${schema}.${table}_work w
                     WHERE w.claim_token IS NULL AND w.state = 'p' AND w.paused_gen < v_gen
                       AND w.head_topic = ANY (v_paused)
-                    LIMIT 4 * p_max_keys
+                    ORDER BY w.paused_gen LIMIT 4 * p_max_keys
                       FOR UPDATE SKIP LOCKED);
     END IF;
 
@@ -600,8 +610,16 @@ BEGIN
                     WHERE d.ordering_key = u.k AND d.dead_at IS NOT NULL) AS blocked
           FROM unnest(v_keys, v_keyless, v_heads, v_old) WITH ORDINALITY AS u(k, kl, h, old, n)
     ),
-    room AS (SELECT p_limit - v_taken AS rows, count(*) AS keys FROM work),
-    runs AS (
+    room AS (
+        SELECT p_limit - v_taken AS rows, count(*) AS keys,
+               greatest(1, (p_limit - v_taken) / count(*)) AS share
+          FROM work
+    ),
+    -- Each key's run is read in two passes, so that a claim reads about the rows it takes: its
+    -- share and one more (is there more?), then, for keys with more than their share, the room
+    -- the other keys left. (One pass of the whole room per key read 50 rows per row taken in a
+    -- drain of 1,000 keys.)
+    shares AS (
         SELECT w.k, w.kl, w.n, w.old, r.id, r.topic, r.next_attempt_at, r.looping,
                r.ok AND NOT r.looping AS ok
           FROM work w CROSS JOIN LATERAL (
@@ -615,9 +633,41 @@ BEGIN
              WHERE o.ordering_key >= w.k AND o.ordering_key <= w.k AND o.id >= w.h
                AND o.published_at IS NULL AND o.dead_at IS NULL
              ORDER BY o.ordering_key, o.id
-             LIMIT (SELECT rows FROM room)
+             LIMIT (SELECT share + 1 FROM room)
           ) r
          WHERE NOT w.kl AND NOT w.blocked
+    ),
+    hungry AS (
+        SELECT s.k, s.kl, s.n, s.old, max(s.id) AS after FROM shares s
+         GROUP BY s.k, s.kl, s.n, s.old
+        HAVING count(*) > (SELECT share FROM room) AND bool_and(s.ok)
+    ),
+    left_over AS (
+        SELECT (SELECT rows FROM room) - coalesce(sum(least(n.rows, (SELECT share FROM room))), 0)
+               - (SELECT count(*) FROM work w WHERE w.kl) AS rows
+          FROM (SELECT count(*) AS rows FROM shares GROUP BY k) n
+    ),
+    more AS (
+        SELECT w.k, w.kl, w.n, w.old, r.id, r.topic, r.next_attempt_at, r.looping,
+               r.ok AND NOT r.looping AS ok
+          FROM hungry w CROSS JOIN LATERAL (
+            SELECT o.id, o.topic, o.next_attempt_at,
+                   o.next_attempt_at <= now()
+                   AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
+                   AND NOT (c.compat AND o.lease_expires_at > now()
+                            AND o.lease_token IS DISTINCT FROM p_token) AS ok,
+                   w.old AND o.attempts + 1 >= p_max_attempts AS looping
+              FROM ${schema}.${table} o
+             WHERE o.ordering_key >= w.k AND o.ordering_key <= w.k AND o.id > w.after
+               AND o.published_at IS NULL AND o.dead_at IS NULL
+             ORDER BY o.ordering_key, o.id
+             LIMIT (SELECT greatest(rows, 0) FROM left_over)
+          ) r
+    ),
+    runs AS (
+        SELECT * FROM shares
+        UNION ALL
+        SELECT * FROM more
         UNION ALL
         SELECT w.k, w.kl, w.n, w.old, o.id, o.topic, o.next_attempt_at,
                w.old AND o.attempts + 1 >= p_max_attempts,
@@ -639,8 +689,7 @@ BEGIN
         -- A share each first, then the room left to the oldest heads, row by row.
         SELECT q.* FROM (
             SELECT r.*, row_number() OVER (
-                       ORDER BY r.i > greatest(1, (SELECT rows FROM room) / (SELECT keys FROM room)),
-                                r.n, r.i) AS rn
+                       ORDER BY r.i > (SELECT share FROM room), r.n, r.i) AS rn
               FROM ranked r) q
          WHERE q.rn <= (SELECT rows FROM room)
     ),

@@ -476,3 +476,21 @@ def test_the_property_fails_on_an_engine_that_misses_key_updates(database_url: s
 
     with pytest.raises(AssertionError, match="rows no claim will find"):
         asyncio.run(run())
+
+
+def test_a_row_moved_twice_while_in_flight_keeps_one_owner(database_url: str) -> None:
+    """Found by the property test: a row claimed under key b, moved to c (its change waits for
+    b's claim), found by the sweep under c, then moved to a: its second change was taken in
+    because no claim of c held it, and a second claimer leased it under a while b's claim
+    still did. A row's later changes now wait with its first."""
+    ops = [
+        Op(1, "claim", 1, "a"),
+        Op(0, "rekey", 0, "c"),
+        Op(0, "claim", 1, "a"),
+        Op(0, "sweep", 1, "a"),
+        Op(0, "claim", 1, "a"),
+        Op(0, "rekey", 0, "a"),
+        Op(0, "claim", 1, "a"),
+        Op(0, "claim", 1, "a"),
+    ]
+    asyncio.run(scenario(database_url, ["b"], ops))
