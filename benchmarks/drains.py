@@ -109,15 +109,12 @@ async def drain_in(
     async with contextlib.AsyncExitStack() as exits:
         if stuck:
             opts.update(await make_stuck(url, topic, stuck, stuck_rows))
-        writer_wal = await prefill(url, topic, rows, keys)
+        writer_wal, first = await prefill(url, topic, rows, keys)
         if broker_delay:
             bootstrap = await exits.enter_async_context(slow_broker(stack, broker_delay))
             opts["kafka_bootstrap_servers"] = bootstrap
         settings = settings_for(url, stack, **opts)
         conn = await exits.enter_async_context(connection(url))
-        first = await conn.fetchval(
-            "SELECT min(id) FROM outbox WHERE ordering_key IS DISTINCT FROM $1", STUCK_KEY
-        )
         # No CHECKPOINT here: the prefill's and the drain's changes fall in the checkpoint cycle
         # that began just before the prefill, as a writer's insert and our claim and mark of its
         # row do in steady operation (one after a CHECKPOINT would charge the drain a full-page
@@ -131,7 +128,8 @@ async def drain_in(
             started = time.monotonic()
             cpu0 = group.cpu()
             pg0 = await backend_cpu_by_pid(conn)
-            # The stuck key's rows are older than `first`: the walk from `first` never reads them.
+            # The stuck key's rows (and open_writer's emptied keys) are older than `first`: the
+            # walk from `first` never reads them.
             stranded = await wait_drained(conn, first)
             wall = time.monotonic() - started
             cpu = group.cpu() - cpu0
@@ -178,9 +176,8 @@ async def drain_in(
 async def hot_key(stack: Stack, rows: int) -> dict[str, float]:
     """All rows on one ordering key; the order is checked on the consumer side."""
     async with fresh(stack) as (url, topic):
-        await prefill(url, topic, rows, 1)
+        _, first = await prefill(url, topic, rows, 1)
         async with connection(url) as conn:
-            first = await conn.fetchval("SELECT min(id) FROM outbox")
             async with dispatchers(settings_for(url, stack)) as group:
                 await wait_ready(url, group)
                 stranded = await wait_drained(conn, first, interval=0.05)

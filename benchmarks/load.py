@@ -46,20 +46,20 @@ async def insert_rows(
 
 async def prefill(
     url: str, topic: str, rows: int, keys: int, key: str | None = None, prefix: str = "key-"
-) -> float:
+) -> tuple[float, int]:
     """`insert_rows` on a connection of its own; returns its WAL bytes per row, measured after a
-    CHECKPOINT so that it pays its full-page images as the drain does. Nothing else: no VACUUM
-    or ANALYZE a user's backlog would not get (autovacuum comes when the product's settings on
-    the table call it)."""
+    CHECKPOINT so that it pays its full-page images as the drain does, and its first id.
+    Nothing else: no VACUUM or ANALYZE a user's backlog would not get (autovacuum comes when the
+    product's settings on the table call it)."""
     conn = await asyncpg.connect(url)
     try:
         await conn.execute("CHECKPOINT")
         wal0 = await conn.fetchval("SELECT pg_current_wal_lsn()")
-        await insert_rows(conn, topic, rows, keys, key, prefix)
+        first, _ = await insert_rows(conn, topic, rows, keys, key, prefix)
         wal = await conn.fetchval("SELECT pg_current_wal_lsn() - $1::pg_lsn", wal0)
     finally:
         await conn.close()
-    return float(wal) / rows
+    return float(wal) / rows, first
 
 
 async def make_stuck(url: str, topic: str, kind: str, rows: int) -> dict[str, Any]:
