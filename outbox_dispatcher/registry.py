@@ -5,11 +5,12 @@ under the policy the dispatchers run with (not the operator's own environment)."
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import asyncpg
 import structlog
 
-from outbox_dispatcher import db
+from outbox_dispatcher import __version__, db
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import Store
@@ -27,15 +28,30 @@ HEARTBEAT_SECONDS = 10.0
 LIVE_SECONDS = 3 * HEARTBEAT_SECONDS + 5
 
 
-async def heartbeat(pool: asyncpg.Pool, queries: Queries, settings: Settings, owner: str) -> None:
-    """Forever: upsert this dispatcher's row. A failure is logged, never fatal: the registry only
-    informs operators."""
+# Rows published and dead-lettered since the process started (Metrics.totals).
+Counters = Callable[[], tuple[int, int]]
+
+
+async def heartbeat(
+    pool: asyncpg.Pool,
+    queries: Queries,
+    settings: Settings,
+    owner: str,
+    counters: Counters = lambda: (0, 0),
+) -> None:
+    """Forever: upsert this dispatcher's row, with its version and counters. A failure is
+    logged, never fatal: the registry only informs operators."""
     store = Store(pool, queries)
     warned = False
     while True:
+        published, dead = counters()
         try:
             await store.dispatcher_beat(
-                owner=owner, dead_letter_policy=settings.dead_letter_policy.value
+                owner=owner,
+                dead_letter_policy=settings.dead_letter_policy.value,
+                version=__version__,
+                published_total=published,
+                dead_total=dead,
             )
         except _TOLERATED as exc:
             if not warned:

@@ -69,7 +69,8 @@ async def check(settings: Settings) -> list[Finding]:
     report.add("ok", f"settings are valid (table {settings.db_schema}.{settings.table})")
     for variable, close in unknown_variables(os.environ):
         hint = f": did you mean {close}?" if close else ""
-        report.add("warning", f"{variable} is not a setting and is ignored{hint}")
+        # A problem, not a warning: the setting the operator meant is not in effect.
+        report.add("problem", f"{variable} is not a setting and is ignored{hint}")
     if settings.default_topic:
         report.needed[settings.default_topic] = "OUTBOX_DEFAULT_TOPIC"
     try:

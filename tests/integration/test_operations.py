@@ -22,7 +22,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from outbox_dispatcher import cleanup
 from outbox_dispatcher.cli import tables
-from outbox_dispatcher.operate import reads
+from outbox_dispatcher.operate import listings, reads
 from outbox_dispatcher.operate.actions import DeadDiscard, Pause, Replay, perform
 from outbox_dispatcher.operate.filters import Filters
 from outbox_dispatcher.operate.session import Session
@@ -215,7 +215,7 @@ async def test_dead_rows_are_listed_requeued_in_order_under_block_and_discarded(
         assert [d["ordering_key"] for d in dead] == ["key-0", "gone-1", "gone-2", "gone-3"]
         assert set(dead[0]) >= {"id", "event_id", "topic", "attempts", "dead_at", "last_error"}
         assert dead[0]["last_error"] == "boom" and dead[0]["attempts"] == 10
-        plain = tables.dead_table(await reads.dead_list(session(conn), Filters(key="key-0"), 9))
+        plain = tables.dead_table(await listings.dead_list(session(conn), Filters(key="key-0"), 9))
         assert "boom" in plain and "gone-1" not in plain
         requeued = await cli(settings, "dead", "requeue", "--key", "key-0")
         assert requeued.code == 0, requeued.err
@@ -233,9 +233,9 @@ async def test_dead_rows_are_listed_requeued_in_order_under_block_and_discarded(
 
         # Filters by time and id, in-process; ids of rows that are not dead are left alone.
         recent = Filters(since=datetime.now(UTC) - timedelta(hours=1))
-        assert await reads.dead_list(session(conn), recent, 100) == []
+        assert await listings.dead_list(session(conn), recent, 100) == []
         old = Filters(until=datetime(2021, 1, 1, tzinfo=UTC))
-        assert len(await reads.dead_list(session(conn), old, 100)) == 3
+        assert len(await listings.dead_list(session(conn), old, 100)) == 3
         published_id = await conn.fetchval(
             "SELECT min(id) FROM outbox WHERE published_at IS NOT NULL"
         )

@@ -421,9 +421,10 @@ async def test_check_warns_about_unknown_variables_and_missing_topics_of_dead_ro
     await _dead_rows(conn, ["a"], gone)
     misspelt = {"OUTBOX_DEADLETTER_POLICY": "block", "OUTBOX_KAFKA_BOOTSTRAP_SERVER": "x:1"}
     ran = await cli(_settings(make_settings), "check", env=misspelt)
-    assert ran.code == 0, ran.err  # warnings and notes do not fail the check
+    # A misspelt variable fails the check: the setting meant is not in effect (notes do not).
+    assert ran.code == 1, ran.err
     assert (
-        "warning: OUTBOX_DEADLETTER_POLICY is not a setting and is ignored: did you mean "
+        "problem: OUTBOX_DEADLETTER_POLICY is not a setting and is ignored: did you mean "
         "OUTBOX_DEAD_LETTER_POLICY?" in ran.err
     )
     assert "did you mean OUTBOX_KAFKA_BOOTSTRAP_SERVERS?" in ran.err
