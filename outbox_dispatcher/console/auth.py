@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from outbox_dispatcher import errors
+from outbox_dispatcher.operate import logins
 from outbox_dispatcher.operate.jobs import Origin
 from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.settings import Settings, split_list
@@ -152,9 +153,9 @@ async def who(settings: Settings, proxies: Proxies, request: Request, session: S
         return Who(TOKEN_HOLDER, "bearer", client)
     key = request.session.get("sid")
     if isinstance(key, str) and settings.console_token is not None:
-        found = await session.store.session_get(id=_digest(key), token_tag=token_tag(settings))
+        found = await logins.find_login(session, digest=_digest(key), token_tag=token_tag(settings))
         if found is not None:
-            return Who(found["identity"], "login", client)
+            return Who(found, "login", client)
     return Who(None, None, client)
 
 
@@ -165,12 +166,14 @@ async def log_in(
     anonymous one is not carried over)."""
     key = secrets.token_urlsafe(32)
     digest = _digest(key)
-    store = session.store
-    await store.session_prune()
     identity = f"{TOKEN_HOLDER} (session {digest.hex()[:8]})"
-    tag = token_tag(settings)
-    await store.session_open(
-        id=digest, identity=identity, client=client, token_tag=tag, seconds=SESSION_SECONDS
+    await logins.open_login(
+        session,
+        digest=digest,
+        identity=identity,
+        client=client,
+        token_tag=token_tag(settings),
+        seconds=SESSION_SECONDS,
     )
     request.session.clear()
     request.session["sid"] = key
@@ -181,7 +184,7 @@ async def log_out(request: Request, session: Session) -> None:
     """End the session in the database (every copy of its cookie), then forget the cookie."""
     key = request.session.get("sid")
     if isinstance(key, str):
-        await session.store.session_end(id=_digest(key))
+        await logins.end_login(session, digest=_digest(key))
     request.session.clear()
 
 

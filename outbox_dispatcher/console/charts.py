@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 WIDTH, HEIGHT = 520, 190
@@ -105,13 +106,13 @@ def chart(
     )
     for s in series:
         parts.extend(_line(s, x, y))
-    legend_x = WIDTH - RIGHT
+    legend_x = float(WIDTH - RIGHT)
     for s in reversed(series):
         parts.append(
             f'<text x="{legend_x}" y="15" class="legend" fill="{s.colour}" '
             f'text-anchor="end">■ {s.name}</text>'
         )
-        legend_x -= 12 + 7 * len(s.name)
+        legend_x -= 22 + 6.5 * len(s.name)
     if not points:
         parts.append(
             f'<text x="{LEFT + inner_w / 2}" y="{TOP + inner_h / 2}" class="tick" '
@@ -123,18 +124,23 @@ def chart(
     return "".join(parts)
 
 
-def _line(series: Series, x: object, y: object) -> list[str]:
-    """One polyline per run of points without a gap."""
-    assert callable(x) and callable(y)  # noqa: S101 - the chart's scales
+def _line(series: Series, x: Callable[[float], float], y: Callable[[float], float]) -> list[str]:
+    """One polyline per run of points without a gap (a point alone: a dot)."""
     runs: list[list[str]] = [[]]
     for at, value in series.points:
         if value is None:
             runs.append([])
         else:
             runs[-1].append(f"{x(at):.1f},{y(value):.1f}")
-    return [
-        f'<polyline fill="none" stroke="{series.colour}" stroke-width="2" '
-        f'points="{" ".join(run)}"/>'
-        for run in runs
-        if run
-    ]
+    drawn = []
+    for run in runs:
+        if len(run) == 1:
+            cx, cy = run[0].split(",")
+            drawn.append(f'<circle cx="{cx}" cy="{cy}" r="2.5" fill="{series.colour}"/>')
+        elif run:
+            points = " ".join(run)
+            drawn.append(
+                f'<polyline fill="none" stroke="{series.colour}" stroke-width="2" '
+                f'points="{points}"/>'
+            )
+    return drawn

@@ -6,7 +6,6 @@ heartbeat (every 10 s): rows published and dead-lettered since it started."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -31,8 +30,9 @@ class Sample:
     dead: int
     oldest_pending_age_seconds: float | None
     parked: int = 0
-    # Each live dispatcher's counters: owner -> (published, dead-lettered) since it started.
-    counters: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Each live dispatcher's counters since it started: owner -> (published, dead-lettered, Unix
+    # time of the heartbeat that reported them).
+    counters: dict[str, tuple[int, int, float]] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, object]:
         found = asdict(self)
@@ -42,25 +42,38 @@ class Sample:
 
 @dataclass(frozen=True)
 class Rate:
-    """Rows per second between two samples, summed over the dispatchers alive at both (None:
-    none reported counters at both)."""
+    """Rows per second at a sample: each live dispatcher's rate between its last two heartbeats
+    (its counters change only then), summed."""
 
     at: float
-    published_per_second: float | None
-    dead_per_second: float | None
+    published_per_second: float
+    dead_per_second: float
 
     def as_json(self) -> dict[str, object]:
         return asdict(self)
 
 
-def rate_between(a: Sample, b: Sample) -> Rate:
-    span = b.at - a.at
-    both = [owner for owner in b.counters if owner in a.counters]
-    if span <= 0 or not both:
-        return Rate(b.at, None, None)
-    published = sum(max(0, b.counters[o][0] - a.counters[o][0]) for o in both)
-    dead = sum(max(0, b.counters[o][1] - a.counters[o][1]) for o in both)
-    return Rate(b.at, published / span, dead / span)
+def rates(samples: list[Sample]) -> list[Rate]:
+    """A rate at every sample once some dispatcher reported twice; a counter that went down (a
+    restart under the same owner) counts as no rows."""
+    beats: dict[str, tuple[int, int, float]] = {}
+    current: dict[str, tuple[float, float]] = {}
+    found = []
+    for sample in samples:
+        for owner, (published, dead, beat) in sample.counters.items():
+            last = beats.get(owner)
+            if last is not None and beat > last[2]:
+                span = beat - last[2]
+                current[owner] = (
+                    max(0, published - last[0]) / span,
+                    max(0, dead - last[1]) / span,
+                )
+            if last is None or beat > last[2]:
+                beats[owner] = (published, dead, beat)
+        live = [current[o] for o in sample.counters if o in current]
+        if live:
+            found.append(Rate(sample.at, sum(p for p, _ in live), sum(d for _, d in live)))
+    return found
 
 
 class History:
@@ -79,8 +92,7 @@ class History:
         return list(self._samples)
 
     def rates(self) -> list[Rate]:
-        kept = self.samples()
-        return [rate_between(a, b) for a, b in itertools.pairwise(kept)]
+        return rates(self.samples())
 
 
 _TOLERATED: tuple[type[BaseException], ...] = (

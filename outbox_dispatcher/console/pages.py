@@ -72,6 +72,15 @@ def overview_charts(samples: history.History, now: float) -> list[str]:
 
 
 class Reads(Base):
+    def _listing(
+        self, request: Request, name: str, found: dict[str, Any], query: Any, who: Any
+    ) -> Response:
+        """A page that goes on with `before`: its links keep the query but that."""
+        if self.api(request):
+            return JSONResponse(found)
+        listing = query.model_dump(exclude_defaults=True, exclude={"before"}, mode="json")
+        return self.page(request, name, {**found, "query": query, "listing": listing}, who)
+
     async def overview(self, request: Request) -> Response:
         async with self.reading(request) as (session, who):
             report = await service.overview(session, self.settings, self.history)
@@ -123,11 +132,7 @@ class Reads(Base):
             if query.payload is not None and not who.known:
                 return self.problem(request, 401, "payload search needs a login")
             found = await service.rows(session, query, self.router)
-        if self.api(request):
-            return JSONResponse(found)
-        listing = query.model_dump(exclude_defaults=True, exclude={"before"}, mode="json")
-        context = {**found, "query": query, "listing": listing}
-        return self.page(request, "rows.html", context, who)
+        return self._listing(request, "rows.html", found, query, who)
 
     async def row(self, request: Request) -> Response:
         row_id: int = request.path_params["id"]
@@ -193,11 +198,7 @@ class Reads(Base):
         query = parse(AuditQuery, from_query(request.query_params, {}))
         async with self.reading(request) as (session, who):
             found = await service.audit(session, query)
-        if self.api(request):
-            return JSONResponse(found)
-        listing = query.model_dump(exclude_defaults=True, exclude={"before"}, mode="json")
-        context = {**found, "query": query, "listing": listing}
-        return self.page(request, "audit.html", context, who)
+        return self._listing(request, "audit.html", found, query, who)
 
     async def job(self, request: Request) -> Response:
         """One action's record: its progress while it runs, then how it ended."""

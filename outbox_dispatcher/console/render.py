@@ -91,6 +91,15 @@ def when(value: object) -> Markup:
     )
 
 
+def shown(value: object) -> Markup:
+    """A filter's value: yes/no, a list joined, text made inert."""
+    if isinstance(value, bool):
+        return inert("yes" if value else "no")
+    if isinstance(value, list):
+        return Markup(", ").join(inert(item) for item in value)
+    return inert(value)
+
+
 def plural(n: int, word: str, words: str | None = None) -> str:
     """'1 dispatcher', '3 dispatchers', '2,400 rows'."""
     return f"{n:,} {word}" if n == 1 else f"{n:,} {words or word + 's'}"
@@ -132,6 +141,7 @@ def environment() -> Environment:
     env.filters["time"] = exact_time
     env.filters["when"] = when
     env.filters["num"] = number
+    env.filters["shown"] = shown
     env.filters["json"] = lambda value: orjson.dumps(value).decode()
     env.filters["ascii_json"] = ascii_json
     env.filters["exact"] = exact_attribute

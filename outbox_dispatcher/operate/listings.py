@@ -170,10 +170,11 @@ async def rows_page(
     *,
     before: int | None = None,
     limit: int = 100,
-    window: int = ROWS_WINDOW,
+    window: int | None = None,
 ) -> RowsPage:
     """Rows matching `query` with ids below `before` (None: from the newest), newest first, from
-    a scan of at most `window` ids."""
+    a scan of at most `window` ids (ROWS_WINDOW)."""
+    window = window or ROWS_WINDOW
     store = session.store
     if query.event_id is not None:  # the unique index: no scan
         found = await store.row_by_event(event_id=query.event_id)

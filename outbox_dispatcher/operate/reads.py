@@ -253,7 +253,8 @@ class Gauges:
     parked: int  # pending rows waiting on purpose (paused, held): not lag
     dead: int
     oldest_pending_age_seconds: float | None
-    counters: dict[str, tuple[int, int]]
+    # owner -> (published, dead-lettered, Unix time of the heartbeat that reported them)
+    counters: dict[str, tuple[int, int, float]]
 
 
 async def gauges(session: Session) -> Gauges:
@@ -261,7 +262,11 @@ async def gauges(session: Session) -> Gauges:
     row = await store.gauges(block_on_dead=False)
     live = await store.dispatchers_live(live_seconds=registry.LIVE_SECONDS)
     counters = {
-        d["owner"]: (int(d["published_total"]), int(d["dead_total"] or 0))
+        d["owner"]: (
+            int(d["published_total"]),
+            int(d["dead_total"] or 0),
+            d["heartbeat_at"].timestamp(),
+        )
         for d in live
         if d["published_total"] is not None
     }

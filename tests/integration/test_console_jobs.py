@@ -8,7 +8,6 @@ import asyncio
 import html
 import re
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +22,8 @@ from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.settings import Settings
 from tests.containers import free_port
 
-from .helpers import cli, settings_env, wait_until
+from .helpers import cli, interruptible, kill9, spawn_console, wait_until
 from .test_console import AUTH, TOKEN, client, csrf_of, dead_rows, log_in
-from .test_operator_safety import _ctrl_c_as_at_a_terminal
 
 pytestmark = pytest.mark.integration
 
@@ -75,20 +73,7 @@ async def test_a_cli_requeue_cut_off_by_ctrl_c_says_and_records_the_rows_it_chan
     await many_dead(conn, 5000)
     await slow_batches(conn)
     settings = make_settings(cleanup_batch_size=50)
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "outbox_dispatcher",
-        "dead",
-        "requeue",
-        "--error",
-        "lacks header",
-        env=settings_env(settings),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        preexec_fn=_ctrl_c_as_at_a_terminal,
-    )
+    process = await interruptible(settings, "dead", "requeue", "--error", "lacks header")
 
     async def some_done() -> bool:
         return await requeued(conn) >= 300
@@ -130,19 +115,7 @@ async def test_an_interrupted_replay_is_recorded_as_interrupted_with_no_row_chan
     )
     await slow_batches(conn)
     settings = make_settings(cleanup_batch_size=50)
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "outbox_dispatcher",
-        "replay",
-        "--topic",
-        "bulk",
-        env=settings_env(settings),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        preexec_fn=_ctrl_c_as_at_a_terminal,
-    )
+    process = await interruptible(settings, "replay", "--topic", "bulk")
 
     async def running() -> bool:
         return bool(await conn.fetchval("SELECT count(*) FROM outbox_operator_audit"))
@@ -348,17 +321,8 @@ async def test_a_console_killed_mid_requeue_leaves_a_true_record_read_as_interru
     await many_dead(conn, 5000)
     await slow_batches(conn)
     port = free_port()
-    env = {
-        **settings_env(make_settings(cleanup_batch_size=50)),
-        "OUTBOX_CONSOLE_PORT": str(port),
-        "OUTBOX_CONSOLE_TOKEN": TOKEN,
-        "OUTBOX_LOG_FORMAT": "json",
-    }
-    log_path = tmp_path / "console.log"
-    with log_path.open("wb") as log:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "outbox_dispatcher", "console", env=env, stdout=log, stderr=log
-        )
+    settings = make_settings(cleanup_batch_size=50)
+    process = spawn_console(settings, tmp_path / "console.log", port, OUTBOX_CONSOLE_TOKEN=TOKEN)
     try:
         base = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(base_url=base, headers=AUTH, timeout=2) as c:
@@ -378,12 +342,10 @@ async def test_a_console_killed_mid_requeue_leaves_a_true_record_read_as_interru
             return await requeued(conn) >= 500
 
         await wait_until(some_done, 60, "the requeue to go on without its client")
-        process.kill()  # as a pod eviction would
-        await process.wait()
+        kill9(process)  # as a pod eviction would
     finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+        if process.poll() is None:
+            kill9(process)
     changed = await requeued(conn)
 
     async def cut_off() -> bool:

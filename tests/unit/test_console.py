@@ -92,15 +92,30 @@ def test_the_token_is_compared_in_constant_time_and_is_long_enough() -> None:
 def test_the_history_keeps_the_last_hour_and_its_rates_come_from_the_dispatchers() -> None:
     kept = history.History(window_seconds=3600)
     for minute in range(0, 120, 10):
-        counters = {"a": (minute * 60, minute)} if minute != 90 else {"b": (5, 0)}
+        counters = {"a": (minute * 60, minute, minute * 60.0)}
         kept.add(history.Sample(minute * 60.0, minute, 0, float(minute), counters=counters))
     assert [s.at for s in kept.samples()] == [m * 60.0 for m in range(50, 120, 10)]  # 1 h back
     rates = kept.rates()
-    # 600 rows published and 10 dead in 600 s: 1/s and 1/60 s; a sample without the same
-    # dispatcher on both sides has no rate (a restart is no negative rate).
+    # 600 rows published and 10 dead between heartbeats 600 s apart: 1/s and 1/60 s.
     assert rates[0].published_per_second == 1.0
     assert rates[0].dead_per_second == 10 / 600
-    assert rates[3].published_per_second is None and rates[4].published_per_second is None
+    assert len(rates) == 6  # from the second sample on
+
+
+def test_rates_span_heartbeats_not_samples() -> None:
+    """Counters change only with a heartbeat (every 10 s): samples in between keep the rate of
+    the last two heartbeats instead of reading 0 and then a spike. A restarted dispatcher
+    (its counter goes down) counts as no rows, not a negative rate."""
+    samples = [
+        history.Sample(0.0, 0, 0, None, counters={"a": (0, 0, 0.0)}),
+        history.Sample(1.0, 0, 0, None, counters={"a": (0, 0, 0.0)}),
+        history.Sample(10.0, 0, 0, None, counters={"a": (50, 0, 10.0)}),
+        history.Sample(11.0, 0, 0, None, counters={"a": (50, 0, 10.0), "b": (7, 0, 11.0)}),
+        history.Sample(20.0, 0, 0, None, counters={"a": (100, 0, 20.0), "b": (27, 1, 21.0)}),
+        history.Sample(30.0, 0, 0, None, counters={"a": (3, 0, 30.0), "b": (27, 1, 21.0)}),
+    ]
+    found = [(r.at, r.published_per_second, r.dead_per_second) for r in history.rates(samples)]
+    assert found == [(10.0, 5.0, 0.0), (11.0, 5.0, 0.0), (20.0, 7.0, 0.1), (30.0, 2.0, 0.1)]
 
 
 def test_charts_have_a_value_axis_from_zero_and_a_time_axis() -> None:
@@ -114,7 +129,8 @@ def test_charts_have_a_value_axis_from_zero_and_a_time_axis() -> None:
         now=now,
         window=3600,
     )
-    assert drawn.startswith("<svg") and drawn.count("<polyline") == 2
+    assert drawn.startswith("<svg") and drawn.count("<polyline") == 1
+    assert drawn.count("<circle") == 1  # a line of one point is a dot
     for tick in (">0<", ">50<", ">100<"):
         assert tick in drawn, tick
     assert "time (UTC)" in drawn and ">pending<" not in drawn and "■ pending" in drawn
