@@ -21,7 +21,6 @@ import pytest
 
 from outbox_dispatcher import migrations
 from outbox_dispatcher.console import create_app, history
-from outbox_dispatcher.console.pages import overview_charts
 from outbox_dispatcher.settings import Settings
 from tests.containers import free_port
 
@@ -521,6 +520,8 @@ async def test_the_overview_shows_the_numbers_per_topic_and_the_sampled_chart(
         assert '<div class="value">7</div><div class="label">waiting</div>' in page.text
         assert "<svg" in page.text and "kept in its memory" in page.text
         assert page.headers["content-security-policy"].startswith("default-src 'none'")
+    from outbox_dispatcher.console.pages import overview_charts
+
     backlog, _rates, lag = overview_charts(samples, time.time())
     assert backlog.count("<polyline") == 3 and lag.count("<polyline") == 1
 

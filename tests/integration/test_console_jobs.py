@@ -16,8 +16,6 @@ import httpx
 import orjson
 import pytest
 
-from outbox_dispatcher.console import acting
-from outbox_dispatcher.operate import listings
 from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.settings import Settings
 from tests.containers import free_port
@@ -53,6 +51,8 @@ async def slow_batches(conn: asyncpg.Connection, seconds: float = 0.05) -> None:
 
 async def records(conn: asyncpg.Connection) -> list[dict[str, Any]]:
     """The audit records as operators read them (a record whose process died: interrupted)."""
+    from outbox_dispatcher.operate import listings
+
     session = Session.of(conn, Settings())  # the table's names: public.outbox
     return list(reversed(await listings.audit(session, listings.AuditQuery(), 100)))
 
@@ -261,6 +261,8 @@ async def test_api_actions_are_jobs_too_with_an_idempotency_key(
 ) -> None:
     await many_dead(conn, 3000)
     await slow_batches(conn)
+    from outbox_dispatcher.console import acting
+
     monkeypatch.setattr(acting, "API_WAIT_SECONDS", 0.5)
     key = {"idempotency-key": "requeue-all-1"}
     async with client(make_settings(console_token=TOKEN, cleanup_batch_size=50)) as c:

@@ -12,8 +12,6 @@ from typing import Any
 import asyncpg
 import pytest
 
-from outbox_dispatcher.operate import listings
-
 from .test_console import AUTH, TOKEN, client, csrf_of, log_in
 
 pytestmark = pytest.mark.integration
@@ -141,6 +139,8 @@ async def test_rows_are_found_by_event_id_key_header_and_payload_in_bounded_scan
     wanted = await conn.fetchrow(
         "SELECT id, event_id FROM outbox WHERE payload = convert_to('{\"order\": 42}', 'UTF8')"
     )
+    from outbox_dispatcher.operate import listings
+
     monkeypatch.setattr(listings, "ROWS_WINDOW", 100)  # pages scan 100 ids: several windows
     settings = make_settings(console_token=TOKEN, console_show_payload=True)
     async with client(settings, **AUTH) as c:

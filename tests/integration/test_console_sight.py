@@ -14,7 +14,6 @@ import orjson
 import pytest
 
 from outbox_dispatcher.console import history
-from outbox_dispatcher.console.pages import overview_charts
 from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.settings import Settings
 
@@ -110,6 +109,8 @@ async def test_the_overview_reloads_itself_and_charts_with_axes(
     [rate] = samples.rates()
     assert rate.published_per_second and rate.published_per_second > 300
     assert rate.dead_per_second and rate.dead_per_second > 5
+    from outbox_dispatcher.console.pages import overview_charts
+
     backlog, flow, lag = overview_charts(samples, time.time())
     assert "Backlog (rows)" in backlog and "Rows per second" in flow and "Lag" in lag
     for drawn in (backlog, flow, lag):
