@@ -315,11 +315,16 @@ async def test_an_aborted_replay_changes_nothing(
     assert (entry["status"], entry["rows"]) == ("aborted", 0)
 
 
-async def test_a_console_killed_mid_requeue_leaves_a_true_record_read_as_interrupted(
-    conn: asyncpg.Connection, make_settings: Any, tmp_path: Path
+@pytest.mark.parametrize("stop", ["kill -9", "SIGTERM"])
+async def test_a_console_stopped_mid_requeue_leaves_a_true_record_read_as_interrupted(
+    conn: asyncpg.Connection, make_settings: Any, tmp_path: Path, stop: str
 ) -> None:
     """N2 (console): a requeue whose pod was killed had requeued 76,000 rows, and no audit row
-    existed; the client that went away did not stop it either."""
+    existed; the client that went away did not stop it either. Killed, the record reads as
+    interrupted at once (its connection's lock is gone) and a console's sweep closes it so;
+    stopped, the console closes it itself."""
+    from outbox_dispatcher.operate import jobs
+
     await many_dead(conn, 5000)
     await slow_batches(conn)
     port = free_port()
@@ -344,7 +349,11 @@ async def test_a_console_killed_mid_requeue_leaves_a_true_record_read_as_interru
             return await requeued(conn) >= 500
 
         await wait_until(some_done, 60, "the requeue to go on without its client")
-        kill9(process)  # as a pod eviction would
+        if stop == "kill -9":
+            kill9(process)  # as a pod eviction would
+        else:
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(process.wait, 60) == 0
     finally:
         if process.poll() is None:
             kill9(process)
@@ -358,3 +367,7 @@ async def test_a_console_killed_mid_requeue_leaves_a_true_record_read_as_interru
     [entry] = await records(conn)
     assert entry["rows"] == changed and 500 <= changed < 5000
     assert entry["expected"] == 5000
+    if stop == "kill -9":
+        assert await conn.fetchval("SELECT status FROM outbox_operator_audit") == "running"
+        assert await jobs.sweep(Session.of(conn, Settings())) == [entry["id"]]
+    assert await conn.fetchval("SELECT status FROM outbox_operator_audit") == "interrupted"
