@@ -34,15 +34,14 @@ from outbox_dispatcher.operate.actions import (
     Confirm,
     DeadDiscard,
     DeadRequeue,
-    Pause,
     ReleaseHeld,
     Replay,
-    Resume,
     perform,
     refuse,
 )
 from outbox_dispatcher.operate.check import check
 from outbox_dispatcher.operate.jobs import Ledger
+from outbox_dispatcher.operate.pauses import Pause, Resume
 from outbox_dispatcher.operate.session import connected
 from outbox_dispatcher.settings import Settings
 

@@ -33,12 +33,11 @@ from outbox_dispatcher.operate.actions import (
     ActionResult,
     DeadDiscard,
     DeadRequeue,
-    Pause,
     Replay,
-    Resume,
     perform,
 )
 from outbox_dispatcher.operate.listings import Cursor, RowsQuery
+from outbox_dispatcher.operate.pauses import Pause, Resume
 from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.routing import Router
 from outbox_dispatcher.settings import Settings

@@ -38,6 +38,14 @@ async def many_dead(conn: asyncpg.Connection, n: int, error: str = "lacks header
     )
 
 
+async def many_published(conn: asyncpg.Connection, n: int) -> None:
+    await conn.execute(
+        "INSERT INTO outbox (topic, payload, published_at)"
+        " SELECT 'bulk', 'x', now() FROM generate_series(1, $1)",
+        n,
+    )
+
+
 async def slow_batches(conn: asyncpg.Connection, seconds: float = 0.05) -> None:
     """Every statement that changes the outbox takes `seconds` longer: a bulk action is slow
     enough here to be seen running, aborted or cut off (a test-only trigger of this database)."""
@@ -109,10 +117,7 @@ async def test_a_cli_requeue_cut_off_by_ctrl_c_says_and_records_the_rows_it_chan
 async def test_an_interrupted_replay_is_recorded_as_interrupted_with_no_row_changed(
     conn: asyncpg.Connection, make_settings: Any
 ) -> None:
-    await conn.execute(
-        "INSERT INTO outbox (topic, payload, published_at)"
-        " SELECT 'bulk', 'x', now() FROM generate_series(1, 3000)"
-    )
+    await many_published(conn, 3000)
     await slow_batches(conn)
     settings = make_settings(cleanup_batch_size=50)
     process = await interruptible(settings, "replay", "--topic", "bulk")
@@ -291,10 +296,7 @@ async def test_api_actions_are_jobs_too_with_an_idempotency_key(
 async def test_an_aborted_replay_changes_nothing(
     conn: asyncpg.Connection, make_settings: Any
 ) -> None:
-    await conn.execute(
-        "INSERT INTO outbox (topic, payload, published_at)"
-        " SELECT 'bulk', 'x', now() FROM generate_series(1, 3000)"
-    )
+    await many_published(conn, 3000)
     await slow_batches(conn)
     async with client(make_settings(console_token=TOKEN, cleanup_batch_size=50)) as c:
         await log_in(c)

@@ -23,8 +23,9 @@ from aiokafka.admin import AIOKafkaAdminClient
 from outbox_dispatcher import cleanup
 from outbox_dispatcher.cli import tables
 from outbox_dispatcher.operate import listings, reads
-from outbox_dispatcher.operate.actions import DeadDiscard, Pause, Replay, perform
+from outbox_dispatcher.operate.actions import DeadDiscard, Replay, perform
 from outbox_dispatcher.operate.filters import Filters
+from outbox_dispatcher.operate.pauses import Pause
 from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
