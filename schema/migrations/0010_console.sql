@@ -106,6 +106,8 @@ COMMENT ON COLUMN ${schema}.${table}.replays IS
 -- groups). Partial: a writer's row is never dead, so an insert only evaluates the predicate; a
 -- row that dies gets two index entries (the settle that kills it already updates indexed
 -- columns, so no update that was HOT stops being HOT).
+-- Building them reads the table once while writers wait (a SHARE lock): both took 0.55 s on a
+-- table of 1,000,000 rows (461 MB) on the 2-core test machine, warm.
 CREATE INDEX ${table}_dead_id_idx ON ${schema}.${table} (id) WHERE dead_at IS NOT NULL;
 CREATE INDEX ${table}_dead_at_idx ON ${schema}.${table} (dead_at, id) WHERE dead_at IS NOT NULL;
 
