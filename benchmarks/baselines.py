@@ -21,9 +21,10 @@ from pydantic import SecretStr
 
 from outbox_dispatcher import db
 from outbox_dispatcher.claimer import Claimer
+from outbox_dispatcher.dispatch.supervisor import configs_of
+from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.marker import Marker
 from outbox_dispatcher.models import Batch, Outcome, Result
-from outbox_dispatcher.publisher import KafkaPublisher
 from outbox_dispatcher.settings import Settings, quote_identifier
 from outbox_dispatcher.sql import Queries
 
@@ -102,10 +103,10 @@ async def _timed_produce(
     records, starting the producer and the topic's first metadata fetch are not timed."""
     settings = settings.model_copy(update={"kafka_bootstrap_servers": bootstrap_servers})
     records = _records(count, payload_size, keys, settings.event_id_header)
-    publisher = KafkaPublisher(settings)
+    publisher = KafkaPublisher(configs_of(settings).publisher)
     await publisher.start()
     try:
-        producer = publisher.producer
+        producer = publisher.producers.current()
         await producer.partitions_for(topic)
         batches = _batches(records, settings.batch_size)
         started = time.perf_counter()

@@ -203,7 +203,7 @@ async def bulk_requeue(
 
 async def writer_cost(stack: Stack, seconds: float, rounds: int) -> dict[str, float]:
     """Writers' rows/s (10-row transactions, 4 connections) into the outbox as migrated and
-    without what version 10 added to it, alternating, `rounds` times each."""
+    without what version 12 (the console) added to it, alternating, `rounds` times each."""
     cases = {
         "outbox": "",
         "without_console": "DROP INDEX outbox_dead_id_idx, outbox_dead_at_idx; "

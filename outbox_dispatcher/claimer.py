@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections import deque
 from typing import Any
@@ -36,8 +37,13 @@ class Claimer:
         # Keys asked for per claim, fitted by _fit: batch_size while keys are shallow, a few under
         # a backlog of deep keys (one hot key: one).
         self._max_keys = s.batch_size
-        # Tokens of claims that may have committed although their reply never arrived.
-        self._unsure: list[uuid.UUID] = []
+        # New rows a claim looks at (when it holds the discovery cursor): twice a batch, so that
+        # under a backlog of few keys the rows past this batch's keys are registered as work.
+        self._scan = max(2 * s.batch_size, 100)
+        # Tokens of claims that may have committed although their reply never arrived, each
+        # until its lease could have expired (review N14: a claim still running on the server
+        # commits after the first release found nothing).
+        self._unsure: list[tuple[uuid.UUID, float]] = []
 
     async def claim(self) -> Batch | None:
         """Lease up to batch_size rows; one round trip, one short transaction."""
@@ -53,7 +59,7 @@ class Claimer:
             log.warning("claim_shrunk", error=repr(exc), max_keys=self._max_keys)
             return None
         except db.RETRIABLE_ERRORS:
-            self._unsure.append(token)
+            self._unsure.append((token, time.monotonic() + self._lease))
             raise
         if not rows:
             self._max_keys = self._limit  # the next rows may be anyone's
@@ -72,6 +78,7 @@ class Claimer:
             "token": token,
             "block_on_dead": self._block,
             "max_attempts": self._max_attempts,
+            "scan": self._scan,
         }
 
     def _fit(self, rows: list[Row]) -> None:
@@ -85,10 +92,13 @@ class Claimer:
             self._max_keys = min(self._limit, self._max_keys * 2)
 
     async def _release_unsure(self) -> None:
-        """Give back what claims with a lost reply may hold. The claim loops share this claimer:
-        each takes the tokens it releases, and puts back those it could not."""
+        """Give back what claims with a lost reply may hold. A token whose release found nothing
+        is tried again at every claim until its lease could have expired: the claim may still be
+        running on the server. The claim loops share this claimer: each takes the tokens it
+        releases, and puts back those it could not."""
         tokens, self._unsure = self._unsure, []
-        for i, token in enumerate(tokens):
+        now = time.monotonic()
+        for i, (token, until) in enumerate(tokens):
             try:
                 rows = await self._store.release_claim(token=token)
             except BaseException:
@@ -96,6 +106,8 @@ class Claimer:
                 raise
             if rows:
                 log.info("lost_claim_released", rows=rows, token=str(token))
+            elif until > now:
+                self._unsure.append((token, until))
 
 
 class Wakeup:

@@ -27,22 +27,27 @@ class Marker:
         *,
         delete_on_publish: bool = False,
         owner: str | None = None,
+        block_on_dead: bool = False,
     ) -> None:
         self._store = Store(pool, queries)
         self._retry_for = retry_for
         self._delete = delete_on_publish
+        # dead_letter_policy = block: a key with a dead row stays blocked after this settle.
+        self._block = block_on_dead
         # Who claims (lease_owner): tells a mark whose reply was lost from a lease another
         # dispatcher took over. None: every shortfall is reported as a lost lease.
         self._owner = owner
 
     def arguments(self, batch: Batch, results: Sequence[Result]) -> dict[str, Any]:
-        """Store.settle's keywords: each row's outcome, and the batch's keys to release."""
+        """Store.settle's keywords: each row's outcome and key (the work the batch holds)."""
         records = batch.records
         arguments: dict[str, Any] = {
             "token": batch.token,
-            "keys": sorted({r.ordering_key for r in records if r.ordering_key is not None}),
+            "owner": self._owner or "",
             "ids": [r.id for r in records],
+            "keys": [r.ordering_key for r in records],
             "delete_published": self._delete,
+            "block_on_dead": self._block,
         }
         if all(res is PUBLISHED for res in results):  # the common case: one pass, not four
             n = len(results)

@@ -64,6 +64,8 @@ NAMES = (
     "outbox_publish_failures_total",
     "outbox_dead_lettered_total",
     "outbox_lease_reclaims_total",
+    "outbox_sweep_repaired_total",
+    "outbox_sweep_passes_total",
     "outbox_claim_duration_seconds",
     "outbox_publish_duration_seconds",
     "outbox_mark_duration_seconds",
@@ -202,6 +204,17 @@ class Metrics:
             "outbox_dead_lettered",
             "Rows dead-lettered by this dispatcher, by why: permanent, max_attempts, crash_loop.",
             ["topic", "reason"],
+            registry=r,
+        )
+        self.sweep_repaired = Counter(
+            "outbox_sweep_repaired",
+            "Pending rows the anti-entropy sweep found that no claim knew of (written below the "
+            "claim cursor or with triggers off); each was handed to the claims.",
+            registry=r,
+        )
+        self.sweep_passes = Counter(
+            "outbox_sweep_passes",
+            "Passes of the anti-entropy sweep over the whole table this dispatcher finished.",
             registry=r,
         )
         self.reclaims = Counter(

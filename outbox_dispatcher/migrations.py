@@ -82,19 +82,80 @@ def lock_key(schema: str, table: str) -> int:
     return zlib.crc32(f"outbox-dispatcher:{schema}.{table}".encode()) & 0x7FFFFFFF
 
 
+# The oldest schema version this dispatcher runs on: version 10 (claim engine v3, expanded beside
+# version 9 for a rolling upgrade) and version 11 (contracted) both serve it.
+OLDEST_SUPPORTED = 10
+# The console's version (12): the operator's audit records, logins and replay counts, and the
+# heartbeat's counters, which a dispatcher writes only from here on (it runs from
+# OLDEST_SUPPORTED on).
+CONSOLE_VERSION = 12
+# Steps that a dispatcher older than 10 cannot run beside: `migrate` applies them only once no
+# such dispatcher beats (docs/operations.md, "Upgrading").
+CONTRACT_STEPS = frozenset({11})
+# How recently an older dispatcher must have beaten to hold a contract step back (registry's
+# LIVE_SECONDS: three missed heartbeats).
+OLDER_LIVE_SECONDS = 35.0
+
+
 async def current_version(conn: db.Executor, schema: str, table: str) -> int:
+    """The highest version applied. From version 10 on a step records itself in
+    <table>_schema_steps; <table>_schema_version, which dispatchers of version 9 and older read,
+    only gets the steps those cannot run beside (so that a rolling upgrade keeps them ready)."""
     exists = await conn.fetchval(
         "SELECT to_regclass($1) IS NOT NULL",
         f"{quote_identifier(schema)}.{quote_identifier(table + '_schema_version')}",
     )
     if not exists:
         return 0
-    version: int = await conn.fetchval(Queries.for_table(schema, table).schema_version)
+    queries = Queries.for_table(schema, table)
+    steps = await conn.fetchval(
+        "SELECT to_regclass($1) IS NOT NULL",
+        f"{quote_identifier(schema)}.{quote_identifier(table + '_schema_steps')}",
+    )
+    version: int = await conn.fetchval(
+        queries.schema_version if steps else queries.schema_version_before_steps
+    )
     return version
 
 
-async def migrate(conn: asyncpg.Connection, schema: str, table: str) -> list[int]:
-    """Apply what is missing, safely from several processes at once; returns versions applied."""
+async def older_dispatchers(conn: db.Executor, schema: str, table: str) -> int:
+    """Dispatchers older than version 10 that beat lately (0 when the table has none yet)."""
+    exists = await conn.fetchval(
+        "SELECT to_regclass($1) IS NOT NULL",
+        f"{quote_identifier(schema)}.{quote_identifier(table + '_dispatchers')}",
+    )
+    if not exists:
+        return 0
+    queries = Queries.for_table(schema, table)
+    has_version = await conn.fetchval(
+        "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1)"
+        " AND attname = 'version' AND NOT attisdropped)",
+        f"{quote_identifier(schema)}.{quote_identifier(table + '_dispatchers')}",
+    )
+    if not has_version:
+        live = await conn.fetch(queries.dispatchers_live, OLDER_LIVE_SECONDS)
+        return len(live)
+    count: int = await conn.fetchval(
+        queries.live_older_dispatchers, OLDER_LIVE_SECONDS, OLDEST_SUPPORTED
+    )
+    return count
+
+
+class Migrated(list[int]):
+    """The versions `migrate` applied (a list), and the contract step it left for later because
+    dispatchers older than version 10 still run (`waiting`: its version; `older`: how many)."""
+
+    def __init__(self, applied: list[int], waiting: int | None = None, older: int = 0) -> None:
+        super().__init__(applied)
+        self.waiting = waiting
+        self.older = older
+
+
+async def migrate(
+    conn: asyncpg.Connection, schema: str, table: str, *, contract: bool = False
+) -> Migrated:
+    """Apply what is missing, safely from several processes at once. A contract step waits
+    while dispatchers older than version 10 beat (`contract`: apply it anyway)."""
     migrations = load_migrations()
     applied: list[int] = []
     # A session lock (the one-key form: never the claim's two-key lock space): a second
@@ -110,6 +171,15 @@ async def migrate(conn: asyncpg.Connection, schema: str, table: str) -> list[int
         if version > len(migrations):
             raise errors.SchemaVersionError(_too_new(version, len(migrations)))
         for migration in migrations[version:]:
+            if migration.version in CONTRACT_STEPS and not contract:
+                older = await older_dispatchers(conn, schema, table)
+                if older:
+                    log.warning(
+                        "migration_waits_for_older_dispatchers",
+                        version=migration.version,
+                        older_dispatchers=older,
+                    )
+                    return Migrated(applied, migration.version, older)
             sql = render(migration.path.read_text("utf-8"), schema, table)
             async with conn.transaction():
                 await conn.execute(sql)
@@ -117,7 +187,12 @@ async def migrate(conn: asyncpg.Connection, schema: str, table: str) -> list[int
             applied.append(migration.version)
     finally:
         await conn.execute("SELECT pg_advisory_unlock($1)", lock_key(schema, table))
-    return applied
+    return Migrated(applied)
+
+
+def supported(version: int) -> bool:
+    """Whether this dispatcher runs on a schema at `version`."""
+    return OLDEST_SUPPORTED <= version <= latest_version()
 
 
 async def check_version(conn: db.Executor, schema: str, table: str) -> None:
@@ -131,11 +206,11 @@ async def check_version(conn: db.Executor, schema: str, table: str) -> None:
             "`outbox-dispatcher migrate` (or apply schema/migrations with your migration tool)"
         )
         raise errors.SchemaVersionError(msg)
-    if version < expected:
+    if version < OLDEST_SUPPORTED:
         msg = (
             f"the outbox schema of {schema}.{table} is at version {version}, this dispatcher "
-            f"needs {expected}: run `outbox-dispatcher migrate` (or apply schema/migrations "
-            "with your migration tool), then start again"
+            f"needs {OLDEST_SUPPORTED} or later: run `outbox-dispatcher migrate` (or apply "
+            "schema/migrations with your migration tool), then start again"
         )
         raise errors.SchemaVersionError(msg)
     if version > expected:

@@ -8,7 +8,19 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from outbox_dispatcher.errors import Failure
+
+class Failure(enum.Enum):
+    """How a failed publish of one row is handled (kafka/failures.py classifies)."""
+
+    # The row itself cannot ever be published (too large, invalid topic, not authorized):
+    # dead-letter it now.
+    PERMANENT = "permanent"
+    # Something about this row failed and may succeed later: count the attempt, back off,
+    # dead-letter after max_attempts.
+    ROW = "row"
+    # The broker or the network is down: back off, but do not count the attempt; an outage must
+    # not dead-letter anything.
+    TRANSIENT = "transient"
 
 
 class OutboxRecord(NamedTuple):
@@ -30,6 +42,18 @@ class OutboxRecord(NamedTuple):
     def from_row(cls, row: Any) -> OutboxRecord:
         """From a claim's result row (its columns are this tuple's fields, in order)."""
         return cls._make(row)
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """Rows of one claim whose publish has its answers, by their index in the claim: keys that
+    can be settled while others still wait (final=False; it may be empty, a moment at which the
+    claim loop may go on), or every row not settled yet once nothing more is sent (final=True,
+    always last). `outcomes` go with `indices`: None acknowledged, else why not."""
+
+    indices: list[int]
+    outcomes: list[BaseException | None]
+    final: bool = False
 
 
 @dataclass(frozen=True, slots=True)

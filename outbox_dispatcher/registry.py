@@ -10,7 +10,7 @@ from collections.abc import Callable
 import asyncpg
 import structlog
 
-from outbox_dispatcher import __version__, db
+from outbox_dispatcher import db, migrations
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import Store
@@ -39,19 +39,22 @@ async def heartbeat(
     owner: str,
     counters: Counters = lambda: (0, 0),
 ) -> None:
-    """Forever: upsert this dispatcher's row, with its version and counters. A failure is
-    logged, never fatal: the registry only informs operators."""
+    """Forever: upsert this dispatcher's row, with the schema version it runs and, once the
+    schema keeps them (version 12), its counters. A failure is logged, never fatal: the registry
+    only informs operators."""
     store = Store(pool, queries)
     warned = False
+    counted = False
     while True:
-        published, dead = counters()
         try:
+            # A rolling upgrade runs this release on version 10 and 11 too: no counters there
+            # until `migrate` applies version 12, looked for at each beat until then.
+            counted = counted or await store.schema_version() >= migrations.CONSOLE_VERSION
             await store.dispatcher_beat(
                 owner=owner,
                 dead_letter_policy=settings.dead_letter_policy.value,
-                version=__version__,
-                published_total=published,
-                dead_total=dead,
+                version=migrations.latest_version(),
+                totals=counters() if counted else None,
             )
         except _TOLERATED as exc:
             if not warned:

@@ -169,6 +169,16 @@ class Settings(BaseSettings):
     reclaim_interval_seconds: PositiveSeconds = Field(
         default=10.0, description="How often expired leases of crashed dispatchers are swept."
     )
+    sweep_rows: int = Field(
+        default=10_000,
+        ge=0,
+        description=(
+            "Ids the anti-entropy sweep walks every reclaim interval (0: off). It finds pending "
+            "rows that reached the table around the claim engine's bookkeeping (ids written "
+            "below its cursor, a restore with triggers off) and hands them to the claims; a "
+            "whole pass takes table rows / sweep_rows reclaim intervals."
+        ),
+    )
 
     # Failures
     max_attempts: int = Field(

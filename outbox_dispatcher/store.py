@@ -42,8 +42,10 @@ class Store:
         token: uuid.UUID,
         block_on_dead: bool,
         max_attempts: int,
+        scan: int,
     ) -> list[Row]:
-        """Lease up to `limit` rows of at most `max_keys` ready keys under `token`."""
+        """Lease up to `limit` rows of at most `max_keys` keys under `token`, looking at up to
+        `scan` new rows."""
         return await self._fetch(
             self._queries.claim,
             limit,
@@ -53,10 +55,11 @@ class Store:
             token,
             block_on_dead,
             max_attempts,
+            scan,
         )
 
     async def release_claim(self, *, token: uuid.UUID) -> int:
-        """Give back what a claim under `token` leased; rows released."""
+        """Give back what a claim under `token` leased; keys (and rows without one) released."""
         [(rows,)] = await self._fetch(self._queries.release_claim, token)
         return int(rows)
 
@@ -64,26 +67,30 @@ class Store:
         self,
         *,
         token: uuid.UUID,
-        keys: Sequence[str],
+        owner: str,
         ids: Sequence[int],
+        keys: Sequence[str | None],
         outcomes: Sequence[str],
         errors: Sequence[str | None],
         delays: Sequence[float],
         counted: Sequence[int],
         delete_published: bool,
+        block_on_dead: bool,
     ) -> list[int]:
-        """Record one batch's outcomes and release its keys; the ids of the rows that were still
-        ours."""
+        """Record one batch's outcomes and release its keys (`keys`: each row's key, aligned
+        with `ids`); the ids of the rows that were still ours."""
         rows = await self._fetch(
             self._queries.settle,
             token,
-            list(keys),
+            owner,
             list(ids),
+            list(keys),
             list(outcomes),
             list(errors),
             list(delays),
             list(counted),
             delete_published,
+            block_on_dead,
         )
         return [int(row[0]) for row in rows]
 
@@ -111,11 +118,26 @@ class Store:
     async def extend_leases(
         self, *, ids: Sequence[int], tokens: Sequence[uuid.UUID], seconds: float
     ) -> int:
-        """Extend live leases of these rows under their tokens; rows extended."""
+        """Extend live leases of these rows' work under their tokens; rows still held."""
         return len(await self._fetch(self._queries.extend_leases, list(ids), list(tokens), seconds))
 
-    async def dead_letter_crash_loops(self, *, max_attempts: int) -> list[Row]:
-        return await self._fetch(self._queries.dead_letter_crash_loops, max_attempts)
+    async def dead_letter_crash_loops(self, *, max_attempts: int, block_on_dead: bool) -> list[Row]:
+        return await self._fetch(self._queries.dead_letter_crash_loops, max_attempts, block_on_dead)
+
+    async def sweep(self, *, rows: int, hold_seconds: float) -> tuple[int, bool]:
+        """The next `rows` ids of the anti-entropy sweep: (keys it registered pending rows for,
+        whether it finished a pass over the table)."""
+        [(repaired, wrapped)] = await self._fetch(self._queries.sweep, rows, hold_seconds)
+        return int(repaired), bool(wrapped)
+
+    async def engine_drift(self) -> Row:
+        """Pending rows no claim will look at: rows, keys, the first id."""
+        [row] = await self._fetch(self._queries.engine_drift)
+        return row
+
+    async def live_older_dispatchers(self, *, seconds: float, version: int) -> int:
+        [(count,)] = await self._fetch(self._queries.live_older_dispatchers, seconds, version)
+        return int(count)
 
     async def count_expired_leases(self) -> int:
         [(expired,)] = await self._fetch(self._queries.count_expired_leases)
@@ -150,17 +172,22 @@ class Store:
         *,
         owner: str,
         dead_letter_policy: str,
-        version: str,
-        published_total: int,
-        dead_total: int,
+        version: int,
+        totals: tuple[int, int] | None = None,
     ) -> None:
+        """A heartbeat; `totals` (rows published, dead-lettered since the start) only on a
+        schema that keeps them (migrations.CONSOLE_VERSION)."""
+        if totals is None:
+            await self._fetch(self._queries.dispatcher_beat, owner, dead_letter_policy, version)
+            return
+        published, dead = totals
         await self._fetch(
-            self._queries.dispatcher_beat,
+            self._queries.dispatcher_beat_counted,
             owner,
             dead_letter_policy,
             version,
-            published_total,
-            dead_total,
+            published,
+            dead,
         )
 
     async def dispatchers_live(self, *, live_seconds: float) -> list[Row]:

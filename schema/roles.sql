@@ -83,17 +83,20 @@ BEGIN
     --   REVOKE DELETE ON <schema>.<table> FROM <dispatcher_role>;
     GRANT DELETE ON ${schema}.${table} TO ${dispatcher_role};
 
-    -- The claim, settle, lease and release functions. They are SECURITY INVOKER (the default) on
-    -- purpose: they run with the dispatcher role's own rights (SELECT, the column UPDATEs above,
-    -- the registry; the advisory-lock functions are PUBLIC), so a SECURITY DEFINER function, which would lend the
-    -- owner's rights to every caller, is not needed. Only the dispatcher may call it; writers'
+    -- The claim, settle, lease, release, reclaim and sweep functions. They are SECURITY INVOKER
+    -- (the default) on purpose: they run with the dispatcher role's own rights (SELECT, the
+    -- column UPDATEs above, the engine's bookkeeping tables), so a SECURITY DEFINER function,
+    -- which would lend the owner's rights to every caller, is not needed. Only the dispatcher may call it; writers'
     -- functions (<table>_enqueue...) keep PUBLIC EXECUTE and fail for the dispatcher role
     -- anyway, as they run with the caller's rights and it has no INSERT.
     FOR v_fn IN
         SELECT p.oid::regprocedure FROM pg_proc p
          WHERE p.pronamespace = to_regnamespace('${schema}')
            AND p.proname IN ('${table}_claim', '${table}_claim_keys', '${table}_settle',
-                             '${table}_extend', '${table}_release', '${table}_key_forget')
+                             '${table}_extend', '${table}_release', '${table}_key_forget',
+                             '${table}_discover', '${table}_claim_work', '${table}_settle_work',
+                             '${table}_settle_late', '${table}_extend_work',
+                             '${table}_release_work', '${table}_reclaim_work', '${table}_sweep')
     LOOP
         EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', v_fn);
         EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO %s', v_fn, '${dispatcher_role}');
@@ -103,7 +106,21 @@ BEGIN
     -- bookkeeping (writers reach it only through SECURITY DEFINER trigger functions).
     IF to_regclass('${schema}.${table}_key') IS NOT NULL THEN
         GRANT SELECT, INSERT, UPDATE, DELETE ON ${schema}.${table}_key TO ${dispatcher_role};
+    END IF;
+    IF to_regclass('${schema}.${table}_waiting') IS NOT NULL THEN
         GRANT SELECT, INSERT, UPDATE, DELETE ON ${schema}.${table}_waiting TO ${dispatcher_role};
+    END IF;
+
+    -- Migration 0010 (claim engine v3): the work per key, the cursor over new rows and the log
+    -- of changed rows are the dispatcher's bookkeeping (writers append to the log only through
+    -- a SECURITY DEFINER trigger function); the steps table says which steps of a rolling
+    -- upgrade ran.
+    IF to_regclass('${schema}.${table}_work') IS NOT NULL THEN
+        GRANT SELECT, INSERT, UPDATE, DELETE ON ${schema}.${table}_work TO ${dispatcher_role};
+        GRANT SELECT, UPDATE ON ${schema}.${table}_cursor TO ${dispatcher_role};
+        GRANT SELECT, DELETE ON ${schema}.${table}_changed TO ${dispatcher_role};
+        GRANT SELECT ON ${schema}.${table}_schema_steps TO ${dispatcher_role};
+        GRANT SELECT ON ${schema}.${table}_leases TO ${dispatcher_role};
     END IF;
 
     -- Migration 0003 (paused topics): the claim reads <table>_paused, so the dispatcher role
@@ -129,7 +146,7 @@ BEGIN
         GRANT SELECT, INSERT, DELETE ON ${schema}.${table}_clock TO ${dispatcher_role};
     END IF;
 
-    -- Migration 0010 (operator console v2): an operator action's audit record is written before
+    -- Migration 0012 (operator console v2): an operator action's audit record is written before
     -- its first batch and kept true batch by batch, so the role updates its progress and outcome
     -- columns (a trigger keeps what was asked, by whom and when as written, and a finished record
     -- final) and reads it back; a replay counts in `replays`; the console keeps its logins in

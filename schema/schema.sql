@@ -1,4 +1,4 @@
--- outbox-dispatcher: the full current schema (version 10). Equivalent to applying every file in
+-- outbox-dispatcher: the full current schema (version 12). Equivalent to applying every file in
 -- migrations/ in order; tests/integration/test_schema.py proves it. Placeholders as in the migrations.
 
 CREATE TABLE IF NOT EXISTS ${schema}.${table}_schema_version (
@@ -47,15 +47,15 @@ CREATE TABLE ${schema}.${table} (
     CONSTRAINT ${table}_not_published_and_dead CHECK (published_at IS NULL OR dead_at IS NULL)
 );
 
--- A hot queue table: vacuum early and often, and leave room on each page so that claims
--- (which touch no indexed column) can be HOT updates.
+-- A hot queue table: vacuum early and often, and leave room on each page for the one update of a
+-- row's life, its mark, to be HOT (same page: no index entry, only the changed bytes logged).
 ALTER TABLE ${schema}.${table} SET (
-    fillfactor = 70,
     autovacuum_vacuum_scale_factor = 0.01,
     autovacuum_vacuum_threshold = 1000,
     autovacuum_vacuum_insert_scale_factor = 0.05,
     autovacuum_analyze_scale_factor = 0.02,
-    autovacuum_vacuum_cost_delay = 1
+    autovacuum_vacuum_cost_delay = 1,
+    fillfactor = 50
 );
 
 COMMENT ON TABLE ${schema}.${table} IS
@@ -79,10 +79,9 @@ COMMENT ON COLUMN ${schema}.${table}.last_error IS 'Why the last attempt failed 
 COMMENT ON COLUMN ${schema}.${table}.pending_since IS
     'When an operator made the row pending again (requeue, replay, release of a held row), by the database clock (dispatcher); NULL: pending since it was written.';
 
--- The claim reads pending rows per key (the head and the run; rows without a key have an index of
--- their own, below) and dead rows per key (the "block" policy). Nothing else is indexed.
-CREATE INDEX ${table}_pending_key_idx ON ${schema}.${table} (ordering_key, id)
-    WHERE published_at IS NULL AND dead_at IS NULL;
+-- The engine reads a key's rows in id order through <table>_key_rows_idx (below, with the rest of
+-- the engine) and dead rows per key (the "block" policy; operators' lists). No index names a
+-- column the settle writes: the mark of a published row is a HOT update.
 CREATE INDEX ${table}_dead_key_idx ON ${schema}.${table} (ordering_key)
     WHERE dead_at IS NOT NULL;
 
@@ -132,49 +131,6 @@ CREATE TABLE ${schema}.${table}_paused (
 COMMENT ON TABLE ${schema}.${table}_paused IS
     'Paused topics of the outbox: the claim leaves their rows pending. Topic ''*'' pauses the whole table.';
 
--- Claim engine (version 6): a per-key registry, the claim, the settle, the lease keeper and the
--- release of a lost claim. See schema/migrations/0006_claim_engine.sql for the why of each part.
-
-CREATE TABLE ${schema}.${table}_key (
-    key_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    -- Not unique on purpose: two writers adding the same new key at once each add a row rather
-    -- than one waiting for the other's commit (a unique key would make writers of a new key wait
-    -- for each other, and could deadlock writers whose transactions add several new keys). The
-    -- claim takes whichever rows of a key it can lock and acts on those only; rows of a key are
-    -- all forgotten together once it has nothing pending.
-    ordering_key text NOT NULL,
-    -- A hint of the key's oldest pending row: keys are claimed oldest first.
-    head_id bigint NOT NULL,
-    -- The topic of that row: keys whose head is in a paused topic are passed over.
-    head_topic text,
-    -- The key is not claimable before this (its head waits out a backoff or a replay hold).
-    not_before timestamptz NOT NULL DEFAULT '-infinity',
-    -- The key has a dead row (holds it under dead_letter_policy=block).
-    has_dead boolean NOT NULL DEFAULT false,
-    -- The key's owner: the lease of the batch that holds its rows (the rows carry the same lease).
-    lease_owner text,
-    lease_token uuid,
-    lease_expires_at timestamptz
-);
-
-ALTER TABLE ${schema}.${table}_key SET (
-    fillfactor = 50,
-    autovacuum_vacuum_scale_factor = 0.01,
-    autovacuum_vacuum_threshold = 500,
-    autovacuum_analyze_scale_factor = 0.02,
-    autovacuum_vacuum_cost_delay = 1
-);
-
-COMMENT ON TABLE ${schema}.${table}_key IS
-    'outbox-dispatcher bookkeeping: a row per ordering key that may have pending rows (kept by a trigger and by the dispatcher; never written by hand).';
-
-CREATE INDEX ${table}_key_ordering_key_idx ON ${schema}.${table}_key (ordering_key);
-
--- Unleased keys, oldest head first (the claim's scan), and leased keys by expiry (takeovers).
-CREATE INDEX ${table}_key_ready_idx ON ${schema}.${table}_key (head_id) WHERE lease_token IS NULL;
-CREATE INDEX ${table}_key_leased_idx ON ${schema}.${table}_key (lease_expires_at)
-    WHERE lease_token IS NOT NULL;
-
 -- Dispatchers that wait for a wake-up (each refreshes its row while it waits, so a crashed one
 -- stops costing writers a notification once `until` passes). Replaces version 1's trigger, which
 -- notified on every statement (at most once per 50 ms per session).
@@ -183,187 +139,1100 @@ CREATE TABLE ${schema}.${table}_waiting (
     until timestamptz NOT NULL
 );
 
--- Rows without an ordering key have no order: claimed straight from this index.
-CREATE INDEX ${table}_pending_keyless_idx ON ${schema}.${table} (id)
-    WHERE ordering_key IS NULL AND published_at IS NULL AND dead_at IS NULL;
+-- Claim engine v3 (versions 10 and 11): see schema/migrations/0010_claim_engine_v3.sql and
+-- 0011_claim_engine_v3_contract.sql for the why of each part.
 
--- Bucket of a key for the registry's writer locks (512 buckets, so a bulk load of any number of
--- keys takes at most 512 locks).
-CREATE FUNCTION ${schema}.${table}_key_bucket(k text) RETURNS integer
-    LANGUAGE sql IMMUTABLE PARALLEL SAFE
-    RETURN hashtext(k) & 511;
+CREATE TABLE IF NOT EXISTS ${schema}.${table}_schema_steps (
+    version integer PRIMARY KEY,
+    name text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
 
--- Writers: make sure every key they add rows to has a registry row. A statement trigger, so one
--- call per INSERT statement whatever its row count. Each transaction holds a shared lock on the
--- buckets of its keys until it commits; the dispatcher forgets an emptied key only under the
--- exclusive lock of its bucket and in a snapshot taken after it, so it can never forget a key
--- whose new rows are not committed yet. SECURITY DEFINER: writers need no grant on the registry.
-CREATE FUNCTION ${schema}.${table}_key_track() RETURNS trigger
+COMMENT ON TABLE ${schema}.${table}_schema_steps IS
+    'outbox-dispatcher schema versions from 10 on (version 9 and older read <table>_schema_version, which only a change that older dispatchers cannot run beside records).';
+
+CREATE TABLE ${schema}.${table}_work (
+    keyless boolean NOT NULL,
+    -- The key; for a row without one, its id as text.
+    ordering_key text NOT NULL,
+    -- No pending row of the key below this one, except one that came late (a transaction that
+    -- committed after a higher id of its key was seen: the claim that finds it lowers head_id).
+    -- While leased: the row after the claim's last.
+    head_id bigint NOT NULL,
+    -- r: ready; w: waiting until not_before (backoff, a held row, a lease of version 9); p: its
+    -- next row's topic (head_topic) is paused; b: blocked by a dead row (dead_letter_policy =
+    -- block); x: its owners kept dying while publishing it (the reclaimer dead-letters the rows).
+    state "char" NOT NULL DEFAULT 'r',
+    not_before timestamptz NOT NULL DEFAULT '-infinity',
+    head_topic text,
+    -- State p: the pauses it was parked under (<table>_cursor.pause_gen then); once the pauses
+    -- change, it is looked at again.
+    paused_gen bigint,
+    -- The key's owner: the claim whose batch holds its rows from claim_first to head_id - 1.
+    claim_token uuid,
+    claim_owner text,
+    claim_expires_at timestamptz,
+    claim_first bigint,
+    PRIMARY KEY (ordering_key, keyless),
+    CONSTRAINT ${table}_work_state_valid CHECK (state IN ('r', 'w', 'p', 'b', 'x'))
+);
+
+-- Updated twice per claim (lease, release): leave room for HOT updates.
+ALTER TABLE ${schema}.${table}_work SET (
+    fillfactor = 70,
+    autovacuum_vacuum_scale_factor = 0.01,
+    autovacuum_vacuum_threshold = 500,
+    autovacuum_analyze_scale_factor = 0.02,
+    autovacuum_vacuum_cost_delay = 1
+);
+
+COMMENT ON TABLE ${schema}.${table}_work IS
+    'outbox-dispatcher bookkeeping: a row per ordering key (or per row without a key) with rows that may be pending, where they start and who holds them; written by dispatchers only, rebuilt from the table by outbox-dispatcher check --repair.';
+
+-- What a claim takes, each in its order: ready keys oldest head first, waiting keys by due time,
+-- leases that expired (their owner died) by expiry. Parked work (paused, blocked, crash loops) is
+-- in none of them: a claim's cost does not grow with it.
+CREATE INDEX ${table}_work_ready_idx ON ${schema}.${table}_work (head_id)
+    WHERE claim_token IS NULL AND state = 'r';
+CREATE INDEX ${table}_work_waiting_idx ON ${schema}.${table}_work (not_before)
+    WHERE claim_token IS NULL AND state = 'w';
+CREATE INDEX ${table}_work_claimed_idx ON ${schema}.${table}_work (claim_expires_at)
+    WHERE claim_token IS NOT NULL;
+-- Paused keys by the pauses they were parked under (after a pause or resume, those parked
+-- before it are looked at again, once); blocked keys (a dispatcher that does not block takes
+-- them); crash loops (the reclaimer).
+CREATE INDEX ${table}_work_paused_idx ON ${schema}.${table}_work (paused_gen)
+    WHERE claim_token IS NULL AND state = 'p';
+CREATE INDEX ${table}_work_blocked_idx ON ${schema}.${table}_work (head_id)
+    WHERE claim_token IS NULL AND state = 'b';
+CREATE INDEX ${table}_work_looping_idx ON ${schema}.${table}_work (claim_expires_at)
+    WHERE state = 'x';
+
+CREATE TABLE ${schema}.${table}_cursor (
+    one boolean PRIMARY KEY DEFAULT true CHECK (one),
+    position bigint NOT NULL DEFAULT 0,
+    -- Holes: id ranges [lo, hi] at or below position not seen yet, each with the xmax of the
+    -- snapshot that first found it and when (dropped once no transaction open then can still
+    -- commit and hole_margin has passed).
+    hole_lo bigint[] NOT NULL DEFAULT '{}',
+    hole_hi bigint[] NOT NULL DEFAULT '{}',
+    hole_xmax xid8[] NOT NULL DEFAULT '{}',
+    hole_at timestamptz[] NOT NULL DEFAULT '{}',
+    -- The sweep's place (it walks ids from here up to position, then starts over).
+    swept bigint NOT NULL DEFAULT 0,
+    sweep_started_at timestamptz NOT NULL DEFAULT now(),
+    -- Version 9 dispatchers may run beside this one: claims also write and respect row leases.
+    compat boolean NOT NULL DEFAULT false,
+    -- Bumped by every change of <table>_paused (a trigger): keys parked under older pauses are
+    -- looked at again.
+    pause_gen bigint NOT NULL DEFAULT 0
+);
+
+COMMENT ON TABLE ${schema}.${table}_cursor IS
+    'outbox-dispatcher bookkeeping: how far the dispatchers have looked at new rows (one row).';
+
+INSERT INTO ${schema}.${table}_cursor DEFAULT VALUES;
+
+CREATE TABLE ${schema}.${table}_changed (
+    seq bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    id bigint NOT NULL,
+    ordering_key text,
+    -- The key before the change: a claim of that key may hold the row right now.
+    old_key text
+);
+
+COMMENT ON TABLE ${schema}.${table}_changed IS
+    'outbox-dispatcher bookkeeping: rows whose key or topic changed, that became pending again, or dead rows removed; appended by a trigger, taken in by the next claim.';
+
+-- The index the engine reads a key's rows through: every row of a key in id order, whatever its
+-- state. No predicate on a column a settle writes, so that once version 9's partial indexes are
+-- gone (version 11) the mark of a published row is a HOT update: no index entry, only the change
+-- logged.
+CREATE INDEX IF NOT EXISTS ${table}_key_rows_idx ON ${schema}.${table} (ordering_key, id)
+    WHERE ordering_key IS NOT NULL;
+
+-- Writers: appends the rows the engine must look at again. Fires only on those transitions.
+CREATE FUNCTION ${schema}.${table}_note_change() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
-    PERFORM pg_advisory_xact_lock_shared(hashtext('${schema}.${table}_key'), b.bucket)
-       FROM (SELECT DISTINCT ${schema}.${table}_key_bucket(n.ordering_key) AS bucket
-               FROM new_rows n
-              WHERE n.ordering_key IS NOT NULL
-              ORDER BY 1) b;
-    -- Keys not registered yet. No unique index to conflict on: a writer never waits for another.
-    INSERT INTO ${schema}.${table}_key (ordering_key, head_id, head_topic)
-    SELECT DISTINCT ON (n.ordering_key) n.ordering_key, n.id, n.topic
-      FROM new_rows n
-     WHERE n.ordering_key IS NOT NULL
-       AND NOT EXISTS (SELECT 1 FROM ${schema}.${table}_key k
-                        WHERE k.ordering_key = n.ordering_key)
-     ORDER BY n.ordering_key, n.id;
-    -- The wake-up: only while a dispatcher has said that it waits for one (it polls meanwhile
-    -- anyway); a busy dispatcher finds the rows by itself, and writers skip the notification,
-    -- whose commit-time lock is what capped their commit rate.
-    IF EXISTS (SELECT 1 FROM ${schema}.${table}_waiting w WHERE w.until > now()) THEN
-        PERFORM pg_notify(TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME, '');
-    END IF;
-    RETURN NULL;
-END;
-$fn$;
-
-CREATE TRIGGER ${table}_key_track
-    AFTER INSERT ON ${schema}.${table}
-    REFERENCING NEW TABLE AS new_rows
-    FOR EACH STATEMENT EXECUTE FUNCTION ${schema}.${table}_key_track();
-
--- Rows that become pending again (a dead row requeued, a published row replayed, a held row
--- released) and dead rows that go away (discard): register their keys, wake them up (their
--- not_before and head hints are stale) and refresh the dead flag. SECURITY DEFINER for the same
--- reason as the writer trigger.
-CREATE FUNCTION ${schema}.${table}_key_touch(p_keys text[]) RETURNS void
-    LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
-AS $fn$
-BEGIN
-    PERFORM pg_advisory_xact_lock_shared(hashtext('${schema}.${table}_key'), b.bucket)
-       FROM (SELECT DISTINCT ${schema}.${table}_key_bucket(u.k) AS bucket
-               FROM unnest(p_keys) AS u(k) WHERE u.k IS NOT NULL ORDER BY 1) b;
-    WITH heads AS (
-        SELECT u.k, h.id, h.topic,
-               EXISTS (SELECT 1 FROM ${schema}.${table} d
-                        WHERE d.ordering_key = u.k AND d.dead_at IS NOT NULL) AS has_dead
-          FROM (SELECT DISTINCT k FROM unnest(p_keys) AS x(k) WHERE k IS NOT NULL) u(k)
-         CROSS JOIN LATERAL (
-            SELECT o.id, o.topic FROM ${schema}.${table} o
-             WHERE o.ordering_key >= u.k AND o.ordering_key <= u.k
-                   AND o.published_at IS NULL AND o.dead_at IS NULL
-             ORDER BY o.ordering_key, o.id LIMIT 1) h
-    ),
-    touched AS (
-        UPDATE ${schema}.${table}_key k
-           SET head_id = h.id, head_topic = h.topic, not_before = '-infinity',
-               has_dead = h.has_dead
-          FROM heads h
-         WHERE k.ordering_key = h.k
-           -- A replay touches one key once per row: write a new version only when something
-           -- changed, or the key's row would grow a chain of versions as long as the replay.
-           AND (k.head_id, k.head_topic, k.not_before, k.has_dead)
-               IS DISTINCT FROM (h.id, h.topic, '-infinity', h.has_dead)
-        RETURNING k.ordering_key
-    )
-    INSERT INTO ${schema}.${table}_key (ordering_key, head_id, head_topic, has_dead)
-    SELECT h.k, h.id, h.topic, h.has_dead
-      FROM heads h
-     WHERE NOT EXISTS (SELECT 1 FROM ${schema}.${table}_key k WHERE k.ordering_key = h.k)
-       AND NOT EXISTS (SELECT 1 FROM touched t WHERE t.ordering_key = h.k);
-END;
-$fn$;
-
--- Fires only on those transitions (the dispatcher's own claims and settles never match the WHEN
--- clauses), so operator commands keep the registry right whatever statement they use.
-CREATE FUNCTION ${schema}.${table}_key_rearm() RETURNS trigger
-    LANGUAGE plpgsql
-AS $fn$
-DECLARE
-    v_key text := CASE WHEN TG_OP = 'DELETE' THEN OLD.ordering_key ELSE NEW.ordering_key END;
-BEGIN
-    -- As a writer would (see <table>_key_track): the key cannot be forgotten under us.
-    PERFORM pg_advisory_xact_lock_shared(hashtext('${schema}.${table}_key'),
-                                         ${schema}.${table}_key_bucket(v_key));
-    -- One command touches a key once per row: once the key points at or before this row and is
-    -- free to move (or, for a dead row removed, is not marked dead), there is nothing to do.
     IF TG_OP = 'DELETE' THEN
-        IF NOT EXISTS (SELECT 1 FROM ${schema}.${table}_key k
-                        WHERE k.ordering_key = v_key AND k.has_dead) THEN
-            RETURN NULL;
-        END IF;
-    ELSIF EXISTS (SELECT 1 FROM ${schema}.${table}_key k
-                   WHERE k.ordering_key = v_key AND k.head_id <= NEW.id
-                     AND k.not_before = '-infinity' AND NOT k.has_dead) THEN
-        RETURN NULL;
+        INSERT INTO ${schema}.${table}_changed (id, ordering_key, old_key)
+        VALUES (OLD.id, OLD.ordering_key, OLD.ordering_key);
+    ELSE
+        INSERT INTO ${schema}.${table}_changed (id, ordering_key, old_key)
+        VALUES (NEW.id, NEW.ordering_key, OLD.ordering_key);
     END IF;
-    PERFORM ${schema}.${table}_key_touch(ARRAY[v_key]);
     RETURN NULL;
 END;
 $fn$;
 
-CREATE TRIGGER ${table}_key_rearm
-    AFTER UPDATE OF published_at, dead_at, next_attempt_at ON ${schema}.${table}
+CREATE TRIGGER ${table}_note_change
+    AFTER UPDATE OF ordering_key, topic, published_at, dead_at, next_attempt_at ON ${schema}.${table}
     FOR EACH ROW
-    WHEN (NEW.ordering_key IS NOT NULL AND NEW.published_at IS NULL AND NEW.dead_at IS NULL
-          AND (OLD.published_at IS NOT NULL OR OLD.dead_at IS NOT NULL
-               OR (NEW.next_attempt_at < OLD.next_attempt_at AND NEW.lease_token IS NULL)))
-    EXECUTE FUNCTION ${schema}.${table}_key_rearm();
+    WHEN (NEW.published_at IS NULL AND NEW.dead_at IS NULL
+          AND (OLD.ordering_key IS DISTINCT FROM NEW.ordering_key
+               OR OLD.topic IS DISTINCT FROM NEW.topic
+               OR OLD.published_at IS NOT NULL OR OLD.dead_at IS NOT NULL
+               OR NEW.next_attempt_at < OLD.next_attempt_at))
+    EXECUTE FUNCTION ${schema}.${table}_note_change();
 
-CREATE TRIGGER ${table}_key_rearm_dead
+CREATE TRIGGER ${table}_note_removed_dead
     AFTER DELETE ON ${schema}.${table}
     FOR EACH ROW
-    WHEN (OLD.ordering_key IS NOT NULL AND OLD.dead_at IS NOT NULL)
-    EXECUTE FUNCTION ${schema}.${table}_key_rearm();
+    WHEN (OLD.dead_at IS NOT NULL AND OLD.ordering_key IS NOT NULL)
+    EXECUTE FUNCTION ${schema}.${table}_note_change();
 
--- Forget registry rows of keys that have no pending row (at most 64 per call). Only under the
--- exclusive lock of the key's bucket (no writer of it is in flight) and in a snapshot taken after
--- the lock; a key whose bucket is busy stays and is tried again by a later claim.
-CREATE FUNCTION ${schema}.${table}_key_forget(p_keys text[]) RETURNS void
-    LANGUAGE plpgsql VOLATILE
+-- A TRUNCATE empties the table (and may restart its ids): the engine's knowledge goes with it.
+CREATE FUNCTION ${schema}.${table}_truncated() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $fn$
-DECLARE
-    v_locked text[];
 BEGIN
-    IF p_keys IS NULL OR cardinality(p_keys) = 0 THEN
-        RETURN;
-    END IF;
-    SELECT array_agg(u.k) INTO v_locked
-      FROM (SELECT k FROM unnest(p_keys[1:64]) AS x(k) ORDER BY k) u(k)
-     WHERE pg_try_advisory_xact_lock(hashtext('${schema}.${table}_key'),
-                                     ${schema}.${table}_key_bucket(u.k));
-    IF v_locked IS NULL THEN
-        RETURN;
-    END IF;
-    DELETE FROM ${schema}.${table}_key k
-     WHERE k.ordering_key = ANY (v_locked)
-       AND (k.lease_token IS NULL OR k.lease_expires_at <= now())
-       AND NOT EXISTS (SELECT 1 FROM ${schema}.${table} o
-                        WHERE o.ordering_key >= k.ordering_key
-                          AND o.ordering_key <= k.ordering_key
-                          AND o.published_at IS NULL AND o.dead_at IS NULL
-                        ORDER BY o.ordering_key, o.id LIMIT 1);
+    DELETE FROM ${schema}.${table}_work;
+    DELETE FROM ${schema}.${table}_changed;
+    UPDATE ${schema}.${table}_cursor
+       SET position = 0, hole_lo = '{}', hole_hi = '{}', hole_xmax = '{}', hole_at = '{}',
+           swept = 0, sweep_started_at = now();
+    RETURN NULL;
 END;
 $fn$;
 
--- Per-key reads say `ordering_key >= k AND ordering_key <= k`, not `= k`, and order by
--- (ordering_key, id): with an equality the planner drops the key from the ordering and may walk the
--- primary key by id, filtering on the key, which reads every row of a stuck key (the oldest rows)
--- for every other key; the range keeps (ordering_key, id) the only order an index provides.
+CREATE TRIGGER ${table}_truncated
+    AFTER TRUNCATE ON ${schema}.${table}
+    FOR EACH STATEMENT EXECUTE FUNCTION ${schema}.${table}_truncated();
 
--- The claim: one round trip, one short transaction, several statements (each its own snapshot).
---
--- 1. Keys: up to p_max_keys unleased keys whose hints say they can move (due, not blocked under
---    `block`, head not in a paused topic), oldest head first, plus keys whose lease expired (their
---    owner died), each locked FOR UPDATE SKIP LOCKED: another claim's keys are skipped, never
---    waited for, and each claimer finds keys of its own. No advisory locks.
--- 2. Rows: each key's oldest pending rows (a fair share of p_limit per key), re-checked one by one
---    by primary key under FOR UPDATE SKIP LOCKED (pending, due, lease free or expired, topic not
---    paused, not a crash loop, no dead row of the key under `block`); a row that fails ends its
---    key's run here, so a run is always a prefix with no gap. Rows without a key come from their
---    own index. The oldest p_limit rows are leased (rows and keys, one token chosen by the
---    dispatcher, so that a claim whose reply was lost can be released by that token).
--- 3. Keys that yielded nothing get their hints repaired from their head row, or are forgotten if
---    they have no pending row.
-CREATE FUNCTION ${schema}.${table}_claim_keys(
+-- Operators' pauses: any change, whoever makes it (the CLI, the console, plain SQL), makes the
+-- claims look again at keys parked under the pauses before it. One write per statement.
+CREATE FUNCTION ${schema}.${table}_pauses_changed() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    UPDATE ${schema}.${table}_cursor SET pause_gen = pause_gen + 1 WHERE one;
+    RETURN NULL;
+END;
+$fn$;
+
+CREATE TRIGGER ${table}_pauses_changed
+    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON ${schema}.${table}_paused
+    FOR EACH STATEMENT EXECUTE FUNCTION ${schema}.${table}_pauses_changed();
+
+
+-- ---------------------------------------------------------------------------------------------
+-- Discovery, by the claim that holds the cursor row (`c`): the rows above the cursor (at most
+-- p_scan, in id order), the rows that filled a hole and the rows writers or operators changed.
+-- Keys nobody knows yet are leased to this claim with their new rows, while the batch has room
+-- (when every such row can go now), the others registered as ready work; keys already known are
+-- locked FOR SHARE, so that no claim or settle drops one in an older snapshot while this
+-- discovery relies on it, and their head is lowered for a row that came late. Returns the rows
+-- leased.
+CREATE FUNCTION ${schema}.${table}_discover(
+    c ${schema}.${table}_cursor,
+    p_limit integer,
+    p_owner text,
+    p_lease_seconds double precision,
+    p_token uuid,
+    p_scan integer,
+    p_paused text[],
+    p_hole_margin double precision,
+    p_block_on_dead boolean
+) RETURNS TABLE (
+    id bigint, topic text, ordering_key text, payload bytea, headers jsonb, event_id uuid,
+    created_at timestamptz, attempts integer, reclaimed boolean
+)
+    LANGUAGE plpgsql VOLATILE
+    SET jit = off SET enable_bitmapscan = off
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_xmin xid8 := pg_snapshot_xmin(pg_current_snapshot());
+    v_xmax xid8 := pg_snapshot_xmax(pg_current_snapshot());
+    v_ids bigint[];
+    v_keys text[];
+    v_ok boolean[];
+    v_fresh boolean[];
+    v_pending boolean[];
+    v_touched boolean[];
+    v_top bigint;
+    v_changed bigint[];
+    v_changed_keys text[];
+    v_left_keys text[];
+    v_left_rows text[];
+    v_lk text[];
+    v_lkl boolean[];
+BEGIN
+    -- Rows writers or operators changed (taken in once: the log is emptied here). A row moved to
+    -- another key while a live claim of its old key holds it waits in the log until that claim
+    -- ends: a row is never in two live claims.
+    IF EXISTS (SELECT 1 FROM ${schema}.${table}_changed) THEN
+        WITH taken AS (
+            DELETE FROM ${schema}.${table}_changed x
+             WHERE x.seq IN (SELECT y.seq FROM ${schema}.${table}_changed y
+                              ORDER BY y.seq LIMIT p_scan)
+               AND NOT (x.old_key IS DISTINCT FROM x.ordering_key AND EXISTS (
+                   SELECT 1 FROM ${schema}.${table}_work w
+                    WHERE w.ordering_key = coalesce(x.old_key, x.id::text)
+                      AND w.keyless = (x.old_key IS NULL)
+                      AND w.claim_token IS NOT NULL AND w.claim_expires_at > now()
+                      AND (w.keyless OR (x.id >= w.claim_first AND x.id < w.head_id))))
+            RETURNING x.id, x.ordering_key, x.old_key
+        )
+        SELECT array_agg(DISTINCT t.id),
+               array_agg(DISTINCT t.ordering_key) FILTER (WHERE t.ordering_key IS NOT NULL),
+               array_agg(DISTINCT t.old_key)
+                   FILTER (WHERE t.old_key IS DISTINCT FROM t.ordering_key
+                           AND t.old_key IS NOT NULL),
+               array_agg(DISTINCT t.id::text)
+                   FILTER (WHERE t.old_key IS DISTINCT FROM t.ordering_key AND t.old_key IS NULL)
+          INTO v_changed, v_changed_keys, v_left_keys, v_left_rows
+          FROM taken t;
+        -- The key a row left: what it waited on may have gone with the row (its claim looks
+        -- again; a key emptied so is dropped there).
+        UPDATE ${schema}.${table}_work w SET state = 'r', not_before = '-infinity'
+         WHERE ((w.ordering_key = ANY (v_left_keys) AND NOT w.keyless)
+                OR (w.ordering_key = ANY (v_left_rows) AND w.keyless))
+           AND w.claim_token IS NULL AND w.state IN ('w', 'p');
+        -- A dead row requeued or removed: its key may be blocked no more.
+        UPDATE ${schema}.${table}_work w SET state = 'r', not_before = '-infinity'
+         WHERE w.ordering_key = ANY (v_changed_keys) AND NOT w.keyless AND w.state = 'b'
+           AND NOT EXISTS (SELECT 1 FROM ${schema}.${table} d
+                            WHERE d.ordering_key = w.ordering_key AND d.dead_at IS NOT NULL);
+    END IF;
+
+    -- What is new: id, key, pending, whether it can go now (due, topic not paused, no live lease
+    -- of a version 9 dispatcher), and whether it lies above the cursor.
+    SELECT array_agg(s.id ORDER BY s.id), array_agg(s.ordering_key ORDER BY s.id),
+           array_agg(s.ok ORDER BY s.id), array_agg(s.fresh ORDER BY s.id),
+           array_agg(s.pending ORDER BY s.id), array_agg(s.touched ORDER BY s.id),
+           max(s.id) FILTER (WHERE s.fresh)
+      INTO v_ids, v_keys, v_ok, v_fresh, v_pending, v_touched, v_top
+      FROM ((SELECT o.id, o.ordering_key, o.published_at IS NULL AND o.dead_at IS NULL AS pending,
+                    o.next_attempt_at <= now()
+                    AND (p_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (p_paused))
+                    AND NOT (c.compat AND o.lease_expires_at > now()) AS ok,
+                    true AS fresh, false AS touched
+               FROM ${schema}.${table} o
+              WHERE o.id > c.position
+              ORDER BY o.id LIMIT p_scan)
+            UNION ALL
+            (SELECT o.id, o.ordering_key, o.published_at IS NULL AND o.dead_at IS NULL,
+                    o.next_attempt_at <= now()
+                    AND (p_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (p_paused))
+                    AND NOT (c.compat AND o.lease_expires_at > now()),
+                    false, false
+               FROM unnest(c.hole_lo, c.hole_hi) AS h(lo, hi)
+              CROSS JOIN LATERAL (SELECT * FROM ${schema}.${table} o
+                                   WHERE o.id >= h.lo AND o.id <= h.hi) o)
+            UNION ALL
+            (SELECT o.id, o.ordering_key, o.published_at IS NULL AND o.dead_at IS NULL,
+                    -- A changed row waits for its key's turn (it may not be the key's first).
+                    false, false, true
+               FROM ${schema}.${table} o WHERE o.id = ANY (v_changed) AND o.id <= c.position)) s;
+
+    -- The cursor moves on. Holes (only while writers' transactions overlap): the old ones minus
+    -- the ids now seen, minus those no transaction open when they were found can still fill, plus
+    -- the gaps between the new ids.
+    IF cardinality(c.hole_lo) = 0 AND (v_top IS NULL OR v_top - c.position
+            = (SELECT count(*) FROM unnest(v_fresh) AS f WHERE f)) THEN
+        IF v_top IS NOT NULL THEN
+            UPDATE ${schema}.${table}_cursor x SET position = v_top WHERE x.one;
+        END IF;
+    ELSE
+        UPDATE ${schema}.${table}_cursor x
+           SET position = greatest(c.position, coalesce(v_top, c.position)),
+               (hole_lo, hole_hi, hole_xmax, hole_at) = (
+                SELECT coalesce(array_agg(lower(h.piece) ORDER BY lower(h.piece)), '{}'),
+                       coalesce(array_agg(upper(h.piece) - 1 ORDER BY lower(h.piece)), '{}'),
+                       coalesce(array_agg(h.hx ORDER BY lower(h.piece)), '{}'),
+                       coalesce(array_agg(h.hat ORDER BY lower(h.piece)), '{}')
+                  FROM (SELECT old.x AS hx, old.at AS hat, r AS piece
+                          FROM unnest(c.hole_lo, c.hole_hi, c.hole_xmax, c.hole_at)
+                               AS old(lo, hi, x, at)
+                         CROSS JOIN LATERAL unnest(
+                             int8multirange(int8range(old.lo, old.hi, '[]'))
+                             - coalesce((SELECT range_agg(int8range(u.id, u.id, '[]'))
+                                           FROM unnest(v_ids) AS u(id)
+                                          WHERE u.id >= old.lo AND u.id <= old.hi),
+                                        '{}'::int8multirange)) AS r
+                         WHERE NOT (old.x <= v_xmin
+                                    AND old.at < now() - p_hole_margin * interval '1 second')
+                        UNION ALL
+                        SELECT v_xmax, now(), int8range(g.prev + 1, g.id - 1, '[]')
+                          FROM (SELECT u.id, lag(u.id, 1, c.position) OVER (ORDER BY u.id) AS prev
+                                  FROM unnest(v_ids, v_fresh) AS u(id, fresh) WHERE u.fresh) g
+                         WHERE g.id > g.prev + 1) h)
+         WHERE x.one;
+    END IF;
+
+    IF v_ids IS NULL THEN
+        RETURN;
+    END IF;
+
+    -- Their keys (a row without one is its own): known ones locked FOR SHARE, their head lowered
+    -- for a row that came late; unknown ones leased to this claim while it has room, the others
+    -- registered as ready work.
+    WITH g AS (
+        SELECT coalesce(u.k, u.id::text) AS wk, u.k IS NULL AS kl, min(u.id) AS first,
+               max(u.id) AS last, count(*) AS n, bool_and(u.ok) AS eligible,
+               bool_or(u.touched) AS touched
+          FROM unnest(v_ids, v_keys, v_ok, v_pending, v_touched) AS u(id, k, ok, pending, touched)
+         WHERE u.pending
+         GROUP BY 1, 2
+    ),
+    known AS (
+        SELECT w.ordering_key, w.keyless, w.head_id, w.state FROM ${schema}.${table}_work w
+          JOIN g ON w.ordering_key = g.wk AND w.keyless = g.kl
+         ORDER BY w.ordering_key, w.keyless
+           FOR SHARE OF w
+    ),
+    lowered AS (
+        UPDATE ${schema}.${table}_work w
+           SET head_id = least(g.first, w.head_id),
+               state = CASE WHEN w.state IN ('b', 'x') OR w.claim_token IS NOT NULL THEN w.state
+                            ELSE 'r' END,
+               not_before = CASE WHEN w.state IN ('b', 'x') OR w.claim_token IS NOT NULL
+                                 THEN w.not_before ELSE '-infinity' END
+          FROM g JOIN known k ON k.ordering_key = g.wk AND k.keyless = g.kl
+         WHERE w.ordering_key = g.wk AND w.keyless = g.kl
+           AND (g.first < k.head_id OR g.touched)
+    ),
+    unknown AS (
+        -- Under dead_letter_policy = block a key with a dead row is not leased here (the claim
+        -- of known work blocks it).
+        SELECT g.wk, g.kl, g.first, g.last, g.n,
+               g.eligible AND NOT (p_block_on_dead AND NOT g.kl AND EXISTS (
+                   SELECT 1 FROM ${schema}.${table} d
+                    WHERE d.ordering_key = g.wk AND d.dead_at IS NOT NULL)) AS eligible,
+               sum(g.n) OVER (ORDER BY g.first) AS upto
+          FROM g
+         WHERE NOT EXISTS (SELECT 1 FROM known k WHERE k.ordering_key = g.wk AND k.keyless = g.kl)
+    ),
+    leased AS (
+        INSERT INTO ${schema}.${table}_work AS w (keyless, ordering_key, head_id, claim_token,
+                                                  claim_owner, claim_expires_at, claim_first)
+        SELECT u.kl, u.wk, CASE WHEN u.kl THEN u.first ELSE u.last + 1 END, p_token, p_owner,
+               now() + p_lease_seconds * interval '1 second', u.first
+          FROM unknown u
+         WHERE u.eligible AND u.upto <= p_limit
+         ORDER BY u.wk, u.kl
+        ON CONFLICT DO NOTHING
+        RETURNING w.ordering_key, w.keyless
+    ),
+    registered AS (
+        INSERT INTO ${schema}.${table}_work (keyless, ordering_key, head_id)
+        SELECT u.kl, u.wk, u.first FROM unknown u
+         WHERE NOT (u.eligible AND u.upto <= p_limit)
+         ORDER BY u.wk, u.kl
+        ON CONFLICT DO NOTHING
+    )
+    SELECT array_agg(l.ordering_key), array_agg(l.keyless) INTO v_lk, v_lkl FROM leased l;
+
+    IF v_lk IS NULL THEN
+        RETURN;
+    END IF;
+    IF c.compat THEN
+        -- Version 9 dispatchers respect row leases: write them too.
+        UPDATE ${schema}.${table} o
+           SET lease_owner = p_owner, lease_token = p_token,
+               lease_expires_at = now() + p_lease_seconds * interval '1 second'
+          FROM unnest(v_ids, v_keys, v_pending) AS u(id, k, pending)
+          JOIN unnest(v_lk, v_lkl) AS l(wk, kl)
+            ON l.wk = coalesce(u.k, u.id::text) AND l.kl = (u.k IS NULL)
+         WHERE o.id = u.id AND u.pending;
+    END IF;
+    RETURN QUERY
+    SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
+           o.attempts, false
+      FROM unnest(v_ids, v_keys, v_pending) AS u(id, k, pending)
+      JOIN unnest(v_lk, v_lkl) AS l(wk, kl)
+        ON l.wk = coalesce(u.k, u.id::text) AND l.kl = (u.k IS NULL)
+      JOIN ${schema}.${table} o ON o.id = u.id
+     WHERE u.pending
+     ORDER BY o.id;
+END;
+$fn$;
+
+-- ---------------------------------------------------------------------------------------------
+-- The claim: one round trip, one short transaction.
+-- 1. New rows, by the claim that gets the cursor when there are some (see <table>_discover).
+-- 2. Known work, while the batch has room: keys whose lease expired (their owner died), due
+--    waiting ones, ready ones oldest head first, paused ones whose topic was resumed, blocked
+--    ones when this dispatcher does not block; each locked SKIP LOCKED (another claim's work is
+--    skipped, never waited for). Then, in a new snapshot (taken after those locks: what a
+--    previous owner settled is seen), each key's pending run from its head, cut at the first row
+--    not due, in a paused topic, held by a version 9 lease, or (after a takeover) one whose
+--    owners kept dying: a run is a prefix, never with a gap. Each key gets its share of the
+--    batch; the room that keys with fewer rows leave goes to the oldest heads. Each key is then
+--    leased with one write, or, when it yielded nothing, given the state of the row it stopped at,
+--    or dropped when it has no pending row.
+CREATE FUNCTION ${schema}.${table}_claim_work(
+    p_limit integer,
+    p_max_keys integer,
+    p_owner text,
+    p_lease_seconds double precision,
+    p_token uuid,
+    p_block_on_dead boolean,
+    p_max_attempts integer,
+    p_scan integer
+) RETURNS TABLE (
+    id bigint, topic text, ordering_key text, payload bytea, headers jsonb, event_id uuid,
+    created_at timestamptz, attempts integer, reclaimed boolean
+)
+    LANGUAGE plpgsql VOLATILE
+    SET jit = off SET enable_bitmapscan = off
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_paused text[];
+    v_gen bigint;
+    c ${schema}.${table}_cursor;
+    v_taken integer := 0;
+    v_keys text[];
+    v_keyless boolean[];
+    v_heads bigint[];
+    v_old boolean[];
+BEGIN
+    -- The pauses and their generation, in one snapshot.
+    SELECT (SELECT array_agg(p.topic) FROM ${schema}.${table}_paused p), x.pause_gen
+      INTO v_paused, v_gen
+      FROM ${schema}.${table}_cursor x WHERE x.one;
+    IF '*' = ANY (v_paused) THEN
+        RETURN;
+    END IF;
+    -- Keys parked under older pauses whose topic is still paused: parked under these ones now
+    -- (a bounded step; the rest at the next claims).
+    IF EXISTS (SELECT 1 FROM ${schema}.${table}_work w
+                WHERE w.claim_token IS NULL AND w.state = 'p' AND w.paused_gen < v_gen) THEN
+        UPDATE ${schema}.${table}_work x SET paused_gen = v_gen
+         WHERE (x.ordering_key, x.keyless) IN (
+                   SELECT w.ordering_key, w.keyless FROM ${schema}.${table}_work w
+                    WHERE w.claim_token IS NULL AND w.state = 'p' AND w.paused_gen < v_gen
+                      AND w.head_topic = ANY (v_paused)
+                    LIMIT 4 * p_max_keys
+                      FOR UPDATE SKIP LOCKED);
+    END IF;
+
+    SELECT * INTO c FROM ${schema}.${table}_cursor x WHERE x.one;
+    IF cardinality(c.hole_lo) > 0
+       OR (SELECT o.id FROM ${schema}.${table} o WHERE o.id > c.position ORDER BY o.id LIMIT 1)
+          IS NOT NULL
+       OR (SELECT x.seq FROM ${schema}.${table}_changed x ORDER BY x.seq LIMIT 1) IS NOT NULL THEN
+        SELECT * INTO c FROM ${schema}.${table}_cursor x WHERE x.one FOR UPDATE SKIP LOCKED;
+        IF FOUND THEN
+            RETURN QUERY SELECT * FROM ${schema}.${table}_discover(
+                c, p_limit, p_owner, p_lease_seconds, p_token, p_scan, v_paused, 2.0,
+                p_block_on_dead);
+            GET DIAGNOSTICS v_taken = ROW_COUNT;
+        END IF;
+    END IF;
+    IF v_taken >= p_limit THEN
+        RETURN;
+    END IF;
+
+    WITH expired AS (
+        SELECT w.keyless, w.ordering_key, least(w.claim_first, w.head_id) AS head_id, true AS old
+          FROM ${schema}.${table}_work w
+         WHERE w.claim_token IS NOT NULL AND w.claim_expires_at <= now() AND w.state <> 'x'
+         ORDER BY w.claim_expires_at LIMIT p_max_keys
+           FOR UPDATE SKIP LOCKED
+    ),
+    due AS (
+        SELECT w.keyless, w.ordering_key, w.head_id, false FROM ${schema}.${table}_work w
+         WHERE w.claim_token IS NULL AND w.state = 'w' AND w.not_before <= now()
+         ORDER BY w.not_before LIMIT p_max_keys
+           FOR UPDATE SKIP LOCKED
+    ),
+    ready AS (
+        SELECT w.keyless, w.ordering_key, w.head_id, false FROM ${schema}.${table}_work w
+         WHERE w.claim_token IS NULL AND w.state = 'r'
+         ORDER BY w.head_id LIMIT p_max_keys
+           FOR UPDATE SKIP LOCKED
+    ),
+    resumed AS (
+        -- Parked under older pauses, and its topic is not paused now.
+        SELECT w.keyless, w.ordering_key, w.head_id, false FROM ${schema}.${table}_work w
+         WHERE w.claim_token IS NULL AND w.state = 'p' AND w.paused_gen < v_gen
+           AND (v_paused IS NULL OR w.head_topic <> ALL (v_paused))
+         ORDER BY w.paused_gen LIMIT p_max_keys
+           FOR UPDATE SKIP LOCKED
+    ),
+    unblocked AS (
+        -- Blocked by a dead row, and this dispatcher does not block.
+        SELECT w.keyless, w.ordering_key, w.head_id, false FROM ${schema}.${table}_work w
+         WHERE NOT p_block_on_dead AND w.claim_token IS NULL AND w.state = 'b'
+         ORDER BY w.head_id LIMIT p_max_keys
+           FOR UPDATE SKIP LOCKED
+    ),
+    cand AS (
+        SELECT * FROM expired UNION ALL SELECT * FROM due UNION ALL SELECT * FROM ready
+        UNION ALL SELECT * FROM resumed UNION ALL SELECT * FROM unblocked
+    )
+    SELECT array_agg(c.ordering_key ORDER BY c.head_id), array_agg(c.keyless ORDER BY c.head_id),
+           array_agg(c.head_id ORDER BY c.head_id), array_agg(c.old ORDER BY c.head_id)
+      INTO v_keys, v_keyless, v_heads, v_old
+      FROM cand c;
+    IF v_keys IS NULL THEN
+        RETURN;
+    END IF;
+
+    RETURN QUERY
+    WITH work AS (
+        SELECT u.k, u.kl, u.h, u.old, u.n,
+               -- dead_letter_policy = block: a dead row of the key holds its later rows.
+               p_block_on_dead AND NOT u.kl AND EXISTS (
+                   SELECT 1 FROM ${schema}.${table} d
+                    WHERE d.ordering_key = u.k AND d.dead_at IS NOT NULL) AS blocked
+          FROM unnest(v_keys, v_keyless, v_heads, v_old) WITH ORDINALITY AS u(k, kl, h, old, n)
+    ),
+    room AS (SELECT p_limit - v_taken AS rows, count(*) AS keys FROM work),
+    runs AS (
+        SELECT w.k, w.kl, w.n, w.old, r.id, r.topic, r.next_attempt_at, r.looping,
+               r.ok AND NOT r.looping AS ok
+          FROM work w CROSS JOIN LATERAL (
+            SELECT o.id, o.topic, o.next_attempt_at,
+                   o.next_attempt_at <= now()
+                   AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
+                   AND NOT (c.compat AND o.lease_expires_at > now()
+                            AND o.lease_token IS DISTINCT FROM p_token) AS ok,
+                   w.old AND o.attempts + 1 >= p_max_attempts AS looping
+              FROM ${schema}.${table} o
+             WHERE o.ordering_key >= w.k AND o.ordering_key <= w.k AND o.id >= w.h
+               AND o.published_at IS NULL AND o.dead_at IS NULL
+             ORDER BY o.ordering_key, o.id
+             LIMIT (SELECT rows FROM room)
+          ) r
+         WHERE NOT w.kl AND NOT w.blocked
+        UNION ALL
+        SELECT w.k, w.kl, w.n, w.old, o.id, o.topic, o.next_attempt_at,
+               w.old AND o.attempts + 1 >= p_max_attempts,
+               o.next_attempt_at <= now()
+               AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
+               AND NOT (c.compat AND o.lease_expires_at > now())
+               AND NOT (w.old AND o.attempts + 1 >= p_max_attempts)
+          FROM work w JOIN ${schema}.${table} o ON o.id = w.h
+         -- (a row a writer gave a key since is its key's now)
+         WHERE w.kl AND o.ordering_key IS NULL AND o.published_at IS NULL AND o.dead_at IS NULL
+    ),
+    ranked AS (
+        SELECT r.*, row_number() OVER (PARTITION BY r.k, r.kl ORDER BY r.id) AS i
+          FROM (SELECT r.*, bool_and(r.ok) OVER (PARTITION BY r.k, r.kl ORDER BY r.id) AS prefix
+                  FROM runs r) r
+         WHERE r.prefix
+    ),
+    took AS (
+        -- A share each first, then the room left to the oldest heads, row by row.
+        SELECT q.* FROM (
+            SELECT r.*, row_number() OVER (
+                       ORDER BY r.i > greatest(1, (SELECT rows FROM room) / (SELECT keys FROM room)),
+                                r.n, r.i) AS rn
+              FROM ranked r) q
+         WHERE q.rn <= (SELECT rows FROM room)
+    ),
+    span AS (
+        SELECT t.k, t.kl, min(t.id) AS first, max(t.id) AS last FROM took t GROUP BY 1, 2
+    ),
+    idle AS (
+        SELECT w.k, w.kl, w.old, w.blocked, h.id, h.topic, h.next_attempt_at, h.looping
+          FROM work w
+          LEFT JOIN LATERAL (SELECT r.id, r.topic, r.next_attempt_at, r.looping FROM runs r
+                              WHERE r.k = w.k AND r.kl = w.kl ORDER BY r.id LIMIT 1) h ON true
+         WHERE NOT EXISTS (SELECT 1 FROM span s WHERE s.k = w.k AND s.kl = w.kl)
+    ),
+    gone AS (
+        DELETE FROM ${schema}.${table}_work x USING idle i
+         WHERE x.ordering_key = i.k AND x.keyless = i.kl AND i.id IS NULL AND NOT i.blocked
+    ),
+    blocked AS (
+        UPDATE ${schema}.${table}_work x
+           SET state = 'b', not_before = '-infinity',
+               claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL
+          FROM idle i
+         WHERE x.ordering_key = i.k AND x.keyless = i.kl AND i.blocked
+    ),
+    parked AS (
+        -- Nothing to take: the state of the row the run stopped at. A row whose owners kept
+        -- dying keeps the expired lease (state x) for the reclaimer.
+        UPDATE ${schema}.${table}_work x
+           SET head_id = CASE WHEN i.looping THEN x.head_id ELSE i.id END,
+               head_topic = i.topic,
+               state = CASE WHEN i.looping THEN 'x'
+                            WHEN v_paused IS NOT NULL AND i.topic = ANY (v_paused) THEN 'p'
+                            WHEN i.next_attempt_at > now() THEN 'w'
+                            ELSE 'r' END,
+               paused_gen = v_gen,
+               not_before = CASE WHEN i.looping THEN x.not_before
+                                 WHEN i.next_attempt_at > now() THEN i.next_attempt_at
+                                 ELSE '-infinity' END,
+               claim_token = CASE WHEN i.looping THEN x.claim_token END,
+               claim_owner = CASE WHEN i.looping THEN x.claim_owner END,
+               claim_expires_at = CASE WHEN i.looping THEN x.claim_expires_at END,
+               claim_first = CASE WHEN i.looping THEN x.claim_first END
+          FROM idle i
+         WHERE x.ordering_key = i.k AND x.keyless = i.kl AND i.id IS NOT NULL AND NOT i.blocked
+    ),
+    leased AS (
+        UPDATE ${schema}.${table}_work x
+           SET claim_token = p_token, claim_owner = p_owner,
+               claim_expires_at = now() + p_lease_seconds * interval '1 second',
+               claim_first = s.first,
+               head_id = CASE WHEN s.kl THEN s.first ELSE s.last + 1 END,
+               state = 'r', not_before = '-infinity'
+          FROM span s
+         WHERE x.ordering_key = s.k AND x.keyless = s.kl
+    ),
+    bumped AS (
+        -- A takeover: its rows' owner died or hung while publishing them (an attempt), and
+        -- under version 9 beside it the rows carry the lease too.
+        UPDATE ${schema}.${table} o
+           SET attempts = o.attempts + CASE WHEN t.old THEN 1 ELSE 0 END,
+               lease_owner = CASE WHEN c.compat THEN p_owner ELSE o.lease_owner END,
+               lease_token = CASE WHEN c.compat THEN p_token ELSE o.lease_token END,
+               lease_expires_at = CASE WHEN c.compat
+                                       THEN now() + p_lease_seconds * interval '1 second'
+                                       ELSE o.lease_expires_at END
+          FROM took t
+         WHERE o.id = t.id AND (t.old OR c.compat)
+        RETURNING o.id, o.attempts
+    )
+    SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
+           coalesce(b.attempts, o.attempts), t.old
+      FROM took t
+      JOIN ${schema}.${table} o ON o.id = t.id
+      LEFT JOIN bumped b ON b.id = t.id
+     ORDER BY o.id;
+END;
+$fn$;
+
+-- ---------------------------------------------------------------------------------------------
+-- The settle: record one batch's outcomes, fenced by its token: only rows whose work (key, or
+-- the row itself without one) is still held by the token change (locked first, in key order: the
+-- claim, the lease keeper and discovery never deadlock with it). A row the reclaimer
+-- dead-lettered as a crash loop keeps the token of the lease it ended: its owner was alive after
+-- all, and its late mark may record a publication (the broker acknowledged it), nothing else.
+-- Then, in a new snapshot, each key goes on from its first row of the batch still pending (a
+-- retry, a row not attempted), else from its head: the state of that row, or the work is dropped
+-- when no pending row is left. p_keys: each row's key (NULL: none), aligned with p_ids.
+-- A late publication of rows the reclaimer dead-lettered under lease p_token (see settle_work):
+-- recorded as published (or deleted), and a key that waited only on them is ready again.
+CREATE FUNCTION ${schema}.${table}_settle_late(
+    p_token uuid,
+    p_owner text,
+    p_ids bigint[],
+    p_delete boolean
+) RETURNS SETOF bigint
+    LANGUAGE plpgsql VOLATILE
+    SET jit = off SET enable_bitmapscan = off
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_keys text[];
+BEGIN
+    SELECT array_agg(DISTINCT o.ordering_key) INTO v_keys
+      FROM ${schema}.${table} o WHERE o.id = ANY (p_ids) AND o.ordering_key IS NOT NULL;
+    PERFORM 1 FROM ${schema}.${table}_work x
+     WHERE NOT x.keyless AND x.ordering_key = ANY (v_keys)
+     ORDER BY x.ordering_key
+       FOR UPDATE OF x;
+    IF p_delete THEN
+        RETURN QUERY
+        DELETE FROM ${schema}.${table} o
+         WHERE o.id = ANY (p_ids) AND o.dead_at IS NOT NULL AND o.lease_token = p_token
+        RETURNING o.id;
+    ELSE
+        RETURN QUERY
+        UPDATE ${schema}.${table} o
+           SET published_at = now(), dead_at = NULL, lease_owner = p_owner,
+               lease_token = NULL, lease_expires_at = NULL
+         WHERE o.id = ANY (p_ids) AND o.dead_at IS NOT NULL AND o.lease_token = p_token
+        RETURNING o.id;
+    END IF;
+    UPDATE ${schema}.${table}_work x
+       SET state = 'r', not_before = '-infinity'
+     WHERE NOT x.keyless AND x.ordering_key = ANY (v_keys)
+       AND x.state = 'b' AND x.claim_token IS NULL
+       AND NOT EXISTS (SELECT 1 FROM ${schema}.${table} d
+                        WHERE d.ordering_key = x.ordering_key AND d.dead_at IS NOT NULL);
+END;
+$fn$;
+
+CREATE FUNCTION ${schema}.${table}_settle_work(
+    p_token uuid,
+    p_owner text,
+    p_ids bigint[],
+    p_keys text[],
+    p_outcomes text[],
+    p_errors text[],
+    p_delays double precision[],
+    p_counted integer[],
+    p_delete boolean,
+    p_block_on_dead boolean
+) RETURNS SETOF bigint
+    LANGUAGE plpgsql VOLATILE
+    SET jit = off SET enable_bitmapscan = off
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_paused text[];
+    v_compat boolean;
+    v_gen bigint;
+    v_late bigint[];
+BEGIN
+    SELECT x.compat INTO v_compat FROM ${schema}.${table}_cursor x WHERE x.one;
+
+    -- Rows the reclaimer dead-lettered under this lease (review F14): their owner was only slow,
+    -- and a publication (nothing else) it reports stands. Their work is locked first, as every
+    -- claim and settle does, then the rows; a key blocked only by them goes on.
+    SELECT array_agg(o.id ORDER BY o.id) INTO v_late
+      FROM unnest(p_ids, p_outcomes) AS u(id, outcome)
+      JOIN ${schema}.${table} o ON o.id = u.id
+     WHERE u.outcome = 'published' AND o.dead_at IS NOT NULL AND o.lease_token = p_token;
+    IF v_late IS NOT NULL THEN
+        RETURN QUERY SELECT * FROM ${schema}.${table}_settle_late(p_token, p_owner, v_late, p_delete);
+    END IF;
+
+    IF p_delete THEN
+        RETURN QUERY
+        WITH batch AS (
+            SELECT u.id, coalesce(u.k, u.id::text) AS wk, u.k IS NULL AS kl
+              FROM unnest(p_ids, p_keys, p_outcomes) AS u(id, k, outcome)
+             WHERE u.outcome = 'published'
+        ),
+        mine AS (
+            SELECT x.ordering_key, x.keyless FROM ${schema}.${table}_work x
+             WHERE (x.ordering_key, x.keyless) IN (SELECT b.wk, b.kl FROM batch b)
+               AND x.claim_token = p_token
+             ORDER BY x.ordering_key, x.keyless
+               FOR UPDATE OF x
+        )
+        DELETE FROM ${schema}.${table} o
+         USING batch b
+         WHERE o.id = b.id AND o.dead_at IS NULL
+           AND EXISTS (SELECT 1 FROM mine m WHERE m.ordering_key = b.wk AND m.keyless = b.kl)
+        RETURNING o.id;
+    END IF;
+
+    RETURN QUERY
+    WITH batch AS (
+        SELECT u.id, u.outcome, u.error, u.delay, u.attempt,
+               coalesce(u.k, u.id::text) AS wk, u.k IS NULL AS kl
+          FROM unnest(p_ids, p_keys, p_outcomes, p_errors, p_delays, p_counted)
+               AS u(id, k, outcome, error, delay, attempt)
+         WHERE NOT (p_delete AND u.outcome = 'published')
+    ),
+    mine AS (
+        SELECT x.ordering_key, x.keyless FROM ${schema}.${table}_work x
+         WHERE (x.ordering_key, x.keyless) IN (SELECT b.wk, b.kl FROM batch b)
+           AND x.claim_token = p_token
+         ORDER BY x.ordering_key, x.keyless
+           FOR UPDATE OF x
+    )
+    UPDATE ${schema}.${table} o
+       SET published_at = CASE WHEN b.outcome = 'published' THEN now() END,
+           dead_at = CASE WHEN b.outcome = 'dead' THEN now()
+                          WHEN b.outcome = 'published' THEN NULL
+                          ELSE o.dead_at END,
+           last_error = CASE WHEN b.outcome = 'published' THEN o.last_error
+                             ELSE coalesce(b.error, o.last_error) END,
+           attempts = o.attempts + b.attempt,
+           next_attempt_at = CASE WHEN b.outcome = 'retry'
+                                  THEN now() + b.delay * interval '1 second'
+                                  ELSE o.next_attempt_at END,
+           lease_owner = p_owner,
+           lease_token = CASE WHEN v_compat THEN NULL ELSE o.lease_token END,
+           lease_expires_at = CASE WHEN v_compat THEN NULL ELSE o.lease_expires_at END
+      FROM batch b
+     WHERE o.id = b.id AND o.dead_at IS NULL
+       AND EXISTS (SELECT 1 FROM mine m WHERE m.ordering_key = b.wk AND m.keyless = b.kl)
+    RETURNING o.id;
+
+    SELECT (SELECT array_agg(p.topic) FROM ${schema}.${table}_paused p), x.pause_gen
+      INTO v_paused, v_gen
+      FROM ${schema}.${table}_cursor x WHERE x.one;
+    WITH batch AS (
+        SELECT coalesce(u.k, u.id::text) AS wk, u.k IS NULL AS kl,
+               min(u.id) FILTER (WHERE u.outcome NOT IN ('published', 'dead')) AS again
+          FROM unnest(p_ids, p_keys, p_outcomes) AS u(id, k, outcome)
+         GROUP BY 1, 2
+    ),
+    mine AS (
+        SELECT x.ordering_key AS k, x.keyless AS kl,
+               least(x.head_id, b.again) AS h
+          FROM ${schema}.${table}_work x JOIN batch b ON x.ordering_key = b.wk AND x.keyless = b.kl
+         WHERE x.claim_token = p_token
+    ),
+    heads AS (
+        SELECT m.k, m.kl, h.id, h.topic, h.next_attempt_at,
+               p_block_on_dead AND EXISTS (
+                   SELECT 1 FROM ${schema}.${table} d
+                    WHERE d.ordering_key = m.k AND d.dead_at IS NOT NULL) AS blocked
+          FROM mine m
+          LEFT JOIN LATERAL (
+            SELECT o.id, o.topic, o.next_attempt_at FROM ${schema}.${table} o
+             WHERE o.ordering_key >= m.k AND o.ordering_key <= m.k AND o.id >= m.h
+               AND o.published_at IS NULL AND o.dead_at IS NULL
+             ORDER BY o.ordering_key, o.id LIMIT 1) h ON true
+         WHERE NOT m.kl
+        UNION ALL
+        SELECT m.k, m.kl, o.id, o.topic, o.next_attempt_at, false
+          FROM mine m
+          LEFT JOIN ${schema}.${table} o
+            ON o.id = m.h AND o.ordering_key IS NULL
+           AND o.published_at IS NULL AND o.dead_at IS NULL
+         WHERE m.kl
+    ),
+    gone AS (
+        DELETE FROM ${schema}.${table}_work x USING heads h
+         WHERE x.ordering_key = h.k AND x.keyless = h.kl AND h.id IS NULL AND NOT h.blocked
+    )
+    UPDATE ${schema}.${table}_work x
+       SET head_id = coalesce(h.id, x.head_id), head_topic = h.topic,
+           state = CASE WHEN h.blocked THEN 'b'
+                        WHEN v_paused IS NOT NULL AND h.topic = ANY (v_paused) THEN 'p'
+                        WHEN h.next_attempt_at > now() THEN 'w' ELSE 'r' END,
+           paused_gen = v_gen,
+           not_before = CASE WHEN NOT h.blocked AND h.next_attempt_at > now()
+                             THEN h.next_attempt_at ELSE '-infinity' END,
+           claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL
+      FROM heads h
+     WHERE x.ordering_key = h.k AND x.keyless = h.kl AND (h.id IS NOT NULL OR h.blocked);
+END;
+$fn$;
+
+-- The lease keeper: extend only live leases of the caller's tokens (an expired one may belong to
+-- someone else already); under version 9 beside it, the rows' leases too. Returns the ids whose
+-- work is still held.
+CREATE FUNCTION ${schema}.${table}_extend_work(
+    p_ids bigint[],
+    p_tokens uuid[],
+    p_seconds double precision
+) RETURNS SETOF bigint
+    LANGUAGE plpgsql VOLATILE
+    SET jit = off SET enable_bitmapscan = off
+AS $fn$
+DECLARE
+    v_held uuid[];
+BEGIN
+    WITH extended AS (
+        UPDATE ${schema}.${table}_work x
+           SET claim_expires_at = now() + p_seconds * interval '1 second'
+          FROM (SELECT DISTINCT t FROM unnest(p_tokens) AS u(t)) u
+         WHERE x.claim_token = u.t AND x.claim_expires_at > now() AND x.state <> 'x'
+        RETURNING x.claim_token
+    )
+    SELECT array_agg(DISTINCT e.claim_token) INTO v_held FROM extended e;
+    IF (SELECT x.compat FROM ${schema}.${table}_cursor x WHERE x.one) THEN
+        UPDATE ${schema}.${table} o
+           SET lease_expires_at = now() + p_seconds * interval '1 second'
+          FROM unnest(p_ids, p_tokens) AS r(id, token)
+         WHERE o.id = r.id AND o.lease_token = r.token AND o.lease_expires_at > now();
+    END IF;
+    RETURN QUERY SELECT r.id FROM unnest(p_ids, p_tokens) AS r(id, token)
+                  WHERE r.token = ANY (v_held);
+END;
+$fn$;
+
+-- A claim whose reply never arrived (the connection dropped after the commit): its dispatcher
+-- knows the token it chose and gives the work back at once, instead of stalling its keys for a
+-- whole lease and counting an attempt. Returns how many keys (and rows without one) it held.
+CREATE FUNCTION ${schema}.${table}_release_work(p_token uuid) RETURNS integer
+    LANGUAGE plpgsql VOLATILE
+    SET jit = off SET enable_bitmapscan = off
+AS $fn$
+DECLARE
+    v_rows integer;
+BEGIN
+    WITH released AS (
+        UPDATE ${schema}.${table}_work x
+           SET claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL,
+               head_id = least(x.claim_first, x.head_id), claim_first = NULL,
+               state = 'r', not_before = '-infinity'
+         WHERE x.claim_token = p_token AND x.state <> 'x'
+        RETURNING 1
+    )
+    SELECT count(*) INTO v_rows FROM released;
+    UPDATE ${schema}.${table} o
+       SET lease_token = NULL, lease_expires_at = NULL
+     WHERE o.lease_token = p_token AND o.published_at IS NULL AND o.dead_at IS NULL;
+    RETURN v_rows;
+END;
+$fn$;
+
+-- Work whose owners kept dying while publishing it (the claim that found its first row at
+-- max_attempts left it in state x, lease kept; or a lease that expired on a first row at its
+-- last attempt before any claim came by): its rows of that lease at their last attempt are
+-- dead-lettered,
+-- keeping the lease token (a late mark of an owner that was only slow may still record the
+-- publication); the key then goes on (skip) or stays blocked (block).
+CREATE FUNCTION ${schema}.${table}_reclaim_work(p_max_attempts integer, p_block_on_dead boolean)
+RETURNS TABLE (id bigint, event_id uuid, topic text, ordering_key text, lease_owner text)
+    LANGUAGE plpgsql VOLATILE
+    SET jit = off SET enable_bitmapscan = off
+AS $fn$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH looping AS (
+        SELECT x.ordering_key, x.keyless, x.claim_token, x.claim_owner, x.claim_first, x.head_id
+          FROM ${schema}.${table}_work x
+         WHERE (x.ordering_key, x.keyless) IN (
+                   (SELECT l.ordering_key, l.keyless FROM ${schema}.${table}_work l
+                     WHERE l.state = 'x' ORDER BY l.claim_expires_at LIMIT 500)
+                   UNION ALL
+                   (SELECT e.ordering_key, e.keyless
+                      FROM ${schema}.${table}_work e
+                      JOIN ${schema}.${table} o ON o.id = e.claim_first
+                     WHERE e.claim_token IS NOT NULL AND e.claim_expires_at < now()
+                       AND e.state <> 'x' AND o.attempts + 1 >= p_max_attempts
+                       AND o.published_at IS NULL AND o.dead_at IS NULL
+                     ORDER BY e.claim_expires_at LIMIT 500))
+           AND (x.state = 'x' OR (x.claim_token IS NOT NULL AND x.claim_expires_at < now()))
+           FOR UPDATE OF x SKIP LOCKED
+    ),
+    rows AS (
+        SELECT r.id, l.claim_token, l.claim_owner
+          FROM looping l
+         CROSS JOIN LATERAL (
+            SELECT o.id FROM ${schema}.${table} o
+             WHERE o.ordering_key >= l.ordering_key AND o.ordering_key <= l.ordering_key
+               AND o.id >= l.claim_first AND o.id < l.head_id
+               AND o.published_at IS NULL AND o.dead_at IS NULL
+               AND o.attempts + 1 >= p_max_attempts
+             ORDER BY o.ordering_key, o.id) r
+         WHERE NOT l.keyless
+        UNION ALL
+        SELECT o.id, l.claim_token, l.claim_owner
+          FROM looping l
+          JOIN ${schema}.${table} o ON o.id = l.claim_first
+         WHERE l.keyless AND o.ordering_key IS NULL
+           AND o.published_at IS NULL AND o.dead_at IS NULL AND o.attempts + 1 >= p_max_attempts
+    ),
+    dead AS (
+        UPDATE ${schema}.${table} o
+           SET dead_at = now(),
+               attempts = o.attempts + 1,
+               lease_token = r.claim_token, lease_owner = r.claim_owner,
+               lease_expires_at = NULL,
+               last_error = format('dead-lettered: the lease expired %s times (the dispatcher '
+                                   'that held it crashed or hung while publishing, last owner '
+                                   '%s); last error: %s',
+                                   o.attempts + 1, r.claim_owner, coalesce(o.last_error, 'none'))
+          FROM rows r
+         WHERE o.id = r.id
+        RETURNING o.id, o.event_id, o.topic, o.ordering_key, o.lease_owner
+    ),
+    moved AS (
+        UPDATE ${schema}.${table}_work x
+           SET state = CASE WHEN p_block_on_dead AND NOT l.keyless THEN 'b' ELSE 'r' END,
+               head_id = least(l.claim_first, l.head_id), not_before = '-infinity',
+               claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL
+          FROM looping l
+         WHERE x.ordering_key = l.ordering_key AND x.keyless = l.keyless
+    )
+    SELECT * FROM dead;
+END;
+$fn$;
+
+-- The anti-entropy sweep: from the sweep's place, the next p_rows ids at or below the cursor, in
+-- id order; any pending row there that no work covers (a key with no work, or work whose head is
+-- above it and whose claim does not hold it) is registered. Rows get there only by paths that
+-- bypass the cursor: ids written below it (explicit ids, a restore into a live table, a
+-- sequence set back), a key update with triggers disabled. Returns how many it registered and
+-- whether it finished a pass over the table.
+CREATE FUNCTION ${schema}.${table}_sweep(
+    p_rows integer,
+    p_hold_seconds double precision,
+    OUT repaired integer,
+    OUT wrapped boolean
+)
+    LANGUAGE plpgsql VOLATILE
+    SET jit = off SET enable_bitmapscan = off
+AS $fn$
+DECLARE
+    c ${schema}.${table}_cursor;
+    v_last bigint;
+BEGIN
+    SELECT * INTO c FROM ${schema}.${table}_cursor x WHERE x.one FOR UPDATE SKIP LOCKED;
+    repaired := 0;
+    wrapped := false;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    WITH part AS (
+        SELECT o.id, o.ordering_key, o.published_at IS NULL AND o.dead_at IS NULL AS pending
+          FROM ${schema}.${table} o
+         WHERE o.id > c.swept AND o.id <= c.position
+         ORDER BY o.id LIMIT p_rows
+    ),
+    stray AS (
+        SELECT coalesce(p.ordering_key, p.id::text) AS wk, p.ordering_key IS NULL AS kl,
+               min(p.id) AS first,
+               -- A row a writer moved to this key with triggers off may still be in flight under
+               -- its old key: if any live claim's range holds its id, the key waits one lease.
+               CASE WHEN bool_or(EXISTS (
+                        SELECT 1 FROM ${schema}.${table}_work l
+                         WHERE l.claim_token IS NOT NULL AND l.claim_expires_at > now()
+                           AND p.id >= l.claim_first AND p.id < l.head_id))
+                    THEN now() + p_hold_seconds * interval '1 second'
+                    ELSE '-infinity' END AS not_before
+          FROM part p
+         WHERE p.pending
+           AND NOT EXISTS (
+               SELECT 1 FROM ${schema}.${table}_work w
+                WHERE w.ordering_key = coalesce(p.ordering_key, p.id::text)
+                  AND w.keyless = (p.ordering_key IS NULL)
+                  AND (w.head_id <= p.id
+                       OR (w.claim_token IS NOT NULL AND w.claim_first <= p.id)))
+         GROUP BY 1, 2
+    ),
+    fixed AS (
+        INSERT INTO ${schema}.${table}_work AS w (keyless, ordering_key, head_id, state, not_before)
+        SELECT s.kl, s.wk, s.first, CASE WHEN s.not_before > now() THEN 'w' ELSE 'r' END,
+               s.not_before
+          FROM stray s ORDER BY s.wk, s.kl
+        ON CONFLICT (ordering_key, keyless) DO UPDATE
+           SET head_id = least(w.head_id, excluded.head_id),
+               state = CASE WHEN w.state IN ('b', 'x') OR w.claim_token IS NOT NULL THEN w.state
+                            ELSE excluded.state END,
+               not_before = CASE WHEN w.state IN ('b', 'x') OR w.claim_token IS NOT NULL
+                                 THEN w.not_before
+                                 ELSE greatest(w.not_before, excluded.not_before) END
+        RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM fixed), (SELECT max(p.id) FROM part p)
+      INTO repaired, v_last;
+    IF v_last IS NULL OR v_last >= c.position THEN
+        wrapped := true;
+        UPDATE ${schema}.${table}_cursor x SET swept = 0, sweep_started_at = now() WHERE x.one;
+    ELSE
+        UPDATE ${schema}.${table}_cursor x SET swept = v_last WHERE x.one;
+    END IF;
+END;
+$fn$;
+
+-- The rows a claim holds, with the claim's lease: what operators and checks read instead of the
+-- rows' own lease columns (which the engine no longer writes, except beside version 9). A
+-- key's claim holds its pending rows from its first taken row to its head.
+CREATE VIEW ${schema}.${table}_leases AS
+SELECT o.id, o.topic, o.ordering_key, w.claim_token AS lease_token, w.claim_owner AS lease_owner,
+       w.claim_expires_at AS lease_expires_at, w.state = 'x' AS crash_looping
+  FROM ${schema}.${table}_work w
+  JOIN ${schema}.${table} o
+    ON o.ordering_key = w.ordering_key AND o.id >= w.claim_first AND o.id < w.head_id
+ WHERE NOT w.keyless AND w.claim_token IS NOT NULL
+   AND o.published_at IS NULL AND o.dead_at IS NULL
+UNION ALL
+SELECT o.id, o.topic, o.ordering_key, w.claim_token, w.claim_owner, w.claim_expires_at,
+       w.state = 'x'
+  FROM ${schema}.${table}_work w
+  JOIN ${schema}.${table} o ON o.id = w.claim_first
+ WHERE w.keyless AND w.claim_token IS NOT NULL
+   AND o.published_at IS NULL AND o.dead_at IS NULL;
+
+COMMENT ON VIEW ${schema}.${table}_leases IS
+    'outbox-dispatcher: the rows claims hold right now, with their lease (token, owner, expiry).';
+
+-- A version 9 dispatcher still running stops with this message at its next claim or settle
+-- (nothing is lost: its keys' work expires and is taken over).
+CREATE OR REPLACE FUNCTION ${schema}.${table}_claim_keys(
     p_limit integer,
     p_max_keys integer,
     p_owner text,
@@ -386,187 +1255,14 @@ CREATE FUNCTION ${schema}.${table}_claim_keys(
 )
     LANGUAGE plpgsql VOLATILE
 AS $fn$
-#variable_conflict use_column
-DECLARE
-    v_paused text[];
-    v_keys text[];           -- the keys this claim locked, oldest head first
-    v_key_ids bigint[];      -- the registry rows it locked (a key may have more than one)
-    v_per_key integer;
-    v_idle text[];
-    v_empty text[];
 BEGIN
-    SELECT array_agg(p.topic) INTO v_paused FROM ${schema}.${table}_paused p;
-    IF '*' = ANY (v_paused) THEN
-        RETURN;
-    END IF;
-
-    WITH ready AS (
-        SELECT k.key_id, k.ordering_key, k.head_id
-          FROM ${schema}.${table}_key k
-         WHERE k.lease_token IS NULL
-           AND k.not_before <= now()
-           AND NOT (p_block_on_dead AND k.has_dead)
-           AND (v_paused IS NULL OR k.head_topic IS NULL OR k.head_topic <> ALL (v_paused))
-         ORDER BY k.head_id
-         LIMIT p_max_keys
-           FOR UPDATE SKIP LOCKED
-    ),
-    expired AS (
-        SELECT k.key_id, k.ordering_key, k.head_id
-          FROM ${schema}.${table}_key k
-         WHERE k.lease_token IS NOT NULL
-           AND k.lease_expires_at <= now()
-         ORDER BY k.lease_expires_at
-         LIMIT p_max_keys
-           FOR UPDATE SKIP LOCKED
-    ),
-    mine AS (
-        SELECT * FROM ready UNION ALL SELECT * FROM expired
-    )
-    SELECT (SELECT array_agg(m.key_id) FROM mine m),
-           (SELECT array_agg(g.k ORDER BY g.h)
-              FROM (SELECT m.ordering_key AS k, min(m.head_id) AS h FROM mine m GROUP BY 1) g)
-      INTO v_key_ids, v_keys;
-
-    v_per_key := greatest(1, ceil(p_limit::numeric / greatest(1, coalesce(cardinality(v_keys), 0))))::integer;
-
-    RETURN QUERY
-    WITH cand AS (
-        SELECT r.id, u.k AS ordering_key
-          FROM unnest(coalesce(v_keys, '{}'::text[])) AS u(k)
-         CROSS JOIN LATERAL (
-            SELECT o.id FROM ${schema}.${table} o
-             WHERE o.ordering_key >= u.k AND o.ordering_key <= u.k
-               AND o.published_at IS NULL AND o.dead_at IS NULL
-             ORDER BY o.ordering_key, o.id
-             LIMIT v_per_key) r
-         WHERE NOT (p_block_on_dead AND EXISTS (
-                SELECT 1 FROM ${schema}.${table} d
-                 WHERE d.ordering_key = u.k AND d.dead_at IS NOT NULL))
-    ),
-    locked AS (
-        -- One primary-key probe per candidate row, whatever the statistics say.
-        SELECT x.id, x.ordering_key, x.old_lease
-          FROM cand c
-         CROSS JOIN LATERAL (
-            SELECT o.id, o.ordering_key, o.lease_expires_at AS old_lease
-              FROM ${schema}.${table} o
-             WHERE o.id = c.id
-               AND o.published_at IS NULL AND o.dead_at IS NULL
-               AND (o.lease_expires_at IS NULL OR o.lease_expires_at <= now())
-               AND o.next_attempt_at <= now()
-               AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
-               -- A row whose owners keep dying with it is left to the reclaimer to dead-letter.
-               AND NOT (o.lease_expires_at IS NOT NULL AND o.attempts + 1 >= p_max_attempts)
-               FOR UPDATE OF o SKIP LOCKED
-         ) x
-    ),
-    gaps AS (
-        SELECT c.ordering_key, min(c.id) AS first_gap
-          FROM cand c
-         WHERE NOT EXISTS (SELECT 1 FROM locked l WHERE l.id = c.id)
-         GROUP BY c.ordering_key
-    ),
-    keyless AS (
-        SELECT o.id, NULL::text AS ordering_key, o.lease_expires_at AS old_lease
-          FROM ${schema}.${table} o
-         WHERE o.ordering_key IS NULL AND o.published_at IS NULL AND o.dead_at IS NULL
-           AND (o.lease_expires_at IS NULL OR o.lease_expires_at <= now())
-           AND o.next_attempt_at <= now()
-           AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
-           AND NOT (o.lease_expires_at IS NOT NULL AND o.attempts + 1 >= p_max_attempts)
-         ORDER BY o.id
-         LIMIT p_limit
-           FOR UPDATE OF o SKIP LOCKED
-    ),
-    taken AS (
-        -- The oldest p_limit rows: dropping a key's newest rows keeps its run a prefix.
-        SELECT t.id, t.ordering_key, t.old_lease
-          FROM (SELECT l.id, l.ordering_key, l.old_lease
-                  FROM locked l
-                  LEFT JOIN gaps g ON g.ordering_key = l.ordering_key
-                 WHERE g.first_gap IS NULL OR l.id < g.first_gap
-                UNION ALL
-                SELECT n.id, n.ordering_key, n.old_lease FROM keyless n) t
-         ORDER BY t.id
-         LIMIT p_limit
-    ),
-    leased_keys AS (
-        UPDATE ${schema}.${table}_key k
-           SET lease_owner = p_owner,
-               lease_token = p_token,
-               lease_expires_at = now() + p_lease_seconds * interval '1 second'
-         WHERE k.key_id = ANY (v_key_ids)
-           AND k.ordering_key IN (SELECT t.ordering_key FROM taken t WHERE t.ordering_key IS NOT NULL)
-    ),
-    claimed AS (
-        UPDATE ${schema}.${table} o
-           SET lease_owner = p_owner,
-               lease_token = p_token,
-               lease_expires_at = now() + p_lease_seconds * interval '1 second',
-               -- Taking over an expired lease means its owner died or hung mid-publish.
-               attempts = o.attempts + CASE WHEN t.old_lease IS NULL THEN 0 ELSE 1 END
-          FROM taken t
-         WHERE o.id = t.id
-     RETURNING o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
-               o.attempts, o.lease_token, o.lease_expires_at, t.old_lease IS NOT NULL
-    )
-    SELECT * FROM claimed ORDER BY 1;
-
-    IF v_keys IS NULL THEN
-        RETURN;
-    END IF;
-
-    -- Keys this claim locked but did not lease: their hints were stale. Point them at their head
-    -- row (its due time, live lease, topic, dead flag), or forget them if they have none.
-    SELECT array_agg(u.k) INTO v_idle
-      FROM unnest(v_keys) AS u(k)
-     WHERE NOT EXISTS (SELECT 1 FROM ${schema}.${table}_key k
-                        WHERE k.key_id = ANY (v_key_ids) AND k.ordering_key = u.k
-                          AND k.lease_token = p_token);
-    IF v_idle IS NULL THEN
-        RETURN;
-    END IF;
-    WITH heads AS (
-        SELECT u.k, h.id, h.topic,
-               greatest(h.next_attempt_at,
-                        CASE WHEN h.lease_expires_at > now() THEN h.lease_expires_at END)
-                   AS not_before
-          FROM unnest(v_idle) AS u(k)
-         CROSS JOIN LATERAL (
-            SELECT o.id, o.topic, o.next_attempt_at, o.lease_expires_at
-              FROM ${schema}.${table} o
-             WHERE o.ordering_key >= u.k AND o.ordering_key <= u.k
-               AND o.published_at IS NULL AND o.dead_at IS NULL
-             ORDER BY o.ordering_key, o.id LIMIT 1) h
-    )
-    UPDATE ${schema}.${table}_key k
-       SET head_id = h.id,
-           head_topic = h.topic,
-           not_before = coalesce(h.not_before, '-infinity'),
-           has_dead = EXISTS (SELECT 1 FROM ${schema}.${table} d
-                               WHERE d.ordering_key = h.k AND d.dead_at IS NOT NULL),
-           lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
-      FROM heads h
-     WHERE k.ordering_key = h.k AND k.key_id = ANY (v_key_ids);
-
-    SELECT array_agg(u.k) INTO v_empty
-      FROM unnest(v_idle) AS u(k)
-     WHERE NOT EXISTS (SELECT 1 FROM ${schema}.${table} o
-                        WHERE o.ordering_key >= u.k AND o.ordering_key <= u.k
-                          AND o.published_at IS NULL AND o.dead_at IS NULL
-                        ORDER BY o.ordering_key, o.id LIMIT 1);
-    PERFORM ${schema}.${table}_key_forget(v_empty);
+    RAISE EXCEPTION 'the outbox schema of % was upgraded to version 11 (claim engine v3); this dispatcher is older: upgrade outbox-dispatcher',
+        '${schema}.${table}'
+        USING ERRCODE = 'feature_not_supported';
 END;
 $fn$;
 
--- The settle: record one batch's outcomes, fenced by its token, then release its keys (pointing
--- each at its new head, or forgetting it when it has none). Lock order everywhere: registry rows
--- (sorted by key) before outbox rows, so the mark, the lease keeper and the claim never deadlock.
--- A row the reclaimer dead-lettered as a crash loop keeps the token of the lease it ended (version
--- 9): its owner was alive after all, and its late mark may record a publication (the broker
--- acknowledged it: the row is in Kafka), nothing else; its key's dead flag is then refreshed.
-CREATE FUNCTION ${schema}.${table}_settle(
+CREATE OR REPLACE FUNCTION ${schema}.${table}_settle(
     p_token uuid,
     p_keys text[],
     p_ids bigint[],
@@ -578,172 +1274,31 @@ CREATE FUNCTION ${schema}.${table}_settle(
 ) RETURNS SETOF bigint
     LANGUAGE plpgsql VOLATILE
 AS $fn$
-#variable_conflict use_column
-DECLARE
-    v_empty text[];
-    v_locked text[];
-    v_revived text[];
 BEGIN
-    PERFORM 1 FROM ${schema}.${table}_key k
-     WHERE k.ordering_key = ANY (p_keys) AND k.lease_token = p_token
-     ORDER BY k.ordering_key
-       FOR UPDATE;
-
-    -- Keys with a dead row of this lease, which this mark may publish (read from the small index
-    -- of dead rows; there is usually none).
-    SELECT array_agg(DISTINCT d.ordering_key) INTO v_revived
-      FROM ${schema}.${table} d
-     WHERE d.ordering_key = ANY (p_keys) AND d.dead_at IS NOT NULL AND d.lease_token = p_token;
-
-    IF p_delete THEN
-        RETURN QUERY
-        DELETE FROM ${schema}.${table} o
-         USING unnest(p_ids, p_outcomes) AS r(id, outcome)
-         WHERE o.id = r.id AND r.outcome = 'published' AND o.lease_token = p_token
-        RETURNING o.id;
-    END IF;
-
-    RETURN QUERY
-    UPDATE ${schema}.${table} o
-       SET published_at = CASE WHEN r.outcome = 'published' THEN now() END,
-           dead_at = CASE WHEN r.outcome = 'dead' THEN now() END,
-           last_error = CASE WHEN r.outcome = 'published' THEN o.last_error
-                             ELSE coalesce(r.error, o.last_error) END,
-           attempts = o.attempts + r.attempt,
-           next_attempt_at = CASE WHEN r.outcome = 'retry'
-                                  THEN now() + r.delay * interval '1 second'
-                                  ELSE o.next_attempt_at END,
-           lease_token = NULL,
-           lease_expires_at = NULL
-      FROM unnest(p_ids, p_outcomes, p_errors, p_delays, p_counted)
-           AS r(id, outcome, error, delay, attempt)
-     WHERE o.id = r.id AND o.lease_token = p_token
-       AND (o.dead_at IS NULL OR r.outcome = 'published')
-       AND NOT (p_delete AND r.outcome = 'published')
-    RETURNING o.id;
-
-    IF v_revived IS NOT NULL THEN
-        UPDATE ${schema}.${table}_key k
-           SET has_dead = EXISTS (SELECT 1 FROM ${schema}.${table} d
-                                   WHERE d.ordering_key = k.ordering_key AND d.dead_at IS NOT NULL)
-         WHERE k.ordering_key = ANY (v_revived) AND k.has_dead;
-    END IF;
-
-    -- Keys left with nothing pending are forgotten at once instead of released and then deleted
-    -- (one write of the key's row instead of two: at a steady rate most keys empty out with
-    -- every batch). As in <table>_key_forget: only under the exclusive lock of the key's bucket
-    -- (no writer of it in flight) and in a snapshot taken after the lock; a key whose bucket is
-    -- busy is released below and forgotten by a later claim.
-    SELECT array_agg(u.k) INTO v_empty
-      FROM (SELECT DISTINCT x.k FROM unnest(p_keys) AS x(k)) u(k)
-     WHERE NOT EXISTS (SELECT 1 FROM ${schema}.${table} o
-                        WHERE o.ordering_key >= u.k AND o.ordering_key <= u.k
-                          AND o.published_at IS NULL AND o.dead_at IS NULL
-                        ORDER BY o.ordering_key, o.id LIMIT 1);
-    IF v_empty IS NOT NULL THEN
-        SELECT array_agg(u.k) INTO v_locked
-          FROM unnest(v_empty[1:128]) AS u(k)  -- a bounded number of locks per settle
-         WHERE pg_try_advisory_xact_lock(hashtext('${schema}.${table}_key'),
-                                         ${schema}.${table}_key_bucket(u.k));
-        IF v_locked IS NOT NULL THEN
-            DELETE FROM ${schema}.${table}_key k
-             WHERE k.ordering_key = ANY (v_locked)
-               AND (k.lease_token = p_token OR k.lease_token IS NULL
-                    OR k.lease_expires_at <= now())
-               AND NOT EXISTS (SELECT 1 FROM ${schema}.${table} o
-                                WHERE o.ordering_key >= k.ordering_key
-                                  AND o.ordering_key <= k.ordering_key
-                                  AND o.published_at IS NULL AND o.dead_at IS NULL
-                                ORDER BY o.ordering_key, o.id LIMIT 1);
-        END IF;
-    END IF;
-
-    -- The other keys: released, each pointing at its new head.
-    WITH mine AS (
-        SELECT u.k, h.id, h.topic, h.next_attempt_at
-          FROM unnest(p_keys) AS u(k)
-          LEFT JOIN LATERAL (
-            SELECT o.id, o.topic, o.next_attempt_at
-              FROM ${schema}.${table} o
-             WHERE o.ordering_key >= u.k AND o.ordering_key <= u.k
-               AND o.published_at IS NULL AND o.dead_at IS NULL
-             ORDER BY o.ordering_key, o.id LIMIT 1) h ON true
-    )
-    UPDATE ${schema}.${table}_key k
-       SET lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL,
-           head_id = coalesce(m.id, k.head_id),
-           head_topic = CASE WHEN m.id IS NULL THEN k.head_topic ELSE m.topic END,
-           not_before = coalesce(m.next_attempt_at, '-infinity'),
-           has_dead = m.id IS NOT NULL AND EXISTS (
-               SELECT 1 FROM ${schema}.${table} d
-                WHERE d.ordering_key = m.k AND d.dead_at IS NOT NULL)
-      FROM mine m
-     WHERE k.ordering_key = m.k AND k.lease_token = p_token;
+    RAISE EXCEPTION 'the outbox schema of % was upgraded to version 11 (claim engine v3); this dispatcher is older: upgrade outbox-dispatcher',
+        '${schema}.${table}'
+        USING ERRCODE = 'feature_not_supported';
 END;
 $fn$;
 
--- The lease keeper: extend only live leases of the caller's tokens (an expired lease may already
--- belong to someone else). Keys first, in key order, like the settle.
-CREATE FUNCTION ${schema}.${table}_extend(
-    p_ids bigint[],
-    p_tokens uuid[],
-    p_seconds double precision
-) RETURNS SETOF bigint
-    LANGUAGE plpgsql VOLATILE
+-- The wake-up: only while a dispatcher has said that it waits for one (it polls meanwhile
+-- anyway); a busy dispatcher finds new rows by itself, and writers skip the notification, whose
+-- commit-time lock is what capped their commit rate. A statement trigger without a transition
+-- table: nothing per row. SECURITY DEFINER: writers need no grant on <table>_waiting.
+CREATE FUNCTION ${schema}.${table}_wake() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
-    PERFORM 1 FROM ${schema}.${table}_key k
-      JOIN (SELECT DISTINCT o.ordering_key, r.token
-              FROM unnest(p_ids, p_tokens) AS r(id, token)
-              JOIN ${schema}.${table} o ON o.id = r.id
-             WHERE o.ordering_key IS NOT NULL) x
-        ON x.ordering_key = k.ordering_key AND x.token = k.lease_token
-     WHERE k.lease_expires_at > now()
-     ORDER BY k.ordering_key
-       FOR UPDATE OF k;
-
-    UPDATE ${schema}.${table}_key k
-       SET lease_expires_at = now() + p_seconds * interval '1 second'
-      FROM (SELECT DISTINCT o.ordering_key, r.token
-              FROM unnest(p_ids, p_tokens) AS r(id, token)
-              JOIN ${schema}.${table} o ON o.id = r.id
-             WHERE o.ordering_key IS NOT NULL
-               AND o.lease_token = r.token AND o.lease_expires_at > now()) x
-     WHERE k.ordering_key = x.ordering_key AND k.lease_token = x.token
-       AND k.lease_expires_at > now();
-
-    RETURN QUERY
-    UPDATE ${schema}.${table} o
-       SET lease_expires_at = now() + p_seconds * interval '1 second'
-      FROM unnest(p_ids, p_tokens) AS r(id, token)
-     WHERE o.id = r.id AND o.lease_token = r.token AND o.lease_expires_at > now()
-    RETURNING o.id;
+    IF EXISTS (SELECT 1 FROM ${schema}.${table}_waiting w WHERE w.until > now()) THEN
+        PERFORM pg_notify(TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME, '');
+    END IF;
+    RETURN NULL;
 END;
 $fn$;
 
--- A claim whose reply never arrived (the connection dropped after the commit): its dispatcher
--- knows the token it chose and gives the rows back at once, instead of stalling their keys for
--- a whole lease and counting an attempt.
-CREATE FUNCTION ${schema}.${table}_release(p_token uuid) RETURNS integer
-    LANGUAGE plpgsql VOLATILE
-AS $fn$
-DECLARE
-    v_rows integer;
-BEGIN
-    PERFORM 1 FROM ${schema}.${table}_key k
-     WHERE k.lease_token = p_token
-     ORDER BY k.ordering_key
-       FOR UPDATE;
-    UPDATE ${schema}.${table}_key k
-       SET lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
-     WHERE k.lease_token = p_token;
-    UPDATE ${schema}.${table} o
-       SET lease_token = NULL, lease_expires_at = NULL
-     WHERE o.lease_token = p_token AND o.published_at IS NULL AND o.dead_at IS NULL;
-    GET DIAGNOSTICS v_rows = ROW_COUNT;
-    RETURN v_rows;
-END;
-$fn$;
+CREATE TRIGGER ${table}_wake
+    AFTER INSERT ON ${schema}.${table}
+    FOR EACH STATEMENT EXECUTE FUNCTION ${schema}.${table}_wake();
 
 -- A dispatcher of an older version still running when this migration commits stops with this
 -- message at its next claim (nothing is lost: its leases expire and are taken over).
@@ -800,7 +1355,10 @@ CREATE TABLE ${schema}.${table}_dispatchers (
     owner text PRIMARY KEY,
     dead_letter_policy text NOT NULL,
     started_at timestamptz NOT NULL DEFAULT now(),
-    heartbeat_at timestamptz NOT NULL DEFAULT now()
+    heartbeat_at timestamptz NOT NULL DEFAULT now(),
+    -- The schema version it understands (version 10 on; `migrate` waits for older ones to go
+    -- before the contract step of an upgrade).
+    version integer
 );
 
 COMMENT ON TABLE ${schema}.${table}_dispatchers IS
@@ -842,7 +1400,7 @@ CREATE FUNCTION ${schema}.${table}_pending_since(
 INSERT INTO ${schema}.${table}_clock (seq, at)
 SELECT coalesce(max(o.id), 0), statement_timestamp() FROM ${schema}.${table} o;
 
--- The operator console v2 (version 10): see schema/migrations/0010_console.sql.
+-- The operator console v2 (version 12): see schema/migrations/0012_console.sql.
 
 -- 1. An operator action is recorded before its first batch and kept true batch by batch: `rows`
 -- is what the action changed so far, in the same transaction as each batch, and `status` says how
@@ -929,10 +1487,10 @@ CREATE INDEX ${table}_console_session_expires_idx
 COMMENT ON TABLE ${schema}.${table}_console_session IS
     'Operator console logins (outbox-dispatcher console): ended by logout, expiry or a new console token.';
 
--- 3. What each dispatcher reports with its heartbeat: its version, and its counters of rows
--- published and dead-lettered since it started (the console charts their rates).
+-- 3. What each dispatcher reports with its heartbeat: beside the schema version it runs (the
+-- `version` column of version 10), its counters of rows published and dead-lettered since it
+-- started (the console charts their rates).
 ALTER TABLE ${schema}.${table}_dispatchers
-    ADD COLUMN version text,
     ADD COLUMN published_total bigint,
     ADD COLUMN dead_total bigint;
 
@@ -953,5 +1511,8 @@ CREATE INDEX ${table}_dead_at_idx ON ${schema}.${table} (dead_at, id) WHERE dead
 INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (1, 'initial'), (2, 'routed_topic'),
     (3, 'operations'), (4, 'stricter_writer_checks'), (5, 'operator_safety'),
     (6, 'claim_engine'), (7, 'lag'), (8, 'lighter_writes_and_settles'), (9, 'late_marks'),
-    (10, 'console')
+    (11, 'claim_engine_v3_contract'), (12, 'console')
+    ON CONFLICT (version) DO NOTHING;
+INSERT INTO ${schema}.${table}_schema_steps (version, name) VALUES (10, 'claim_engine_v3'),
+    (11, 'claim_engine_v3_contract'), (12, 'console')
     ON CONFLICT (version) DO NOTHING;

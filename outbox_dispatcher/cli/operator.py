@@ -388,21 +388,29 @@ async def _cleanup(settings: Settings, ns: argparse.Namespace) -> int:
 
 
 def configure_check_parser(commands: Commands) -> None:
-    command(
+    parser = command(
         commands,
         "check",
         settings=EVERY,
         handler=_check,
         help="check configuration, database, schema, broker and topics",
-        description="Check the settings, the database and its schema version, the broker, and "
-        "that the topics of pending rows and OUTBOX_DEFAULT_TOPIC exist. One line per problem on "
-        "stderr; exit 1 if there is any.",
+        description="Check the settings, the database and its schema version, that every "
+        "pending row is where a claim will look for it, the broker, and that the topics of "
+        "pending rows and OUTBOX_DEFAULT_TOPIC exist. One line per problem on stderr; exit 1 if "
+        "there is any.",
+    )
+    parser.add_argument(
+        "--repair",
+        action="store_true",
+        help="first run the anti-entropy sweep over the whole table: pending rows written "
+        "around the claim engine's bookkeeping (ids below its cursor, triggers off) are handed "
+        "to the claims now instead of within a sweep pass",
     )
 
 
-async def _check(settings: Settings, _: argparse.Namespace) -> int:
+async def _check(settings: Settings, args: argparse.Namespace) -> int:
     problems = 0
-    for finding in await check(settings):
+    for finding in await check(settings, repair=args.repair):
         line = f"{finding.level}: {display.inert(finding.text)}"
         if finding.level in ("ok", "note"):
             out(line)

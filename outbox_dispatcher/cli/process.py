@@ -14,7 +14,7 @@ import structlog
 from outbox_dispatcher import db, errors, migrations, tracing
 from outbox_dispatcher.cli.flags import BATCHED, CONNECT, EVERY, Commands, command
 from outbox_dispatcher.cli.terminal import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
-from outbox_dispatcher.dispatcher import Dispatcher
+from outbox_dispatcher.dispatch.supervisor import Dispatcher
 from outbox_dispatcher.operate.check import unknown_variables
 from outbox_dispatcher.operate.session import connected
 from outbox_dispatcher.settings import Settings
@@ -95,27 +95,45 @@ async def _dispatch(dispatcher: Dispatcher) -> int:
 
 
 def configure_migrate_parser(commands: Commands) -> None:
-    command(
+    parser = command(
         commands,
         "migrate",
         settings=CONNECT,
         handler=_migrate,
         help="create or upgrade the outbox schema (idempotent)",
-        description="Create or upgrade the outbox schema; safe to run concurrently.",
+        description=(
+            "Create or upgrade the outbox schema; safe to run concurrently. A step that "
+            "dispatchers of an older version cannot run beside waits until none of them runs "
+            "(run migrate again after the rollout)."
+        ),
+    )
+    parser.add_argument(
+        "--contract-now",
+        action="store_true",
+        help="apply such a step even while older dispatchers run (they stop with a message)",
     )
 
 
-async def _migrate(settings: Settings, _: argparse.Namespace) -> int:
+async def _migrate(settings: Settings, ns: argparse.Namespace) -> int:
     conn = await db.connect(settings.database_url.get_secret_value(), settings)
     try:
-        applied = await migrations.migrate(conn, settings.db_schema, settings.table)
+        applied = await migrations.migrate(
+            conn, settings.db_schema, settings.table, contract=ns.contract_now
+        )
         version = await migrations.current_version(conn, settings.db_schema, settings.table)
     finally:
         await conn.close()
-    log.info("schema_ready", version=version, applied=applied)
+    log.info("schema_ready", version=version, applied=list(applied))
     where = f"{settings.db_schema}.{settings.table}"
     done = f"applied {', '.join(map(str, applied))}" if applied else "nothing to apply"
     sys.stdout.write(f"schema {where} is at version {version} ({done})\n")
+    if applied.waiting is not None:
+        sys.stdout.write(
+            f"version {applied.waiting} waits: {applied.older} dispatcher(s) older than version "
+            f"{migrations.OLDEST_SUPPORTED} still run beside this schema, and it would stop "
+            "them. Run `outbox-dispatcher migrate` again once every dispatcher is upgraded (the "
+            "upgraded ones keep working meanwhile), or with --contract-now to apply it anyway\n"
+        )
     return EXIT_OK
 
 

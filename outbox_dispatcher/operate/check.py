@@ -13,13 +13,17 @@ from typing import Literal
 
 import asyncpg
 
-from outbox_dispatcher import broker, db, errors, migrations
+from outbox_dispatcher import db, errors, migrations
+from outbox_dispatcher.dispatch.supervisor import configs_of
+from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.operate import reads
 from outbox_dispatcher.operate.session import Session
-from outbox_dispatcher.publisher import KafkaPublisher
 from outbox_dispatcher.routing import Router
 from outbox_dispatcher.settings import SECRETS_DIR_VARIABLE, Settings, env_name
+from outbox_dispatcher.store import Store
 
+# Ids a step of `check --repair`'s sweep walks (at least).
+SWEEP_STEP_ROWS = 50_000
 # How many pending routed rows `check` routes to find the topics they need.
 CHECK_ROUTED_ROWS = 1000
 CHECK_BROKER_SECONDS = 15.0
@@ -63,8 +67,9 @@ def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]
     return found
 
 
-async def check(settings: Settings) -> list[Finding]:
-    """Configuration, database, schema version, broker and the topics rows need."""
+async def check(settings: Settings, *, repair: bool = False) -> list[Finding]:
+    """Configuration, database, schema version, the claim engine's view of the table (`repair`:
+    run the sweep over the whole table first), broker and the topics rows need."""
     report = _Findings()
     report.add("ok", f"settings are valid (table {settings.db_schema}.{settings.table})")
     for variable, close in unknown_variables(os.environ):
@@ -79,14 +84,16 @@ async def check(settings: Settings) -> list[Finding]:
         report.add("problem", f"database: {exc}")
     else:
         try:
-            await _check_database(conn, settings, report)
+            await _check_database(conn, settings, report, repair=repair)
         finally:
             await conn.close()
     await _check_broker(settings, report)
     return report.found
 
 
-async def _check_database(conn: asyncpg.Connection, settings: Settings, report: _Findings) -> None:
+async def _check_database(
+    conn: asyncpg.Connection, settings: Settings, report: _Findings, *, repair: bool
+) -> None:
     report.add("ok", "database is reachable")
     schema, table = settings.db_schema, settings.table
     try:
@@ -102,9 +109,41 @@ async def _check_database(conn: asyncpg.Connection, settings: Settings, report: 
     for row in await store.dead_topics():
         report.dead_topics.add(row["topic"])
     await _check_routed(session, settings, report)
+    if repair:
+        keys = await sweep_whole_table(session.store, settings)
+        report.add("ok" if not keys else "note", f"repair: the sweep registered {keys} keys' rows")
+    await _check_engine(session, settings, report)
     for p in await reads.read_pauses(session):
         what = "the whole table" if p.topic == reads.WHOLE_TABLE else f"topic {p.topic}"
         report.add("note", f"{what} is paused since {p.paused_at.isoformat(timespec='seconds')}")
+
+
+async def sweep_whole_table(store: Store, settings: Settings) -> int:
+    """Run the anti-entropy sweep from where it stands to the end and then a whole pass (a claim
+    holding the cursor makes a step wait); the keys it registered rows for."""
+    rows = max(settings.sweep_rows, SWEEP_STEP_ROWS)
+    keys = passes = 0
+    while passes < 2:
+        found, wrapped = await store.sweep(rows=rows, hold_seconds=settings.lease_seconds)
+        keys += found
+        passes += wrapped
+    return keys
+
+
+async def _check_engine(session: Session, settings: Settings, report: _Findings) -> None:
+    """Pending rows no claim will look at (written around the engine's bookkeeping) until the
+    sweep finds them: a drift of the engine's cache from the table."""
+    drift = await session.store.engine_drift()
+    if not drift["rows"]:
+        report.add("ok", "claim engine: every pending row is where a claim will look for it")
+        return
+    report.add(
+        "warning",
+        f"claim engine: {drift['rows']} pending rows of {drift['keys']} keys (first id "
+        f"{drift['first_id']}) are known to no claim yet (written with ids below the claim "
+        "cursor, or with triggers off): the sweep finds them within a pass; run `check "
+        "--repair` to sweep the whole table now",
+    )
 
 
 async def _check_routed(session: Session, settings: Settings, report: _Findings) -> None:
@@ -122,7 +161,7 @@ async def _check_routed(session: Session, settings: Settings, report: _Findings)
 
 async def _existing_topics(settings: Settings) -> set[str]:
     """Every topic on the broker: all topics' metadata, naming none, so nothing is auto-created."""
-    publisher = KafkaPublisher(settings)
+    publisher = KafkaPublisher(configs_of(settings).publisher)
     # The client logs each failed connection itself; the report's line says it once.
     client_log = logging.getLogger("aiokafka")
     level = client_log.level
@@ -130,12 +169,10 @@ async def _existing_topics(settings: Settings) -> set[str]:
     try:
         async with asyncio.timeout(CHECK_BROKER_SECONDS):
             await publisher.start()
-            cluster = await broker.all_metadata(publisher.producer)
+            return await publisher.topics.existing()
     finally:
         await publisher.stop()
         client_log.setLevel(level)
-    existing: set[str] = cluster.topics()
-    return existing
 
 
 async def _check_broker(settings: Settings, report: _Findings) -> None:

@@ -42,16 +42,17 @@ class TopicStatus:
 
 @dataclass(frozen=True)
 class Dispatcher:
-    """A running dispatcher, from its heartbeat row: what it reported (version, counters since it
-    started) and the rows it has in flight now."""
+    """A running dispatcher, from its heartbeat row: what it reported (the schema version it
+    runs, counters since it started) and the rows it has in flight now."""
 
     owner: str  # host:pid:suffix
     dead_letter_policy: str
     started_at: datetime
     heartbeat_at: datetime
     heartbeat_age_seconds: float
-    version: str | None = None  # None: a dispatcher older than the console (schema version 9)
-    published_total: int | None = None
+    # The schema version it runs (the latest it knows); None: older than 10, which record none.
+    version: int | None = None
+    published_total: int | None = None  # None: older than 12, which count nothing here
     dead_total: int | None = None
     in_flight: int = 0
 
@@ -127,8 +128,8 @@ async def read_dispatchers(session: Session, live_seconds: float) -> list[Dispat
 
 
 async def in_flight_by_owner(session: Session) -> dict[str, int]:
-    """Rows under a live lease, per lease owner (the one place that says what "in flight"
-    means per dispatcher)."""
+    """Rows held by a live claim, per owner (the one place that says what "in flight" means
+    per dispatcher)."""
     return {row["owner"]: row["rows"] for row in await session.store.in_flight_by_owner()}
 
 

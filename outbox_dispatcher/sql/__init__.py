@@ -54,6 +54,10 @@ class Queries:
     dead_letter_crash_loops: str
     count_expired_leases: str
     schema_version: str
+    schema_version_before_steps: str
+    sweep: str
+    live_older_dispatchers: str
+    engine_drift: str
     status: str
     gauges: str
     clock_tick: str
@@ -76,6 +80,7 @@ class Queries:
     replay_bound: str
     cleanup_count: str
     dispatcher_beat: str
+    dispatcher_beat_counted: str
     dispatchers_live: str
     in_flight_by_owner: str
     dead_topics: str
@@ -124,11 +129,17 @@ class Queries:
             "schema": quote_identifier(schema),
             "table": qualified(table),
             "version_table": qualified(f"{table}_schema_version"),
-            "claim_fn": qualified(f"{table}_claim_keys"),
-            "settle_fn": qualified(f"{table}_settle"),
-            "extend_fn": qualified(f"{table}_extend"),
-            "release_fn": qualified(f"{table}_release"),
-            "keys": qualified(f"{table}_key"),
+            "steps_table": qualified(f"{table}_schema_steps"),
+            "claim_fn": qualified(f"{table}_claim_work"),
+            "settle_fn": qualified(f"{table}_settle_work"),
+            "extend_fn": qualified(f"{table}_extend_work"),
+            "release_fn": qualified(f"{table}_release_work"),
+            "reclaim_fn": qualified(f"{table}_reclaim_work"),
+            "sweep_fn": qualified(f"{table}_sweep"),
+            "work": qualified(f"{table}_work"),
+            "cursor": qualified(f"{table}_cursor"),
+            "leases": qualified(f"{table}_leases"),
+            "changed": qualified(f"{table}_changed"),
             "waiting": qualified(f"{table}_waiting"),
             "inbox": qualified(inbox),
             "paused": qualified(f"{table}_paused"),

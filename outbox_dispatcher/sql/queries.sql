@@ -1,17 +1,18 @@
--- Every SQL statement the dispatcher runs at run time, by name. {schema}, {table}, {version_table}
--- and {claim_fn} are replaced once at startup by validated, quoted identifiers; every value is a
--- $n parameter.
+-- Every SQL statement the dispatcher runs at run time, by name. {schema}, {table}, {work} and the
+-- other names in braces are replaced once at startup by validated, quoted identifiers; every value
+-- is a $n parameter.
 
 -- claim --
--- Lease up to $1 rows of at most $2 ready keys under the token $5 the dispatcher chose (see the
--- claim function in schema/); one round trip. Exactly OutboxRecord's fields, in its order.
+-- Lease up to $1 rows of at most $2 keys under the token $5 the dispatcher chose, looking at up
+-- to $8 new rows (see the claim function in schema/); one round trip. Exactly OutboxRecord's
+-- fields, in its order.
 SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts, reclaimed
-  FROM {claim_fn}($1, $2, $3, $4, $5, $6, $7)
+  FROM {claim_fn}($1, $2, $3, $4, $5, $6, $7, $8)
 
 -- settle --
 -- Record the outcome of one published batch and release its keys, fenced by the batch's lease
 -- token: a dispatcher that lost its lease changes nothing. Returns the rows that were still ours.
-SELECT * FROM {settle_fn}($1, $2, $3, $4, $5, $6, $7, $8)
+SELECT * FROM {settle_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
 
 -- already_settled --
 -- After a settle whose first attempt went unanswered and whose retry changed fewer rows: how many
@@ -33,8 +34,8 @@ SELECT count(*)
        END
 
 -- extend_leases --
--- Keep the leases of rows (and their keys) still in flight while their owner is alive; a lease
--- that already expired is not revived.
+-- Keep the leases of work still in flight while their owner is alive; a lease that already
+-- expired is not revived. Returns the ids whose work is still held.
 SELECT * FROM {extend_fn}($1, $2, $3)
 
 -- release_claim --
@@ -51,100 +52,66 @@ ON CONFLICT (owner) DO UPDATE SET until = EXCLUDED.until
 DELETE FROM {waiting} WHERE owner = $1
 
 -- dead_letter_crash_loops --
--- Rows whose every owner died or hung while publishing them: dead-letter instead of taking them
--- over again (the claim leaves them alone). The token of the lease that ended stays on the row:
--- an owner that was only slow may still deliver the row, and its late mark then records the
--- publication (see the settle function) instead of leaving a dead row that is in Kafka. Found without reading the table: a key with such a
--- row has it first (a takeover starts at a key's first row and stops at one), and the claim that
--- found nothing to take points the key's hint at it; so one primary-key probe per registered key,
--- then that key's rows, plus rows without a key from their own index. (A scan of the table here
--- read every row, history included, every reclaim interval.)
-WITH heads AS (
-    SELECT DISTINCT h.ordering_key
-      FROM {keys} k
-     CROSS JOIN LATERAL (
-        SELECT o.ordering_key FROM {table} o
-         WHERE o.id = k.head_id
-           AND o.published_at IS NULL AND o.dead_at IS NULL
-           AND o.lease_expires_at <= now() AND o.attempts + 1 >= $1
-         LIMIT 1) h
-),
-looping AS (
-    SELECT r.id
-      FROM heads h
-     CROSS JOIN LATERAL (
-        SELECT o.id FROM {table} o
-         WHERE o.ordering_key >= h.ordering_key AND o.ordering_key <= h.ordering_key
-           AND o.published_at IS NULL AND o.dead_at IS NULL
-           AND o.lease_expires_at <= now() AND o.attempts + 1 >= $1
-         ORDER BY o.ordering_key, o.id) r
-    UNION ALL
-    SELECT n.id FROM {table} n
-     WHERE n.ordering_key IS NULL AND n.published_at IS NULL AND n.dead_at IS NULL
-       AND n.lease_expires_at <= now() AND n.attempts + 1 >= $1
-)
-UPDATE {table} o
-   SET dead_at = now(),
-       attempts = o.attempts + 1,
-       lease_expires_at = NULL,
-       last_error = format('dead-lettered: the lease expired %s times (the dispatcher that held it '
-                           'crashed or hung while publishing, last owner %s); last error: %s',
-                           o.attempts + 1, o.lease_owner, coalesce(o.last_error, 'none'))
-  FROM looping l
- WHERE o.id = l.id AND o.published_at IS NULL AND o.dead_at IS NULL
-   AND o.lease_expires_at <= now() AND o.attempts + 1 >= $1
-RETURNING o.id, o.event_id, o.topic, o.ordering_key, o.lease_owner
+-- Work whose every owner died or hung while publishing it (the claim that found its first row at
+-- max_attempts $1 left it to this): dead-letter those rows instead of taking them over again.
+-- The token of the lease that ended stays on the row: an owner that was only slow may still
+-- deliver the row, and its late mark then records the publication (see the settle function)
+-- instead of leaving a dead row that is in Kafka. $2: dead_letter_policy = block.
+SELECT id, event_id, topic, ordering_key, lease_owner FROM {reclaim_fn}($1, $2)
 
 -- count_expired_leases --
--- Leases whose owner died and that no claim took over yet: keys (from the registry's index of
--- leases) and rows without a key (from their own index).
-SELECT (SELECT count(*) FROM {keys} k
-         WHERE k.lease_token IS NOT NULL AND k.lease_expires_at <= now())
-     + (SELECT count(*) FROM {table} n
-         WHERE n.ordering_key IS NULL AND n.published_at IS NULL AND n.dead_at IS NULL
-           AND n.lease_expires_at <= now())
+-- Work whose owner died and that no claim took over yet, from the index of leased work.
+SELECT count(*) FROM {work} w
+ WHERE w.claim_token IS NOT NULL AND w.claim_expires_at <= now() AND w.state <> 'x'
 
 -- schema_version --
-SELECT coalesce(max(version), 0) FROM {version_table}
+SELECT greatest((SELECT coalesce(max(version), 0) FROM {version_table}),
+                (SELECT coalesce(max(version), 0) FROM {steps_table}))
 
 -- status --
--- Per topic: pending (not yet published; in flight included), in flight (live lease), dead,
--- published; of the pending rows, those parked on purpose (topic or table paused, held without a
--- failure: as in gauges), and the age of the oldest due row (the lag) and of the oldest parked
--- row, from {since_fn} (a time the database sets) for the lowest fresh id and every row an
--- operator made pending again.
-WITH waiting_keys AS MATERIALIZED (
-    SELECT k.ordering_key,
-           EXISTS (SELECT FROM {table} o
-                    WHERE o.id = k.head_id AND o.published_at IS NULL AND o.dead_at IS NULL
-                      AND (o.topic IN (SELECT topic FROM {paused})
-                           OR (o.attempts = 0 AND o.next_attempt_at > now()
-                               AND o.lease_token IS NULL))) AS parked
-      FROM {keys} k
-     WHERE k.head_topic IN (SELECT topic FROM {paused}) OR k.not_before > now()
+-- Per topic: pending (not yet published; in flight included), in flight (held by a live claim),
+-- dead, published; of the pending rows, those parked on purpose (topic or table paused, held
+-- without a failure, or behind such a row of their key), and the age of the oldest due
+-- row (the lag) and of the oldest parked row, from {since_fn} (a time the database sets) for the
+-- lowest fresh id and every row an operator made pending again. One pass over the table: an
+-- operator's command, not the dispatcher's.
+WITH live AS MATERIALIZED (
+    SELECT w.ordering_key, w.keyless, w.claim_first, w.head_id
+      FROM {work} w
+     WHERE w.claim_token IS NOT NULL AND w.claim_expires_at > now()
 ),
-parked_keys AS (
-    SELECT DISTINCT ordering_key FROM waiting_keys WHERE parked
-),
-flagged AS (
-    SELECT o.id, o.topic, o.created_at, o.pending_since, o.lease_expires_at,
-           o.published_at, o.dead_at,
-           o.published_at IS NULL AND o.dead_at IS NULL AS is_pending,
-           (pt.topic IS NOT NULL OR pk.ordering_key IS NOT NULL
-            OR (o.attempts = 0 AND o.next_attempt_at > now() AND o.lease_token IS NULL)
-            OR (SELECT EXISTS (SELECT FROM {paused} WHERE topic = '*'))) AS parked
+rows AS MATERIALIZED (
+    SELECT o.id, o.ordering_key, o.topic, o.created_at, o.pending_since, o.published_at,
+           o.dead_at, o.published_at IS NULL AND o.dead_at IS NULL AS is_pending,
+           pt.topic IS NOT NULL OR (o.attempts = 0 AND o.next_attempt_at > now()) AS own_parked,
+           l.ordering_key IS NOT NULL
+               AND (l.keyless OR (o.id >= l.claim_first AND o.id < l.head_id)) AS in_flight
       FROM {table} o
       LEFT JOIN {paused} pt ON pt.topic = o.topic
-      LEFT JOIN parked_keys pk ON pk.ordering_key = o.ordering_key
-                              AND o.published_at IS NULL AND o.dead_at IS NULL
+      LEFT JOIN live l
+        ON l.ordering_key = coalesce(o.ordering_key, o.id::text) AND l.keyless = (o.ordering_key IS NULL)
+),
+-- A key's rows from its first parked pending row on wait behind it: parked too.
+marks AS (
+    SELECT ordering_key, min(id) AS parked_from
+      FROM rows
+     WHERE is_pending AND own_parked AND ordering_key IS NOT NULL
+     GROUP BY ordering_key
+),
+flagged AS (
+    SELECT r.*,
+           r.own_parked OR coalesce(r.id >= m.parked_from, false)
+               OR (SELECT EXISTS (SELECT FROM {paused} WHERE topic = '*')) AS parked
+      FROM rows r
+      LEFT JOIN marks m ON m.ordering_key = r.ordering_key
 ),
 per_topic AS (
     SELECT topic,
            count(*) FILTER (WHERE is_pending) AS pending,
-           count(*) FILTER (WHERE is_pending AND lease_expires_at > now()) AS in_flight,
+           count(*) FILTER (WHERE is_pending AND in_flight) AS in_flight,
            count(*) FILTER (WHERE dead_at IS NOT NULL) AS dead,
            count(*) FILTER (WHERE published_at IS NOT NULL) AS published,
-           count(*) FILTER (WHERE is_pending AND parked) AS parked,
+           count(*) FILTER (WHERE is_pending AND parked AND NOT in_flight) AS parked,
            min(id) FILTER (WHERE is_pending AND NOT parked AND pending_since IS NULL) AS due_fresh,
            min(CASE WHEN is_pending AND NOT parked AND pending_since IS NOT NULL
                     THEN {since_fn}(id, created_at, pending_since) END) AS due_rearmed,
@@ -165,43 +132,64 @@ SELECT t.topic, t.pending, t.in_flight, t.dead, t.published, t.parked,
  ORDER BY t.topic
 
 -- gauges --
--- The table gauges behind /metrics. One pass over the pending rows sorts them by why they wait:
--- `paused` (their topic or the whole table is paused, or the head of their key is in a paused
--- topic), `held` (not due and never failed, or of a key whose head is: waiting on purpose, e.g.
--- what an interrupted replay of version 0.1 left) and `due` (everything else: ready, in flight,
--- in backoff, behind a dead row). Key heads come from the registry, checked by primary key.
--- The lag that pages is the age of the oldest `due` row; parked rows (paused, held) have their own
--- count and age. Ages run from {since_fn} (a time the database sets, not the writer's created_at):
--- of the lowest id never made pending again, and of every row an operator made pending again.
--- The same pass counts keys waiting out a backoff and keys held without a failure; then dead rows,
--- keys blocked by a dead row when $1 (dead_letter_policy = block), and the pauses operators set.
-WITH waiting_keys AS MATERIALIZED (
-    -- Keys the registry says wait (head in a paused topic, or not due), each checked against its
-    -- head row by primary key: paused (true), held (false), or neither (NULL).
-    SELECT k.ordering_key,
-           (SELECT coalesce(o.topic IN (SELECT topic FROM {paused}), false) FROM {table} o
-             WHERE o.id = k.head_id AND o.published_at IS NULL AND o.dead_at IS NULL
-               AND (o.topic IN (SELECT topic FROM {paused})
-                    OR (o.attempts = 0 AND o.next_attempt_at > now() AND o.lease_token IS NULL)))
-               AS paused
-      FROM {keys} k
-     WHERE k.head_topic IN (SELECT topic FROM {paused}) OR k.not_before > now()
+-- The table gauges behind /metrics, from what the engine knows, never a scan of the table: the
+-- rows above the cursor (not looked at yet) and the pending rows of each piece of work, read from
+-- its first row (its claim's first while leased) through the key index. Each is sorted by why it
+-- waits: `paused` (its topic or the whole table is paused, or an earlier pending row's of its key
+-- is), `held` (not due and never failed, or of a key waiting on such a row) and `due` (everything else:
+-- ready, in flight, in backoff, behind a dead row). The lag that pages is the age of the oldest
+-- `due` row; parked rows (paused, held) have their own count and age. Ages run from {since_fn}
+-- (a time the database sets, not the writer's created_at): of the lowest id never made pending
+-- again, and of every row an operator made pending again. Then counts of keys by why their first
+-- pending row waits (backoff, held; behind a dead row under $1: dead_letter_policy = block), dead
+-- rows (their own index), and the pauses operators set.
+WITH c AS MATERIALIZED (SELECT position FROM {cursor} WHERE one),
+work AS MATERIALIZED (SELECT * FROM {work}),
+seen AS MATERIALIZED (
+    SELECT o.id, o.ordering_key, o.topic, o.created_at, o.pending_since, o.attempts,
+           o.next_attempt_at
+      FROM work w
+     CROSS JOIN LATERAL (
+        SELECT o.* FROM {table} o
+         WHERE NOT w.keyless AND o.ordering_key >= w.ordering_key AND o.ordering_key <= w.ordering_key
+           AND o.id >= least(w.claim_first, w.head_id) AND o.id <= (SELECT position FROM c)
+           AND o.published_at IS NULL AND o.dead_at IS NULL
+         ORDER BY o.ordering_key, o.id) o
+    UNION ALL
+    SELECT o.id, NULL, o.topic, o.created_at, o.pending_since, o.attempts, o.next_attempt_at
+      FROM work w JOIN {table} o ON o.id = w.head_id
+     WHERE w.keyless AND o.ordering_key IS NULL AND o.published_at IS NULL AND o.dead_at IS NULL
+       AND o.id <= (SELECT position FROM c)
+    UNION ALL
+    SELECT o.id, o.ordering_key, o.topic, o.created_at, o.pending_since, o.attempts,
+           o.next_attempt_at
+      FROM {table} o
+     WHERE o.id > (SELECT position FROM c) AND o.published_at IS NULL AND o.dead_at IS NULL
 ),
-parked_keys AS (
-    SELECT ordering_key, bool_or(paused) AS paused FROM waiting_keys
-     WHERE paused IS NOT NULL GROUP BY ordering_key
+own AS MATERIALIZED (
+    SELECT s.*, pt.topic IS NOT NULL AS topic_paused,
+           s.attempts = 0 AND s.next_attempt_at > now() AS own_held
+      FROM seen s
+      LEFT JOIN {paused} pt ON pt.topic = s.topic
+),
+-- Each key's pending rows: its first, and its first paused, held and backing-off row
+-- (the rows from a key's first paused or held row on wait behind it: parked too).
+keys AS MATERIALIZED (
+    SELECT ordering_key, min(id) AS first_id,
+           min(id) FILTER (WHERE topic_paused) AS paused_from,
+           min(id) FILTER (WHERE own_held) AS held_from,
+           min(id) FILTER (WHERE attempts > 0 AND next_attempt_at > now()) AS backoff_from
+      FROM own
+     WHERE ordering_key IS NOT NULL
+     GROUP BY ordering_key
 ),
 pending AS (
-    SELECT o.id, o.created_at, o.pending_since, o.ordering_key, o.attempts, o.next_attempt_at,
-           o.lease_token,
-           pt.topic IS NOT NULL OR coalesce(pk.paused, false)
+    SELECT o.*,
+           o.topic_paused OR coalesce(o.id >= m.paused_from, false)
                OR (SELECT EXISTS (SELECT FROM {paused} WHERE topic = '*')) AS paused,
-           (o.attempts = 0 AND o.next_attempt_at > now() AND o.lease_token IS NULL)
-               OR pk.ordering_key IS NOT NULL AS held
-      FROM {table} o
-      LEFT JOIN {paused} pt ON pt.topic = o.topic
-      LEFT JOIN parked_keys pk ON pk.ordering_key = o.ordering_key
-     WHERE o.published_at IS NULL AND o.dead_at IS NULL
+           o.own_held OR coalesce(o.id >= m.held_from, false) AS held
+      FROM own o
+      LEFT JOIN keys m ON m.ordering_key = o.ordering_key
 ),
 agg AS (
     SELECT count(*) AS rows, min(id) AS first_id,
@@ -215,12 +203,7 @@ agg AS (
            count(*) FILTER (WHERE held AND NOT paused) AS held_rows,
            min(id) FILTER (WHERE held AND NOT paused AND pending_since IS NULL) AS held_fresh,
            min(CASE WHEN held AND NOT paused AND pending_since IS NOT NULL
-                    THEN {since_fn}(id, created_at, pending_since) END) AS held_rearmed,
-           count(DISTINCT ordering_key)
-               FILTER (WHERE attempts > 0 AND next_attempt_at > now()) AS backoff_keys,
-           count(DISTINCT ordering_key)
-               FILTER (WHERE attempts = 0 AND next_attempt_at > now() AND lease_token IS NULL)
-               AS held_keys
+                    THEN {since_fn}(id, created_at, pending_since) END) AS held_rearmed
       FROM pending
 )
 SELECT a.rows AS pending,
@@ -237,13 +220,11 @@ SELECT a.rows AS pending,
            (SELECT {since_fn}(o.id, o.created_at, NULL) FROM {table} o WHERE o.id = a.held_fresh),
            a.held_rearmed))::float8 AS oldest_held_age_seconds,
        (SELECT count(*) FROM {table} WHERE dead_at IS NOT NULL) AS dead,
-       a.backoff_keys,
-       a.held_keys,
-       (SELECT count(DISTINCT d.ordering_key) FROM {table} d
-         WHERE $1 AND d.dead_at IS NOT NULL
-           AND EXISTS (SELECT FROM {table} p
-                        WHERE p.ordering_key = d.ordering_key
-                          AND p.published_at IS NULL AND p.dead_at IS NULL)) AS dead_blocked_keys,
+       (SELECT count(*) FROM keys k WHERE k.backoff_from = k.first_id) AS backoff_keys,
+       (SELECT count(*) FROM keys k WHERE k.held_from = k.first_id) AS held_keys,
+       (SELECT count(*) FROM keys k
+         WHERE $1 AND k.ordering_key IN (SELECT d.ordering_key FROM {table} d
+                                          WHERE d.dead_at IS NOT NULL)) AS dead_blocked_keys,
        (SELECT count(*) FROM {paused} WHERE topic <> '*') AS paused_topics,
        EXISTS (SELECT FROM {paused} WHERE topic = '*') AS table_paused
   FROM agg a
@@ -319,23 +300,27 @@ o.id, o.event_id, o.topic, o.ordering_key, o.attempts, o.created_at, o.dead_at, 
        o.headers
 
 -- status_keys --
--- Per topic of a key's head (its oldest pending row): keys whose head waits out a backoff after a
--- failure, keys held (not due, but never failed: what an interrupted replay of version 0.1 left),
--- and keys held by a dead row when $1 (dead_letter_policy = block).
+-- Per topic of a key's next row: keys waiting out a backoff after a failure, keys held (not
+-- due, but never failed: what an interrupted replay of version 0.1 left), and keys held by a dead
+-- row when $1 (dead_letter_policy = block). From the rows themselves (keys no claim has looked at
+-- yet count too): an operator's command, one pass over the pending rows.
 WITH heads AS (
-    SELECT DISTINCT ON (ordering_key) ordering_key, topic, next_attempt_at, attempts
-      FROM {table}
-     WHERE published_at IS NULL AND dead_at IS NULL AND ordering_key IS NOT NULL
-     ORDER BY ordering_key, id
+    SELECT DISTINCT ON (o.ordering_key) o.ordering_key, o.topic, o.next_attempt_at, o.attempts
+      FROM {table} o
+     WHERE o.ordering_key IS NOT NULL AND o.published_at IS NULL AND o.dead_at IS NULL
+     ORDER BY o.ordering_key, o.id
+),
+dead AS (
+    SELECT DISTINCT d.ordering_key FROM {table} d
+     WHERE $1::boolean AND d.dead_at IS NOT NULL AND d.ordering_key IS NOT NULL
 ),
 flagged AS (
     SELECT h.topic,
            h.next_attempt_at > now() AND h.attempts > 0 AS backoff,
            h.next_attempt_at > now() AND h.attempts = 0 AS held,
-           $1::boolean AND EXISTS (SELECT 1 FROM {table} d
-                                    WHERE d.ordering_key = h.ordering_key
-                                      AND d.dead_at IS NOT NULL) AS dead_blocked
+           d.ordering_key IS NOT NULL AS dead_blocked
       FROM heads h
+      LEFT JOIN dead d ON d.ordering_key = h.ordering_key
 )
 SELECT topic,
        count(*) FILTER (WHERE backoff OR held OR dead_blocked) AS blocked_keys,
@@ -362,10 +347,9 @@ DELETE FROM {paused} WHERE topic = $1
 RETURNING topic, paused_at, paused_by, reason
 
 -- in_flight_rows --
--- Rows under a live lease (being published right now), of topic $1 or all.
-SELECT count(*) FROM {table}
- WHERE published_at IS NULL AND dead_at IS NULL AND lease_expires_at > now()
-   AND ($1::text IS NULL OR topic = $1)
+-- Rows held by a live claim (being published right now), of topic $1 or all.
+SELECT count(*) FROM {leases}
+ WHERE lease_expires_at > now() AND ($1::text IS NULL OR topic = $1)
 
 -- wake --
 -- The same hint the insert trigger sends: idle dispatchers claim at once.
@@ -625,8 +609,18 @@ SELECT {_audit_columns}
 SELECT {_audit_columns} FROM {audit} a WHERE a.id = $2
 
 -- dispatcher_beat --
--- A running dispatcher records itself, its dead-letter policy, its version and its counters of
--- rows published and dead-lettered since it started, with a heartbeat (by the database clock).
+-- A running dispatcher records itself, its dead-letter policy, the schema version it runs and a
+-- heartbeat (by the database clock) for `status` and `migrate` (which waits for older ones to go
+-- before the contract step of an upgrade). From version 10 on: a dispatcher beats with this one
+-- until the schema has the counters (version 12, dispatcher_beat_counted).
+INSERT INTO {dispatchers} AS d (owner, dead_letter_policy, version) VALUES ($1, $2, $3)
+ON CONFLICT (owner) DO UPDATE
+   SET heartbeat_at = now(), dead_letter_policy = EXCLUDED.dead_letter_policy,
+       version = EXCLUDED.version
+
+-- dispatcher_beat_counted --
+-- dispatcher_beat with the dispatcher's counters of rows published and dead-lettered since it
+-- started (version 12: the console charts their rates).
 INSERT INTO {dispatchers} AS d (owner, dead_letter_policy, version, published_total, dead_total)
 VALUES ($1, $2, $3, $4, $5)
 ON CONFLICT (owner) DO UPDATE
@@ -644,11 +638,11 @@ SELECT owner, dead_letter_policy, started_at, heartbeat_at,
  ORDER BY owner
 
 -- in_flight_by_owner --
--- Rows under a live lease, per owner (what each dispatcher is publishing right now): a read of
--- the pending rows only (their partial indexes).
+-- Rows held by a live claim, per owner (what each dispatcher is publishing right now): from the
+-- claimed work (its index) and the rows of each claim.
 SELECT lease_owner AS owner, count(*) AS rows
-  FROM {table}
- WHERE published_at IS NULL AND dead_at IS NULL AND lease_expires_at > now()
+  FROM {leases}
+ WHERE lease_expires_at > now()
  GROUP BY lease_owner
 
 -- cleanup_window --
@@ -689,39 +683,61 @@ SELECT headers FROM {table}
  LIMIT $1
 
 -- blocked_keys --
--- Keys whose head (oldest pending row) waits, for the console: in backoff after a failure, held
--- without having failed, or, when $1 (dead_letter_policy = block), behind a dead row of the key,
--- whose error is the reason. Filtered by the head's topic ($2, '(routed)': none) and the key
--- ($3); the oldest heads first, at most $4.
-WITH heads AS (
-    SELECT DISTINCT ON (ordering_key) id, ordering_key, topic, attempts, next_attempt_at,
-           created_at, last_error
-      FROM {table}
-     WHERE published_at IS NULL AND dead_at IS NULL AND ordering_key IS NOT NULL
-       AND ($3::text IS NULL OR ordering_key = $3)
-     ORDER BY ordering_key, id
+-- Keys whose next row waits, for the console: in backoff after a failure, held without having
+-- failed (an interrupted replay of version 0.1), or, when $1 (dead_letter_policy = block), behind
+-- a dead row of the key, whose error is the reason. Filtered by that row's topic ($2,
+-- '(routed)': none) and the key ($3); the oldest first, at most $4. From the engine's work and
+-- the rows above its cursor (keys no claim has looked at yet): no scan of the table.
+WITH c AS MATERIALIZED (SELECT position FROM {cursor} WHERE one),
+heads AS (
+    SELECT w.ordering_key, w.head_id AS id
+      FROM {work} w
+     WHERE NOT w.keyless AND w.claim_token IS NULL AND ($3::text IS NULL OR w.ordering_key = $3)
+    UNION ALL
+    (SELECT DISTINCT ON (o.ordering_key) o.ordering_key, o.id
+       FROM {table} o
+      WHERE o.id > (SELECT position FROM c) AND o.ordering_key IS NOT NULL
+        AND o.published_at IS NULL AND o.dead_at IS NULL
+        AND ($3::text IS NULL OR o.ordering_key = $3)
+        AND NOT EXISTS (SELECT 1 FROM {work} w
+                         WHERE w.ordering_key = o.ordering_key AND NOT w.keyless)
+      ORDER BY o.ordering_key, o.id)
+),
+dead AS (
+    SELECT d.ordering_key, count(*) AS dead_rows, min(d.id) AS first_dead_id
+      FROM {table} d
+     WHERE $1::boolean AND d.dead_at IS NOT NULL AND d.ordering_key IS NOT NULL
+     GROUP BY d.ordering_key
 )
-SELECT h.ordering_key, h.topic, h.id AS head_id, h.attempts, h.next_attempt_at, h.created_at,
-       h.last_error, d.dead_rows, d.first_dead_id,
+SELECT k.ordering_key, h.topic, h.id AS head_id, h.attempts, h.next_attempt_at, h.created_at,
+       h.last_error, coalesce(d.dead_rows, 0) AS dead_rows, d.first_dead_id,
        (SELECT x.last_error FROM {table} x WHERE x.id = d.first_dead_id) AS dead_error
-  FROM heads h
-  CROSS JOIN LATERAL (SELECT count(*) AS dead_rows, min(x.id) AS first_dead_id FROM {table} x
-                       WHERE $1::boolean AND x.ordering_key = h.ordering_key
-                         AND x.dead_at IS NOT NULL) d
+  FROM heads k
+  JOIN {table} h ON h.id = k.id AND h.published_at IS NULL AND h.dead_at IS NULL
+  LEFT JOIN dead d ON d.ordering_key = k.ordering_key
  WHERE ($2::text IS NULL OR h.topic IS NOT DISTINCT FROM nullif($2, '(routed)'))
    AND (h.next_attempt_at > now() OR d.dead_rows > 0)
  ORDER BY h.id
  LIMIT $4
 
 -- row_detail --
--- One row in any state, for the console. The payload leaves the database only when $2
--- (OUTBOX_CONSOLE_SHOW_PAYLOAD, to a person logged in), and then at most its first $3 bytes.
-SELECT id, event_id, topic, ordering_key, headers, attempts, created_at, next_attempt_at,
-       lease_owner, lease_expires_at, published_at, dead_at, last_error, replays, pending_since,
-       octet_length(payload) AS payload_bytes,
-       CASE WHEN $2::boolean THEN substring(payload FROM 1 FOR $3::integer) END AS payload
-  FROM {table}
- WHERE id = $1
+-- One row in any state, for the console, with the claim that holds it (if one does). The payload
+-- leaves the database only when $2 (OUTBOX_CONSOLE_SHOW_PAYLOAD, to a person logged in), and
+-- then at most its first $3 bytes.
+SELECT o.id, o.event_id, o.topic, o.ordering_key, o.headers, o.attempts, o.created_at,
+       o.next_attempt_at,
+       coalesce(w.claim_owner, o.lease_owner) AS lease_owner,
+       coalesce(w.claim_expires_at, o.lease_expires_at) AS lease_expires_at,
+       o.published_at, o.dead_at, o.last_error, o.replays, o.pending_since,
+       octet_length(o.payload) AS payload_bytes,
+       CASE WHEN $2::boolean THEN substring(o.payload FROM 1 FOR $3::integer) END AS payload
+  FROM {table} o
+  LEFT JOIN {work} w
+    ON w.ordering_key = coalesce(o.ordering_key, o.id::text) AND w.keyless = (o.ordering_key IS NULL)
+   AND w.claim_token IS NOT NULL
+   AND ((w.keyless) OR (o.id >= w.claim_first AND o.id < w.head_id))
+   AND o.published_at IS NULL AND o.dead_at IS NULL
+ WHERE o.id = $1
 
 -- row_by_event --
 SELECT id FROM {table} WHERE event_id = $1
@@ -731,10 +747,17 @@ SELECT id FROM {table} WHERE event_id = $1
 -- key whatever the filters, which the page continues window by window. In state $3 (pending,
 -- published, dead; NULL: any), of key $4, topic $5 ('(routed)': none), event id $6, with a header
 -- whose "name=value" contains $7 (any case), a payload containing the bytes $8, created at or
--- after $9 and before $10, ids from $11; at most $12 rows.
+-- after $9 and before $10, ids from $11; at most $12 rows. `leased`: a live claim holds the row
+-- (its key's work, by primary key, as in row_detail).
 SELECT o.id, o.event_id, o.topic, o.ordering_key, o.attempts, o.created_at, o.published_at,
-       o.dead_at, o.replays, o.lease_expires_at > now() AS leased, left(o.last_error, 400) AS last_error,
-       o.headers
+       o.dead_at, o.replays,
+       o.published_at IS NULL AND o.dead_at IS NULL AND EXISTS (
+           SELECT FROM {work} w
+            WHERE w.ordering_key = coalesce(o.ordering_key, o.id::text)
+              AND w.keyless = (o.ordering_key IS NULL)
+              AND w.claim_token IS NOT NULL AND w.claim_expires_at > now()
+              AND (w.keyless OR (o.id >= w.claim_first AND o.id < w.head_id))) AS leased,
+       left(o.last_error, 400) AS last_error, o.headers
   FROM {table} o
  WHERE o.id < $1 AND o.id >= $1 - $2
    AND ($11::bigint IS NULL OR o.id >= $11)
@@ -786,3 +809,37 @@ UPDATE {sessions} SET ended_at = now() WHERE id = $1 AND ended_at IS NULL
 -- Forget sessions that ended or expired a day ago.
 DELETE FROM {sessions}
  WHERE expires_at < now() - interval '1 day' OR ended_at < now() - interval '1 day'
+
+-- schema_version_before_steps --
+-- The version of a schema older than 10 (no <table>_schema_steps yet).
+SELECT coalesce(max(version), 0) FROM {version_table}
+
+-- sweep --
+-- The anti-entropy sweep: the next $1 rows from its place; returns how many pending rows it found
+-- that no work covered (now registered; a row a live claim's range holds waits $2 seconds, a
+-- lease) and whether it finished a pass.
+SELECT repaired, wrapped FROM {sweep_fn}($1, $2)
+
+-- engine_drift --
+-- `check`: pending rows at or below the cursor that no claim will look at (not in a hole, not in
+-- the change log, at or after no head of their key's work): rows written around the engine's
+-- bookkeeping that the sweep has not found yet. One pass over the table: an operator's command.
+SELECT count(*) AS rows, count(DISTINCT coalesce(o.ordering_key, o.id::text)) AS keys,
+       min(o.id) AS first_id
+  FROM {table} o, {cursor} c
+ WHERE c.one AND o.id <= c.position AND o.published_at IS NULL AND o.dead_at IS NULL
+   AND NOT EXISTS (SELECT 1 FROM unnest(c.hole_lo, c.hole_hi) AS h(lo, hi)
+                    WHERE o.id >= h.lo AND o.id <= h.hi)
+   AND NOT EXISTS (SELECT 1 FROM {changed} x WHERE x.id = o.id)
+   AND NOT EXISTS (
+       SELECT 1 FROM {work} w
+        WHERE w.ordering_key = coalesce(o.ordering_key, o.id::text)
+          AND w.keyless = (o.ordering_key IS NULL)
+          AND (w.head_id <= o.id OR (w.claim_token IS NOT NULL AND w.claim_first <= o.id)))
+
+-- live_older_dispatchers --
+-- Dispatchers that beat within $1 seconds and run a version older than $2 (version 9 and older
+-- record none).
+SELECT count(*) FROM {dispatchers}
+ WHERE heartbeat_at > now() - $1 * interval '1 second'
+   AND (version IS NULL OR version < $2)

@@ -19,7 +19,7 @@ import asyncpg
 import orjson
 from pydantic import SecretStr
 
-from outbox_dispatcher.dispatcher import Dispatcher
+from outbox_dispatcher.dispatch.supervisor import Dispatcher
 from outbox_dispatcher.settings import Settings
 
 # Moved to tests/checker.py; re-exported so that older tests keep importing them from here.
@@ -79,6 +79,13 @@ async def wait_until(
         await asyncio.sleep(interval)
     msg = f"timed out after {timeout}s waiting for {what}"
     raise AssertionError(msg)
+
+
+# Rows a claim holds, for count(): leases live on the key's work (outbox_leases reads them per
+# row), not on the rows.
+LEASED = "id IN (SELECT id FROM outbox_leases)"
+LIVE_LEASE = "id IN (SELECT id FROM outbox_leases WHERE lease_expires_at > now())"
+EXPIRED_LEASE = "id IN (SELECT id FROM outbox_leases WHERE lease_expires_at <= now())"
 
 
 async def count(conn: asyncpg.Connection, where: str = "true") -> int:
@@ -248,6 +255,28 @@ def log_events(path: Path, event: str | None = None) -> list[dict[str, Any]]:
 def kill9(process: subprocess.Popen[bytes]) -> None:
     os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=10)
+
+
+async def kill9_with_rows_in_flight(
+    conn: asyncpg.Connection, process: subprocess.Popen[bytes], in_flight_sql: str, timeout: float
+) -> int:
+    """Kill -9 a dispatcher at a moment it holds leases; return how many rows they cover.
+
+    A count taken while the process runs races its next settle (a probe saw 0 rows in flight
+    between two batches), so the process is frozen with SIGSTOP first: its leases cannot change
+    while the count runs, and it is killed only if the count found some.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        os.killpg(process.pid, signal.SIGSTOP)
+        in_flight = int(await conn.fetchval(f"SELECT count(*) FROM outbox WHERE {in_flight_sql}"))
+        if in_flight > 0:
+            kill9(process)
+            return in_flight
+        os.killpg(process.pid, signal.SIGCONT)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no rows were in flight within {timeout}s")
+        await asyncio.sleep(0.02)
 
 
 async def http_get(port: int, path: str) -> tuple[int, bytes]:

@@ -250,16 +250,32 @@ CREATE TABLE outbox_audit (
     old_owner text, new_owner text, old_expires timestamptz,
     attempts integer, next_attempt_at timestamptz, dead boolean
 );
+-- A claim leases a key's work (outbox_work): every pending row the lease covers is recorded.
+CREATE FUNCTION outbox_audit_claim_fn() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    v_old_token uuid;
+    v_old_owner text;
+    v_old_expires timestamptz;
+BEGIN
+    IF TG_OP = 'UPDATE' THEN
+        v_old_token := OLD.claim_token;
+        v_old_owner := OLD.claim_owner;
+        v_old_expires := OLD.claim_expires_at;
+    END IF;
+    INSERT INTO outbox_audit (id, what, old_owner, new_owner, old_expires, attempts)
+    SELECT o.id, CASE WHEN v_old_token IS NULL THEN 'claim' ELSE 'takeover' END,
+           v_old_owner, NEW.claim_owner, v_old_expires, o.attempts
+      FROM outbox o
+     WHERE o.published_at IS NULL AND o.dead_at IS NULL
+       AND ((NOT NEW.keyless AND o.ordering_key = NEW.ordering_key
+             AND o.id >= NEW.claim_first AND o.id < NEW.head_id)
+            OR (NEW.keyless AND o.id = NEW.claim_first));
+    RETURN NULL;
+END $$;
 CREATE FUNCTION outbox_audit_fn() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    IF NEW.lease_token IS NOT NULL AND NEW.lease_token IS DISTINCT FROM OLD.lease_token THEN
-        INSERT INTO outbox_audit (id, what, old_owner, new_owner, old_expires, attempts)
-        VALUES (NEW.id, CASE WHEN OLD.lease_expires_at IS NULL THEN 'claim' ELSE 'takeover' END,
-                OLD.lease_owner, NEW.lease_owner, OLD.lease_expires_at, NEW.attempts);
-    ELSIF NEW.attempts <> OLD.attempts OR NEW.dead_at IS DISTINCT FROM OLD.dead_at THEN
-        INSERT INTO outbox_audit (id, what, attempts, next_attempt_at, dead)
-        VALUES (NEW.id, 'failed', NEW.attempts, NEW.next_attempt_at, NEW.dead_at IS NOT NULL);
-    END IF;
+    INSERT INTO outbox_audit (id, what, attempts, next_attempt_at, dead)
+    VALUES (NEW.id, 'failed', NEW.attempts, NEW.next_attempt_at, NEW.dead_at IS NOT NULL);
     RETURN NULL;
 END $$;
 """
@@ -269,16 +285,23 @@ async def install_audit(conn: asyncpg.Connection, *, claims: bool) -> None:
     """A test-only trigger recording, by the database clock, every lease takeover (and every
     claim and failed attempt if `claims`)."""
     await conn.execute(AUDIT)
-    when = (
-        "OLD.lease_expires_at IS NOT NULL AND NEW.lease_token IS NOT NULL"
-        " AND NEW.lease_token IS DISTINCT FROM OLD.lease_token"
+    taken = "NEW.claim_token IS NOT NULL AND OLD.claim_token IS DISTINCT FROM NEW.claim_token" + (
+        "" if claims else " AND OLD.claim_token IS NOT NULL"
+    )
+    await conn.execute(
+        f"CREATE TRIGGER outbox_audit_claim AFTER UPDATE ON outbox_work FOR EACH ROW"
+        f" WHEN ({taken}) EXECUTE FUNCTION outbox_audit_claim_fn()"
     )
     if claims:
-        when = "true"
-    await conn.execute(
-        f"CREATE TRIGGER outbox_audit AFTER UPDATE ON outbox FOR EACH ROW WHEN ({when})"
-        " EXECUTE FUNCTION outbox_audit_fn()"
-    )
+        await conn.execute(
+            "CREATE TRIGGER outbox_audit_first_claim AFTER INSERT ON outbox_work FOR EACH ROW"
+            " WHEN (NEW.claim_token IS NOT NULL) EXECUTE FUNCTION outbox_audit_claim_fn()"
+        )
+        await conn.execute(
+            "CREATE TRIGGER outbox_audit AFTER UPDATE ON outbox FOR EACH ROW"
+            " WHEN (NEW.attempts <> OLD.attempts OR NEW.dead_at IS DISTINCT FROM OLD.dead_at)"
+            " EXECUTE FUNCTION outbox_audit_fn()"
+        )
 
 
 @pytest.fixture
@@ -382,9 +405,8 @@ async def test_crashes_kill_9_under_load(
             victim = f.slots[slot]
             await asyncio.to_thread(kill9, victim)
             orphans = await conn.fetch(
-                "SELECT id, lease_expires_at, now() AS killed_at FROM outbox"
-                " WHERE split_part(lease_owner, ':', 2) = $1 AND lease_token IS NOT NULL"
-                " AND published_at IS NULL",
+                "SELECT id, lease_expires_at, now() AS killed_at FROM outbox_leases"
+                " WHERE split_part(lease_owner, ':', 2) = $1",
                 str(victim.pid),
             )
             killed_at = await conn.fetchval("SELECT now()")
@@ -452,8 +474,7 @@ async def busy_slot(conn: asyncpg.Connection, f: Fleet, rng: random.Random) -> i
         owners = {
             r["pid"]
             for r in await conn.fetch(
-                "SELECT DISTINCT split_part(lease_owner, ':', 2) AS pid FROM outbox"
-                " WHERE lease_token IS NOT NULL AND published_at IS NULL"
+                "SELECT DISTINCT split_part(lease_owner, ':', 2) AS pid FROM outbox_leases"
             )
         }
         busy = [slot for slot, p in f.slots.items() if str(p.pid) in owners]
@@ -561,10 +582,12 @@ async def test_broker_restart_under_load(
 async def diagnose(conn: asyncpg.Connection, f: Fleet) -> str:
     """Where the unpublished rows stand, and what the dispatchers said."""
     state = await conn.fetch(
-        "SELECT count(*) AS n, attempts, lease_token IS NOT NULL AS leased,"
-        " lease_expires_at > now() AS live, next_attempt_at > now() AS backing_off,"
-        " left(last_error, 200) AS error, min(id) AS first, max(lease_owner) AS owner"
-        " FROM outbox WHERE published_at IS NULL AND dead_at IS NULL GROUP BY 2, 3, 4, 5, 6"
+        "SELECT count(*) AS n, o.attempts, l.lease_token IS NOT NULL AS leased,"
+        " l.lease_expires_at > now() AS live, o.next_attempt_at > now() AS backing_off,"
+        " left(o.last_error, 200) AS error, min(o.id) AS first,"
+        " max(coalesce(l.lease_owner, o.lease_owner)) AS owner"
+        " FROM outbox o LEFT JOIN outbox_leases l ON l.id = o.id"
+        " WHERE o.published_at IS NULL AND o.dead_at IS NULL GROUP BY 2, 3, 4, 5, 6"
     )
     return f"{[dict(r) for r in state]}\n{f.tails()}"
 
@@ -689,8 +712,7 @@ async def test_stuck_owner_is_fenced_after_its_lease_expires(
         async def holding() -> bool:
             return bool(
                 await conn.fetchval(
-                    "SELECT count(*) FROM outbox WHERE split_part(lease_owner, ':', 2) = $1"
-                    " AND lease_token IS NOT NULL AND published_at IS NULL",
+                    "SELECT count(*) FROM outbox_leases WHERE split_part(lease_owner, ':', 2) = $1",
                     str(victim.pid),
                 )
             )
@@ -700,9 +722,8 @@ async def test_stuck_owner_is_fenced_after_its_lease_expires(
         stopped_at = await conn.fetchval("SELECT now()")
         await asyncio.sleep(0.5)  # a claim the victim sent may still commit
         held = await conn.fetch(
-            "SELECT id, lease_token, lease_expires_at FROM outbox"
-            " WHERE split_part(lease_owner, ':', 2) = $1 AND lease_token IS NOT NULL"
-            " AND published_at IS NULL",
+            "SELECT id, lease_token, lease_expires_at FROM outbox_leases"
+            " WHERE split_part(lease_owner, ':', 2) = $1",
             str(victim.pid),
         )
         assert held

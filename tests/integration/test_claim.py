@@ -4,6 +4,7 @@ leases and fencing, backoff, dead-letter policies. No Kafka involved."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -18,6 +19,8 @@ from outbox_dispatcher.marker import Marker
 from outbox_dispatcher.models import Batch, Outcome, Result
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import Store
+from tests.faultproxy import fault_proxy
 
 pytestmark = pytest.mark.integration
 
@@ -54,6 +57,14 @@ def by_key(batch: Batch | None) -> dict[str | None, list[int]]:
     return dict(grouped)
 
 
+async def expire(conn: asyncpg.Connection) -> None:
+    """Every lease expires now (as when its owner died)."""
+    await conn.execute(
+        "UPDATE outbox_work SET claim_expires_at = now() - interval '1 second'"
+        " WHERE claim_token IS NOT NULL"
+    )
+
+
 async def settle(pool: asyncpg.Pool, batch: Batch, results: list[Result]) -> int:
     return await Marker(pool, QUERIES, retry_for=1.0).settle(batch, results)
 
@@ -66,12 +77,17 @@ async def test_claim_leases_a_prefix_of_each_key_in_id_order(
     assert batch is not None
     assert [r.id for r in batch.records] == ids
     assert by_key(batch) == {"a": [ids[0], ids[2], ids[5]], "b": [ids[1], ids[4]], None: [ids[3]]}
+    # The lease is the keys' (and the keyless row's) work, not the rows: no row was written.
     leased = await conn.fetch(
-        "SELECT lease_token, lease_owner, lease_expires_at > now() AS live FROM outbox"
+        "SELECT ordering_key, keyless, claim_token, claim_owner, claim_expires_at > now() AS live"
+        " FROM outbox_work ORDER BY keyless, ordering_key"
     )
-    assert {(r["lease_token"], r["lease_owner"], r["live"]) for r in leased} == {
-        (batch.token, "test", True)
-    }
+    assert [tuple(r) for r in leased] == [
+        ("a", False, batch.token, "test", True),
+        ("b", False, batch.token, "test", True),
+        (str(ids[3]), True, batch.token, "test", True),
+    ]
+    assert await conn.fetchval("SELECT count(*) FROM outbox WHERE lease_token IS NOT NULL") == 0
     # Nothing is left to claim while the lease lives.
     assert await claimer(pool, make_settings()).claim() is None
 
@@ -89,23 +105,19 @@ async def test_a_key_has_one_owner_while_its_claim_is_open_and_while_leased(
         held = await holder.fetch(QUERIES.claim, *claimer(pool, settings).arguments(token).values())
         assert [r["id"] for r in held] == ids[:3]
         ids += await insert(conn, ["other"] * 2)
-        # The claimer owns k: its registry row stays locked until the claim commits.
-        probe = (
-            "SELECT count(*) FROM (SELECT FROM outbox_key WHERE ordering_key = $1 "
-            "FOR UPDATE SKIP LOCKED) s"
-        )
-        async with conn.transaction():
-            assert await conn.fetchval(probe, "k") == 0
-            assert await conn.fetchval(probe, "other") == 1
-        # The holder's claim is not committed: a concurrent claim skips k and takes the rest.
-        concurrent = await claimer(pool, make_settings(batch_size=20), "b").claim()
-        assert by_key(concurrent) == {"other": ids[10:]}
+        # The holder's claim is not committed: it holds the discovery cursor, so a concurrent
+        # claim takes nothing new (and k's work is not even visible to it yet).
+        assert await claimer(pool, make_settings(batch_size=20), "b").claim() is None
         await tx.commit()
     finally:
         await holder.close()
-    # Committed: the lease now carries the ownership; k's later rows wait for its head.
-    assert await claimer(pool, make_settings(batch_size=20), "c").claim() is None
-    owners = await conn.fetch("SELECT ordering_key, lease_token FROM outbox_key ORDER BY 1")
+    # Committed: k's lease carries the ownership (its later rows wait for its head); the next
+    # claim discovers `other`.
+    concurrent = await claimer(pool, make_settings(batch_size=20), "c").claim()
+    assert by_key(concurrent) == {"other": ids[10:]}
+    assert await claimer(pool, make_settings(batch_size=20), "d").claim() is None
+    owners = await conn.fetch("SELECT ordering_key, claim_token FROM outbox_work ORDER BY 1")
+    assert concurrent is not None
     assert [tuple(r) for r in owners] == [("k", token), ("other", concurrent.token)]
 
 
@@ -128,8 +140,7 @@ async def test_expired_lease_is_taken_over_and_the_stale_owner_is_fenced(
     settings = make_settings()
     stale = await claimer(pool, settings, "stale").claim()
     assert stale is not None
-    await conn.execute("UPDATE outbox SET lease_expires_at = now() - interval '1 second'")
-    await conn.execute("UPDATE outbox_key SET lease_expires_at = now() - interval '1 second'")
+    await expire(conn)
     fresh = await claimer(pool, settings, "fresh").claim()
     assert fresh is not None and [r.id for r in fresh.records] == ids
     assert all(r.reclaimed and r.attempts == 1 for r in fresh.records)
@@ -147,22 +158,20 @@ async def test_extending_a_lease_that_expired_changes_nothing(
     ids = await insert(conn, ["k"] * 4)
     stale = await claimer(pool, make_settings(batch_size=4), "stale").claim()
     assert stale is not None and [r.id for r in stale.records] == ids
-    for table in ("outbox", "outbox_key"):
-        await conn.execute(f"UPDATE {table} SET lease_expires_at = now() - interval '1 second'")
+    await expire(conn)
     fresh = await claimer(pool, make_settings(batch_size=2), "fresh").claim()
     assert fresh is not None and [r.id for r in fresh.records] == ids[:2]
     extended = await pool.fetch(QUERIES.extend_leases, ids, [stale.token] * 4, 60.0)
     assert extended == []
     live = await conn.fetch(
-        "SELECT DISTINCT lease_owner FROM outbox WHERE lease_expires_at > now() "
-        "UNION SELECT lease_owner FROM outbox_key WHERE lease_expires_at > now()"
+        "SELECT DISTINCT claim_owner FROM outbox_work WHERE claim_expires_at > now()"
     )
-    assert [r["lease_owner"] for r in live] == ["fresh"]
-    # The live owner's own extension works, for its rows and its key.
+    assert [r["claim_owner"] for r in live] == ["fresh"]
+    # The live owner's own extension works.
     ours = [r.id for r in fresh.records]
     assert len(await pool.fetch(QUERIES.extend_leases, ours, [fresh.token] * 2, 60.0)) == 2
     assert await conn.fetchval(
-        "SELECT lease_expires_at > now() + interval '50 seconds' FROM outbox_key"
+        "SELECT claim_expires_at > now() + interval '50 seconds' FROM outbox_work"
     )
 
 
@@ -176,11 +185,65 @@ async def test_a_claim_whose_reply_was_lost_is_released_by_its_token(
     c = claimer(pool, make_settings())
     lost = uuid.uuid4()
     assert len(await pool.fetch(QUERIES.claim, *c.arguments(lost).values())) == 3
-    c._unsure.append(lost)  # what claim() records when the call fails mid-flight
+    c._unsure.append((lost, time.monotonic() + 30))  # what claim() records on a lost reply
     batch = await c.claim()
     assert batch is not None and [r.id for r in batch.records] == ids
     assert all(not r.reclaimed and r.attempts == 0 for r in batch.records)
     assert c._unsure == []
+
+
+async def test_a_lost_claim_still_running_on_the_server_is_released_once_it_commits(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, database_url: str, make_settings: Any
+) -> None:
+    """Review N14: the network dropped a claim's bytes while the claim was still running on the
+    server (here: waiting for a lock). The claimer's first release found nothing, the claim then
+    committed, and its keys stayed leased to nobody for a whole lease, with an attempt counted.
+    The claimer now tries the token again at each claim until its lease could have expired."""
+    host, port = database_url.split("@", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    await insert(conn, ["k", "k"])
+    first = await claimer(pool, make_settings(batch_size=1)).claim()
+    assert first is not None
+    await settle(pool, first, [Result(Outcome.PUBLISHED)])  # k is known, its next row ready
+    new = await insert(conn, ["k", "new"])
+    async with fault_proxy(host, int(port)) as proxy:
+        proxied = await asyncpg.create_pool(
+            database_url.replace(f"{host}:{port}", proxy.address),
+            min_size=1,
+            max_size=2,
+            init=db.init_connection,
+            command_timeout=1,
+        )
+        try:
+            c = claimer(proxied, make_settings(batch_size=10, lease_seconds=30))
+            holder = conn.transaction()
+            await holder.start()
+            await conn.execute("SELECT 1 FROM outbox_work WHERE ordering_key = 'k' FOR UPDATE")
+            claiming = asyncio.ensure_future(c.claim())
+            await asyncio.sleep(0.3)  # the claim waits for k's lock on the server
+            proxy.blackhole()
+            with pytest.raises(db.RETRIABLE_ERRORS):
+                await claiming
+            await proxy.restore()
+            assert await c.claim() is None, "released nothing: the lost claim has not committed"
+            await holder.commit()  # the lost claim goes on and commits k and new
+
+            async def committed() -> bool:
+                return bool(
+                    await conn.fetchval(
+                        "SELECT count(*) FROM outbox_work WHERE claim_token IS NOT NULL"
+                    )
+                )
+
+            for _ in range(50):
+                if await committed():
+                    break
+                await asyncio.sleep(0.1)
+            batch = await c.claim()
+            assert batch is not None, "the lost claim's keys were given back"
+            assert sorted(r.id for r in batch.records) == [first.records[0].id + 1, *new]
+            assert all(r.attempts == 0 for r in batch.records)
+        finally:
+            await proxied.close()
 
 
 async def test_a_key_in_backoff_does_not_hold_back_other_keys(
@@ -233,14 +296,13 @@ async def test_rows_whose_owners_keep_dying_are_dead_lettered(
 ) -> None:
     ids = await insert(conn, ["k", "k"])
     settings = make_settings(max_attempts=3)
-    await conn.execute(
-        "UPDATE outbox SET attempts = 2, lease_token = gen_random_uuid(), "
-        "lease_owner = 'crashed', lease_expires_at = now() - interval '1 second' WHERE id = $1",
-        ids[0],
-    )
+    crashed = await claimer(pool, make_settings(batch_size=1), "crashed").claim()
+    assert crashed is not None and [r.id for r in crashed.records] == ids[:1]
+    await conn.execute("UPDATE outbox SET attempts = 2 WHERE id = $1", ids[0])
+    await expire(conn)
     # The claim leaves the crash-looping head alone, and so the key waits ...
     assert await claimer(pool, settings).claim() is None
-    dead = await conn.fetch(QUERIES.dead_letter_crash_loops, settings.max_attempts)
+    dead = await conn.fetch(QUERIES.dead_letter_crash_loops, settings.max_attempts, False)
     assert [r["id"] for r in dead] == [ids[0]]
     row = await conn.fetchrow("SELECT attempts, last_error FROM outbox WHERE id = $1", ids[0])
     assert row["attempts"] == 3 and "lease expired 3 times" in row["last_error"]
@@ -263,14 +325,16 @@ async def test_the_reclaimers_sweeps_do_not_read_the_table(
     )
     await insert(conn, ["k0"] * 10)
     await conn.execute(
-        "UPDATE outbox SET attempts = 2, lease_token = gen_random_uuid(), lease_owner = 'x', "
-        "lease_expires_at = now() - interval '1 second' "
-        "WHERE id = (SELECT min(id) FROM outbox WHERE ordering_key = 'k0')"
+        "INSERT INTO outbox_work (keyless, ordering_key, head_id, state, claim_token,"
+        " claim_owner, claim_expires_at, claim_first)"
+        " SELECT false, 'k0', min(id) + 1, 'x', gen_random_uuid(), 'x',"
+        " now() - interval '1 second', min(id) FROM outbox WHERE ordering_key = 'k0'"
     )
+    await conn.execute("UPDATE outbox SET attempts = 2 WHERE ordering_key = 'k0'")
     await conn.execute("ANALYZE outbox")
     pages = await conn.fetchval("SELECT pg_relation_size('outbox') / 8192")
     sql = getattr(QUERIES, query)
-    args = [3] if "$1" in sql else []
+    args = [3, False] if "$1" in sql else []
     tx = conn.transaction()
     await tx.start()
     try:
@@ -333,40 +397,41 @@ async def test_a_takeover_in_progress_fences_the_stale_owners_late_settle(
     settings = make_settings(batch_size=10)
     stale = await claimer(pool, settings, "stale").claim()
     assert stale is not None and [r.id for r in stale.records] == ids
-    await conn.execute("UPDATE outbox SET lease_expires_at = now() - interval '1 second'")
-    await conn.execute("UPDATE outbox_key SET lease_expires_at = now() - interval '1 second'")
-    source = await conn.fetchval("SELECT pg_get_functiondef('public.outbox_claim_keys'::regproc)")
-    marker = "    v_per_key := greatest("
+    await expire(conn)
+    source = await conn.fetchval("SELECT pg_get_functiondef('public.outbox_claim_work'::regproc)")
+    marker = "    RETURN QUERY\n    WITH work AS ("
     assert marker in source
-    slow = source.replace("public.outbox_claim_keys(", "public.outbox_claim_slow(", 1).replace(
+    slow = source.replace("public.outbox_claim_work(", "public.outbox_claim_slow(", 1).replace(
         marker, "    PERFORM pg_sleep(1);\n" + marker, 1
     )
     await conn.execute(slow)
     late = claimer(pool, settings, "late")
-    slow_claim = QUERIES.claim.replace('"outbox_claim_keys"', '"outbox_claim_slow"')
+    slow_claim = QUERIES.claim.replace('"outbox_claim_work"', '"outbox_claim_slow"')
     token = uuid.uuid4()
     racing = asyncio.create_task(pool.fetch(slow_claim, *late.arguments(token).values()))
-    await asyncio.sleep(0.3)  # it holds k's registry row now, and sleeps
+    await asyncio.sleep(0.3)  # it holds k's work now, and sleeps
     assert await settle(pool, stale, [Result(Outcome.PUBLISHED)] * 3) == 0
     taken = await racing
     assert [r["id"] for r in taken] == ids
     assert all(r["reclaimed"] and r["attempts"] == 1 for r in taken)
-    rows = await conn.fetch("SELECT lease_owner, published_at IS NULL AS pending FROM outbox")
-    assert {tuple(r) for r in rows} == {("late", True)}
+    rows = await conn.fetch("SELECT published_at IS NULL AS pending FROM outbox")
+    assert {tuple(r) for r in rows} == {(True,)}
+    owner = await conn.fetchval("SELECT claim_owner FROM outbox_work WHERE ordering_key = 'k'")
+    assert owner == "late"
 
 
 async def test_a_key_emptied_by_its_settle_is_forgotten_with_one_write(
     pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
 ) -> None:
     """At a steady rate most keys empty out with every batch: the settle deletes such a key's
-    registry row straight away instead of releasing it and deleting it after (a write per
-    event). A key with rows left is released and points at its next row."""
+    work straight away instead of releasing it and deleting it after (a write per event). A key
+    with rows left is released and points at its next row."""
     await conn.execute(
         "CREATE TABLE registry_writes (op text, ordering_key text);"
         "CREATE FUNCTION log_registry_write() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
         " INSERT INTO registry_writes VALUES (TG_OP, coalesce(NEW.ordering_key, OLD.ordering_key));"
         " RETURN NULL; END $$;"
-        "CREATE TRIGGER log_registry_write AFTER UPDATE OR DELETE ON outbox_key"
+        "CREATE TRIGGER log_registry_write AFTER UPDATE OR DELETE ON outbox_work"
         " FOR EACH ROW EXECUTE FUNCTION log_registry_write();"
         "GRANT INSERT ON registry_writes TO PUBLIC"
     )
@@ -378,15 +443,15 @@ async def test_a_key_emptied_by_its_settle_is_forgotten_with_one_write(
     assert await settle(pool, batch, [Result(Outcome.PUBLISHED)] * 2) == 2
     writes = await conn.fetch("SELECT op, ordering_key FROM registry_writes ORDER BY 2, 1")
     assert [tuple(r) for r in writes] == [("DELETE", "done"), ("UPDATE", "more")]
-    left = await conn.fetch("SELECT ordering_key, head_id, lease_token FROM outbox_key")
+    left = await conn.fetch("SELECT ordering_key, head_id, claim_token FROM outbox_work")
     assert [tuple(r) for r in left] == [("more", ids[2], None)]
 
 
-async def test_an_emptied_key_whose_bucket_a_writer_holds_is_released_not_forgotten(
+async def test_a_row_a_writer_commits_while_its_key_is_settled_is_claimed(
     pool: asyncpg.Pool, conn: asyncpg.Connection, database_url: str, make_settings: Any
 ) -> None:
-    """A writer of the key (or of its bucket) may be about to commit a row the settle cannot see:
-    the key stays, released, and its new row is claimed."""
+    """A writer of the key may be about to commit a row the settle cannot see: the settle drops
+    the key's work, and the row, new to the cursor, is claimed next."""
     await insert(conn, ["k"])
     batch = await claimer(pool, make_settings()).claim()
     assert batch is not None
@@ -401,6 +466,98 @@ async def test_an_emptied_key_whose_bucket_a_writer_holds_is_released_not_forgot
         await tx.commit()
     finally:
         await writer.close()
-    assert await conn.fetchval("SELECT count(*) FROM outbox_key WHERE lease_token IS NULL") == 1
     again = await claimer(pool, make_settings()).claim()
     assert by_key(again) == {"k": [new_id]}
+
+
+# --- Rows that reach the table around the engine's bookkeeping: the anti-entropy sweep -------
+
+
+async def claim_and_publish_all(pool: asyncpg.Pool, make_settings: Any) -> None:
+    while (batch := await claimer(pool, make_settings(batch_size=100)).claim()) is not None:
+        await settle(pool, batch, [Result(Outcome.PUBLISHED)] * len(batch.records))
+
+
+async def test_a_row_written_below_the_cursor_is_found_by_the_sweep(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    """A writer that sets ids itself (or a restore into a live table) may write a pending row
+    below the cursor, where no claim looks again: the sweep registers it, once."""
+    ids = await insert(conn, ["a", "b", "c", "d"])
+    await claim_and_publish_all(pool, make_settings)
+    await conn.execute("DELETE FROM outbox WHERE id = ANY ($1)", ids[1:3])
+    await conn.execute(
+        "INSERT INTO outbox (id, topic, ordering_key, payload) OVERRIDING SYSTEM VALUE"
+        " VALUES ($1, 't', 'stray', 'x'), ($2, 't', NULL, 'x')",
+        ids[1],
+        ids[2],
+    )
+    assert await claimer(pool, make_settings()).claim() is None, "below the cursor: unseen"
+    store = Store(pool, QUERIES)
+    assert await store.sweep(rows=1000, hold_seconds=30) == (2, True)
+    assert await store.sweep(rows=1000, hold_seconds=30) == (0, True), "registered once"
+    batch = await claimer(pool, make_settings(batch_size=100)).claim()
+    assert batch is not None
+    assert sorted((r.ordering_key or "", r.id) for r in batch.records)[1:] == [("stray", ids[1])]
+    assert len(batch.records) == 2
+
+
+async def test_the_sweep_walks_the_table_in_steps_and_starts_over(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    await insert(conn, [f"k{i}" for i in range(10)])
+    await claim_and_publish_all(pool, make_settings)
+    store = Store(pool, QUERIES)
+    steps = [await store.sweep(rows=4, hold_seconds=30) for _ in range(4)]
+    assert steps == [(0, False), (0, False), (0, True), (0, False)]
+
+
+async def test_a_key_update_with_triggers_off_is_found_by_the_sweep(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    """session_replication_role = replica (pg_restore --disable-triggers, logical replication's
+    apply) skips the trigger that notes a key change: the row's new key is unknown to the engine,
+    its old key's work finds nothing. The sweep gives the row to its new key."""
+    [moved] = await insert(conn, ["old"])
+    known = await claimer(pool, make_settings()).claim()
+    assert by_key(known) == {"old": [moved]}
+    assert known is not None
+    assert await Store(pool, QUERIES).release_claim(token=known.token) == 1
+    await conn.execute("SET session_replication_role = replica")
+    try:
+        await conn.execute("UPDATE outbox SET ordering_key = 'new' WHERE id = $1", moved)
+    finally:
+        await conn.execute("SET session_replication_role = origin")
+    assert await claimer(pool, make_settings()).claim() is None
+    assert await Store(pool, QUERIES).sweep(rows=1000, hold_seconds=30) == (1, True)
+    assert by_key(await claimer(pool, make_settings()).claim()) == {"new": [moved]}
+
+
+async def test_a_row_moved_to_another_key_while_in_flight_has_one_owner(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    """A writer gives an in-flight row another key: the new key's claims do not take the row
+    while the old key's claim holds it; once that claim gave it back, the new key does."""
+    [moved] = await insert(conn, ["old"])
+    held = await claimer(pool, make_settings(), "a").claim()
+    assert by_key(held) == {"old": [moved]}
+    await conn.execute("UPDATE outbox SET ordering_key = 'new' WHERE id = $1", moved)
+    assert await claimer(pool, make_settings(), "b").claim() is None, "in flight under 'old'"
+    assert held is not None
+    await settle(pool, held, [Result(Outcome.RETRY)])
+    assert by_key(await claimer(pool, make_settings(), "b").claim()) == {"new": [moved]}
+
+
+async def test_a_key_whose_waiting_row_moves_away_goes_on(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    """Key k waits out its first row's backoff; a writer moves that row to another key: k's
+    next row does not wait for a backoff that is no longer k's."""
+    first, second = await insert(conn, ["k", "k"])
+    batch = await claimer(pool, make_settings(batch_size=1)).claim()
+    assert batch is not None
+    await settle(pool, batch, [Result(Outcome.RETRY, "boom", delay=3600, counted=True)])
+    assert await claimer(pool, make_settings()).claim() is None, "k waits"
+    await conn.execute("UPDATE outbox SET ordering_key = 'elsewhere' WHERE id = $1", first)
+    taken = await claimer(pool, make_settings()).claim()
+    assert by_key(taken) == {"k": [second]}

@@ -27,14 +27,16 @@ import orjson
 import pytest
 from aiokafka.partitioner import murmur2
 
+from outbox_dispatcher.dispatch.supervisor import configs_of
+from outbox_dispatcher.kafka.publisher import KafkaPublisher, all_outcomes
 from outbox_dispatcher.models import OutboxRecord
-from outbox_dispatcher.publisher import KafkaPublisher, Sent
 from outbox_dispatcher.settings import Settings
 from tests.checker import Verdict, verdict_for
 from tests.faultproxy import FaultProxy
 
 from .cluster import Cluster, LogBatch
 from .helpers import (
+    LEASED,
     count,
     insert_sequenced,
     kill9,
@@ -420,7 +422,7 @@ async def after_append_run(
             await insert_sequenced(conn, topic, keys=keys, per_key=per_key, first_seq=1)
 
             async def claimed() -> bool:
-                return await count(conn, "lease_token IS NOT NULL") > 0
+                return await count(conn, LEASED) > 0
 
             await wait_until(claimed, 10, "the rows to be claimed", interval=0.02)
             # Appended, timed out, refused; the code before issue 25 gave the rows back after
@@ -514,7 +516,7 @@ async def leaderless_run(
     async with fleet(settings, tmp_path, 1) as f:
 
         async def claimed() -> bool:
-            return await count(conn, "lease_token IS NOT NULL") > 0
+            return await count(conn, LEASED) > 0
 
         await wait_until(claimed, 60, "the first claim", interval=0.05)
         # The first batch of each partition expires unsent after publish_timeout (consuming its
@@ -694,7 +696,7 @@ async def test_sigterm_past_the_grace_period_makes_no_duplicates(
         await wait_started([log_a])
 
         async def all_claimed() -> bool:
-            return await count(conn, "lease_token IS NOT NULL") == total
+            return await count(conn, LEASED) == total
 
         await wait_until(all_claimed, 30, "A to claim every row")
         await asyncio.sleep(3)  # sent, refused, retried by the producer
@@ -721,7 +723,7 @@ async def test_sigterm_past_the_grace_period_makes_no_duplicates(
     assert code == 0, log_a.read_text()[-4000:]
     published_by_a = await count(conn, "published_at IS NOT NULL")
     given_back = await count(conn, "published_at IS NULL AND dead_at IS NULL")
-    assert await count(conn, "lease_token IS NOT NULL") == 0, "A gave back or marked every row"
+    assert await count(conn, LEASED) == 0, "A gave back or marked every row"
     # The broker returns before the topic is deleted (Kafka 4.1.1's controller could not
     # register broker 3 again after a topic was deleted while 3 was out of its ISR).
     await cluster.start(3)
@@ -756,8 +758,8 @@ async def test_sigterm_past_the_grace_period_makes_no_duplicates(
 # Below this, "2x normal" would be a bound tighter than the scheduling noise of a shared 2-core
 # machine: a normal p99 of 30 ms must not make 60 ms the limit. 0.25 s is also the longest a
 # healthy key that shares a claim with a partition that does not answer waits by design before its
-# rows are settled on their own (publisher.EARLY_SETTLE_SECONDS; usually EARLY_SETTLE_FACTOR times
-# the first partition's ack time, at least EARLY_SETTLE_MIN_SECONDS).
+# rows are settled on their own (EARLY_SETTLE_SECONDS in kafka/acks.py; usually
+# EARLY_SETTLE_FACTOR times the first partition's ack time, at least EARLY_SETTLE_MIN_SECONDS).
 LATENCY_FLOOR = 0.25
 LOOKUPS = 10
 
@@ -943,14 +945,14 @@ async def test_a_topic_lookup_does_not_wait_for_a_blackholed_broker(
     try:
         proxies[3].blackhole()
         for n in range(LOOKUPS):
-            publisher = KafkaPublisher(settings)
+            publisher = KafkaPublisher(configs_of(settings).publisher)
             await publisher.start()  # its producer id may be asked of broker 3: not timed
             try:
                 record = OutboxRecord(
                     n, topic, f"k{n}", b"x", {}, uuid.uuid4(), datetime.now(UTC), 0, False
                 )
                 started = time.monotonic()
-                outcomes = await publisher.publish([record], Sent())
+                outcomes = await all_outcomes(publisher.publish([record]))
                 seconds.append(round(time.monotonic() - started, 3))
                 assert outcomes == [None], outcomes
             finally:

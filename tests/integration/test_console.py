@@ -547,9 +547,14 @@ async def test_the_payload_is_hidden_unless_enabled_then_decoded_and_capped(
         assert shown["payload_bytes"] == 26 and shown["headers"] == {"h": "v"}
         assert shown["state"] == "pending"
         for expires, state in (("1 minute", "in flight"), ("-1 minute", "pending")):
+            # A claim's lease is its key's (here: the keyless row's own) work.
             await conn.execute(
-                "UPDATE outbox SET lease_owner = 'd1', lease_token = gen_random_uuid(),"
-                " lease_expires_at = now() + $2::text::interval WHERE id = $1",
+                "INSERT INTO outbox_work AS w (keyless, ordering_key, head_id, claim_first,"
+                " claim_token, claim_owner, claim_expires_at)"
+                " VALUES (true, $1::bigint::text, $1, $1, gen_random_uuid(), 'd1',"
+                "         now() + $2::text::interval)"
+                " ON CONFLICT (ordering_key, keyless)"
+                " DO UPDATE SET claim_expires_at = excluded.claim_expires_at",
                 json_row,
                 expires,
             )

@@ -31,9 +31,8 @@ async def beat(conn: asyncpg.Connection, published: int, dead: int) -> None:
     await store.dispatcher_beat(
         owner=OWNER,
         dead_letter_policy="block",
-        version="9.9.9",
-        published_total=published,
-        dead_total=dead,
+        version=97,
+        totals=(published, dead),
     )
 
 
@@ -48,9 +47,14 @@ async def test_the_overview_shows_everything_status_shows(
         " SELECT 'held', 'x', now() - interval '3 days' FROM generate_series(1, 20)"
     )
     await conn.execute(
-        "INSERT INTO outbox (topic, payload, lease_owner, lease_token, lease_expires_at)"
-        " SELECT 'busy', 'x', $1, gen_random_uuid(), now() + interval '1 minute'"
-        "   FROM generate_series(1, 4)",
+        "INSERT INTO outbox (topic, payload) SELECT 'busy', 'x' FROM generate_series(1, 4)"
+    )
+    # In flight: each row's claim (a row without a key is its own work) is the dispatcher's.
+    await conn.execute(
+        "INSERT INTO outbox_work (keyless, ordering_key, head_id, claim_first, claim_token,"
+        " claim_owner, claim_expires_at)"
+        " SELECT true, id::text, id, id, gen_random_uuid(), $1, now() + interval '1 minute'"
+        "   FROM outbox WHERE topic = 'busy'",
         OWNER,
     )
     await beat(conn, 10, 0)
@@ -74,7 +78,7 @@ async def test_the_overview_shows_everything_status_shows(
     [dispatcher] = report["dispatchers"]
     assert (dispatcher["host"], dispatcher["version"], dispatcher["in_flight"]) == (
         "worker-7.example",
-        "9.9.9",
+        97,
         4,
     )
     cards = re.search(r'<div class="cards" id="totals">(.*?)</div>\n\n', page.text, re.S)
@@ -83,7 +87,7 @@ async def test_the_overview_shows_everything_status_shows(
     assert '<div class="value">20</div><div class="label">parked, oldest ' in cards.group(1)
     assert "1 dispatcher alive (last heartbeat" in page.text  # N20: no "dispatcher(s)"
     row = re.search(r"<tr><td class=\"mono\">worker-7.example</td>(.*?)</tr>", page.text)
-    assert row and "9.9.9" in row.group(1) and "block" in row.group(1)
+    assert row and "<td>97</td>" in row.group(1) and "block" in row.group(1)
     assert "hold for the migration" in page.text and "s-paused" in page.text
     topics = re.search(r'<table id="topics">(.*?)</table>', page.text, re.S)
     assert topics

@@ -14,7 +14,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from outbox_dispatcher import errors, reclaimer
-from outbox_dispatcher.dispatcher import Dispatcher
+from outbox_dispatcher.dispatch.supervisor import Dispatcher
 
 from .helpers import (
     Services,

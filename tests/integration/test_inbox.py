@@ -15,7 +15,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
-from outbox_dispatcher.dispatcher import Dispatcher
+from outbox_dispatcher.dispatch.supervisor import Dispatcher
 from outbox_dispatcher.inbox import Inbox, MissingEventIdError
 from outbox_dispatcher.marker import Marker
 

@@ -22,6 +22,8 @@ import pytest
 from tests.faultproxy import FaultProxy
 
 from .helpers import (
+    EXPIRED_LEASE,
+    LEASED,
     Services,
     check,
     consume,
@@ -126,7 +128,7 @@ async def test_kafka_cut_longer_than_a_lease_under_load_loses_and_reorders_nothi
                 await asyncio.sleep(CUT - 1.0)
                 published_late = await count(conn, "published_at IS NOT NULL")
                 pending_late = await count(conn, "published_at IS NULL")
-                expired = await count(conn, "published_at IS NULL AND lease_expires_at <= now()")
+                expired = await count(conn, EXPIRED_LEASE)
                 await proxy.restore()
                 restored_at = time.monotonic()
                 first_after = published_late
@@ -209,7 +211,7 @@ async def test_database_cut_while_marking_lets_another_dispatcher_take_over_fenc
             faulted_at = time.monotonic()
             # A published every row (its batch took them all) and is stuck marking.
             assert await count(conn, "published_at IS NOT NULL") == 0
-            batch_a = await count(conn, "lease_token IS NOT NULL")
+            batch_a = await count(conn, LEASED)
             assert batch_a == 200
             owner_a = await conn.fetchval("SELECT DISTINCT lease_owner FROM outbox")
             processes.append(spawn(settings_b, log_b))

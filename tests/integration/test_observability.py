@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from outbox_dispatcher import metrics
 from outbox_dispatcher.claimer import Claimer
-from outbox_dispatcher.dispatcher import Dispatcher
+from outbox_dispatcher.dispatch.supervisor import Dispatcher
 
 from .helpers import (
     Services,

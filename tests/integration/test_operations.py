@@ -536,3 +536,38 @@ async def test_check_reports_ok_or_one_line_per_problem(
     assert lines[0].startswith("problem: schema:") and "outbox-dispatcher migrate" in lines[0]
     assert lines[1].startswith("problem: broker:")
     assert "ok: database is reachable" in broken.out
+
+
+async def test_check_reports_rows_no_claim_will_find_and_repair_hands_them_over(
+    conn: asyncpg.Connection, topic: str, make_settings: Any
+) -> None:
+    """Rows written with explicit ids below the claim cursor (a restore into a live table):
+    `check` names them as a warning (not a failure: the sweep finds them), `check --repair`
+    sweeps the whole table at once, and the claims then take them."""
+    ids = await conn.fetch(
+        "INSERT INTO outbox (topic, ordering_key, payload) SELECT $1, 'k' || g, 'x'"
+        " FROM generate_series(1, 3) g RETURNING id",
+        topic,
+    )
+    # As if a claim had looked at them and they were published since.
+    await conn.execute("UPDATE outbox_cursor SET position = (SELECT max(id) FROM outbox)")
+    await conn.execute("UPDATE outbox SET published_at = now()")
+    await conn.execute("DELETE FROM outbox WHERE id = $1", ids[1]["id"])
+    await conn.execute(
+        "INSERT INTO outbox (id, topic, ordering_key, payload) OVERRIDING SYSTEM VALUE"
+        " VALUES ($1, $2, 'restored', 'x')",
+        ids[1]["id"],
+        topic,
+    )
+    settings = settings_for(make_settings, default_topic=topic)
+    found = await cli(settings, "check")
+    assert found.code == 0, found.err
+    assert f"warning: claim engine: 1 pending rows of 1 keys (first id {ids[1]['id']})" in found.err
+    repaired = await cli(settings, "check", "--repair")
+    assert repaired.code == 0, repaired.err
+    assert "note: repair: the sweep registered 1 keys' rows" in repaired.out
+    assert "ok: claim engine: every pending row is where a claim will look for it" in repaired.out
+    assert (
+        await conn.fetchval("SELECT head_id FROM outbox_work WHERE ordering_key = 'restored'")
+        == ids[1]["id"]
+    )

@@ -23,12 +23,13 @@ import asyncpg
 import pytest
 
 from .helpers import (
+    LIVE_LEASE,
     check,
     consume,
     count,
     event_ids,
     insert_sequenced,
-    kill9,
+    kill9_with_rows_in_flight,
     spawn,
     stop_all,
     wait_all_settled,
@@ -165,20 +166,14 @@ async def test_crashes_kill_9_and_restart_under_write_load_through_pgbouncer(
 
             async def victim_in_flight(pid: int = victim.pid) -> bool:
                 n: int = await conn.fetchval(
-                    "SELECT count(*) FROM outbox WHERE published_at IS NULL "
-                    "AND lease_expires_at > now() AND lease_owner LIKE '%:' || $1::text || ':%'",
+                    "SELECT count(*) FROM outbox_leases WHERE lease_expires_at > now()"
+                    " AND lease_owner LIKE '%:' || $1::text || ':%'",
                     str(pid),
                 )
                 return n > 0
 
             await wait_until(victim_in_flight, 60, "the victim to hold leased rows")
-            in_flight_at_kills.append(
-                await conn.fetchval(
-                    "SELECT count(*) FROM outbox WHERE published_at IS NULL "
-                    "AND lease_expires_at > now()"
-                )
-            )
-            kill9(victim)
+            in_flight_at_kills.append(await kill9_with_rows_in_flight(conn, victim, LIVE_LEASE, 30))
             victim = spawn(settings, tmp_path / f"victim-{kill + 1}.log")
             processes.append(victim)
             await asyncio.sleep(1.0)

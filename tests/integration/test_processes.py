@@ -18,6 +18,8 @@ import pytest
 from outbox_dispatcher import migrations
 
 from .helpers import (
+    LEASED,
+    LIVE_LEASE,
     Services,
     check,
     consume,
@@ -25,6 +27,7 @@ from .helpers import (
     event_ids,
     insert_sequenced,
     kill9,
+    kill9_with_rows_in_flight,
     settings_env,
     spawn,
     stop_all,
@@ -68,7 +71,7 @@ async def test_three_processes_publish_10k_rows_over_200_keys_in_order(
         assert dict(record.headers)["seq"] == str(orjson.loads(record.value or b"")["seq"]).encode()
     assert (len(verdict.lost), verdict.reordered, verdict.unexpected) == (0, [], [])
     assert verdict.delivered == 10_000
-    assert await count(conn, "published_at IS NULL OR lease_token IS NOT NULL") == 0
+    assert await count(conn, f"published_at IS NULL OR {LEASED}") == 0
     rate = 10_000 / elapsed
     record_property("rows_per_second", round(rate))
     print(
@@ -98,10 +101,8 @@ async def test_kill_9_mid_batch_loses_nothing_and_keeps_order(
             return await count(conn, "published_at IS NOT NULL") >= 200
 
         await wait_until(some_published, 60, "the victim to publish some rows")
-        in_flight = await count(conn, "published_at IS NULL AND lease_expires_at > now()")
-        kill9(victim)
-        assert in_flight > 0, "the kill must land with rows in flight"
-        orphans = await count(conn, "published_at IS NULL AND lease_expires_at > now()")
+        in_flight = await kill9_with_rows_in_flight(conn, victim, LIVE_LEASE, 30)
+        orphans = await count(conn, LIVE_LEASE)
         survivor = spawn(settings, tmp_path / "survivor.log")
         await wait_all_settled(conn, 120)
     finally:
@@ -137,7 +138,7 @@ async def test_sigterm_with_rows_in_flight_exits_0_and_leaves_nothing_leased(
         async def busy() -> bool:
             return (
                 await count(conn, "published_at IS NOT NULL") > 0
-                and await count(conn, "lease_expires_at > now() AND published_at IS NULL") > 0
+                and await count(conn, LIVE_LEASE) > 0
             )
 
         await wait_until(busy, 60, "rows in flight")
@@ -149,7 +150,7 @@ async def test_sigterm_with_rows_in_flight_exits_0_and_leaves_nothing_leased(
     log = (tmp_path / "d.log").read_text()
     assert code == 0, log[-3000:]
     assert '"shutdown_requested"' in log and '"stopped"' in log
-    assert await count(conn, "lease_token IS NOT NULL") == 0, "nothing stays leased"
+    assert await count(conn, LEASED) == 0, "nothing stays leased"
     assert await count(conn, "published_at IS NULL") > 0, "stopped before the end"
     assert "Traceback" not in log
 
@@ -172,7 +173,7 @@ async def test_sigterm_while_the_broker_is_away_still_exits_within_the_grace_per
             await insert_sequenced(conn, topic, keys=10, per_key=10)
 
             async def in_flight() -> bool:
-                return await count(conn, "lease_expires_at > now()") > 0
+                return await count(conn, LIVE_LEASE) > 0
 
             await wait_until(in_flight, 30, "rows claimed while the broker is away")
             process.send_signal(signal.SIGTERM)
@@ -188,7 +189,7 @@ async def test_sigterm_while_the_broker_is_away_still_exits_within_the_grace_per
     assert code == 0, log[-3000:]
     assert '"stopped"' in log
     assert took < 30, f"took {took:.1f} s to stop"
-    assert await count(conn, "lease_token IS NOT NULL") == 0, "in-flight rows were given back"
+    assert await count(conn, LEASED) == 0, "in-flight rows were given back"
     assert await count(conn, "published_at IS NOT NULL OR dead_at IS NOT NULL") == 0
 
 

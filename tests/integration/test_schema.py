@@ -12,7 +12,7 @@ import asyncpg
 import pytest
 
 from outbox_dispatcher import errors, migrations
-from outbox_dispatcher.dispatcher import Dispatcher
+from outbox_dispatcher.dispatch.supervisor import Dispatcher
 
 pytestmark = pytest.mark.integration
 

@@ -24,11 +24,11 @@ import orjson
 import pytest
 
 from outbox_dispatcher import db, errors, migrations
-from outbox_dispatcher.dispatcher import Dispatcher
+from outbox_dispatcher.dispatch.supervisor import Dispatcher, configs_of
+from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.operate import reads
 from outbox_dispatcher.operate.actions import ReleaseHeld, perform
 from outbox_dispatcher.operate.session import Session
-from outbox_dispatcher.publisher import KafkaPublisher
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import Store
@@ -211,7 +211,7 @@ async def test_refused_credentials_or_certificates_are_one_clear_configuration_e
     if extra.get("kafka_bootstrap_servers") == "SASL_PORT":
         extra = {**extra, "kafka_bootstrap_servers": listeners["sasl"]}
     settings = Settings(**_kafka(listeners, how, **extra), publish_timeout_seconds=10)
-    publisher = KafkaPublisher(settings)
+    publisher = KafkaPublisher(configs_of(settings).publisher)
     with pytest.raises(errors.ConfigurationError) as caught:
         await publisher.start()
     message = str(caught.value)

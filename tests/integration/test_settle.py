@@ -191,12 +191,14 @@ async def test_a_stale_owners_late_mark_records_a_crash_loop_row_it_published(
     assert [r.id for r in stale.records] == [r1]
     [r2] = await insert(conn, [key])
     await asyncio.sleep(1.0)  # 2.
-    swept = await Store(pool, QUERIES).dead_letter_crash_loops(max_attempts=1)  # 3.
+    swept = await Store(pool, QUERIES).dead_letter_crash_loops(max_attempts=1, block_on_dead=True)
+    # 3.
     assert [row["id"] for row in swept] == [r1]
     assert await count(conn, f"id = {r1} AND dead_at IS NOT NULL") == 1
     b = Claimer(pool, QUERIES, make_settings(batch_size=10, dead_letter_policy="block"), "owner-b")
     assert await b.claim() is None  # 4.
-    settled = await Marker(pool, QUERIES, retry_for=5.0, owner="owner-a").settle(stale, [OK])  # 6.
+    marker = Marker(pool, QUERIES, retry_for=5.0, owner="owner-a", block_on_dead=True)
+    settled = await marker.settle(stale, [OK])  # 6.
     assert settled == 1
     assert events.rows("lease_lost") == []
     row = await conn.fetchrow("SELECT published_at, dead_at FROM outbox WHERE id = $1", r1)
@@ -217,7 +219,7 @@ async def test_a_stale_owners_late_failure_leaves_the_crash_loop_row_dead(
     settings = make_settings(batch_size=10, lease_seconds=0.5, max_attempts=1)
     stale = await claim(pool, settings, "owner-a")
     await asyncio.sleep(1.0)
-    swept = await Store(pool, QUERIES).dead_letter_crash_loops(max_attempts=1)
+    swept = await Store(pool, QUERIES).dead_letter_crash_loops(max_attempts=1, block_on_dead=False)
     assert [row["id"] for row in swept] == [r1]
     failed = Result(Outcome.RETRY, "broker down", delay=1.0, counted=False)
     assert await Marker(pool, QUERIES, retry_for=5.0, owner="owner-a").settle(stale, [failed]) == 0

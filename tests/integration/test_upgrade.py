@@ -6,7 +6,10 @@ nothing is lost or reordered."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import uuid
@@ -15,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import orjson
 import pytest
 
 from outbox_dispatcher import migrations
@@ -26,12 +30,15 @@ from .helpers import (
     consume,
     count,
     event_ids,
+    http_get,
     insert_sequenced,
+    kill9,
     running,
     settings_env,
     spawn,
     stop_all,
     wait_all_settled,
+    wait_started,
     wait_until,
 )
 
@@ -43,6 +50,8 @@ SINCE_V4 = list(range(5, migrations.latest_version() + 1))
 ROOT = Path(__file__).resolve().parents[2]
 # The last commit of schema version 4 (claim engine v1): the dispatcher users run before upgrading.
 PREVIOUS_RELEASE = "3975be7"
+# The last commit of schema version 9 (claim engine v2): the release before claim engine v3.
+PREVIOUS_V9 = "68158b8"
 
 
 @pytest.fixture
@@ -60,10 +69,10 @@ async def v4_url(empty_database_url: str) -> AsyncIterator[str]:
     yield empty_database_url
 
 
-async def migrate(url: str) -> list[int]:
+async def migrate(url: str, *, contract: bool = False) -> migrations.Migrated:
     conn = await asyncpg.connect(url)
     try:
-        return await migrations.migrate(conn, "public", "outbox")
+        return await migrations.migrate(conn, "public", "outbox", contract=contract)
     finally:
         await conn.close()
 
@@ -104,18 +113,18 @@ async def test_rows_in_every_state_end_as_they_should_after_the_upgrade(
         )
 
         assert await migrate(v4_url) == SINCE_V4
-        registry = {
-            r["ordering_key"]: r
+        # The vanished owner's live lease became its key's claim; every other row waits above
+        # the cursor for the first claim to look at it.
+        work = [
+            tuple(r)
             for r in await conn.fetch(
-                "SELECT ordering_key, head_id, not_before > now() AS waits, has_dead, "
-                "lease_token IS NOT NULL AS leased FROM outbox_key"
+                "SELECT ordering_key, claim_owner, claim_first, claim_expires_at > now()"
+                " FROM outbox_work"
             )
-        }
-        assert set(registry) == {"pending", "leased", "backoff", "blocked"}
-        assert registry["leased"]["leased"] and registry["backoff"]["waits"]
-        assert (
-            registry["blocked"]["has_dead"] and registry["blocked"]["head_id"] == ids["blocked"][1]
-        )
+        ]
+        assert work == [("leased", "old-dispatcher", ids["leased"][0], True)]
+        position = await conn.fetchval("SELECT position FROM outbox_cursor")
+        assert position < min(ids["pending"] + ids["backoff"] + ids["blocked"])
 
         settings = make_settings(database_url=v4_url, dead_letter_policy=DeadLetterPolicy.BLOCK)
         async with running(settings):
@@ -152,19 +161,19 @@ async def test_rows_in_every_state_end_as_they_should_after_the_upgrade(
         assert by_key[key] == sorted(by_key[key]), by_key[key]
 
 
-def previous_release(tmp_path: Path) -> Path:
+def previous_release(tmp_path: Path, commit: str = PREVIOUS_RELEASE) -> Path:
     """The previous release's package and schema, from this repository's history."""
     if shutil.which("git") is None:
         pytest.skip("git is needed to run the previous release")
-    target = tmp_path / "previous"
+    target = tmp_path / f"previous-{commit}"
     target.mkdir()
     archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", PREVIOUS_RELEASE, "outbox_dispatcher", "schema"],
+        ["git", "-C", str(ROOT), "archive", commit, "outbox_dispatcher", "schema"],
         capture_output=True,
         check=False,
     )
     if archive.returncode != 0:
-        pytest.skip(f"commit {PREVIOUS_RELEASE} is not in this clone's history (a shallow clone?)")
+        pytest.skip(f"commit {commit} is not in this clone's history (a shallow clone?)")
     subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
     return target
 
@@ -238,3 +247,121 @@ async def asyncio_wait_exit(process: subprocess.Popen[bytes], timeout: float) ->
             return code
         await asyncio.sleep(0.2)
     return None
+
+
+# --- A rolling upgrade from version 9 (review N8) ------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def readiness(port: int) -> tuple[int, dict[str, Any]]:
+    status, body = await http_get(port, "/readyz")
+    return status, orjson.loads(body) if body.startswith(b"{") else {}
+
+
+async def wait_ready(port: int, what: str) -> dict[str, Any]:
+    answer: dict[str, Any] = {}
+
+    async def ready() -> bool:
+        nonlocal answer
+        with contextlib.suppress(OSError):
+            status, answer = await readiness(port)
+            return status == 200
+        return False
+
+    await wait_until(ready, 60, what)
+    return answer
+
+
+async def test_a_version_9_release_keeps_serving_and_restarting_through_the_upgrade(
+    empty_database_url: str,
+    services: Services,
+    topic: str,
+    make_settings: Any,
+    tmp_path: Path,
+) -> None:
+    """The upgrade order of docs/operations.md with the previous release (version 9, from this
+    repository's history) running as users run it: `migrate` applies the expand step and leaves
+    the contract step while the old dispatcher beats; the old one stays ready, is killed and
+    restarts on the expanded schema; the new release runs beside it; once the old one stopped,
+    `migrate` again contracts. Writers write throughout: nothing is lost or reordered."""
+    old_code = previous_release(tmp_path, PREVIOUS_V9)
+    url = empty_database_url
+    settings = make_settings(
+        database_url=url, batch_size=20, lease_seconds=3, log_format="json", kafka_linger_ms=20
+    )
+    old_port = free_port()
+    old_env = settings_env(settings) | {"OUTBOX_HTTP_PORT": str(old_port)}
+    migrated = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "outbox_dispatcher", "migrate"],
+        env=old_env | {"PYTHONPATH": str(old_code)},
+        cwd=old_code,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert migrated.returncode == 0, migrated.stderr
+    conn = await asyncpg.connect(url)
+    processes: list[subprocess.Popen[bytes]] = []
+    seq = 0
+
+    async def write(per_key: int) -> None:
+        nonlocal seq
+        await insert_sequenced(conn, topic, keys=20, per_key=per_key, first_seq=seq)
+        seq += per_key
+
+    try:
+        assert await migrations.current_version(conn, "public", "outbox") == 9
+        old = spawn_previous(old_code, old_env, tmp_path / "old-1.log")
+        processes.append(old)
+        await wait_ready(old_port, "the version 9 dispatcher to be ready")
+        await write(20)
+
+        applied = await migrate(url)
+        assert applied == [10] and applied.waiting == 11 and applied.older == 1
+        answer = await wait_ready(old_port, "the version 9 dispatcher, after the expand step")
+        assert answer["checks"]["schema"] == "ok"
+        await write(20)
+
+        # A restart of the old release on the expanded schema (a node drain, an OOM kill).
+        kill9(old)
+        old = spawn_previous(old_code, old_env, tmp_path / "old-2.log")
+        processes.append(old)
+        await wait_ready(old_port, "the version 9 dispatcher to start again after the expand")
+        await write(20)
+
+        # The new release beside it.
+        port_of_new = free_port()
+        new = spawn(settings.model_copy(update={"http_port": port_of_new}), tmp_path / "new.log")
+        processes.append(new)
+        await wait_started([tmp_path / "new.log"])
+        await wait_ready(port_of_new, "the new release beside the old one")
+        await write(20)
+
+        old.send_signal(signal.SIGTERM)
+        assert await asyncio_wait_exit(old, 60) == 0, (tmp_path / "old-2.log").read_text()[-3000:]
+        # The two old processes' heartbeats are not stale yet (three missed beats; version 9
+        # leaves its row when it stops): migrate still waits. The operator, who knows the old
+        # release is gone, contracts now.
+        applied = await migrate(url)
+        assert (list(applied), applied.waiting, applied.older) == ([], 11, 2)
+        applied = await migrate(url, contract=True)
+        assert applied == [11, 12]
+        answer = await wait_ready(port_of_new, "the new release, after the contract step")
+        assert answer["checks"]["schema"] == "ok"
+        await write(20)
+        await wait_all_settled(conn, 120)
+        records = await consume(services.kafka_bootstrap_servers, topic, 20 * seq, timeout=120)
+        verdict = check(records, await event_ids(conn))
+        assert (len(verdict.lost), verdict.reordered, verdict.unexpected) == (0, [], [])
+        assert await count(conn, "dead_at IS NOT NULL") == 0
+        assert "Traceback" not in (tmp_path / "new.log").read_text()
+    finally:
+        stop_all(processes)
+        await conn.close()

@@ -8,8 +8,13 @@ from pathlib import Path
 import pytest
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.publisher import ssl_context
+from outbox_dispatcher.dispatch.supervisor import configs_of
+from outbox_dispatcher.kafka.tls import ssl_context
 from outbox_dispatcher.settings import Settings
+
+
+def context_for(settings: Settings) -> ssl.SSLContext | None:
+    return ssl_context(configs_of(settings).publisher.producer.connection)
 
 
 @pytest.mark.parametrize("protocol", ["PLAINTEXT", "SASL_PLAINTEXT"])
@@ -19,14 +24,14 @@ def test_no_context_without_tls(protocol: str) -> None:
     )
     if extra:
         extra["kafka_sasl_password"] = "p"
-    assert ssl_context(Settings(kafka_security_protocol=protocol, **extra)) is None
+    assert context_for(Settings(kafka_security_protocol=protocol, **extra)) is None
 
 
 @pytest.mark.parametrize("check_hostname", [True, False])
 def test_the_broker_is_always_verified_and_the_host_name_as_configured(
     check_hostname: bool,
 ) -> None:
-    context = ssl_context(
+    context = context_for(
         Settings(kafka_security_protocol="SSL", kafka_ssl_check_hostname=check_hostname)
     )
     assert context is not None
@@ -37,9 +42,9 @@ def test_the_broker_is_always_verified_and_the_host_name_as_configured(
 def test_unreadable_files_are_configuration_errors(tmp_path: Path) -> None:
     missing = tmp_path / "ca.crt"
     with pytest.raises(errors.ConfigurationError, match="OUTBOX_KAFKA_SSL_CAFILE"):
-        ssl_context(Settings(kafka_security_protocol="SSL", kafka_ssl_cafile=str(missing)))
+        context_for(Settings(kafka_security_protocol="SSL", kafka_ssl_cafile=str(missing)))
     with pytest.raises(errors.ConfigurationError, match="OUTBOX_KAFKA_SSL_CERTFILE"):
-        ssl_context(
+        context_for(
             Settings(
                 kafka_security_protocol="SSL",
                 kafka_ssl_certfile=str(tmp_path / "c.crt"),

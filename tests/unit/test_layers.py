@@ -1,6 +1,6 @@
-"""The house's "never" list for the operator layer and the faces, read from the imports (as
-test_broker.py pins the one module below aiokafka's API): the operator layer knows no face, and
-the console does not stand on the CLI."""
+"""The house's "never" list, read from the imports (as test_broker.py pins the one module below
+aiokafka's API): the operator layer knows no face, the console does not stand on the CLI, and the
+Kafka side knows neither the loop above it nor the database side nor the settings."""
 
 from __future__ import annotations
 
@@ -71,3 +71,59 @@ def test_the_faces_reach_the_database_only_through_the_operator_layer() -> None:
     for face in ("cli", "console"):
         assert offenders(face, "outbox_dispatcher.store", "outbox_dispatcher.sql") == []
         assert attribute_uses(face, "store") == [], face
+
+
+def test_the_root_exceptions_import_no_kafka_client() -> None:
+    """errors.py keeps the root exception and its subclasses; how a publish failure is handled
+    is the Kafka side's (kafka/failures.py)."""
+    found = imports(PACKAGE / "errors.py")
+    assert "outbox_dispatcher.kafka.failures" in found
+    assert [name for name in sorted(found) if name.split(".")[0] == "aiokafka"] == []
+
+
+# The database side (a store/ folder, once built, is covered by "outbox_dispatcher.store").
+STORE_SIDE = (
+    "outbox_dispatcher.store",
+    "outbox_dispatcher.db",
+    "outbox_dispatcher.sql",
+    "outbox_dispatcher.migrations",
+    "outbox_dispatcher.claimer",
+    "outbox_dispatcher.marker",
+)
+# aiokafka's public API: the producer, its errors and structs, the default partitioner's hash.
+AIOKAFKA_PUBLIC = ("aiokafka", "aiokafka.errors", "aiokafka.structs", "aiokafka.partitioner")
+
+
+def test_the_kafka_side_imports_neither_the_loop_nor_the_store_nor_the_settings() -> None:
+    """kafka/ is handed its configs (dispatch/supervisor.configs_of builds them) and gives its
+    parts to whoever iterates a delivery: it imports nothing above it."""
+    assert offenders("kafka", "outbox_dispatcher.dispatch", *STORE_SIDE) == []
+    assert offenders("kafka", "outbox_dispatcher.settings", "outbox_dispatcher.config") == []
+    assert offenders("kafka", "asyncpg", "pydantic_settings") == []
+
+
+def test_the_never_list_reader_finds_an_offender() -> None:
+    """The checks above can fail: the loop imports the Kafka side, and the store the database."""
+    assert offenders("dispatch", "outbox_dispatcher.kafka")
+    assert [f for f in offenders(".", *STORE_SIDE) if f.startswith("dispatch/")]
+
+
+def test_only_kafka_internals_imports_aiokafka_below_its_public_api() -> None:
+    """As test_broker.py reads the private attributes, this reads the imports: aiokafka's
+    internal modules (client, cluster, conn, protocol, producer, record, ...) are imported by
+    kafka/internals.py only, and aiokafka by kafka/ only."""
+    internal = []
+    outside = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(PACKAGE).as_posix()
+        for module in sorted(imports(path)):
+            if module.split(".")[0] != "aiokafka":
+                continue
+            if not name.startswith("kafka/"):
+                outside.append(f"{name}: {module}")
+            public = module in AIOKAFKA_PUBLIC or module.rsplit(".", 1)[0] in AIOKAFKA_PUBLIC
+            if not public and name != "kafka/internals.py":
+                internal.append(f"{name}: {module}")
+    assert internal == [], "move these into outbox_dispatcher/kafka/internals.py"
+    assert outside == [], "only the Kafka side speaks to aiokafka"
+    assert "aiokafka.conn" in imports(PACKAGE / "kafka" / "internals.py"), "the reader sees them"

@@ -12,7 +12,7 @@ OK = Result(Outcome.PUBLISHED)
 RETRY = Result(Outcome.RETRY, "boom", delay=1.0, counted=True)
 
 
-def test_settle_arguments_carry_every_row_and_the_distinct_keys_sorted() -> None:
+def test_settle_arguments_carry_every_row_with_its_key() -> None:
     now = datetime.now(UTC)
     keys = ["b", None, "a", "b"]
     records = [
@@ -23,11 +23,13 @@ def test_settle_arguments_carry_every_row_and_the_distinct_keys_sorted() -> None
     args = marker.arguments(batch, [OK, RETRY, OK, OK])
     assert args == {
         "token": batch.token,
-        "keys": ["a", "b"],
+        "owner": "",
         "ids": [0, 1, 2, 3],
+        "keys": ["b", None, "a", "b"],
         "outcomes": ["published", "retry", "published", "published"],
         "errors": [None, "boom", None, None],
         "delays": [0.0, 1.0, 0.0, 0.0],
         "counted": [0, 1, 0, 0],
         "delete_published": True,
+        "block_on_dead": False,
     }

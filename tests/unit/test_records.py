@@ -1,4 +1,4 @@
-"""How a row becomes a Kafka record (outbox_dispatcher/records.py): no broker needed."""
+"""How a row becomes a Kafka record (outbox_dispatcher/kafka/records.py): no broker needed."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.models import OutboxRecord
-from outbox_dispatcher.records import (
+from outbox_dispatcher.dispatch.supervisor import configs_of
+from outbox_dispatcher.kafka.records import (
     BATCH_HEADER,
     RecordEncoder,
     cloudevents_headers,
@@ -22,7 +22,13 @@ from outbox_dispatcher.records import (
     record_size,
     serialized_size,
 )
+from outbox_dispatcher.models import OutboxRecord
 from outbox_dispatcher.settings import Settings
+
+
+def encoder_for(settings: Settings) -> RecordEncoder:
+    return RecordEncoder(configs_of(settings).publisher.records)
+
 
 EVENT_ID = uuid.UUID("0192a5f0-0000-7000-8000-000000000001")
 CREATED = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -50,7 +56,7 @@ def test_headers_carry_the_event_id_and_it_cannot_be_forged() -> None:
         ("traceparent", b"00-ab"),
         ("event-id", str(EVENT_ID).encode()),
     ]
-    encoded = RecordEncoder(Settings()).encode(record)
+    encoded = encoder_for(Settings()).encode(record)
     assert encoded.headers == record_headers(record, "event-id")
     assert (encoded.key, encoded.value) == (b"k", b"x")
 
@@ -58,13 +64,13 @@ def test_headers_carry_the_event_id_and_it_cannot_be_forged() -> None:
 def test_a_header_that_is_not_a_string_makes_the_row_unpublishable() -> None:
     record = row(headers={"n": 1})  # type: ignore[dict-item]
     with pytest.raises(errors.UnpublishableRowError, match="'n' is a JSON int"):
-        RecordEncoder(Settings()).encode(record)
+        encoder_for(Settings()).encode(record)
     with pytest.raises(errors.UnpublishableRowError, match="JSON object of strings"):
-        RecordEncoder(Settings()).encode(row(headers=["a"]))  # type: ignore[arg-type]
+        encoder_for(Settings()).encode(row(headers=["a"]))  # type: ignore[arg-type]
 
 
 def test_a_tombstone_needs_a_key() -> None:
-    encoder = RecordEncoder(Settings())
+    encoder = encoder_for(Settings())
     with pytest.raises(errors.UnpublishableRowError, match="tombstone"):
         encoder.encode(row(key=None, payload=None))
     assert encoder.encode(row(payload=None)).value is None
@@ -74,7 +80,7 @@ def test_a_tombstone_needs_a_key() -> None:
 def test_cloudevents_headers_follow_the_event_id_and_the_rows_own_win() -> None:
     settings = Settings(cloudevents=True, cloudevents_source="/orders")
     record = row(headers={"ce_type": "order.created", "ce_id": "forged", "a": "b"})
-    names = [name for name, _ in RecordEncoder(settings).encode(record).headers]
+    names = [name for name, _ in encoder_for(settings).encode(record).headers]
     assert names == [
         "ce_type",
         "a",
@@ -85,15 +91,15 @@ def test_cloudevents_headers_follow_the_event_id_and_the_rows_own_win() -> None:
         "ce_time",
         "content-type",
     ]
-    ce = dict(cloudevents_headers(record, settings))
+    ce = dict(cloudevents_headers(record, configs_of(settings).publisher.records))
     assert ce["ce_id"] == str(EVENT_ID).encode() and ce["ce_source"] == b"/orders"
     assert ce["ce_time"] == CREATED.isoformat().encode()
     assert "ce_type" not in ce
 
 
 def test_the_routed_topic_or_why_there_is_none() -> None:
-    assert RecordEncoder(Settings()).topic(row(topic="mine")) == "mine"
-    routed = RecordEncoder(Settings(topic_template="events.{agg}"))
+    assert encoder_for(Settings()).topic(row(topic="mine")) == "mine"
+    routed = encoder_for(Settings(topic_template="events.{agg}"))
     assert routed.topic(row(topic=None, headers={"agg": "orders"})) == "events.orders"
     assert isinstance(routed.topic(row(topic=None)), errors.RoutingError)
 
@@ -113,7 +119,7 @@ def test_sizes_match_the_producers_count_and_bound_the_bytes_in_a_batch(
     if key is None and payload is None:
         return
     for settings in (Settings(), Settings(cloudevents=True)):
-        encoder = RecordEncoder(settings)
+        encoder = encoder_for(settings)
         record = row(key, payload, headers)
         encoded = encoder.encode(record)
         assert serialized_size(
@@ -130,7 +136,7 @@ def test_sizes_match_the_producers_count_and_bound_the_bytes_in_a_batch(
 
 def test_a_record_over_the_request_limit_is_refused_as_the_producer_would() -> None:
     limit = 4096
-    encoder = RecordEncoder(Settings(kafka_max_request_bytes=limit))
+    encoder = encoder_for(Settings(kafka_max_request_bytes=limit))
     fits = row(payload=b"p" * 3800)
     size = serialized_size(b"k", fits.payload, encoder.encode(fits).headers)
     exact = row(payload=b"p" * (3800 + limit - size))

@@ -8,8 +8,8 @@ import pytest
 from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher import errors
+from outbox_dispatcher.errors import NotAttempted, TopicMissingError
 from outbox_dispatcher.models import OutboxRecord, Outcome
-from outbox_dispatcher.publisher import NotAttempted, TopicMissingError
 from outbox_dispatcher.retries import MAX_OUTAGE_STREAK, RetryPolicy
 from outbox_dispatcher.settings import Settings
 

@@ -25,8 +25,8 @@ def test_parse_rejects_duplicates_and_empty_sections() -> None:
 def test_every_query_is_a_field_and_is_rendered_with_quoted_names() -> None:
     queries = Queries.for_table("app", "events")
     assert set(QUERIES) == set(Queries.__dataclass_fields__)
-    assert '"app"."events_claim_keys"(' in queries.claim
-    assert '"app"."events_settle"(' in queries.settle
+    assert '"app"."events_claim_work"(' in queries.claim
+    assert '"app"."events_settle_work"(' in queries.settle
     for sql in vars(queries).values():
         assert "{" not in sql, sql
 

@@ -248,6 +248,9 @@ END
 SELECT 'CREATE DATABASE $PG_APP_DB OWNER $PG_APP_USER'
  WHERE NOT EXISTS (SELECT FROM pg_database WHERE datname = '$PG_APP_DB') \gexec
 ALTER DATABASE $PG_APP_DB OWNER TO $PG_APP_USER;
+-- The writer tests restore rows with triggers off, as pg_restore --disable-triggers and
+-- logical replication's apply do (PostgreSQL 15+: a grant instead of superuser).
+GRANT SET ON PARAMETER session_replication_role TO $PG_APP_USER;
 SQL
 }
 

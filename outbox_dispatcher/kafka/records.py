@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from aiokafka import errors as kafka_errors
@@ -17,7 +18,6 @@ from aiokafka.partitioner import murmur2
 from outbox_dispatcher import errors
 from outbox_dispatcher.models import OutboxRecord
 from outbox_dispatcher.routing import Router
-from outbox_dispatcher.settings import Settings
 
 Header = tuple[str, bytes]
 
@@ -51,19 +51,34 @@ class KafkaRecord(NamedTuple):
     size: int
 
 
-class RecordEncoder:
-    """Turns claimed rows into records under one dispatcher's settings."""
+@dataclass(frozen=True)
+class RecordConfig:
+    """A record's shape: its topic when the row names none, the event id header, CloudEvents,
+    and the largest request (OUTBOX_KAFKA_MAX_REQUEST_BYTES)."""
 
-    def __init__(self, settings: Settings) -> None:
-        self._settings = settings
-        self._router = Router(settings.default_topic, settings.topic_template)
-        self._event_id_header = settings.event_id_header
-        self._reserved = settings.event_id_header.casefold()
-        self._cloudevents = settings.cloudevents
-        self._max_request = settings.kafka_max_request_bytes
-        self._event_id_bytes = _utf8_len(settings.event_id_header) + len(str(uuid.UUID(int=0)))
-        # Added to record_size's estimate of every row (see _waves).
-        self.extra = CLOUDEVENTS_OVERHEAD if settings.cloudevents else 0
+    default_topic: str | None
+    topic_template: str | None
+    event_id_header: str
+    cloudevents: bool
+    cloudevents_source: str
+    cloudevents_type: str
+    cloudevents_content_type: str
+    max_request_bytes: int
+
+
+class RecordEncoder:
+    """Turns claimed rows into records under one dispatcher's record config."""
+
+    def __init__(self, config: RecordConfig) -> None:
+        self._config = config
+        self._router = Router(config.default_topic, config.topic_template)
+        self._event_id_header = config.event_id_header
+        self._reserved = config.event_id_header.casefold()
+        self._cloudevents = config.cloudevents
+        self._max_request = config.max_request_bytes
+        self._event_id_bytes = _utf8_len(config.event_id_header) + len(str(uuid.UUID(int=0)))
+        # Added to record_size's estimate of every row (see waves.plan_waves).
+        self.extra = CLOUDEVENTS_OVERHEAD if config.cloudevents else 0
 
     def topic(self, record: OutboxRecord) -> str | errors.RoutingError:
         """The row's topic, or why it has none (the row is dead-lettered with it)."""
@@ -86,7 +101,7 @@ class RecordEncoder:
         headers.append((self._event_id_header, str(record.event_id).encode()))
         size += self._event_id_bytes
         if self._cloudevents:
-            extra = cloudevents_headers(record, self._settings)
+            extra = cloudevents_headers(record, self._config)
             headers.extend(extra)
             size += sum(_utf8_len(name) + len(data) for name, data in extra)
         key_bytes = None if key is None else key.encode()
@@ -143,16 +158,16 @@ def record_headers(record: OutboxRecord, event_id_header: str) -> list[Header]:
     return headers
 
 
-def cloudevents_headers(record: OutboxRecord, settings: Settings) -> list[Header]:
+def cloudevents_headers(record: OutboxRecord, config: RecordConfig) -> list[Header]:
     """CloudEvents Kafka binding, binary mode: the payload is the event data and the attributes
     travel as ce_* headers. ce_id is always the event id; a row's own ce_* headers win."""
     extra = [("ce_id", str(record.event_id))]
     defaults = (
         ("ce_specversion", "1.0"),
-        ("ce_source", settings.cloudevents_source),
-        ("ce_type", settings.cloudevents_type),
+        ("ce_source", config.cloudevents_source),
+        ("ce_type", config.cloudevents_type),
         ("ce_time", record.created_at.isoformat()),
-        ("content-type", settings.cloudevents_content_type),
+        ("content-type", config.cloudevents_content_type),
     )
     extra.extend((name, value) for name, value in defaults if name not in record.headers)
     return [(name, value.encode()) for name, value in extra]

@@ -1,7 +1,8 @@
--- Version 10: the operator console v2 (issue 22). Additive only: new tables, new columns with
--- constant defaults (no table rewrite), and partial indexes over dead rows.
---
--- (Numbered 0010 until the claim engine's 0010 and 0011 land; it becomes 0012 then.)
+-- Version 12: the operator console v2 (issue 22). Additive only: new tables, new columns with
+-- constant defaults (no table rewrite), and partial indexes over dead rows. After the claim
+-- engine's contract step (version 11): `migrate` applies it once no dispatcher older than
+-- version 10 runs. Dispatchers run on versions 10 and 11 too (a rolling upgrade); the operator
+-- commands and the console need this one.
 
 -- 1. An operator action is recorded before its first batch and kept true batch by batch: `rows`
 -- is what the action changed so far, in the same transaction as each batch, and `status` says how
@@ -88,10 +89,10 @@ CREATE INDEX ${table}_console_session_expires_idx
 COMMENT ON TABLE ${schema}.${table}_console_session IS
     'Operator console logins (outbox-dispatcher console): ended by logout, expiry or a new console token.';
 
--- 3. What each dispatcher reports with its heartbeat: its version, and its counters of rows
--- published and dead-lettered since it started (the console charts their rates).
+-- 3. What each dispatcher reports with its heartbeat: beside the schema version it runs (the
+-- `version` column of version 10), its counters of rows published and dead-lettered since it
+-- started (the console charts their rates).
 ALTER TABLE ${schema}.${table}_dispatchers
-    ADD COLUMN version text,
     ADD COLUMN published_total bigint,
     ADD COLUMN dead_total bigint;
 
@@ -111,5 +112,7 @@ COMMENT ON COLUMN ${schema}.${table}.replays IS
 CREATE INDEX ${table}_dead_id_idx ON ${schema}.${table} (id) WHERE dead_at IS NOT NULL;
 CREATE INDEX ${table}_dead_at_idx ON ${schema}.${table} (dead_at, id) WHERE dead_at IS NOT NULL;
 
-INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (10, 'console')
+INSERT INTO ${schema}.${table}_schema_steps (version, name) VALUES (12, 'console')
+    ON CONFLICT (version) DO NOTHING;
+INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (12, 'console')
     ON CONFLICT (version) DO NOTHING;

@@ -1,0 +1,1 @@
+"""The loop: the supervisor, the claim loops, and one batch's run (claim -> publish -> settle)."""

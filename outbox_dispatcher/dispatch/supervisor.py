@@ -1,0 +1,331 @@
+"""Assembles the dispatcher and supervises its loops.
+
+Every loop runs in one TaskGroup: a loop that dies stops the process (non-zero exit), never a
+half-alive zombie. Shutdown has two phases: stop claiming and let in-flight batches finish within
+the grace period; then cancel, giving unacknowledged rows back and marking acknowledged ones.
+This is where the settings are read: each component takes a config of its own (configs_of).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+import structlog
+
+from outbox_dispatcher import (
+    cleanup,
+    db,
+    errors,
+    listener,
+    metrics,
+    migrations,
+    reclaimer,
+    registry,
+)
+from outbox_dispatcher.claimer import Claimer, Wakeup
+from outbox_dispatcher.dispatch.batch import SettleConfig, Settling
+from outbox_dispatcher.dispatch.claim_loop import ClaimLoop, ClaimLoopConfig, Shared
+from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
+from outbox_dispatcher.kafka.delivery import DeliveryConfig
+from outbox_dispatcher.kafka.producers import ProducerConfig
+from outbox_dispatcher.kafka.publisher import KafkaPublisher, PublisherConfig
+from outbox_dispatcher.kafka.records import RecordConfig
+from outbox_dispatcher.kafka.tls import ConnectionConfig
+from outbox_dispatcher.kafka.topics import TopicConfig
+from outbox_dispatcher.marker import Marker
+from outbox_dispatcher.retries import RetryPolicy
+from outbox_dispatcher.settings import DeadLetterPolicy, Settings
+from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import Store
+
+log = structlog.get_logger(__name__)
+
+READINESS_ERRORS: tuple[type[BaseException], ...] = (
+    TimeoutError,
+    asyncpg.PostgresError,
+    *db.RETRIABLE_ERRORS,
+)
+
+
+def instance_id() -> str:
+    """Who holds a lease, for operators: host, pid and a random suffix (pids repeat)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+class Dispatcher:
+    def __init__(self, settings: Settings, *, owner: str | None = None) -> None:
+        self.settings = settings
+        self.configs = configs_of(settings)
+        self.owner = owner or instance_id()
+        self.queries = Queries.for_table(settings.db_schema, settings.table)
+        self.stopping = asyncio.Event()
+        self.in_flight = reclaimer.InFlight()
+        self.retry_policy = RetryPolicy(settings)
+        self._settling: Settling | None = None  # made with the pool (see _supervise)
+        self.wakeup = Wakeup()
+        self.metrics = metrics.Metrics()
+        self.metrics.in_flight.set_function(lambda: len(self.in_flight))
+        # A claim loop beats at least once per poll interval (also while it waits out a broker
+        # outage), the lease keeper once per lease/3.
+        self.heartbeats = Heartbeats(
+            settings.liveness_timeout_seconds
+            + max(settings.poll_interval_seconds, settings.lease_seconds / 3)
+        )
+        self._http: HealthServer | None = None
+        self._shared = Shared(self.stopping, self.wakeup, self.heartbeats)
+
+    @property
+    def published(self) -> int:
+        """Rows published since the dispatcher started."""
+        return 0 if self._settling is None else self._settling.published
+
+    @property
+    def http_port(self) -> int | None:
+        """The port /metrics, /livez and /readyz listen on, once started (OUTBOX_HTTP_PORT=0
+        picks a free one)."""
+        return None if self._http is None else self._http.port
+
+    def live(self) -> dict[str, object]:
+        stale = self.heartbeats.stale()
+        return {"live": not stale, "stale_loops": stale}
+
+    def stop(self) -> None:
+        """Begin a graceful shutdown (phase one: stop claiming)."""
+        if not self.stopping.is_set():
+            log.info("shutdown_requested", in_flight=len(self.in_flight))
+            self.stopping.set()
+
+    async def run(self) -> None:
+        s = self.settings
+        pool = await db.create_pool(s)
+        try:
+            async with pool.acquire() as conn:
+                await migrations.check_version(conn, s.db_schema, s.table)
+            publisher = KafkaPublisher(self.configs.publisher)
+            await publisher.start()
+            try:
+                await self._supervise(pool, publisher)
+            finally:
+                await publisher.stop()
+        finally:
+            await pool.close()
+        log.info("stopped", published=self.published)
+
+    async def _supervise(self, pool: asyncpg.Pool, publisher: KafkaPublisher) -> None:
+        s = self.settings
+        configs = self.configs
+        claimer = Claimer(pool, self.queries, s, self.owner)
+        marker = Marker(
+            pool,
+            self.queries,
+            retry_for=configs.settle.retry_for_seconds,
+            delete_on_publish=configs.settle.delete_on_publish,
+            owner=self.owner,
+            block_on_dead=configs.settle.block_on_dead,
+        )
+        settling = self._settling = Settling(marker, self.retry_policy, self.metrics)
+        readiness = ReadinessCache(lambda: self._readiness(pool, publisher))
+        # Without LISTEN nobody hears a notification: writers are never asked to send one.
+        waiting = (
+            listener.Waiting(pool, self.queries, self.owner, ttl=2 * s.poll_interval_seconds + 5)
+            if s.listen
+            else None
+        )
+        log.info(
+            "started",
+            owner=self.owner,
+            table=f"{s.db_schema}.{s.table}",
+            claim_tasks=s.claim_tasks,
+            batch_size=s.batch_size,
+            bootstrap_servers=s.kafka_bootstrap_servers,
+        )
+        async with asyncio.TaskGroup() as tg:
+            claim_tasks = []
+            for i in range(s.claim_tasks):
+                loop = ClaimLoop(
+                    f"claim-{i}",
+                    configs.claim_loop,
+                    claimer=claimer,
+                    publisher=publisher,
+                    settling=settling,
+                    in_flight=self.in_flight,
+                    metrics=self.metrics,
+                    shared=self._shared,
+                    waiting=waiting,
+                )
+                guarded = self._guard(loop.run(), loop.name)
+                claim_tasks.append(tg.create_task(guarded, name=loop.name))
+            side = self._side_loops(pool, readiness)
+            side_tasks = [
+                tg.create_task(self._guard(coro, name), name=name) for name, coro in side.items()
+            ]
+            tg.create_task(self._shutdown(claim_tasks, side_tasks), name="shutdown")
+
+    def _side_loops(
+        self, pool: asyncpg.Pool, readiness: ReadinessCache
+    ) -> dict[str, Coroutine[Any, Any, None]]:
+        """The loops beside the claim loops, by name: leases, reclaims, gauges, readiness, the
+        dispatcher's heartbeat, and as configured LISTEN, HTTP and retention."""
+        s = self.settings
+        side: dict[str, Coroutine[Any, Any, None]] = {
+            "lease-keeper": reclaimer.keep_leases(
+                pool, self.queries, s, self.in_flight, self.heartbeats
+            ),
+            "reclaimer": reclaimer.reclaim(pool, self.queries, s, self.metrics),
+            "metrics": metrics.sample(pool, self.queries, s, self.metrics),
+            "readiness": self._refresh_readiness(readiness),
+            "heartbeat": registry.heartbeat(pool, self.queries, s, self.owner, self.metrics.totals),
+        }
+        if s.listen:
+            side["listener"] = listener.listen(s, self.wakeup)
+        if s.http_enabled:
+            self._http = HealthServer(
+                s.http_host,
+                s.http_port,
+                live=self.live,
+                ready=readiness,
+                metrics=self.metrics.exposition,
+            )
+            side["http"] = self._http.serve()
+        if s.retention_seconds > 0 and not s.delete_on_publish:
+            side["retention"] = cleanup.retention(pool, self.queries, s)
+        return side
+
+    async def _readiness(self, pool: asyncpg.Pool, publisher: KafkaPublisher) -> Readiness:
+        checks: dict[str, str] = {}
+        if self.stopping.is_set():
+            checks["dispatcher"] = "shutting down"
+        try:
+            async with asyncio.timeout(3):
+                version = await Store(pool, self.queries).schema_version()
+        except READINESS_ERRORS as exc:
+            checks["database"] = f"unreachable: {errors.describe(exc)}"
+        else:
+            checks["database"] = "ok"
+            # A range, not one version: a rolling upgrade's expand step keeps older dispatchers
+            # ready beside it (review N8).
+            checks["schema"] = (
+                "ok"
+                if migrations.supported(version)
+                else f"version {version}, this dispatcher needs version "
+                f"{migrations.OLDEST_SUPPORTED} to {migrations.latest_version()}"
+            )
+        reachable = await publisher.reachable(3.0)
+        checks["broker"] = "ok" if reachable else "unreachable"
+        ready = all(value == "ok" for value in checks.values())
+        self.metrics.ready.set(int(ready))
+        return Readiness(ready, checks)
+
+    async def _refresh_readiness(self, readiness: ReadinessCache) -> None:
+        """Keep outbox_ready current even when nothing probes /readyz; log changes."""
+        was: bool | None = None
+        while True:
+            state = await readiness.get()
+            if state.ready != was:
+                if state.ready:
+                    log.info("ready", checks=state.checks)
+                else:
+                    log.warning("not_ready", checks=state.checks)
+                was = state.ready
+            await asyncio.sleep(min(self.settings.metrics_interval_seconds, 5.0))
+
+    async def _guard(self, loop: Coroutine[Any, Any, None], name: str) -> None:
+        """A loop that returns while the dispatcher is not stopping is a dead loop."""
+        await loop
+        if not self.stopping.is_set():
+            raise errors.LoopDiedError(f"the {name} loop returned unexpectedly")
+
+    async def _shutdown(
+        self, claim_tasks: list[asyncio.Task[None]], side_tasks: list[asyncio.Task[None]]
+    ) -> None:
+        await self.stopping.wait()
+        _, pending = await asyncio.wait(claim_tasks, timeout=self.settings.shutdown_grace_seconds)
+        if pending:
+            log.warning("shutdown_grace_expired", cancelling=len(pending))
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending)
+        for task in side_tasks:
+            task.cancel()
+
+
+@dataclass(frozen=True)
+class Configs:
+    """Each moved component's own config, built from the settings here and nowhere else."""
+
+    publisher: PublisherConfig
+    claim_loop: ClaimLoopConfig
+    settle: SettleConfig
+
+
+def configs_of(settings: Settings) -> Configs:
+    s = settings
+    return Configs(
+        publisher=_publisher_config(s),
+        claim_loop=ClaimLoopConfig(
+            batch_size=s.batch_size,
+            backoff_initial_seconds=s.backoff_initial_seconds,
+            backoff_max_seconds=s.backoff_max_seconds,
+            poll_interval_seconds=s.poll_interval_seconds,
+            linger_seconds=s.linger_seconds,
+            linger_poll_seconds=s.linger_poll_seconds,
+        ),
+        # A settle retries as long as a lease lasts: past it, the rows may be another's.
+        settle=SettleConfig(
+            retry_for_seconds=s.lease_seconds,
+            delete_on_publish=s.delete_on_publish,
+            block_on_dead=s.dead_letter_policy is DeadLetterPolicy.BLOCK,
+        ),
+    )
+
+
+def _publisher_config(s: Settings) -> PublisherConfig:
+    connection = ConnectionConfig(
+        bootstrap_servers=s.kafka_bootstrap_servers,
+        client_id=s.kafka_client_id,
+        security_protocol=s.kafka_security_protocol,
+        sasl_mechanism=s.kafka_sasl_mechanism,
+        sasl_username=s.kafka_sasl_username,
+        sasl_password=s.kafka_sasl_password,
+        ssl_cafile=s.kafka_ssl_cafile,
+        ssl_certfile=s.kafka_ssl_certfile,
+        ssl_keyfile=s.kafka_ssl_keyfile,
+        ssl_key_password=s.kafka_ssl_key_password,
+        ssl_check_hostname=s.kafka_ssl_check_hostname,
+        request_timeout_seconds=s.publish_timeout_seconds,
+    )
+    return PublisherConfig(
+        producer=ProducerConfig(
+            connection=connection,
+            linger_ms=s.kafka_linger_ms,
+            max_batch_bytes=s.kafka_max_batch_bytes,
+            max_request_bytes=s.kafka_max_request_bytes,
+            compression=s.kafka_compression,
+        ),
+        records=RecordConfig(
+            default_topic=s.default_topic,
+            topic_template=s.topic_template,
+            event_id_header=s.event_id_header,
+            cloudevents=s.cloudevents,
+            cloudevents_source=s.cloudevents_source,
+            cloudevents_type=s.cloudevents_type,
+            cloudevents_content_type=s.cloudevents_content_type,
+            max_request_bytes=s.kafka_max_request_bytes,
+        ),
+        topics=TopicConfig(
+            publish_timeout_seconds=s.publish_timeout_seconds,
+            allow_auto_create_topics=s.kafka_allow_auto_create_topics,
+        ),
+        delivery=DeliveryConfig(
+            publish_timeout_seconds=s.publish_timeout_seconds,
+            max_batch_bytes=s.kafka_max_batch_bytes,
+        ),
+        tracing=s.tracing,
+    )

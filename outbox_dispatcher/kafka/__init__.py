@@ -1,0 +1,2 @@
+"""The Kafka side: records, waves, producers, topic lookups, one claim's delivery, and the thin
+publisher over them. Only kafka/internals.py reaches below aiokafka's public API."""
