@@ -97,11 +97,19 @@ async def _check_database(
     report.add("ok", "database is reachable")
     schema, table = settings.db_schema, settings.table
     try:
-        await migrations.check_version(conn, schema, table)
+        version = await migrations.check_version(conn, schema, table)
     except errors.SchemaVersionError as exc:
         report.add("problem", f"schema: {exc}")
         return
-    report.add("ok", f"schema {schema}.{table} is at version {migrations.latest_version()}")
+    report.add("ok", f"schema {schema}.{table} is at version {version}")
+    if version < migrations.CONSOLE_VERSION:
+        # A rolling upgrade's expand step: dispatchers run, operator commands wait.
+        report.add(
+            "warning",
+            f"schema: the operator commands and the console need version "
+            f"{migrations.CONSOLE_VERSION}: run `outbox-dispatcher migrate` once no dispatcher "
+            f"older than version {migrations.OLDEST_SUPPORTED} runs",
+        )
     session = Session.of(conn, settings)
     store = session.store
     for row in await store.pending_topics():

@@ -53,12 +53,19 @@ class Session:
 @contextlib.asynccontextmanager
 async def connected(settings: Settings) -> AsyncIterator[Session]:
     """A session for an operator command: its changes are durable before it reports them
-    (synchronous_commit on, whatever the dispatcher's own setting), and the schema is the
-    version this code knows."""
+    (synchronous_commit on, whatever the dispatcher's own setting), and the schema is a version
+    this code knows that has the operator's tables (migrations.CONSOLE_VERSION: a dispatcher runs
+    on older ones during a rolling upgrade, an operator command does not)."""
     durable = settings.model_copy(update={"synchronous_commit": "on"})
     conn = await db.connect(settings.database_url.get_secret_value(), durable)
     try:
-        await migrations.check_version(conn, settings.db_schema, settings.table)
+        await migrations.check_version(
+            conn,
+            settings.db_schema,
+            settings.table,
+            oldest=migrations.CONSOLE_VERSION,
+            who_needs="the operator commands and the console need",
+        )
         yield Session.of(conn, settings)
     finally:
         await conn.close()

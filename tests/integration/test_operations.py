@@ -20,7 +20,7 @@ import pytest
 from aiokafka import ConsumerRecord
 from aiokafka.admin import AIOKafkaAdminClient
 
-from outbox_dispatcher import cleanup
+from outbox_dispatcher import cleanup, migrations
 from outbox_dispatcher.cli import tables
 from outbox_dispatcher.operate import listings, reads
 from outbox_dispatcher.operate.actions import DeadDiscard, Replay, perform
@@ -571,3 +571,33 @@ async def test_check_reports_rows_no_claim_will_find_and_repair_hands_them_over(
         await conn.fetchval("SELECT head_id FROM outbox_work WHERE ordering_key = 'restored'")
         == ids[1]["id"]
     )
+
+
+async def test_on_the_expanded_schema_operator_commands_wait_for_the_console_version(
+    empty_database_url: str, topic: str, make_settings: Any
+) -> None:
+    """A rolling upgrade leaves the schema at version 10 while older dispatchers run (migrate
+    applies 11 and 12 after them): dispatchers run there, `check` says what waits as a warning,
+    and an operator command refuses with what to do instead of failing on a column of 12."""
+    conn = await asyncpg.connect(empty_database_url)
+    try:
+        for migration in migrations.load_migrations()[:10]:
+            sql = migrations.render(migration.path.read_text("utf-8"), "public", "outbox")
+            async with conn.transaction():
+                await conn.execute(sql)
+    finally:
+        await conn.close()
+    settings = settings_for(make_settings, database_url=empty_database_url, default_topic=topic)
+    found = await cli(settings, "check")
+    assert found.code == 0, found.err
+    assert "ok: schema public.outbox is at version 10" in found.out
+    assert (
+        "warning: schema: the operator commands and the console need version "
+        f"{migrations.CONSOLE_VERSION}: run `outbox-dispatcher migrate`"
+    ) in found.err
+    status = await cli(settings, "status")
+    assert status.code == 1, status.err
+    assert (
+        "is at version 10, the operator commands and the console need "
+        f"{migrations.CONSOLE_VERSION} or later: run `outbox-dispatcher migrate`"
+    ) in status.err
