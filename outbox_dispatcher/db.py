@@ -84,6 +84,21 @@ def server_settings(settings: Settings) -> dict[str, str]:
     }
 
 
+async def require_read_committed(conn: asyncpg.Connection | PoolConnectionProxy[Any]) -> None:
+    """The claim locks work and then reads rows in a new snapshot (what a previous owner settled
+    is seen); under REPEATABLE READ or SERIALIZABLE every statement shares the transaction's
+    first snapshot. A server or role default of those levels would reach the dispatcher's
+    sessions through a pooler (the startup settings are dropped there), so it is refused."""
+    level = await conn.fetchval("SELECT current_setting('transaction_isolation')")
+    if level != "read committed":
+        raise errors.ConfigurationError(
+            f"the dispatcher's database sessions run at isolation level {level!r} (the server's, "
+            "database's or role's default_transaction_isolation); its claims need 'read "
+            "committed': give the dispatcher's role its own default with ALTER ROLE <role> SET "
+            "default_transaction_isolation = 'read committed' (writers keep theirs)"
+        )
+
+
 def redact(text: str, dsn: str) -> str:
     """`text` without the password of `dsn`: a driver's message may quote parts of the URL. The
     password is what the writer meant (up to the last '@'), and its pieces between '/', '?' and

@@ -108,6 +108,7 @@ class Dispatcher:
         try:
             async with pool.acquire() as conn:
                 await migrations.check_version(conn, s.db_schema, s.table)
+                await db.require_read_committed(conn)
             publisher = KafkaPublisher(self.configs.publisher)
             await publisher.start()
             try:

@@ -110,6 +110,10 @@ async def _check_database(
             f"{migrations.CONSOLE_VERSION}: run `outbox-dispatcher migrate` once no dispatcher "
             f"older than version {migrations.OLDEST_SUPPORTED} runs",
         )
+    try:
+        await db.require_read_committed(conn)
+    except errors.ConfigurationError as exc:
+        report.add("problem", str(exc))
     session = Session.of(conn, settings)
     store = session.store
     for row in await store.pending_topics():

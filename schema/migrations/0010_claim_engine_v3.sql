@@ -259,6 +259,7 @@ DECLARE
     v_left_rows text[];
     v_lk text[];
     v_lkl boolean[];
+    v_mine bigint[];
 BEGIN
     -- Rows writers or operators changed (taken in once: the log is emptied here). A row moved to
     -- another key while a live claim of its old key holds it waits in the log until that claim
@@ -429,24 +430,40 @@ BEGIN
     IF v_lk IS NULL THEN
         RETURN;
     END IF;
+    -- The leased keys' rows, read again in a new snapshot: between the read above and the
+    -- insert, a key's previous owner may have settled its batch (rows this read saw pending) and
+    -- dropped the key's work (so the insert met no conflict). Its rows are published now; a key
+    -- left with none is handed back as ready work (its claim looks again).
+    SELECT array_agg(o.id ORDER BY o.id) INTO v_mine
+      FROM unnest(v_ids, v_keys, v_pending) AS u(id, k, pending)
+      JOIN unnest(v_lk, v_lkl) AS l(wk, kl)
+        ON l.wk = coalesce(u.k, u.id::text) AND l.kl = (u.k IS NULL)
+      JOIN ${schema}.${table} o ON o.id = u.id
+     WHERE u.pending AND o.published_at IS NULL AND o.dead_at IS NULL;
+    UPDATE ${schema}.${table}_work x
+       SET claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
+           head_id = x.claim_first, state = 'r', not_before = '-infinity'
+      FROM unnest(v_lk, v_lkl) AS l(wk, kl)
+     WHERE x.ordering_key = l.wk AND x.keyless = l.kl AND x.claim_token = p_token
+       AND NOT EXISTS (SELECT 1 FROM ${schema}.${table} o
+                        WHERE o.id = ANY (v_mine)
+                          AND coalesce(o.ordering_key, o.id::text) = l.wk
+                          AND (o.ordering_key IS NULL) = l.kl);
+    IF v_mine IS NULL THEN
+        RETURN;
+    END IF;
     IF c.compat THEN
         -- Version 9 dispatchers respect row leases: write them too.
         UPDATE ${schema}.${table} o
            SET lease_owner = p_owner, lease_token = p_token,
                lease_expires_at = now() + p_lease_seconds * interval '1 second'
-          FROM unnest(v_ids, v_keys, v_pending) AS u(id, k, pending)
-          JOIN unnest(v_lk, v_lkl) AS l(wk, kl)
-            ON l.wk = coalesce(u.k, u.id::text) AND l.kl = (u.k IS NULL)
-         WHERE o.id = u.id AND u.pending;
+         WHERE o.id = ANY (v_mine);
     END IF;
     RETURN QUERY
     SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
            o.attempts, false
-      FROM unnest(v_ids, v_keys, v_pending) AS u(id, k, pending)
-      JOIN unnest(v_lk, v_lkl) AS l(wk, kl)
-        ON l.wk = coalesce(u.k, u.id::text) AND l.kl = (u.k IS NULL)
-      JOIN ${schema}.${table} o ON o.id = u.id
-     WHERE u.pending
+      FROM ${schema}.${table} o
+     WHERE o.id = ANY (v_mine)
      ORDER BY o.id;
 END;
 $fn$;

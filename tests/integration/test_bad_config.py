@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import asyncpg
 import pytest
 
 from .helpers import Services, settings_env
@@ -135,6 +136,36 @@ INVALID = [
     ("OUTBOX_LEASE_SECONDS", "soon", "--lease-seconds"),
     ("OUTBOX_TABLE", "outbox; drop", "--table"),
 ]
+
+
+async def test_a_repeatable_read_default_is_refused_with_the_role_setting_that_fixes_it(
+    base_env: dict[str, str], conn: asyncpg.Connection
+) -> None:
+    """Java and Django shops often set default_transaction_isolation = 'repeatable read' for the
+    whole database; through a pooler the dispatcher cannot override it at connect time."""
+    database = await conn.fetchval("SELECT current_database()")
+    await conn.execute(
+        f"ALTER DATABASE \"{database}\" SET default_transaction_isolation = 'repeatable read'"
+    )
+    ran = await cli(base_env, "run")
+    _assert_one_clear_error(ran, 2, "repeatable read", "ALTER ROLE", "read committed")
+    checked = await cli(base_env, "check")
+    assert checked.code == 1, checked.output[-3000:]
+    assert "default_transaction_isolation = 'read committed'" in checked.output
+    # The fix the message names: the role's own default wins over the database's.
+    role = await conn.fetchval("SELECT current_user")
+    await conn.execute(
+        f'ALTER ROLE "{role}" IN DATABASE "{database}" SET '
+        "default_transaction_isolation = 'read committed'"
+    )
+    try:
+        fresh = await asyncpg.connect(base_env["OUTBOX_DATABASE_URL"])
+        try:
+            assert await fresh.fetchval("SHOW transaction_isolation") == "read committed"
+        finally:
+            await fresh.close()
+    finally:
+        await conn.execute(f'ALTER ROLE "{role}" IN DATABASE "{database}" RESET ALL')
 
 
 async def test_an_invalid_setting_is_one_line_naming_variable_and_flag(
