@@ -270,6 +270,15 @@ class Store:
     async def pause(self, *, topic: str, reason: str | None, by: str | None) -> Row | None:
         return await self._one(self._queries.pause, topic, reason, by)
 
+    async def wait_for_pause_readers(self) -> bool:
+        """False when the wait ran out (claims held the pauses for over 5 s) or the role may not
+        lock the pauses (LOCK needs UPDATE, DELETE or TRUNCATE on them)."""
+        try:
+            await self._fetch(self._queries.wait_for_pause_readers)
+        except (asyncpg.LockNotAvailableError, asyncpg.InsufficientPrivilegeError):
+            return False
+        return True
+
     async def resume(self, *, topic: str) -> Row | None:
         return await self._one(self._queries.resume, topic)
 

@@ -78,6 +78,10 @@ class Action(Protocol):
 
     def describe(self, rows: int, *, dry_run: bool) -> str: ...
 
+    async def after_commit(self, session: Session) -> bool:
+        """Look again once the change is visible to everyone (a pause counts again); whether
+        its description changed (the audit record keeps the one its transaction wrote)."""
+
 
 @dataclass(frozen=True)
 class ActionResult:
@@ -159,6 +163,8 @@ async def perform(
         raise
     finally:
         await ledger.release()
+    if status == jobs.DONE and await action.after_commit(session):
+        detail = action.describe(rows, dry_run=False)
     if rows and action.wakes:
         await session.store.wake(channel=session.channel)
     return ActionResult(
@@ -253,6 +259,9 @@ class _Filtered:
     def confirmed(self) -> Bound | None:
         return self.bound
 
+    async def after_commit(self, session: Session) -> bool:
+        return False
+
     async def run(self, session: Session, ledger: Ledger, advance: Advance | None) -> int:
         batch_of = self._step(session.store)
         args = self._args(self.bound)
@@ -341,6 +350,9 @@ class Uncounted:
 
     def confirmed(self) -> Bound | None:
         return None
+
+    async def after_commit(self, session: Session) -> bool:
+        return False
 
 
 @dataclass

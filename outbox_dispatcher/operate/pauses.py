@@ -49,6 +49,14 @@ class Pause(_Waiting):
         self.paused = reads.Pause(**dict(row or {}))
         return 1
 
+    async def after_commit(self, session: Session) -> bool:
+        """Count again once claims that began before the pause have ended: they may still lease
+        rows of the topic, and "already claimed" must be every row that still goes out."""
+        if not (self.count_waiting and await session.store.wait_for_pause_readers()):
+            return False
+        self.pending, self.in_flight = await reads.pending_of(session, self.topic)
+        return True
+
     def audited(self) -> dict[str, object]:
         asked = {"topic": self.topic, "reason": self.reason}
         return {name: value for name, value in asked.items() if value is not None}

@@ -67,6 +67,7 @@ class Queries:
     status_keys: str
     paused_list: str
     pause: str
+    wait_for_pause_readers: str
     resume: str
     in_flight_rows: str
     wake: str

@@ -342,6 +342,13 @@ VALUES ($1, coalesce($3 || ' as ', '') || session_user
 ON CONFLICT (topic) DO UPDATE SET paused_by = EXCLUDED.paused_by, reason = EXCLUDED.reason
 RETURNING topic, paused_at, paused_by, reason
 
+-- wait_for_pause_readers --
+-- After a pause committed: wait until every transaction that read the pauses before it has ended
+-- (each claim reads them first and holds them until it commits, so a claim that began before the
+-- pause may still lease rows of the topic). Bounded: a lock_timeout error leaves the count as it
+-- was.
+DO $$ BEGIN SET LOCAL lock_timeout = '5s'; LOCK TABLE {paused} IN ACCESS EXCLUSIVE MODE; END $$
+
 -- resume --
 DELETE FROM {paused} WHERE topic = $1
 RETURNING topic, paused_at, paused_by, reason

@@ -15,11 +15,11 @@ import asyncpg
 import httpx
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
-from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import WebDriverWait
 
 from outbox_dispatcher.settings import Settings
@@ -95,7 +95,22 @@ def submit(driver: WebDriver, button: WebElement) -> None:
     browser has replaced the page, and the old page would answer the next question."""
     page = driver.find_element(By.TAG_NAME, "html")
     button.click()
-    WebDriverWait(driver, 30).until(expected_conditions.staleness_of(page))
+    WebDriverWait(driver, 30).until(lambda _: _replaced(page))
+
+
+def _replaced(page: WebElement) -> bool:
+    """Whether the page element is gone. Chromedriver answers a question about an element whose
+    document is being replaced with "does not belong to the document" instead of a stale
+    element error now and then (seen in CI under load): that answer means replaced as well."""
+    try:
+        page.is_enabled()
+    except StaleElementReferenceException:
+        return True
+    except WebDriverException as exc:
+        if "does not belong to the document" in str(exc):
+            return True
+        raise
+    return False
 
 
 def shot(driver: WebDriver, name: str) -> None:

@@ -1,4 +1,5 @@
-"""The review of claim engine v2 (../shared/research/registry-review.md, findings N1-N7, N9),
+"""The review of claim engine v2 (../shared/research/registry-review.md, findings N1-N7, N9;
+and point 11 of issue 21),
 each as the interleaving that broke schema version 9, against real PostgreSQL. The tests use only
 what any version of the engine offers (writers' SQL on the outbox table, the claim, the settle),
 so that they run against version 9 too: there, each of them fails."""
@@ -320,3 +321,41 @@ async def test_a_bulk_writer_of_5000_keys_takes_no_more_locks_than_a_one_row_wri
 
     one, bulk = await locks_held(["one"]), await locks_held([f"k{i}" for i in range(5000)])
     assert bulk <= one + 2 <= 12, (one, bulk)  # the table, its sequence, a trigger's lookup
+
+
+# --- Point 11: a late commit below the key's head ---------------------------------------------
+
+
+@pytest.mark.parametrize("late_commit", ["while_in_flight", "after_the_settle"])
+async def test_a_row_committed_late_below_its_keys_head_goes_before_the_keys_later_rows(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, database_url: str, late_commit: str
+) -> None:
+    """The suspected order break (steady-cost-feasibility.md, finding 6): a lower id of a key
+    commits while a higher one is in flight (or after its settle), before the next claim
+    begins; the key's head already lies past it. It committed before that claim, so the claim
+    must take it first, then the key's later row. Settled from the database's side: version 9
+    breaks in the first case, not the second. While the higher row was in flight a second
+    claimer leased the late lower row (two owners of the key; either row may reach the broker
+    first); after the settle, version 9 took both in order."""
+    writer = await asyncpg.connect(database_url)
+    try:
+        tx = writer.transaction()
+        await tx.start()
+        late = await writer.fetchval(
+            "INSERT INTO outbox (topic, ordering_key, payload) VALUES ('t', 'k', 'x') RETURNING id"
+        )
+        (early,) = await insert(conn, ["k"])
+        batch = await claimer(pool).claim()
+        assert batch is not None and [r.id for r in batch.records] == [early]
+        if late_commit == "while_in_flight":
+            await tx.commit()
+            assert await claimer(pool, owner="other").claim() is None  # the key is owned
+        await settle(pool, batch)
+        if late_commit == "after_the_settle":
+            await tx.commit()
+    finally:
+        await writer.close()
+    (later,) = await insert(conn, ["k"])
+    batch = await claimer(pool).claim()
+    assert batch is not None
+    assert [r.id for r in batch.records] == [late, later]

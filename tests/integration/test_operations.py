@@ -20,7 +20,8 @@ import pytest
 from aiokafka import ConsumerRecord
 from aiokafka.admin import AIOKafkaAdminClient
 
-from outbox_dispatcher import cleanup, migrations
+from outbox_dispatcher import cleanup, db, migrations
+from outbox_dispatcher.claimer import Claimer
 from outbox_dispatcher.cli import tables
 from outbox_dispatcher.operate import listings, reads
 from outbox_dispatcher.operate.actions import DeadDiscard, Replay, perform
@@ -601,3 +602,50 @@ async def test_on_the_expanded_schema_operator_commands_wait_for_the_console_ver
         "is at version 10, the operator commands and the console need "
         f"{migrations.CONSOLE_VERSION} or later: run `outbox-dispatcher migrate`"
     ) in status.err
+
+
+async def test_a_pause_counts_the_rows_a_claim_that_began_before_it_still_leases(
+    conn: asyncpg.Connection, database_url: str, make_settings: Any
+) -> None:
+    """N13: a claim reads the pauses first. One that began before the pause committed may lease
+    rows of the topic after the pause counted them: the pause waits for such claims and counts
+    again, so "already claimed still go out" covers them."""
+    ids = await conn.fetch(
+        "INSERT INTO outbox (topic, ordering_key, payload) VALUES ('n13', 'k', 'x'), "
+        "('n13', 'k', 'y') RETURNING id"
+    )
+    # Work of the key is known; discovery of the rows above the cursor locks it FOR SHARE.
+    await conn.execute(
+        "INSERT INTO outbox_work (keyless, ordering_key, head_id) VALUES (false, 'k', $1)",
+        ids[0]["id"],
+    )
+    holder = await asyncpg.connect(database_url)
+    operator = await asyncpg.connect(database_url)
+    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=2, init=db.init_connection)
+    try:
+        hold = holder.transaction()
+        await hold.start()
+        await holder.execute("SELECT 1 FROM outbox_work WHERE ordering_key = 'k' FOR UPDATE")
+        claim = asyncio.create_task(
+            Claimer(pool, Queries.for_table("public", "outbox"), make_settings(), "c").claim()
+        )
+        await wait_until(lambda: _waiting_on_a_lock(conn, 1), 10, "the claim to wait")
+        pausing = asyncio.create_task(perform(Pause("n13", count_waiting=True), session(operator)))
+        await wait_until(lambda: _waiting_on_a_lock(conn, 2), 10, "the pause to wait for it")
+        await hold.commit()
+        batch = await asyncio.wait_for(claim, 10)
+        paused = await asyncio.wait_for(pausing, 10)
+    finally:
+        await holder.close()
+        await operator.close()
+        await pool.close()
+    assert batch is not None and len(batch.records) == 2
+    assert "0 pending rows wait; 2 already claimed still go out" in paused.detail
+
+
+async def _waiting_on_a_lock(conn: asyncpg.Connection, sessions: int) -> bool:
+    waiting = await conn.fetchval(
+        "SELECT count(DISTINCT l.pid) FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
+        " WHERE NOT l.granted AND a.datname = current_database()"
+    )
+    return bool(waiting >= sessions)
