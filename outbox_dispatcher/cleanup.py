@@ -20,7 +20,7 @@ import structlog
 from outbox_dispatcher import db
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
-from outbox_dispatcher.store import Store
+from outbox_dispatcher.store import Row, Store
 
 log = structlog.get_logger(__name__)
 
@@ -56,9 +56,15 @@ async def delete_published(
         examined += row["seen"]
         if progress is not None:
             progress(row["deleted"])
-        if row["seen"] < batch_size or not row["older_rows"]:
+        if walk_ends(row, batch_size):
             break
     return Swept(deleted=deleted, batches=batches, rows_examined=examined)
+
+
+def walk_ends(window: Row, batch_size: int) -> bool:
+    """Whether a walk stops after this window: the table ended, or the window held no row
+    created before the cutoff (the rest of the table is younger)."""
+    return bool(window["seen"] < batch_size or not window["older_rows"])
 
 
 async def retention(pool: asyncpg.Pool, queries: Queries, settings: Settings) -> None:

@@ -251,6 +251,11 @@ class Metrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
+    def totals(self) -> tuple[int, int]:
+        """Rows published and dead-lettered since this process started (every topic and
+        reason), which each heartbeat reports for the console's rates."""
+        return _total(self.published), _total(self.dead_lettered)
+
     def record_batch(
         self, records: Sequence[OutboxRecord], results: Sequence[Result], acked_at: float
     ) -> None:
@@ -275,6 +280,17 @@ class Metrics:
         self.commit_to_ack.observe_many(delays)
         for topic, n in published.items():
             self.published.labels(topic).inc(n)
+
+
+def _total(counter: Counter) -> int:
+    return int(
+        sum(
+            sample.value
+            for metric in counter.collect()
+            for sample in metric.samples
+            if sample.name.endswith("_total")
+        )
+    )
 
 
 # A role not granted what a newer migration added (schema/roles.sql is rerun after each): the

@@ -85,6 +85,10 @@ def lock_key(schema: str, table: str) -> int:
 # The oldest schema version this dispatcher runs on: version 10 (claim engine v3, expanded beside
 # version 9 for a rolling upgrade) and version 11 (contracted) both serve it.
 OLDEST_SUPPORTED = 10
+# The console's version (12): the operator's audit records, logins and replay counts, and the
+# heartbeat's counters, which a dispatcher writes only from here on (it runs from
+# OLDEST_SUPPORTED on). The operator commands and the console need it.
+CONSOLE_VERSION = 12
 # Steps that a dispatcher older than 10 cannot run beside: `migrate` applies them only once no
 # such dispatcher beats (docs/operations.md, "Upgrading").
 CONTRACT_STEPS = frozenset({11})
@@ -191,8 +195,16 @@ def supported(version: int) -> bool:
     return OLDEST_SUPPORTED <= version <= latest_version()
 
 
-async def check_version(conn: db.Executor, schema: str, table: str) -> None:
-    """Refuse to run against a schema this version does not understand."""
+async def check_version(
+    conn: db.Executor,
+    schema: str,
+    table: str,
+    *,
+    oldest: int = OLDEST_SUPPORTED,
+    who_needs: str = "this dispatcher needs",
+) -> int:
+    """Refuse to run against a schema this version does not understand (older than `oldest`,
+    which `who_needs`, or newer than the latest); the version it is at."""
     expected = latest_version()
     version = await current_version(conn, schema, table)
     if version == 0:
@@ -202,15 +214,16 @@ async def check_version(conn: db.Executor, schema: str, table: str) -> None:
             "`outbox-dispatcher migrate` (or apply schema/migrations with your migration tool)"
         )
         raise errors.SchemaVersionError(msg)
-    if version < OLDEST_SUPPORTED:
+    if version < oldest:
         msg = (
-            f"the outbox schema of {schema}.{table} is at version {version}, this dispatcher "
-            f"needs {OLDEST_SUPPORTED} or later: run `outbox-dispatcher migrate` (or apply "
+            f"the outbox schema of {schema}.{table} is at version {version}, {who_needs} "
+            f"{oldest} or later: run `outbox-dispatcher migrate` (or apply "
             "schema/migrations with your migration tool), then start again"
         )
         raise errors.SchemaVersionError(msg)
     if version > expected:
         raise errors.SchemaVersionError(_too_new(version, expected))
+    return version
 
 
 def _too_new(version: int, expected: int) -> str:

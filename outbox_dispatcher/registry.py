@@ -5,6 +5,7 @@ under the policy the dispatchers run with (not the operator's own environment)."
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import asyncpg
 import structlog
@@ -27,17 +28,33 @@ HEARTBEAT_SECONDS = 10.0
 LIVE_SECONDS = 3 * HEARTBEAT_SECONDS + 5
 
 
-async def heartbeat(pool: asyncpg.Pool, queries: Queries, settings: Settings, owner: str) -> None:
-    """Forever: upsert this dispatcher's row. A failure is logged, never fatal: the registry only
-    informs operators."""
+# Rows published and dead-lettered since the process started (Metrics.totals).
+Counters = Callable[[], tuple[int, int]]
+
+
+async def heartbeat(
+    pool: asyncpg.Pool,
+    queries: Queries,
+    settings: Settings,
+    owner: str,
+    counters: Counters = lambda: (0, 0),
+) -> None:
+    """Forever: upsert this dispatcher's row, with the schema version it runs and, once the
+    schema keeps them (version 12), its counters. A failure is logged, never fatal: the registry
+    only informs operators."""
     store = Store(pool, queries)
     warned = False
+    counted = False
     while True:
         try:
+            # A rolling upgrade runs this release on version 10 and 11 too: no counters there
+            # until `migrate` applies version 12, looked for at each beat until then.
+            counted = counted or await store.schema_version() >= migrations.CONSOLE_VERSION
             await store.dispatcher_beat(
                 owner=owner,
                 dead_letter_policy=settings.dead_letter_policy.value,
                 version=migrations.latest_version(),
+                totals=counters() if counted else None,
             )
         except _TOLERATED as exc:
             if not warned:

@@ -46,6 +46,11 @@ class Router:
         self._template = template
         self._names = _PLACEHOLDER.findall(template) if template else []
 
+    @property
+    def header_names(self) -> list[str]:
+        """The headers the topic template names (none without a template)."""
+        return list(self._names)
+
     def topic_for(self, topic: str | None, headers: Mapping[str, str]) -> str:
         if topic is not None:
             return topic

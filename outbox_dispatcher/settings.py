@@ -6,6 +6,7 @@ Read once, in the CLI; every component receives the settings object and reads on
 from __future__ import annotations
 
 import enum
+import ipaddress
 import os
 import re
 import urllib.parse
@@ -51,6 +52,11 @@ def validate_identifier(value: str, what: str) -> str:
         )
         raise ValueError(msg)
     return value
+
+
+def split_list(value: str | None) -> list[str]:
+    """A comma-separated setting's items, blanks dropped."""
+    return [item.strip() for item in (value or "").split(",") if item.strip()]
 
 
 def quote_identifier(value: str) -> str:
@@ -372,10 +378,33 @@ class Settings(BaseSettings):
     console_token: SecretStr | None = Field(
         default=None,
         description=(
-            "Token that lets the console act (requeue, discard, replay, pause, resume): the "
-            "Bearer token of its API and the password of its login form; without it the "
-            "console is read-only (a secret: use OUTBOX_CONSOLE_TOKEN_FILE or "
-            "OUTBOX_SECRETS_DIR; at least 16 characters)."
+            "Token of the console's people: the password of its login form and the Bearer "
+            "token of its API, which let them read and act (requeue, discard, replay, pause, "
+            "resume). A secret: use OUTBOX_CONSOLE_TOKEN_FILE or OUTBOX_SECRETS_DIR; random, "
+            "at least 16 characters (e.g. `openssl rand -hex 32`)."
+        ),
+    )
+    console_anonymous_read: bool = Field(
+        default=False,
+        description=(
+            "Let anyone who reaches the console read it without logging in (counts, keys, "
+            "errors, headers; never payloads or actions): a read-only anonymous console."
+        ),
+    )
+    console_allowed_hosts: str | None = Field(
+        default=None,
+        description=(
+            "Host names (comma-separated) the console answers to, in the Host header (against "
+            "DNS rebinding); default: OUTBOX_CONSOLE_HOST, 127.0.0.1, localhost and ::1. Add "
+            "the name a proxy or browser uses to reach it."
+        ),
+    )
+    console_trusted_proxies: str | None = Field(
+        default=None,
+        description=(
+            "Addresses or networks (comma-separated) of proxies whose X-Forwarded-User header "
+            "names the person (logged in as them, recorded in the audit) and whose "
+            "X-Forwarded-For names the client; the header from anyone else is ignored."
         ),
     )
     console_show_payload: bool = Field(
@@ -426,6 +455,17 @@ class Settings(BaseSettings):
                 "(e.g. the output of `openssl rand -hex 32`)"
             )
             raise ValueError(msg)
+        return value
+
+    @field_validator("console_trusted_proxies")
+    @classmethod
+    def _check_trusted_proxies(cls, value: str | None) -> str | None:
+        for item in split_list(value):
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                msg = f"OUTBOX_CONSOLE_TRUSTED_PROXIES: {item!r} is not an address or network"
+                raise ValueError(msg) from None
         return value
 
     @field_validator("db_schema")

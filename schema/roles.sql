@@ -145,5 +145,19 @@ BEGIN
         GRANT UPDATE (pending_since) ON ${schema}.${table} TO ${dispatcher_role};
         GRANT SELECT, INSERT, DELETE ON ${schema}.${table}_clock TO ${dispatcher_role};
     END IF;
+
+    -- Migration 0012 (operator console v2): an operator action's audit record is written before
+    -- its first batch and kept true batch by batch, so the role updates its progress and outcome
+    -- columns (a trigger keeps what was asked, by whom and when as written, and a finished record
+    -- final) and reads it back; a replay counts in `replays`; the console keeps its logins in
+    -- <table>_console_session (only a console whose people log in with its token writes there).
+    IF to_regclass('${schema}.${table}_console_session') IS NOT NULL THEN
+        GRANT SELECT, UPDATE (rows, status, updated_at, finished_at, detail, first_id, last_id,
+                              abort_requested_at, abort_requested_by)
+            ON ${schema}.${table}_operator_audit TO ${dispatcher_role};
+        GRANT UPDATE (replays) ON ${schema}.${table} TO ${dispatcher_role};
+        GRANT SELECT, INSERT, UPDATE, DELETE ON ${schema}.${table}_console_session
+            TO ${dispatcher_role};
+    END IF;
 END
 $grants$;

@@ -98,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Ctrl-C of an operator command (run handles SIGINT itself): one line, not a traceback.
         err(namespace.interrupted)
         return EXIT_INTERRUPTED
+    except operator.ActionInterruptedError as exc:  # Ctrl-C of a recorded action: what it did
+        err(exc.message)
+        return EXIT_INTERRUPTED
     except asyncpg.InsufficientPrivilegeError as exc:
         err(_privilege_hint(namespace, settings, exc))
         return EXIT_FAILED

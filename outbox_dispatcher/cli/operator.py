@@ -5,6 +5,7 @@ operate.actions.perform, with the terminal's question and progress bar as its ho
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import structlog
 
@@ -25,7 +26,7 @@ from outbox_dispatcher.cli.flags import (
     topic_name,
 )
 from outbox_dispatcher.cli.terminal import EXIT_FAILED, EXIT_OK, err, out
-from outbox_dispatcher.operate import reads, text
+from outbox_dispatcher.operate import listings, reads, text
 from outbox_dispatcher.operate.actions import (
     Action,
     ActionResult,
@@ -33,14 +34,14 @@ from outbox_dispatcher.operate.actions import (
     Confirm,
     DeadDiscard,
     DeadRequeue,
-    Pause,
     ReleaseHeld,
     Replay,
-    Resume,
     perform,
     refuse,
 )
 from outbox_dispatcher.operate.check import check
+from outbox_dispatcher.operate.jobs import Ledger
+from outbox_dispatcher.operate.pauses import Pause, Resume
 from outbox_dispatcher.operate.session import connected
 from outbox_dispatcher.settings import Settings
 
@@ -51,6 +52,14 @@ BATCHED_INTERRUPTED = (
     "run the command again to finish"
 )
 NOT_CONFIRMED = "not confirmed: nothing changed"
+
+
+class ActionInterruptedError(Exception):
+    """Ctrl-C while an action ran: what its record says it changed (main prints it, exit 130)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 def _asking(ns: argparse.Namespace, *, unless_none: bool) -> Confirm:
@@ -68,16 +77,27 @@ async def _perform(
     settings: Settings, ns: argparse.Namespace, action: Action, what: str, *, unless_none: bool
 ) -> ActionResult:
     """`action` with a progress bar named `what`, asking where it asks; refused before it
-    connects."""
+    connects. Ctrl-C ends it after what its record says it changed."""
     refuse(action)
+    opened: list[Ledger] = []
     async with connected(settings) as session:
-        return await perform(
-            action,
-            session,
-            dry_run=getattr(ns, "dry_run", False),
-            progress=lambda total: terminal.progress(total, what),
-            confirm=_asking(ns, unless_none=unless_none),
-        )
+        try:
+            return await perform(
+                action,
+                session,
+                dry_run=getattr(ns, "dry_run", False),
+                progress=lambda total: terminal.progress(total, what),
+                confirm=_asking(ns, unless_none=unless_none),
+                opened=opened.append,
+            )
+        except asyncio.CancelledError:
+            if not opened:
+                raise
+            ledger = opened[0]
+            rows = 0 if action.atomic else ledger.rows
+            said = text.interrupted(action.command, rows)
+            again = "" if action.command == "replay" else "; run the command again to finish"
+            raise ActionInterruptedError(f"{said} (audit record {ledger.id}){again}") from None
 
 
 def _unchanged(result: ActionResult, nothing: str | None = None) -> int:
@@ -169,15 +189,22 @@ def configure_dead_parser(commands: Commands) -> None:
 
 
 async def _dead_list(settings: Settings, ns: argparse.Namespace) -> int:
+    filters = filters_of(ns)
     async with connected(settings) as session:
-        found = await reads.dead_list(session, filters_of(ns), ns.limit)
+        found = await listings.dead_list(session, filters, ns.limit)
     if ns.json:
         terminal.json(found)
+    elif not found:
+        out(NO_DEAD_ROW_LISTED if filters.empty() else NO_DEAD_ROW_MATCHES)
     else:
         out(tables.dead_table(found, full=ns.full))
     if len(found) == ns.limit:
         err(f"showing the first {ns.limit} dead rows; --limit shows more")
     return EXIT_OK
+
+
+NO_DEAD_ROW_LISTED = "there are no dead rows"
+NO_DEAD_ROW_MATCHES = "no dead row matches the filter"
 
 
 NO_DEAD_ROW = (
@@ -355,8 +382,7 @@ async def _cleanup(settings: Settings, ns: argparse.Namespace) -> int:
     result = await _perform(settings, ns, action, "cleanup", unless_none=False)
     if not result.done:
         return _unchanged(result)
-    assert action.swept is not None  # noqa: S101 - a cleanup that ran has swept
-    log.info("cleanup_done", rows=action.swept.deleted, batches=action.swept.batches)
+    log.info("cleanup_done", rows=result.rows, batches=action.batches)
     out(result.detail)
     return EXIT_OK
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 
@@ -14,6 +15,7 @@ from outbox_dispatcher import db, errors, migrations, tracing
 from outbox_dispatcher.cli.flags import BATCHED, CONNECT, EVERY, Commands, command
 from outbox_dispatcher.cli.terminal import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from outbox_dispatcher.dispatch.supervisor import Dispatcher
+from outbox_dispatcher.operate.check import unknown_variables
 from outbox_dispatcher.operate.session import connected
 from outbox_dispatcher.settings import Settings
 
@@ -46,6 +48,9 @@ async def _run(settings: Settings, _: argparse.Namespace) -> int:
         except ImportError as missing:
             msg = "OUTBOX_TRACING needs OpenTelemetry: install outbox-dispatcher[otel]"
             raise errors.ConfigurationError(msg) from missing
+    for variable, close in unknown_variables(os.environ):
+        # What `check` fails on: the setting meant is not in effect.
+        log.warning("unknown_setting_variable", variable=variable, did_you_mean=close)
     dispatcher = Dispatcher(settings)
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
@@ -142,6 +147,11 @@ CONSOLE_SETTINGS = (
     "console_show_payload",
     "console_payload_max_bytes",
     "console_sample_seconds",
+    "console_allowed_hosts",
+    "console_anonymous_read",
+    "console_trusted_proxies",
+    "default_topic",
+    "topic_template",
 )
 
 
@@ -153,9 +163,11 @@ def configure_console_parser(commands: Commands) -> None:
         handler=_console,
         help="serve the operator console (pages and a JSON API) until SIGTERM/SIGINT",
         description="Serve the operator console on OUTBOX_CONSOLE_HOST:OUTBOX_CONSOLE_PORT: the "
-        "backlog, dead rows, blocked keys and the audit as pages and under /api/v1/; with "
-        "OUTBOX_CONSOLE_TOKEN also requeue, discard, replay, pause and resume. Read-only without "
-        "a token. Needs the install extra outbox-dispatcher[console].",
+        "backlog, dead rows, blocked keys and the audit as pages and under /api/v1/, to people "
+        "logged in with OUTBOX_CONSOLE_TOKEN or named by a trusted proxy "
+        "(OUTBOX_CONSOLE_TRUSTED_PROXIES), who may also requeue, discard, replay, pause and "
+        "resume; with OUTBOX_CONSOLE_ANONYMOUS_READ=true anyone may read. Needs the install "
+        "extra outbox-dispatcher[console].",
     )
 
 
@@ -176,7 +188,9 @@ async def _console(settings: Settings, _: argparse.Namespace) -> int:
         "console_starting",
         host=settings.console_host,
         port=settings.console_port,
-        read_only=settings.console_token is None,
+        token=settings.console_token is not None,
+        anonymous_read=settings.console_anonymous_read,
+        trusted_proxies=settings.console_trusted_proxies,
         show_payload=settings.console_show_payload,
     )
     await console.serve(settings)

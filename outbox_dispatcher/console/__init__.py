@@ -4,11 +4,13 @@ the same operations as the CLI (docs/operations.md, "The operator console")."""
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Iterator
 
 import uvicorn
 
 from outbox_dispatcher.console.app import create_app
+from outbox_dispatcher.console.tasks import Jobs
 from outbox_dispatcher.settings import Settings
 
 __all__ = ["create_app", "serve"]
@@ -17,8 +19,18 @@ __all__ = ["create_app", "serve"]
 class _Server(uvicorn.Server):
     """uvicorn's server, except that SIGTERM/SIGINT end serve() normally (exit 0, as `run`
     does) instead of being raised again once it returns, which would end the process by the
-    signal. Reaches into uvicorn's private `_captured_signals`: the console-process test
+    signal, and that a shutdown first interrupts the actions this console runs (their records
+    say so, with their rows) instead of letting requests that wait on them keep it alive.
+    Reaches into uvicorn's private `_captured_signals`: the console-process test
     (tests/integration/test_console.py) fails if that changes."""
+
+    def __init__(self, config: uvicorn.Config, jobs: Jobs) -> None:
+        super().__init__(config)
+        self.jobs = jobs
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await self.jobs.stop()
+        await super().shutdown(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -32,8 +44,9 @@ class _Server(uvicorn.Server):
 async def serve(settings: Settings) -> None:
     """Serve the console until SIGTERM/SIGINT: uvicorn finishes the requests under way, then
     stops."""
+    app = create_app(settings)
     config = uvicorn.Config(
-        create_app(settings),
+        app,
         host=settings.console_host,
         port=settings.console_port,
         log_config=None,  # our logging (logs.configure), not uvicorn's
@@ -41,4 +54,4 @@ async def serve(settings: Settings) -> None:
         server_header=False,
         lifespan="on",
     )
-    await _Server(config).serve()
+    await _Server(config, app.state.console.jobs).serve()

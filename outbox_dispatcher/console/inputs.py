@@ -3,15 +3,17 @@ anything reaches the database, with errors that name the field."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from outbox_dispatcher import routing
-from outbox_dispatcher.operate.filters import FIELDS, ROUTED, Filters, refusal
+from outbox_dispatcher.operate.filters import FIELDS, ROUTED, Bound, Filters, refusal
+from outbox_dispatcher.operate.listings import RowsQuery
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -49,8 +51,23 @@ class _Input(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, str_max_length=MAX_TEXT)
 
 
+class BoundBody(_Input):
+    """What an operator confirmed (the dry run's `bound`): ids up to `max_id`, dead (or
+    published) before `before`, at most `rows` of them."""
+
+    max_id: int = Field(ge=0)
+    before: datetime
+    rows: int = Field(ge=0)
+
+    _times = field_validator("before")(_utc)
+
+    def bound(self) -> Bound:
+        return Bound(self.max_id, self.before, self.rows)
+
+
 class DeadFilter(_Input):
-    """Which dead rows: the filters of `dead requeue|discard` (`all` for every dead row)."""
+    """Which dead rows: the filters of `dead requeue|discard` (`all` for every dead row), and
+    the bound they were confirmed for."""
 
     ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_IDS)
     key: str | None = None
@@ -61,9 +78,11 @@ class DeadFilter(_Input):
     dead_since: datetime | None = None
     dead_until: datetime | None = None
     error: str | None = Field(default=None, min_length=1, description="last_error contains")
+    cause: str | None = Field(default=None, description="a group of /dead/groups")
     all: bool = False
+    bound: BoundBody | None = Field(default=None, description="the dry run's bound")
 
-    _text = field_validator("key", "error")(_no_nul)
+    _text = field_validator("key", "error", "cause")(_no_nul)
     _times = field_validator("since", "until", "dead_since", "dead_until")(_utc)
 
     @field_validator("topic")
@@ -85,6 +104,7 @@ class DeadFilter(_Input):
             dead_since=self.dead_since,
             dead_until=self.dead_until,
             error=self.error,
+            cause=self.cause,
         )
 
     def checked(self, what: str) -> Filters:
@@ -95,9 +115,52 @@ class DeadFilter(_Input):
 
 
 class DeadQuery(DeadFilter):
-    """A listing: the same filters, none needed, and a limit."""
+    """A page of dead rows: the same filters, none needed, an order, a cursor and a limit."""
 
+    sort: Literal["id", "-id", "dead_at", "-dead_at"] = "id"
+    after: str | None = Field(default=None, description="the next page's cursor")
+    before: str | None = Field(default=None, description="the previous page's cursor")
     limit: int = Field(default=100, ge=1, le=MAX_LIMIT)
+
+
+class GroupsQuery(DeadFilter):
+    """Dead rows grouped by topic and cause: the same filters, and how many groups."""
+
+    limit: int = Field(default=50, ge=1, le=MAX_LIMIT)
+
+
+class RowsBrowse(_Input):
+    """Rows in any state, newest first, from bounded scans of ids."""
+
+    state: Literal["pending", "published", "dead"] | None = None
+    key: str | None = None
+    topic: str | None = None
+    event_id: uuid.UUID | None = None
+    header: str | None = Field(default=None, min_length=1, description='"name=value" contains')
+    payload: str | None = Field(default=None, min_length=1, description="payload contains")
+    since: datetime | None = None
+    until: datetime | None = None
+    from_id: int | None = Field(default=None, ge=1)
+    to_id: int | None = Field(default=None, ge=1)
+    before: int | None = Field(default=None, ge=1, description="continue below this id")
+    limit: int = Field(default=100, ge=1, le=MAX_LIMIT)
+
+    _text = field_validator("key", "header", "payload")(_no_nul)
+    _times = field_validator("since", "until")(_utc)
+
+    def query(self) -> RowsQuery:
+        return RowsQuery(
+            state=self.state,
+            key=self.key,
+            topic=self.topic,
+            event_id=self.event_id,
+            header=self.header,
+            payload=None if self.payload is None else self.payload.encode(),
+            since=self.since,
+            until=self.until,
+            from_id=self.from_id,
+            to_id=self.to_id,
+        )
 
 
 class ReplayFilter(_Input):
@@ -110,6 +173,7 @@ class ReplayFilter(_Input):
     since: datetime | None = None
     until: datetime | None = None
     all: bool = False
+    bound: BoundBody | None = Field(default=None, description="the dry run's bound")
 
     _text = field_validator("key")(_no_nul)
     _times = field_validator("since", "until")(_utc)
@@ -135,14 +199,11 @@ class ReplayFilter(_Input):
         return filters
 
 
-class PauseBody(_Input):
+class _Target(_Input):
     """A topic, or `all` for the whole table (routed rows too)."""
 
     topic: str | None = None
     all: bool = False
-    reason: str | None = None
-
-    _text = field_validator("reason")(_no_nul)
 
     @field_validator("topic")
     @classmethod
@@ -159,13 +220,28 @@ class PauseBody(_Input):
         return self.topic
 
 
-class ResumeBody(PauseBody):
-    pass
+class PauseBody(_Target):
+    """A topic, or the whole table, and why (for whoever resumes)."""
+
+    reason: str | None = None
+
+    _text = field_validator("reason")(_no_nul)
+
+
+class ResumeBody(_Target):
+    """A topic, or the whole table."""
 
 
 class AuditQuery(_Input):
     command: str | None = None
+    status: Literal["running", "done", "aborted", "interrupted", "failed"] | None = None
+    who: str | None = Field(default=None, description="a person or database role")
+    since: datetime | None = None
+    until: datetime | None = None
+    before: int | None = Field(default=None, ge=1, description="records older than this id")
     limit: int = Field(default=100, ge=1, le=MAX_LIMIT)
+
+    _times = field_validator("since", "until")(_utc)
 
 
 class BlockedQuery(_Input):
@@ -193,7 +269,7 @@ def parse(model: type[M], data: object) -> M:
         problems = [
             {
                 "field": ".".join(str(part) for part in error["loc"]) or "(body)",
-                "problem": str(error["msg"]).removeprefix("Value error, "),
+                "problem": _problem(error),
             }
             for error in exc.errors()
         ]
@@ -201,12 +277,23 @@ def parse(model: type[M], data: object) -> M:
         raise InputError(f"invalid input: {fields}", problems) from None
 
 
+def _problem(error: Any) -> str:
+    """A field's problem in the CLI's words where the CLI has them."""
+    if str(error["type"]).startswith(("datetime_", "date_")):
+        return f"{error['input']!r} is not an ISO-8601 time (e.g. 2026-11-30T12:00:00Z)"
+    return str(error["msg"]).removeprefix("Value error, ")
+
+
+# Fields of the page forms that are not filters.
+_FORM_ONLY = ("id", "csrf", "action", "scope", "filter", "body", "expected", "request", "typed")
+
+
 def from_query(params: Mapping[str, str], multi: Mapping[str, list[str]]) -> dict[str, Any]:
     """A query string or form as model input: empty fields dropped (a form sends them), `id`
     repeated for ids, a checkbox's "on" as true."""
     data: dict[str, Any] = {}
     for name, value in params.items():
-        if name in ("id", "csrf", "action", "scope", "filter", "body", "expected") or not value:
+        if name in _FORM_ONLY or not value:
             continue
         data[name] = True if value == "on" else value
     ids = [value for value in multi.get("id", []) if value]

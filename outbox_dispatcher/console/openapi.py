@@ -9,7 +9,13 @@ from typing import Any
 from pydantic import BaseModel
 
 from outbox_dispatcher import __version__
-from outbox_dispatcher.console.inputs import AuditQuery, BlockedQuery, DeadQuery
+from outbox_dispatcher.console.inputs import (
+    AuditQuery,
+    BlockedQuery,
+    DeadQuery,
+    GroupsQuery,
+    RowsBrowse,
+)
 
 _PATHS = {
     "dead-requeue": ("/api/v1/dead/requeue", "Make matching dead rows pending again"),
@@ -44,7 +50,9 @@ _ERROR = {
     },
 }
 _OUTCOME = {
-    "description": "how many rows changed (with dry_run: how many the action would affect)",
+    "description": "how many rows changed (with dry_run: how many the action would affect, and "
+    "the bound to send back in the body to act on those rows only); 202: still running, follow "
+    "`job`",
     "content": {
         "application/json": {
             "schema": {
@@ -54,6 +62,10 @@ _OUTCOME = {
                     "rows": {"type": "integer"},
                     "dry_run": {"type": "boolean"},
                     "detail": {"type": "string"},
+                    "bound": {"type": "object"},
+                    "record": {"type": "integer"},
+                    "status": {"type": "string"},
+                    "job": {"type": "string"},
                 },
                 "required": ["command", "rows", "dry_run", "detail"],
             }
@@ -81,21 +93,48 @@ def _get(summary: str, model: type[BaseModel] | None = None) -> dict[str, Any]:
     return {"get": operation}
 
 
+def _one(summary: str, name: str, kind: str) -> dict[str, Any]:
+    return {
+        "get": {
+            "summary": summary,
+            "parameters": [
+                {"name": name, "in": "path", "required": True, "schema": {"type": kind}}
+            ],
+            "responses": {"200": {"description": "OK"}, "404": _ERROR},
+        }
+    }
+
+
 def document(actions: Mapping[str, tuple[type[BaseModel], object]]) -> dict[str, Any]:
     paths: dict[str, Any] = {
-        "/api/v1/status": _get("Per topic pending, in flight, dead, blocked keys, paused; history"),
-        "/api/v1/dead": _get("Dead rows", DeadQuery),
+        "/api/v1/status": _get("The `status --json` report: topics, pauses, dispatchers; history"),
+        "/api/v1/dead": _get(
+            "A page of dead rows (keyset: after/before), with the total", DeadQuery
+        ),
+        "/api/v1/dead/groups": _get("Dead rows grouped by topic and cause", GroupsQuery),
+        "/api/v1/rows": _get("Rows in any state, newest first, scanned in windows", RowsBrowse),
         "/api/v1/blocked": _get("Keys whose head waits, and why", BlockedQuery),
-        "/api/v1/rows/{id}": {
-            "get": {
-                "summary": "One row (the payload only with OUTBOX_CONSOLE_SHOW_PAYLOAD)",
+        "/api/v1/routed": _get("Rows without a topic, by the topic they are routed to"),
+        "/api/v1/rows/{id}": _one(
+            "One row (the payload only with OUTBOX_CONSOLE_SHOW_PAYLOAD)", "id", "integer"
+        ),
+        "/api/v1/events/{event_id}": _one(
+            "The row of an event id (a redirect)", "event_id", "string"
+        ),
+        "/api/v1/audit": _get("Operator actions, newest first", AuditQuery),
+        "/api/v1/jobs/{id}": _one(
+            "One action's record: its progress, how it ended", "id", "integer"
+        ),
+        "/api/v1/jobs/{id}/abort": {
+            "post": {
+                "summary": "Ask a running action to stop after its current batch",
+                "security": [{"token": []}],
                 "parameters": [
                     {"name": "id", "in": "path", "required": True, "schema": {"type": "integer"}}
                 ],
-                "responses": {"200": {"description": "OK"}, "404": _ERROR},
+                "responses": {"200": {"description": "the record"}, "409": _ERROR, "401": _ERROR},
             }
         },
-        "/api/v1/audit": _get("Operator actions, newest first", AuditQuery),
     }
     for name, (model, _) in actions.items():
         path, summary = _PATHS[name]
@@ -109,7 +148,14 @@ def document(actions: Mapping[str, tuple[type[BaseModel], object]]) -> dict[str,
                         "in": "query",
                         "required": False,
                         "schema": {"type": "boolean", "default": False},
-                    }
+                    },
+                    {
+                        "name": "Idempotency-Key",
+                        "in": "header",
+                        "required": False,
+                        "schema": {"type": "string"},
+                        "description": "a second request with the same key finds the first run",
+                    },
                 ],
                 "requestBody": {
                     "required": True,
@@ -117,6 +163,7 @@ def document(actions: Mapping[str, tuple[type[BaseModel], object]]) -> dict[str,
                 },
                 "responses": {
                     "200": _OUTCOME,
+                    "202": _OUTCOME,
                     "400": _ERROR,
                     "401": _ERROR,
                     "403": _ERROR,
@@ -132,7 +179,8 @@ def document(actions: Mapping[str, tuple[type[BaseModel], object]]) -> dict[str,
                 "token": {
                     "type": "http",
                     "scheme": "bearer",
-                    "description": "OUTBOX_CONSOLE_TOKEN; without it the console is read-only",
+                    "description": "OUTBOX_CONSOLE_TOKEN (reads need it too, unless "
+                    "OUTBOX_CONSOLE_ANONYMOUS_READ)",
                 }
             }
         },

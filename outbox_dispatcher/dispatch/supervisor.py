@@ -182,7 +182,7 @@ class Dispatcher:
             "reclaimer": reclaimer.reclaim(pool, self.queries, s, self.metrics),
             "metrics": metrics.sample(pool, self.queries, s, self.metrics),
             "readiness": self._refresh_readiness(readiness),
-            "heartbeat": registry.heartbeat(pool, self.queries, s, self.owner),
+            "heartbeat": registry.heartbeat(pool, self.queries, s, self.owner, self.metrics.totals),
         }
         if s.listen:
             side["listener"] = listener.listen(s, self.wakeup)

@@ -1,41 +1,42 @@
 """The operator's actions and the one flow both faces run them through.
 
-`perform` is that flow: refuse what must not run, count what would change, ask (a hook: the CLI
-asks on a terminal; the console's two-step page is its own confirmation), act and audit (in one
-transaction where the action is one), wake idle dispatchers, describe. Each action says only what
-is its own: its refusal, its count, its statement, its audit filter and its words (text.py).
+`perform` is that flow: refuse what must not run, count what would change (and fix the bound of
+what was counted), ask (a hook: the CLI asks on a terminal; the console's confirmation page is its
+own question, and its bound comes back with the answer), record the action as running, act batch
+by batch with the record kept true (jobs.py), close the record (done, aborted, interrupted,
+failed), wake idle dispatchers, describe. Each action says only what is its own: its refusal, its
+count, its statement, its audit filter and its words (text.py).
 
 Every action is safe while dispatchers run. Dead and published rows are never leased, so the
 actions that change them cannot race a dispatcher's publish; each works in batches of
-`batch_size` rows between ids fixed when it starts. Pauses live in a table the claim reads; rows
+`batch_size` rows within the bound its count fixed. Pauses live in a table the claim reads; rows
 already claimed when a pause commits are still published. docs/operations.md says more.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Mapping
-from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Protocol
-
-import orjson
+from typing import Any, Protocol
 
 from outbox_dispatcher import cleanup, errors
-from outbox_dispatcher.operate import reads, text
-from outbox_dispatcher.operate.filters import FIELDS, Filters, Names, refusal
+from outbox_dispatcher.operate import jobs, text
+from outbox_dispatcher.operate.filters import FIELDS, Bound, Filters, Names, refusal
+from outbox_dispatcher.operate.jobs import Advance, Batch, Ledger, Origin
 from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.store import Row, Store
 
-# Rows done by one more batch.
-Advance = Callable[[int], object]
+__all__ = ["Advance", "Origin"]
+
 # What shows an action's advance, given the rows it is expected to change (None: not counted).
 Progress = Callable[[int | None], AbstractContextManager[Advance]]
 # Go on? Given what the count found and the action's question (None: it asks nothing).
 Confirm = Callable[[int | None, str | None], bool]
-# Where an action came from, for its audit row (merged into the filter): the CLI gives none, the
-# console {"via": "console", "http_client": ...}.
-Origin = Mapping[str, object]
+# Told the action's record once it is open (the console answers the request with it).
+Opened = Callable[[Ledger], object]
 
 
 class ActionRefusedError(errors.OutboxDispatcherError):
@@ -61,7 +62,7 @@ class Action(Protocol):
 
     @property
     def atomic(self) -> bool:
-        """Whether it acts and audits in one transaction (else each batch commits)."""
+        """Whether it acts in one transaction (else each batch commits)."""
 
     def refusal(self) -> ActionRefusedError | None: ...
 
@@ -69,11 +70,17 @@ class Action(Protocol):
 
     async def count(self, session: Session) -> int | None: ...
 
-    async def run(self, session: Session, advance: Advance | None) -> int: ...
+    async def run(self, session: Session, ledger: Ledger, advance: Advance | None) -> int: ...
 
     def audited(self) -> dict[str, object]: ...
 
+    def confirmed(self) -> Bound | None: ...
+
     def describe(self, rows: int, *, dry_run: bool) -> str: ...
+
+    async def after_commit(self, session: Session) -> bool:
+        """Look again once the change is visible to everyone (a pause counts again); whether
+        its description changed (the audit record keeps the one its transaction wrote)."""
 
 
 @dataclass(frozen=True)
@@ -86,14 +93,22 @@ class ActionResult:
     detail: str
     matching: int | None = None  # what the count found before acting (None: not counted)
     done: bool = True  # False: a dry run, or not confirmed
+    bound: Bound | None = None  # what the count fixed, for the confirmation to carry back
+    record: int | None = None  # its audit record
+    status: str = jobs.DONE
 
     def as_json(self) -> dict[str, object]:
-        return {
+        found: dict[str, object] = {
             "command": self.command,
             "rows": self.rows,
             "dry_run": self.dry_run,
             "detail": self.detail,
         }
+        if self.bound is not None:
+            found["bound"] = self.bound.as_json()
+        if self.record is not None:
+            found.update(record=self.record, status=self.status)
+        return found
 
 
 def refuse(action: Action) -> None:
@@ -111,64 +126,79 @@ async def perform(
     progress: Progress | None = None,
     origin: Origin | None = None,
     confirm: Confirm | None = None,
+    key: str | None = None,
+    opened: Opened | None = None,
 ) -> ActionResult:
-    """Count -> confirm -> act and audit -> wake -> describe; a dry run stops after counting."""
+    """Count -> confirm -> record -> act batch by batch -> close -> wake -> describe; a dry
+    run stops after counting. `key`: a second call with it finds the first run
+    (jobs.DuplicateRunError)."""
     refuse(action)
     matching = await action.count(session)
+    bound = action.confirmed()
     if dry_run or (confirm is not None and not confirm(matching, action.question(matching))):
         rows = matching or 0
         detail = action.describe(rows, dry_run=True)
-        return ActionResult(action.command, rows, dry_run, detail, matching, done=False)
-    with progress(matching) if progress else contextlib.nullcontext() as advance:
-        rows = await _act(action, session, advance, origin)
-    # An action may look again once its change is visible to everyone (a pause's count).
-    after_commit = getattr(action, "after_commit", None)
-    if after_commit is not None:
-        await after_commit(session)
+        return ActionResult(action.command, rows, dry_run, detail, matching, False, bound)
+    ledger = await Ledger.open(
+        session,
+        action.command,
+        action.audited(),
+        origin or Origin(),
+        expected=matching,
+        bound=None if bound is None else bound.as_json(),
+        key=key,
+    )
+    if opened is not None:
+        opened(ledger)
+    try:
+        with progress(matching) if progress else contextlib.nullcontext() as advance:
+            status, rows, detail = await _act(action, session, ledger, advance)
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        rows = 0 if action.atomic else ledger.rows
+        await ledger.close_quietly(jobs.INTERRUPTED, text.interrupted(action.command, rows), rows)
+        raise
+    except BaseException as exc:
+        rows = 0 if action.atomic else ledger.rows
+        await ledger.close_quietly(jobs.FAILED, errors.describe(exc), rows)
+        raise
+    finally:
+        await ledger.release()
+    if status == jobs.DONE and await action.after_commit(session):
+        detail = action.describe(rows, dry_run=False)
     if rows and action.wakes:
         await session.store.wake(channel=session.channel)
-    return ActionResult(action.command, rows, False, action.describe(rows, dry_run=False), matching)
+    return ActionResult(
+        action.command, rows, False, detail, matching, True, bound, ledger.id, status
+    )
 
 
 async def _act(
-    action: Action, session: Session, advance: Advance | None, origin: Origin | None
-) -> int:
-    async with _transaction(session, atomic=action.atomic):
-        rows = await action.run(session, advance)
-        await audit(session, action.command, {**action.audited(), **(origin or {})}, rows)
-    return rows
+    action: Action, session: Session, ledger: Ledger, advance: Advance | None
+) -> tuple[str, int, str]:
+    """Run the action and close its record: in the action's one transaction if it has one (an
+    abort then rolls it all back), else after its last batch. How it ended, its rows, its words."""
+    if not action.atomic:
+        rows = await action.run(session, ledger, advance)
+        detail = action.describe(rows, dry_run=False)
+        status = jobs.ABORTED if ledger.aborting else jobs.DONE
+        detail = text.aborted(detail) if ledger.aborting else detail
+        await ledger.close(status, detail, rows)
+        return status, rows, detail
+    try:
+        async with session.transaction():
+            rows = await action.run(session, ledger, advance)
+            jobs.roll_back_if_aborting(ledger)
+            detail = action.describe(rows, dry_run=False)
+            await ledger.close(jobs.DONE, detail, rows)
+    except jobs.AbortedError:
+        detail = text.aborted(action.describe(0, dry_run=False), atomic=True)
+        await ledger.close(jobs.ABORTED, detail, 0)
+        return jobs.ABORTED, 0, detail
+    return jobs.DONE, rows, detail
 
 
-def _transaction(session: Session, *, atomic: bool) -> AbstractAsyncContextManager[object]:
-    return session.transaction() if atomic else contextlib.nullcontext()
-
-
-async def audit(session: Session, command: str, filter: object, rows: int) -> None:
-    """Record an operator action in the database (who, from where and when: the database's)."""
-    # As text: the statement works on any connection, with or without our jsonb codec.
-    await session.store.audit(command=command, filter_json=orjson.dumps(filter).decode(), rows=rows)
-
-
-# One batch of a cursor-batched statement: Store.dead_requeue, dead_discard or replay_batch.
-Step = Callable[..., Awaitable[Row]]
-
-
-async def walk(
-    store: Store, step: Step, args: tuple[object, ...], batch_size: int, advance: Advance | None
-) -> int:
-    """Run a cursor-batched statement over ids (0, max id now], one transaction per batch
-    (unless the caller holds one)."""
-    bound = await store.max_id()
-    after = 0
-    total = 0
-    while True:
-        row = await step(filter_args=args, after=after, bound=bound, limit=batch_size)
-        if row["last_id"] is None:
-            return total
-        after = row["last_id"]
-        total += row["rows"]
-        if advance is not None:
-            advance(row["rows"])
+def _batch(row: Row) -> Batch:
+    return Batch(row["last_id"], row["rows"], row["first_id"])
 
 
 # --- rows a filter selects ----------------------------------------------------------------------
@@ -176,12 +206,14 @@ async def walk(
 
 @dataclass
 class _Filtered:
-    """An action over the rows its filters select, walked in batches of `batch_size` ids."""
+    """An action over the rows its filters select, walked in batches of `batch_size` ids within
+    its bound: the one the operator confirmed, or the one its count fixes."""
 
     filters: Filters
     batch_size: int
     everything: bool = False  # every such row, on purpose (--all, "all": true)
     names: Names = FIELDS
+    bound: Bound | None = None
     verb = ""  # requeue, discard, replay
     noun = ""  # the rows it changes: "dead row"
     asks = False  # whether it asks before changing every such row
@@ -204,23 +236,49 @@ class _Filtered:
             return None
         return f"{self.verb} all {text.rows(matching or 0, self.noun)}?"
 
-    def _args(self) -> tuple[object, ...]:
-        return self.filters.replay_args() if self.replays else self.filters.dead_args()
+    def _args(self, bound: Bound | None) -> tuple[object, ...]:
+        filters = self.filters
+        return filters.replay_args(bound) if self.replays else filters.dead_args(bound)
 
     async def count(self, session: Session) -> int | None:
+        """Without a bound: count, and fix the bound (the rows counted). With one: count within
+        it, refused if more rows match there than were confirmed."""
         store = session.store
+        if self.bound is None:
+            bounding = store.replay_bound if self.replays else store.dead_bound
+            row = await bounding(filter_args=self._args(None))
+            self.bound = Bound(max_id=row["max_id"] or 0, before=row["before"], rows=row["rows"])
+            return self.bound.rows
         counting = store.replay_count if self.replays else store.dead_count
-        return await counting(filter_args=self._args())
+        matching = await counting(filter_args=self._args(self.bound))
+        if matching > self.bound.rows:
+            problem = text.more_than_confirmed(matching, self.bound.rows, self.noun)
+            raise ActionRefusedError(problem, usage=False)
+        return matching
 
-    async def run(self, session: Session, advance: Advance | None) -> int:
-        store = session.store
-        return await walk(store, self._step(store), self._args(), self.batch_size, advance)
+    def confirmed(self) -> Bound | None:
+        return self.bound
 
-    def _step(self, store: Store) -> Step:
+    async def after_commit(self, session: Session) -> bool:
+        return False
+
+    async def run(self, session: Session, ledger: Ledger, advance: Advance | None) -> int:
+        batch_of = self._step(session.store)
+        args = self._args(self.bound)
+
+        async def step(after: int, limit: int) -> Batch:
+            return _batch(await batch_of(filter_args=args, after=after, limit=limit))
+
+        cap = None if self.bound is None else self.bound.rows
+        return await jobs.walk(
+            session, step, ledger, self.batch_size, atomic=self.atomic, cap=cap, advance=advance
+        )
+
+    def _step(self, store: Store) -> Callable[..., Any]:
         raise NotImplementedError
 
     def audited(self) -> dict[str, object]:
-        return self.filters.as_json()
+        return {**self.filters.as_json(), **({"all": True} if self.everything else {})}
 
     def describe(self, rows: int, *, dry_run: bool) -> str:
         return text.changed(self.verb, rows, self.noun, dry_run=dry_run)
@@ -235,7 +293,7 @@ class DeadRequeue(_Filtered):
     noun = "dead row"
     wakes = True
 
-    def _step(self, store: Store) -> Step:
+    def _step(self, store: Store) -> Callable[..., Any]:
         return store.dead_requeue
 
 
@@ -248,7 +306,7 @@ class DeadDiscard(_Filtered):
     noun = "dead row"
     asks = True
 
-    def _step(self, store: Store) -> Step:
+    def _step(self, store: Store) -> Callable[..., Any]:
         return store.dead_discard
 
 
@@ -258,8 +316,8 @@ class Replay(_Filtered):
 
     One transaction (in batches, for progress): dispatchers see every replayed row at once when
     it commits, so a key's replayed rows go out in their order and before the key's newer rows;
-    an interrupted replay changes nothing. Published rows are never leased, so the row locks it
-    holds until then delay no dispatcher.
+    an interrupted or aborted replay changes nothing. Published rows are never leased, so the
+    row locks it holds until then delay no dispatcher.
     """
 
     deletes_on_publish: bool = False  # OUTBOX_DELETE_ON_PUBLISH: no published row is kept
@@ -277,15 +335,28 @@ class Replay(_Filtered):
             return ActionRefusedError(text.DELETES_ON_PUBLISH, usage=False)
         return refused
 
-    def _step(self, store: Store) -> Step:
+    def _step(self, store: Store) -> Callable[..., Any]:
         return store.replay_batch
 
 
 # --- other rows ----------------------------------------------------------------------------------
 
 
+class Uncounted:
+    """An action whose rows are not counted in advance (no bound to confirm)."""
+
+    def refusal(self) -> ActionRefusedError | None:
+        return None
+
+    def confirmed(self) -> Bound | None:
+        return None
+
+    async def after_commit(self, session: Session) -> bool:
+        return False
+
+
 @dataclass
-class ReleaseHeld:
+class ReleaseHeld(Uncounted):
     """Let rows go that an interrupted replay of version 0.1 left held (pending, not due)."""
 
     topic: str | None = None
@@ -293,16 +364,13 @@ class ReleaseHeld:
     wakes = True
     atomic = True
 
-    def refusal(self) -> ActionRefusedError | None:
-        return None
-
     def question(self, matching: int | None) -> str | None:
         return None
 
     async def count(self, session: Session) -> int | None:
         return None
 
-    async def run(self, session: Session, advance: Advance | None) -> int:
+    async def run(self, session: Session, ledger: Ledger, advance: Advance | None) -> int:
         return await session.store.release_held(topic=self.topic)
 
     def audited(self) -> dict[str, object]:
@@ -313,7 +381,7 @@ class ReleaseHeld:
 
 
 @dataclass
-class Cleanup:
+class Cleanup(Uncounted):
     """Delete published rows older than `older_than` seconds now (retention's walk)."""
 
     older_than: float
@@ -321,10 +389,7 @@ class Cleanup:
     command = "cleanup"
     wakes = False
     atomic = False
-    swept: cleanup.Swept | None = field(default=None, init=False)
-
-    def refusal(self) -> ActionRefusedError | None:
-        return None
+    batches: int = field(default=0, init=False)
 
     def question(self, matching: int | None) -> str | None:
         if self.older_than != 0 or not matching:
@@ -334,95 +399,23 @@ class Cleanup:
     async def count(self, session: Session) -> int | None:
         return await session.store.cleanup_count(older_than_seconds=self.older_than)
 
-    async def run(self, session: Session, advance: Advance | None) -> int:
-        self.swept = await cleanup.delete_published(
-            session.conn, session.queries, self.older_than, self.batch_size, advance
+    async def run(self, session: Session, ledger: Ledger, advance: Advance | None) -> int:
+        store = session.store
+
+        async def step(after: int, limit: int) -> Batch:
+            row = await store.cleanup_window(
+                after=after, older_than_seconds=self.older_than, limit=limit
+            )
+            self.batches += row["last_id"] is not None
+            final = cleanup.walk_ends(row, limit)
+            return Batch(row["last_id"], row["deleted"], final=final)
+
+        return await jobs.walk(
+            session, step, ledger, self.batch_size, atomic=False, cap=None, advance=advance
         )
-        return self.swept.deleted
 
     def audited(self) -> dict[str, object]:
         return {"older_than_seconds": self.older_than}
 
     def describe(self, rows: int, *, dry_run: bool) -> str:
         return text.cleanup(rows, self.older_than, dry_run=dry_run)
-
-
-# --- pauses ------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Waiting:
-    """A pause or resume of a topic (None: the whole table). With `count_waiting` its count is
-    the pending rows it holds or lets go, read before it acts (a read of every topic)."""
-
-    topic: str | None = None
-    count_waiting: bool = False
-    pending: int | None = field(default=None, init=False)
-    in_flight: int = field(default=0, init=False)
-    atomic = True
-
-    def refusal(self) -> ActionRefusedError | None:
-        return None
-
-    async def count(self, session: Session) -> int | None:
-        if self.count_waiting:
-            self.pending, self.in_flight = await reads.pending_of(session, self.topic)
-        return self.pending
-
-
-@dataclass
-class Pause(_Waiting):
-    """Stop claiming rows of a topic or of the whole table; paused_by is the database role and
-    the client's address."""
-
-    reason: str | None = None
-    paused: reads.Pause | None = field(default=None, init=False)
-    command = "pause"
-    wakes = False
-
-    def question(self, matching: int | None) -> str | None:
-        return None if self.topic else f"pause {text.pause_target(None)}?"
-
-    async def run(self, session: Session, advance: Advance | None) -> int:
-        row = await session.store.pause(topic=self.topic or reads.WHOLE_TABLE, reason=self.reason)
-        self.paused = reads.Pause(**dict(row or {}))
-        return 1
-
-    async def after_commit(self, session: Session) -> None:
-        """Count again once claims that began before the pause have ended: they may still lease
-        rows of the topic, and "already claimed" must be every row that still goes out."""
-        if self.count_waiting and await session.store.wait_for_pause_readers():
-            self.pending, self.in_flight = await reads.pending_of(session, self.topic)
-
-    def audited(self) -> dict[str, object]:
-        return {"topic": self.topic, "reason": self.reason}
-
-    def describe(self, rows: int, *, dry_run: bool) -> str:
-        if self.pending is not None:
-            return text.pause_counted(self.topic, self.pending, self.in_flight, dry_run=dry_run)
-        paused_at = None if self.paused is None else self.paused.paused_at
-        return text.pause(self.topic, paused_at, dry_run=dry_run)
-
-
-@dataclass
-class Resume(_Waiting):
-    """Lift a pause; idle dispatchers are woken so that its rows go out at once."""
-
-    lifted: reads.Pause | None = field(default=None, init=False)
-    command = "resume"
-    wakes = True
-
-    def question(self, matching: int | None) -> str | None:
-        return None
-
-    async def run(self, session: Session, advance: Advance | None) -> int:
-        row = await session.store.resume(topic=self.topic or reads.WHOLE_TABLE)
-        self.lifted = None if row is None else reads.Pause(**dict(row))
-        return 0 if row is None else 1
-
-    def audited(self) -> dict[str, object]:
-        return {"topic": self.topic}
-
-    def describe(self, rows: int, *, dry_run: bool) -> str:
-        lifted = self.lifted is not None
-        return text.resume(self.topic, self.pending, lifted=lifted, dry_run=dry_run)

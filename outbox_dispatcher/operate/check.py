@@ -74,7 +74,8 @@ async def check(settings: Settings, *, repair: bool = False) -> list[Finding]:
     report.add("ok", f"settings are valid (table {settings.db_schema}.{settings.table})")
     for variable, close in unknown_variables(os.environ):
         hint = f": did you mean {close}?" if close else ""
-        report.add("warning", f"{variable} is not a setting and is ignored{hint}")
+        # A problem, not a warning: the setting the operator meant is not in effect.
+        report.add("problem", f"{variable} is not a setting and is ignored{hint}")
     if settings.default_topic:
         report.needed[settings.default_topic] = "OUTBOX_DEFAULT_TOPIC"
     try:
@@ -96,11 +97,19 @@ async def _check_database(
     report.add("ok", "database is reachable")
     schema, table = settings.db_schema, settings.table
     try:
-        await migrations.check_version(conn, schema, table)
+        version = await migrations.check_version(conn, schema, table)
     except errors.SchemaVersionError as exc:
         report.add("problem", f"schema: {exc}")
         return
-    report.add("ok", f"schema {schema}.{table} is at version {migrations.latest_version()}")
+    report.add("ok", f"schema {schema}.{table} is at version {version}")
+    if version < migrations.CONSOLE_VERSION:
+        # A rolling upgrade's expand step: dispatchers run, operator commands wait.
+        report.add(
+            "warning",
+            f"schema: the operator commands and the console need version "
+            f"{migrations.CONSOLE_VERSION}: run `outbox-dispatcher migrate` once no dispatcher "
+            f"older than version {migrations.OLDEST_SUPPORTED} runs",
+        )
     try:
         await db.require_read_committed(conn)
     except errors.ConfigurationError as exc:

@@ -29,12 +29,14 @@ class Filters:
     dead_since: datetime | None = None  # dead_at, for dead rows
     dead_until: datetime | None = None
     error: str | None = None  # dead rows whose last_error contains this, in any case
+    cause: str | None = None  # dead rows of this cause (a group of reads.dead_groups)
 
     def empty(self) -> bool:
         return all(value is None for value in vars(self).values())
 
-    def dead_args(self) -> tuple[object, ...]:
-        """The dead-row statements' filter parameters, in their order ($1..$9)."""
+    def dead_args(self, bound: Bound | None = None) -> tuple[object, ...]:
+        """The dead-row statements' filter parameters, in their order ($1..$12: the filter's
+        _dead_filter in sql/queries.sql), within `bound` if given."""
         return (
             self.ids,
             self.key,
@@ -45,11 +47,14 @@ class Filters:
             self.dead_since,
             self.dead_until,
             self.error,
+            self.cause,
+            *(bound.args() if bound else (None, None)),
         )
 
-    def replay_args(self) -> tuple[object, ...]:
-        """The replay statements' filter parameters, in their order ($1..$6)."""
-        return (self.from_id, self.to_id, self.key, self.topic, self.since, self.until)
+    def replay_args(self, bound: Bound | None = None) -> tuple[object, ...]:
+        """The replay statements' filter parameters, in their order ($1..$8)."""
+        head = (self.from_id, self.to_id, self.key, self.topic, self.since, self.until)
+        return (*head, *(bound.args() if bound else (None, None)))
 
     def as_json(self) -> dict[str, object]:
         """The filter for the audit table: only what was given, times in ISO 8601."""
@@ -58,6 +63,24 @@ class Filters:
             for name, value in vars(self).items()
             if value is not None
         }
+
+
+@dataclass(frozen=True)
+class Bound:
+    """What an operator confirmed a mass change for: the rows its count saw (ids up to `max_id`,
+    dead or published before `before`, by the database's clock) and how many there were. The
+    change then touches no other row and no more than `rows` of them: a row that died (or was
+    published) after the count is not among them, whenever the operator says yes."""
+
+    max_id: int
+    before: datetime
+    rows: int
+
+    def args(self) -> tuple[object, object]:
+        return (self.max_id, self.before)
+
+    def as_json(self) -> dict[str, object]:
+        return {"max_id": self.max_id, "before": self.before.isoformat(), "rows": self.rows}
 
 
 @dataclass(frozen=True)
@@ -76,7 +99,7 @@ class Names:
 FIELDS = Names(
     every='"all"',
     every_given='"all": true',
-    dead_filters="ids, key, keyless, topic, since, until, dead_since, dead_until, error",
+    dead_filters="ids, key, keyless, topic, since, until, dead_since, dead_until, error, cause",
     replay_filters="from_id, to_id, key, topic, since, until",
     from_id="from_id",
     to_id="to_id",

@@ -6,14 +6,12 @@ Each read takes a Session and returns data; the faces print or render it.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from typing import Any
 
-import orjson
-
 from outbox_dispatcher import registry
-from outbox_dispatcher.operate.filters import Filters
 from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.store import Row
 
@@ -44,17 +42,28 @@ class TopicStatus:
 
 @dataclass(frozen=True)
 class Dispatcher:
-    """A running dispatcher, from its heartbeat row."""
+    """A running dispatcher, from its heartbeat row: what it reported (the schema version it
+    runs, counters since it started) and the rows it has in flight now."""
 
-    owner: str
+    owner: str  # host:pid:suffix
     dead_letter_policy: str
     started_at: datetime
     heartbeat_at: datetime
     heartbeat_age_seconds: float
+    # The schema version it runs (the latest it knows); None: older than 10, which record none.
+    version: int | None = None
+    published_total: int | None = None  # None: older than 12, which count nothing here
+    dead_total: int | None = None
+    in_flight: int = 0
+
+    @property
+    def host(self) -> str:
+        return self.owner.rsplit(":", 2)[0] if self.owner.count(":") >= 2 else self.owner
 
     def as_json(self) -> dict[str, Any]:
         return {
             **asdict(self),
+            "host": self.host,
             "started_at": self.started_at.isoformat(),
             "heartbeat_at": self.heartbeat_at.isoformat(),
         }
@@ -110,9 +119,18 @@ def counting_policy(dispatchers: list[Dispatcher], default: str) -> str:
 
 
 async def read_dispatchers(session: Session, live_seconds: float) -> list[Dispatcher]:
-    """Dispatchers that beat within `live_seconds`."""
+    """Dispatchers that beat within `live_seconds`, each with its rows in flight."""
     rows = await session.store.dispatchers_live(live_seconds=live_seconds)
-    return [Dispatcher(**dict(r)) for r in rows]
+    if not rows:
+        return []
+    leased = await in_flight_by_owner(session)
+    return [Dispatcher(**dict(r), in_flight=leased.get(r["owner"], 0)) for r in rows]
+
+
+async def in_flight_by_owner(session: Session) -> dict[str, int]:
+    """Rows held by a live claim, per owner (the one place that says what "in flight" means
+    per dispatcher)."""
+    return {row["owner"]: row["rows"] for row in await session.store.in_flight_by_owner()}
 
 
 async def read_pauses(session: Session) -> list[Pause]:
@@ -201,12 +219,6 @@ def _oldest(ages: Any) -> float | None:
     return max((age for age in ages if age), default=None)
 
 
-async def dead_list(session: Session, filters: Filters, limit: int) -> list[dict[str, Any]]:
-    """Dead rows matching `filters`, by id, at most `limit`; event ids as text."""
-    rows = await session.store.dead_list(filter_args=filters.dead_args(), limit=limit)
-    return [{**dict(row), "event_id": str(row["event_id"])} for row in rows]
-
-
 async def blocked(
     session: Session, default_policy: str, *, topic: str | None, key: str | None, limit: int
 ) -> tuple[str, list[Row]]:
@@ -228,7 +240,41 @@ async def row(
     )
 
 
-async def audit(session: Session, command: str | None, limit: int) -> list[dict[str, Any]]:
-    """Operator actions, newest first, each with its filter decoded."""
-    rows = await session.store.audit_list(command=command, limit=limit)
-    return [{**dict(r), "filter": orjson.loads(r["filter"])} for r in rows]
+async def row_by_event(session: Session, event_id: uuid.UUID) -> int | None:
+    """The id of the row with this event id (the unique index), if there is one."""
+    return await session.store.row_by_event(event_id=event_id)
+
+
+@dataclass(frozen=True)
+class Gauges:
+    """The cheap numbers of the table (the gauge query behind /metrics) and each live
+    dispatcher's counters (rows published, dead-lettered since it started), for a chart."""
+
+    pending: int
+    parked: int  # pending rows waiting on purpose (paused, held): not lag
+    dead: int
+    oldest_pending_age_seconds: float | None
+    # owner -> (published, dead-lettered, Unix time of the heartbeat that reported them)
+    counters: dict[str, tuple[int, int, float]]
+
+
+async def gauges(session: Session) -> Gauges:
+    store = session.store
+    row = await store.gauges(block_on_dead=False)
+    live = await store.dispatchers_live(live_seconds=registry.LIVE_SECONDS)
+    counters = {
+        d["owner"]: (
+            int(d["published_total"]),
+            int(d["dead_total"] or 0),
+            d["heartbeat_at"].timestamp(),
+        )
+        for d in live
+        if d["published_total"] is not None
+    }
+    return Gauges(
+        pending=row["pending"],
+        parked=row["paused_rows"] + row["held_rows"],
+        dead=row["dead"],
+        oldest_pending_age_seconds=row["oldest_pending_age_seconds"],
+        counters=counters,
+    )

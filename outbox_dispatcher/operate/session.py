@@ -7,6 +7,7 @@ Built once per command (CLI) or request (console) by `connected`, and handed to 
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import AsyncIterator
 
 import asyncpg
@@ -18,21 +19,32 @@ from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import Store
 
 
-class Session:
-    """A connection, the table's statements over it, and the channel its dispatchers listen on
-    (an action that makes rows pending wakes them there)."""
+def audit_lock_key(schema: str, table: str) -> int:
+    """The first key of the advisory locks (key, record id) that running actions hold, one per
+    table (the migrations' one-key lock and the registry's key space are other keys)."""
+    return zlib.crc32(f"outbox-dispatcher audit:{schema}.{table}".encode()) & 0x7FFFFFFF
 
-    def __init__(self, conn: asyncpg.Connection, queries: Queries, channel: str) -> None:
+
+class Session:
+    """A connection, the table's statements over it, the channel its dispatchers listen on (an
+    action that makes rows pending wakes them there) and the table's lock key of running
+    actions."""
+
+    def __init__(
+        self, conn: asyncpg.Connection, queries: Queries, channel: str, audit_lock: int = 0
+    ) -> None:
         self.conn = conn
         self.queries = queries
         self.store = Store(conn, queries)
         self.channel = channel
+        self.audit_lock = audit_lock
 
     @classmethod
     def of(cls, conn: asyncpg.Connection, settings: Settings) -> Session:
         """A session on `conn` for the table the settings name."""
         queries = Queries.for_table(settings.db_schema, settings.table)
-        return cls(conn, queries, listener.channel_name(settings))
+        lock = audit_lock_key(settings.db_schema, settings.table)
+        return cls(conn, queries, listener.channel_name(settings), lock)
 
     def transaction(self) -> Transaction:
         return self.conn.transaction()
@@ -41,12 +53,19 @@ class Session:
 @contextlib.asynccontextmanager
 async def connected(settings: Settings) -> AsyncIterator[Session]:
     """A session for an operator command: its changes are durable before it reports them
-    (synchronous_commit on, whatever the dispatcher's own setting), and the schema is the
-    version this code knows."""
+    (synchronous_commit on, whatever the dispatcher's own setting), and the schema is a version
+    this code knows that has the operator's tables (migrations.CONSOLE_VERSION: a dispatcher runs
+    on older ones during a rolling upgrade, an operator command does not)."""
     durable = settings.model_copy(update={"synchronous_commit": "on"})
     conn = await db.connect(settings.database_url.get_secret_value(), durable)
     try:
-        await migrations.check_version(conn, settings.db_schema, settings.table)
+        await migrations.check_version(
+            conn,
+            settings.db_schema,
+            settings.table,
+            oldest=migrations.CONSOLE_VERSION,
+            who_needs="the operator commands and the console need",
+        )
         yield Session.of(conn, settings)
     finally:
         await conn.close()

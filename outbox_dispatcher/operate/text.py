@@ -65,3 +65,41 @@ DELETES_ON_PUBLISH = (
     "nothing to replay: with OUTBOX_DELETE_ON_PUBLISH the dispatcher deletes rows once they are "
     "published, so the outbox keeps no published rows"
 )
+
+
+# What each command changes, for the words of an interrupted action.
+_CHANGED = {
+    "dead requeue": ("requeued", "dead row"),
+    "dead discard": ("discarded", "dead row"),
+    "replay": ("replayed", "published row"),
+    "cleanup": ("deleted", "published row"),
+}
+
+
+def interrupted(command: str, rows: int) -> str:
+    """What an action cut off had done: its batches so far are kept (a replay's are not)."""
+    if command == "replay":
+        return "interrupted: nothing was replayed (a replay is one transaction)"
+    if command not in _CHANGED:
+        return "interrupted: nothing changed"
+    done, noun = _CHANGED[command]
+    return f"interrupted after it {done} {rows_of(rows, noun)}; those are kept"
+
+
+def rows_of(n: int, what: str) -> str:
+    """`rows` with thousands separated: '1,600 dead rows'."""
+    return f"{n:,} {what}" if n == 1 else f"{n:,} {what}s"
+
+
+def aborted(detail: str, *, atomic: bool = False) -> str:
+    """What an action an operator stopped had done."""
+    if atomic:
+        return "aborted: nothing was replayed (a replay is one transaction)"
+    return f"aborted: {detail} before it stopped"
+
+
+def more_than_confirmed(matching: int, confirmed: int, noun: str) -> str:
+    return (
+        f"{rows(matching, noun)} match within what was confirmed, but {confirmed} did when it "
+        "was confirmed: count and confirm again (nothing changed)"
+    )

@@ -2,7 +2,9 @@
 from queries.sql.
 
 Statements name the table through placeholders; `Queries.for_table` fills them with validated,
-quoted identifiers once at startup, so no name is ever pasted into SQL later.
+quoted identifiers once at startup, so no name is ever pasted into SQL later. A section whose name
+starts with `_` is a fragment, not a statement: statements include it as `{_name}` (the dead-row
+filter, written once for every statement that selects dead rows).
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ def parse(text: str) -> dict[str, str]:
     return queries
 
 
-QUERIES = parse(resources.files(__package__).joinpath("queries.sql").read_text("utf-8"))
+_SECTIONS = parse(resources.files(__package__).joinpath("queries.sql").read_text("utf-8"))
+QUERIES = {name: sql for name, sql in _SECTIONS.items() if not name.startswith("_")}
+FRAGMENTS = {name: sql for name, sql in _SECTIONS.items() if name.startswith("_")}
 
 
 @dataclass(frozen=True)
@@ -67,26 +71,51 @@ class Queries:
     resume: str
     in_flight_rows: str
     wake: str
-    max_id: str
-    dead_list: str
     dead_requeue: str
     dead_discard: str
     replay_batch: str
     release_held: str
     dead_count: str
+    dead_bound: str
     replay_count: str
+    replay_bound: str
     cleanup_count: str
-    audit: str
     dispatcher_beat: str
+    dispatcher_beat_counted: str
     dispatchers_live: str
+    in_flight_by_owner: str
     dead_topics: str
     cleanup_window: str
     pending_topics: str
     pending_routed_headers: str
-    # The console.
+    # The audit record of an action while it runs (operate/jobs.py).
+    audit_open: str
+    audit_by_request: str
+    audit_progress: str
+    audit_aborting: str
+    audit_close: str
+    audit_release: str
+    audit_abort: str
+    audit_sweep: str
+    # Reads of the console (and the CLI's dead list).
+    dead_page_id: str
+    dead_page_id_desc: str
+    dead_page_dead_at: str
+    dead_page_dead_at_desc: str
+    dead_groups: str
+    rows_window: str
+    row_by_event: str
+    max_id: str
+    routed_groups: str
     blocked_keys: str
     row_detail: str
     audit_list: str
+    audit_get: str
+    # The console's logins.
+    session_open: str
+    session_get: str
+    session_end: str
+    session_prune: str
 
     @classmethod
     def for_table(cls, schema: str, table: str, inbox: str = "inbox") -> Queries:
@@ -119,6 +148,9 @@ class Queries:
             "dispatchers": qualified(f"{table}_dispatchers"),
             "clock": qualified(f"{table}_clock"),
             "since_fn": qualified(f"{table}_pending_since"),
+            "sessions": qualified(f"{table}_console_session"),
         }
+        for name, fragment in FRAGMENTS.items():  # in file order: a fragment may use earlier ones
+            names[name] = fragment.format_map(names)
         rendered = {name: sql.format_map(names) for name, sql in QUERIES.items()}
         return cls(**rendered)

@@ -255,9 +255,49 @@ VALUES ($1, $2, $3, $4)
 ON CONFLICT (event_id) DO NOTHING
 RETURNING event_id
 
--- Operator commands and table hygiene (admin.py, cleanup.py, status.py). Filters are $n
--- parameters: NULL means "any". Mutating commands work in batches, each its own short
--- transaction, walking ids upwards from a cursor ($after) to a bound fixed when the command starts.
+-- Operator commands and table hygiene (operate/, cleanup.py). Filters are $n parameters: NULL
+-- means "any". Mutating commands work in batches, each its own short transaction (a replay's are
+-- one), walking ids upwards from a cursor, within the bound the operator confirmed.
+
+-- _cause --
+-- A dead row's cause, for grouping dead rows by error: the first 160 characters of last_error,
+-- each run of hex digits that holds a digit (ids, sizes, times, owners) written as '#'.
+regexp_replace(left(coalesce(o.last_error, ''), 160), '[0-9A-Fa-f]*[0-9][0-9A-Fa-f]*', '#', 'g')
+
+-- _dead_filter --
+-- The dead rows (alias o) an operator's filter selects, in every statement that reads or changes
+-- dead rows: $1..$9 the filters of `dead list|requeue|discard`, $10 a cause (as _cause writes it),
+-- and the bound an action was confirmed for: ids up to $11, dead before $12.
+o.dead_at IS NOT NULL
+   AND ($1::bigint[] IS NULL OR o.id = ANY ($1))
+   AND ($2::text IS NULL OR o.ordering_key = $2)
+   AND ($3::text IS NULL OR o.topic IS NOT DISTINCT FROM nullif($3, '(routed)'))
+   AND ($4::timestamptz IS NULL OR o.created_at >= $4)
+   AND ($5::timestamptz IS NULL OR o.created_at < $5)
+   AND ($6::boolean IS NULL OR o.ordering_key IS NULL)
+   AND ($7::timestamptz IS NULL OR o.dead_at >= $7)
+   AND ($8::timestamptz IS NULL OR o.dead_at < $8)
+   AND ($9::text IS NULL OR strpos(lower(o.last_error), lower($9)) > 0)
+   AND ($10::text IS NULL OR {_cause} = $10)
+   AND ($11::bigint IS NULL OR o.id <= $11)
+   AND ($12::timestamptz IS NULL OR o.dead_at < $12)
+
+-- _replay_filter --
+-- The published rows (alias o) a replay's filter selects: $1..$6 the filters of `replay`, and
+-- the bound it was confirmed for: ids up to $7, published before $8.
+o.published_at IS NOT NULL
+   AND ($1::bigint IS NULL OR o.id >= $1)
+   AND ($2::bigint IS NULL OR o.id <= $2)
+   AND ($3::text IS NULL OR o.ordering_key = $3)
+   AND ($4::text IS NULL OR o.topic = $4)
+   AND ($5::timestamptz IS NULL OR o.created_at >= $5)
+   AND ($6::timestamptz IS NULL OR o.created_at < $6)
+   AND ($7::bigint IS NULL OR o.id <= $7)
+   AND ($8::timestamptz IS NULL OR o.published_at < $8)
+
+-- _dead_columns --
+o.id, o.event_id, o.topic, o.ordering_key, o.attempts, o.created_at, o.dead_at, o.last_error,
+       o.headers
 
 -- status_keys --
 -- Per topic of a key's next row: keys waiting out a backoff after a failure, keys held (not
@@ -294,9 +334,11 @@ SELECT topic, paused_at, paused_by, reason FROM {paused} ORDER BY topic
 
 -- pause --
 -- Pausing again keeps the first paused_at and records the latest who and why. Who is the
--- database's login role and the client's address, which a client cannot make up.
+-- database's login role and the client's address, which a client cannot make up, after the
+-- person the console knows ($3: "alice via console"; NULL from the CLI).
 INSERT INTO {paused} AS p (topic, paused_by, reason)
-VALUES ($1, session_user || coalesce('@' || host(inet_client_addr()), ''), $2)
+VALUES ($1, coalesce($3 || ' as ', '') || session_user
+            || coalesce('@' || host(inet_client_addr()), ''), $2)
 ON CONFLICT (topic) DO UPDATE SET paused_by = EXCLUDED.paused_by, reason = EXCLUDED.reason
 RETURNING topic, paused_at, paused_by, reason
 
@@ -323,40 +365,76 @@ SELECT pg_notify($1, '')
 -- max_id --
 SELECT coalesce(max(id), 0) FROM {table}
 
--- dead_list --
-SELECT id, event_id, topic, ordering_key, attempts, created_at, dead_at, last_error
-  FROM {table}
- WHERE dead_at IS NOT NULL
-   AND ($1::bigint[] IS NULL OR id = ANY ($1))
-   AND ($2::text IS NULL OR ordering_key = $2)
-   AND ($3::text IS NULL OR topic IS NOT DISTINCT FROM nullif($3, '(routed)'))
-   AND ($4::timestamptz IS NULL OR created_at >= $4)
-   AND ($5::timestamptz IS NULL OR created_at < $5)
-   AND ($6::boolean IS NULL OR ordering_key IS NULL)
-   AND ($7::timestamptz IS NULL OR dead_at >= $7)
-   AND ($8::timestamptz IS NULL OR dead_at < $8)
-   AND ($9::text IS NULL OR strpos(lower(last_error), lower($9)) > 0)
- ORDER BY id
- LIMIT $10
+-- dead_count --
+-- How many dead rows a requeue or discard with these filters (and bound) would change.
+SELECT count(*) FROM {table} o WHERE {_dead_filter}
+
+-- dead_bound --
+-- The count an action is confirmed for, and its bound: the matching dead rows that died before
+-- this statement began, their highest id, and that time. The action then changes only rows with
+-- ids up to that id that were dead before that time, and no more of them than were counted.
+SELECT count(*) AS rows, max(o.id) AS max_id, statement_timestamp() AS before
+  FROM {table} o
+ WHERE {_dead_filter} AND o.dead_at < statement_timestamp()
+
+-- dead_page_id --
+-- Dead rows matching the filter, by id, after the cursor $13 (NULL: the first page), at most
+-- $14. The _desc and dead_at variants are the other orders of the same page (keyset paging over
+-- the partial indexes of dead rows).
+SELECT {_dead_columns}
+  FROM {table} o
+ WHERE {_dead_filter} AND ($13::bigint IS NULL OR o.id > $13)
+ ORDER BY o.id
+ LIMIT $14
+
+-- dead_page_id_desc --
+SELECT {_dead_columns}
+  FROM {table} o
+ WHERE {_dead_filter} AND ($13::bigint IS NULL OR o.id < $13)
+ ORDER BY o.id DESC
+ LIMIT $14
+
+-- dead_page_dead_at --
+SELECT {_dead_columns}
+  FROM {table} o
+ WHERE {_dead_filter} AND ($13::timestamptz IS NULL OR (o.dead_at, o.id) > ($13, $14::bigint))
+ ORDER BY o.dead_at, o.id
+ LIMIT $15
+
+-- dead_page_dead_at_desc --
+SELECT {_dead_columns}
+  FROM {table} o
+ WHERE {_dead_filter} AND ($13::timestamptz IS NULL OR (o.dead_at, o.id) < ($13, $14::bigint))
+ ORDER BY o.dead_at DESC, o.id DESC
+ LIMIT $15
+
+-- dead_groups --
+-- Dead rows matching the filter, grouped by topic and cause (_cause): how many, the first and the
+-- last death, and the group's first row, whose whole error is its sample; the largest groups
+-- first, at most $13, each with the number of groups in all.
+WITH g AS (
+    SELECT o.topic, {_cause} AS cause, count(*) AS rows, min(o.dead_at) AS oldest_dead_at,
+           max(o.dead_at) AS newest_dead_at, min(o.id) AS first_id
+      FROM {table} o
+     WHERE {_dead_filter}
+     GROUP BY 1, 2
+)
+SELECT g.topic, g.cause, g.rows, g.oldest_dead_at, g.newest_dead_at, g.first_id,
+       (SELECT x.last_error FROM {table} x WHERE x.id = g.first_id) AS sample_error,
+       count(*) OVER () AS groups
+  FROM g
+ ORDER BY g.rows DESC, g.first_id
+ LIMIT $13
 
 -- dead_requeue --
--- One batch: dead rows with ids in ($10, $11], up to $12, become pending again (due now, attempts
--- reset); last_error keeps a trace. Dead rows are never leased, so no dispatcher races this.
+-- One batch: matching dead rows with ids after $13, up to $14, become pending again (due now,
+-- attempts reset); last_error keeps a trace. Dead rows are never leased, so no dispatcher races
+-- this.
 WITH batch AS (
-    SELECT id FROM {table}
-     WHERE dead_at IS NOT NULL
-       AND ($1::bigint[] IS NULL OR id = ANY ($1))
-       AND ($2::text IS NULL OR ordering_key = $2)
-       AND ($3::text IS NULL OR topic IS NOT DISTINCT FROM nullif($3, '(routed)'))
-       AND ($4::timestamptz IS NULL OR created_at >= $4)
-       AND ($5::timestamptz IS NULL OR created_at < $5)
-       AND ($6::boolean IS NULL OR ordering_key IS NULL)
-       AND ($7::timestamptz IS NULL OR dead_at >= $7)
-       AND ($8::timestamptz IS NULL OR dead_at < $8)
-       AND ($9::text IS NULL OR strpos(lower(last_error), lower($9)) > 0)
-       AND id > $10 AND id <= $11
-     ORDER BY id
-     LIMIT $12
+    SELECT o.id FROM {table} o
+     WHERE {_dead_filter} AND o.id > $13
+     ORDER BY o.id
+     LIMIT $14
 ),
 done AS (
     UPDATE {table} o
@@ -372,50 +450,45 @@ done AS (
      WHERE o.id = b.id AND o.dead_at IS NOT NULL
     RETURNING o.id
 )
-SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM done) AS rows
+SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM done) AS rows,
+       (SELECT min(id) FROM done) AS first_id
 
 -- dead_discard --
--- One batch: delete dead rows with ids in ($10, $11], up to $12.
+-- One batch: delete matching dead rows with ids after $13, up to $14.
 WITH batch AS (
-    SELECT id FROM {table}
-     WHERE dead_at IS NOT NULL
-       AND ($1::bigint[] IS NULL OR id = ANY ($1))
-       AND ($2::text IS NULL OR ordering_key = $2)
-       AND ($3::text IS NULL OR topic IS NOT DISTINCT FROM nullif($3, '(routed)'))
-       AND ($4::timestamptz IS NULL OR created_at >= $4)
-       AND ($5::timestamptz IS NULL OR created_at < $5)
-       AND ($6::boolean IS NULL OR ordering_key IS NULL)
-       AND ($7::timestamptz IS NULL OR dead_at >= $7)
-       AND ($8::timestamptz IS NULL OR dead_at < $8)
-       AND ($9::text IS NULL OR strpos(lower(last_error), lower($9)) > 0)
-       AND id > $10 AND id <= $11
-     ORDER BY id
-     LIMIT $12
+    SELECT o.id FROM {table} o
+     WHERE {_dead_filter} AND o.id > $13
+     ORDER BY o.id
+     LIMIT $14
 ),
 done AS (
     DELETE FROM {table} o USING batch b
      WHERE o.id = b.id AND o.dead_at IS NOT NULL
     RETURNING o.id
 )
-SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM done) AS rows
+SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM done) AS rows,
+       (SELECT min(id) FROM done) AS first_id
+
+-- replay_count --
+SELECT count(*) FROM {table} o WHERE {_replay_filter}
+
+-- replay_bound --
+-- As dead_bound, for a replay: matching rows published before this statement began.
+SELECT count(*) AS rows, max(o.id) AS max_id, statement_timestamp() AS before
+  FROM {table} o
+ WHERE {_replay_filter} AND o.published_at < statement_timestamp()
 
 -- replay_batch --
--- One batch of a replay: published rows with ids in ($7, $8], up to $9, become pending again with
--- their event id, due now. The whole replay runs in one transaction (admin.replay), so dispatchers
--- see all of its rows at once at commit, in id order per key, or, if the command is interrupted,
--- none. Published rows are never leased, so no dispatcher races this.
+-- One batch of a replay: matching published rows with ids after $9, up to $10, become pending
+-- again with their event id, due now, counted in `replays`. The whole replay runs in one
+-- transaction (operate/actions.py), so dispatchers see all of its rows at once at commit, in id
+-- order per key, or, if it is interrupted, none. Published rows are never leased, so no
+-- dispatcher races this.
 WITH batch AS (
-    SELECT id FROM {table}
-     WHERE published_at IS NOT NULL
-       AND ($1::bigint IS NULL OR id >= $1)
-       AND ($2::bigint IS NULL OR id <= $2)
-       AND ($3::text IS NULL OR ordering_key = $3)
-       AND ($4::text IS NULL OR topic = $4)
-       AND ($5::timestamptz IS NULL OR created_at >= $5)
-       AND ($6::timestamptz IS NULL OR created_at < $6)
-       AND id > $7 AND id <= $8
-     ORDER BY id
-     LIMIT $9
+    SELECT o.id FROM {table} o
+     WHERE {_replay_filter} AND o.id > $9
+     ORDER BY o.id
+     LIMIT $10
 ),
 done AS (
     UPDATE {table} o
@@ -425,13 +498,15 @@ done AS (
            pending_since = now(),
            lease_token = NULL,
            lease_expires_at = NULL,
+           replays = o.replays + 1,
            last_error = format('replayed by operator at %s (published before at %s)',
                                now(), o.published_at)
       FROM batch b
      WHERE o.id = b.id AND o.published_at IS NOT NULL
     RETURNING o.id
 )
-SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM done) AS rows
+SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM done) AS rows,
+       (SELECT min(id) FROM done) AS first_id
 
 -- release_held --
 -- Rows that an interrupted replay of version 0.1 (which held rows pending but not due for ten
@@ -446,54 +521,136 @@ WITH released AS (
 )
 SELECT count(*) FROM released
 
--- dead_count --
--- How many dead rows a requeue or discard with these filters would change (--dry-run, progress).
-SELECT count(*) FROM {table}
- WHERE dead_at IS NOT NULL
-   AND ($1::bigint[] IS NULL OR id = ANY ($1))
-   AND ($2::text IS NULL OR ordering_key = $2)
-   AND ($3::text IS NULL OR topic IS NOT DISTINCT FROM nullif($3, '(routed)'))
-   AND ($4::timestamptz IS NULL OR created_at >= $4)
-   AND ($5::timestamptz IS NULL OR created_at < $5)
-   AND ($6::boolean IS NULL OR ordering_key IS NULL)
-   AND ($7::timestamptz IS NULL OR dead_at >= $7)
-   AND ($8::timestamptz IS NULL OR dead_at < $8)
-   AND ($9::text IS NULL OR strpos(lower(last_error), lower($9)) > 0)
-
--- replay_count --
-SELECT count(*) FROM {table}
- WHERE published_at IS NOT NULL
-   AND ($1::bigint IS NULL OR id >= $1)
-   AND ($2::bigint IS NULL OR id <= $2)
-   AND ($3::text IS NULL OR ordering_key = $3)
-   AND ($4::text IS NULL OR topic = $4)
-   AND ($5::timestamptz IS NULL OR created_at >= $5)
-   AND ($6::timestamptz IS NULL OR created_at < $6)
-
 -- cleanup_count --
 SELECT count(*) FROM {table} WHERE published_at < now() - $1 * interval '1 second'
 
--- audit --
--- One operator action; who (current_user, session_user), from where (inet_client_addr()) and
--- when are the column defaults, set by the database, not by the client.
-INSERT INTO {audit} (command, filter, rows) VALUES ($1, $2::text::jsonb, $3)
+-- _audit_live --
+-- Whether the action of audit record a (status running) still runs: the connection that runs it
+-- holds the advisory lock ($1, id) until it ends, and a connection that is gone holds nothing.
+EXISTS (SELECT FROM pg_locks l
+         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+           AND l.classid = $1::integer::oid AND l.objid = a.id::integer::oid)
+
+-- _audit_columns --
+-- An audit record as operators read it: a record still running whose process died reads as
+-- interrupted (its rows are those its last batch recorded).
+a.id, a.at, a.db_role, a.session_role, host(a.client_addr) AS client_addr, a.command,
+       a.filter::text AS filter, a.rows, a.expected, a.bound::text AS bound, a.identity,
+       a.identity_source, a.updated_at, a.finished_at, a.detail, a.first_id, a.last_id,
+       a.abort_requested_at, a.abort_requested_by,
+       CASE WHEN a.status = 'running' AND NOT {_audit_live} THEN 'interrupted'
+            ELSE a.status END AS status
+
+-- audit_open --
+-- An operator action is recorded before it changes anything (status running, rows 0), by the
+-- database's who, where and when (the column defaults), and the connection that runs it takes
+-- the advisory lock ($1, id). A request key ($9) already recorded inserts nothing: the action
+-- was started before (a second click, a retried request).
+INSERT INTO {audit} AS a (command, filter, rows, status, expected, bound, identity,
+                          identity_source, request_key, updated_at)
+VALUES ($2, $3::text::jsonb, 0, 'running', $4, $5::text::jsonb, $6, $7, $8, now())
+ON CONFLICT (request_key) WHERE request_key IS NOT NULL DO NOTHING
+RETURNING a.id, pg_try_advisory_lock($1, a.id::integer) AS locked
+
+-- audit_by_request --
+SELECT id FROM {audit} WHERE request_key = $1
+
+-- audit_progress --
+-- One batch done, in the batch's own transaction: the record's count is the rows changed so far
+-- ($2), among ids $3..$4. Answers whether an operator asked the action to stop; no row: the
+-- record is no longer running (the batch must not commit).
+UPDATE {audit}
+   SET rows = $2, updated_at = now(), first_id = coalesce(first_id, $3),
+       last_id = greatest(last_id, $4)
+ WHERE id = $1 AND status = 'running'
+RETURNING abort_requested_at IS NOT NULL AS aborting
+
+-- audit_aborting --
+SELECT abort_requested_at IS NOT NULL FROM {audit} WHERE id = $1
+
+-- audit_close --
+-- The action ended: how ($2), with the rows it changed ($3) and the words its faces showed ($4).
+UPDATE {audit}
+   SET status = $2, rows = greatest(rows, $3), detail = $4, first_id = coalesce(first_id, $5),
+       last_id = coalesce(greatest(last_id, $6), last_id, $6), updated_at = now(),
+       finished_at = now()
+ WHERE id = $1 AND status = 'running'
+RETURNING id
+
+-- audit_release --
+SELECT pg_advisory_unlock($1, $2::integer)
+
+-- audit_abort --
+-- An operator asks a running action to stop after its current batch; the first asker is kept.
+UPDATE {audit}
+   SET abort_requested_at = coalesce(abort_requested_at, now()),
+       abort_requested_by = coalesce(abort_requested_by, $2)
+ WHERE id = $1 AND status = 'running'
+RETURNING id
+
+-- audit_sweep --
+-- Records of actions whose process died (nobody holds their lock) are closed as interrupted, with
+-- the rows their last batch recorded.
+UPDATE {audit} a
+   SET status = 'interrupted', finished_at = now(),
+       detail = 'interrupted: its process stopped or lost its database connection'
+ WHERE a.status = 'running' AND NOT {_audit_live}
+RETURNING a.id
+
+-- audit_list --
+-- Operator actions, newest first, before id $2 (NULL: from the newest): of command $3, in status
+-- $4 (as read), by a person or database role $5, at or after $6 and before $7; at most $8.
+SELECT {_audit_columns}
+  FROM {audit} a
+ WHERE ($2::bigint IS NULL OR a.id < $2)
+   AND ($3::text IS NULL OR a.command = $3)
+   AND ($4::text IS NULL OR (CASE WHEN a.status = 'running' AND NOT {_audit_live}
+                                  THEN 'interrupted' ELSE a.status END) = $4)
+   AND ($5::text IS NULL OR $5 IN (a.identity, a.session_role, a.db_role))
+   AND ($6::timestamptz IS NULL OR a.at >= $6)
+   AND ($7::timestamptz IS NULL OR a.at < $7)
+ ORDER BY a.id DESC
+ LIMIT $8
+
+-- audit_get --
+SELECT {_audit_columns} FROM {audit} a WHERE a.id = $2
 
 -- dispatcher_beat --
 -- A running dispatcher records itself, its dead-letter policy, the schema version it runs and a
 -- heartbeat (by the database clock) for `status` and `migrate` (which waits for older ones to go
--- before the contract step of an upgrade).
+-- before the contract step of an upgrade). From version 10 on: a dispatcher beats with this one
+-- until the schema has the counters (version 12, dispatcher_beat_counted).
 INSERT INTO {dispatchers} AS d (owner, dead_letter_policy, version) VALUES ($1, $2, $3)
 ON CONFLICT (owner) DO UPDATE
    SET heartbeat_at = now(), dead_letter_policy = EXCLUDED.dead_letter_policy,
        version = EXCLUDED.version
 
+-- dispatcher_beat_counted --
+-- dispatcher_beat with the dispatcher's counters of rows published and dead-lettered since it
+-- started (version 12: the console charts their rates).
+INSERT INTO {dispatchers} AS d (owner, dead_letter_policy, version, published_total, dead_total)
+VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (owner) DO UPDATE
+   SET heartbeat_at = now(), dead_letter_policy = EXCLUDED.dead_letter_policy,
+       version = EXCLUDED.version, published_total = EXCLUDED.published_total,
+       dead_total = EXCLUDED.dead_total
+
 -- dispatchers_live --
 -- Dispatchers whose heartbeat is younger than $1 seconds.
 SELECT owner, dead_letter_policy, started_at, heartbeat_at,
-       extract(epoch FROM now() - heartbeat_at)::float8 AS heartbeat_age_seconds
+       extract(epoch FROM now() - heartbeat_at)::float8 AS heartbeat_age_seconds,
+       version, published_total, dead_total
   FROM {dispatchers}
  WHERE heartbeat_at > now() - $1 * interval '1 second'
  ORDER BY owner
+
+-- in_flight_by_owner --
+-- Rows held by a live claim, per owner (what each dispatcher is publishing right now): from the
+-- claimed work (its index) and the rows of each claim.
+SELECT lease_owner AS owner, count(*) AS rows
+  FROM {leases}
+ WHERE lease_expires_at > now()
+ GROUP BY lease_owner
 
 -- cleanup_window --
 -- One retention batch: of the next $3 rows by id after $1, delete those published more than $2
@@ -535,9 +692,9 @@ SELECT headers FROM {table}
 -- blocked_keys --
 -- Keys whose next row waits, for the console: in backoff after a failure, held without having
 -- failed (an interrupted replay of version 0.1), or, when $1 (dead_letter_policy = block), behind
--- a dead row of the key. Filtered by that row's topic ($2, '(routed)': none) and the key ($3);
--- the oldest first, at most $4. From the engine's work and the rows above its cursor (keys no
--- claim has looked at yet): no scan of the table.
+-- a dead row of the key, whose error is the reason. Filtered by that row's topic ($2,
+-- '(routed)': none) and the key ($3); the oldest first, at most $4. From the engine's work and
+-- the rows above its cursor (keys no claim has looked at yet): no scan of the table.
 WITH c AS MATERIALIZED (SELECT position FROM {cursor} WHERE one),
 heads AS (
     SELECT w.ordering_key, w.head_id AS id
@@ -560,7 +717,8 @@ dead AS (
      GROUP BY d.ordering_key
 )
 SELECT k.ordering_key, h.topic, h.id AS head_id, h.attempts, h.next_attempt_at, h.created_at,
-       h.last_error, coalesce(d.dead_rows, 0) AS dead_rows, d.first_dead_id
+       h.last_error, coalesce(d.dead_rows, 0) AS dead_rows, d.first_dead_id,
+       (SELECT x.last_error FROM {table} x WHERE x.id = d.first_dead_id) AS dead_error
   FROM heads k
   JOIN {table} h ON h.id = k.id AND h.published_at IS NULL AND h.dead_at IS NULL
   LEFT JOIN dead d ON d.ordering_key = k.ordering_key
@@ -571,13 +729,13 @@ SELECT k.ordering_key, h.topic, h.id AS head_id, h.attempts, h.next_attempt_at, 
 
 -- row_detail --
 -- One row in any state, for the console, with the claim that holds it (if one does). The payload
--- leaves the database only when $2 (OUTBOX_CONSOLE_SHOW_PAYLOAD), and then at most its first $3
--- bytes.
+-- leaves the database only when $2 (OUTBOX_CONSOLE_SHOW_PAYLOAD, to a person logged in), and
+-- then at most its first $3 bytes.
 SELECT o.id, o.event_id, o.topic, o.ordering_key, o.headers, o.attempts, o.created_at,
        o.next_attempt_at,
        coalesce(w.claim_owner, o.lease_owner) AS lease_owner,
        coalesce(w.claim_expires_at, o.lease_expires_at) AS lease_expires_at,
-       o.published_at, o.dead_at, o.last_error,
+       o.published_at, o.dead_at, o.last_error, o.replays, o.pending_since,
        octet_length(o.payload) AS payload_bytes,
        CASE WHEN $2::boolean THEN substring(o.payload FROM 1 FOR $3::integer) END AS payload
   FROM {table} o
@@ -588,14 +746,77 @@ SELECT o.id, o.event_id, o.topic, o.ordering_key, o.headers, o.attempts, o.creat
    AND o.published_at IS NULL AND o.dead_at IS NULL
  WHERE o.id = $1
 
--- audit_list --
--- Operator actions, newest first: of command $1 (any when NULL), at most $2.
-SELECT id, at, db_role, session_role, host(client_addr) AS client_addr, command,
-       filter::text AS filter, rows
-  FROM {audit}
- WHERE ($1::text IS NULL OR command = $1)
- ORDER BY id DESC
+-- row_by_event --
+SELECT id FROM {table} WHERE event_id = $1
+
+-- rows_window --
+-- Rows in any state, newest first, from the id window [$1 - $2, $1): a bounded scan of the primary
+-- key whatever the filters, which the page continues window by window. In state $3 (pending,
+-- published, dead; NULL: any), of key $4, topic $5 ('(routed)': none), event id $6, with a header
+-- whose "name=value" contains $7 (any case), a payload containing the bytes $8, created at or
+-- after $9 and before $10, ids from $11; at most $12 rows. `leased`: a live claim holds the row
+-- (its key's work, by primary key, as in row_detail).
+SELECT o.id, o.event_id, o.topic, o.ordering_key, o.attempts, o.created_at, o.published_at,
+       o.dead_at, o.replays,
+       o.published_at IS NULL AND o.dead_at IS NULL AND EXISTS (
+           SELECT FROM {work} w
+            WHERE w.ordering_key = coalesce(o.ordering_key, o.id::text)
+              AND w.keyless = (o.ordering_key IS NULL)
+              AND w.claim_token IS NOT NULL AND w.claim_expires_at > now()
+              AND (w.keyless OR (o.id >= w.claim_first AND o.id < w.head_id))) AS leased,
+       left(o.last_error, 400) AS last_error, o.headers
+  FROM {table} o
+ WHERE o.id < $1 AND o.id >= $1 - $2
+   AND ($11::bigint IS NULL OR o.id >= $11)
+   AND ($3::text IS NULL OR CASE $3 WHEN 'published' THEN o.published_at IS NOT NULL
+                                    WHEN 'dead' THEN o.dead_at IS NOT NULL
+                                    ELSE o.published_at IS NULL AND o.dead_at IS NULL END)
+   AND ($4::text IS NULL OR o.ordering_key = $4)
+   AND ($5::text IS NULL OR o.topic IS NOT DISTINCT FROM nullif($5, '(routed)'))
+   AND ($6::uuid IS NULL OR o.event_id = $6)
+   AND ($7::text IS NULL OR EXISTS (SELECT FROM jsonb_each_text(o.headers) h
+                                     WHERE strpos(lower(h.key || '=' || h.value), lower($7)) > 0))
+   AND ($8::bytea IS NULL OR position($8 IN o.payload) > 0)
+   AND ($9::timestamptz IS NULL OR o.created_at >= $9)
+   AND ($10::timestamptz IS NULL OR o.created_at < $10)
+ ORDER BY o.id DESC
+ LIMIT $12
+
+-- routed_groups --
+-- Rows without a topic, grouped by the values of the headers $1 the topic template names (the
+-- console routes each group as the dispatcher would): pending, dead and published rows of each;
+-- at most $2 groups.
+SELECT v.header_values,
+       count(*) FILTER (WHERE o.published_at IS NULL AND o.dead_at IS NULL) AS pending,
+       count(*) FILTER (WHERE o.dead_at IS NOT NULL) AS dead,
+       count(*) FILTER (WHERE o.published_at IS NOT NULL) AS published
+  FROM {table} o
+ CROSS JOIN LATERAL (SELECT array_agg(o.headers ->> u.n ORDER BY u.i) AS header_values
+                       FROM unnest($1::text[]) WITH ORDINALITY AS u(n, i)) v
+ WHERE o.topic IS NULL
+ GROUP BY v.header_values
+ ORDER BY count(*) DESC
  LIMIT $2
+
+-- session_open --
+-- A login: the session's id (the SHA-256 of its cookie's key), who, from where, with which token
+-- ($4: a tag of it), for $5 seconds.
+INSERT INTO {sessions} (id, identity, client_addr, token_tag, expires_at)
+VALUES ($1, $2, $3, $4, now() + $5 * interval '1 second')
+
+-- session_get --
+-- A session that still counts: not ended, not expired, logged in with the current token.
+SELECT identity, created_at, expires_at FROM {sessions}
+ WHERE id = $1 AND ended_at IS NULL AND expires_at > now() AND token_tag = $2
+
+-- session_end --
+UPDATE {sessions} SET ended_at = now() WHERE id = $1 AND ended_at IS NULL
+
+-- session_prune --
+-- Forget sessions that ended or expired a day ago.
+DELETE FROM {sessions}
+ WHERE expires_at < now() - interval '1 day' OR ended_at < now() - interval '1 day'
+
 -- schema_version_before_steps --
 -- The version of a schema older than 10 (no <table>_schema_steps yet).
 SELECT coalesce(max(version), 0) FROM {version_table}

@@ -163,6 +163,47 @@ async def cli(
     return Ran(process.returncode, out.decode(), err.decode())
 
 
+def ctrl_c_as_at_a_terminal() -> None:
+    """In the child before exec: SIGINT at its default and unblocked, as a shell gives it. A
+    disposition of "ignored" or a blocked SIGINT inherited from the test process would survive
+    the exec, and Python would then never see the Ctrl-C a test sends (CI saw a replay wait
+    60 s after it, twice, in full runs only)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+async def interruptible(settings: Settings, *args: str) -> asyncio.subprocess.Process:
+    """`outbox-dispatcher ARGS` as at a terminal (Ctrl-C works; no stdin), its output piped."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "outbox_dispatcher",
+        *args,
+        env=settings_env(settings),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        preexec_fn=ctrl_c_as_at_a_terminal,
+    )
+
+
+def spawn_console(
+    settings: Settings, log_path: Path, port: int, **variables: str
+) -> subprocess.Popen[bytes]:
+    """`outbox-dispatcher console` as a real process on `port` (its own process group), with
+    OUTBOX_* `variables` besides the settings' (JSON logs)."""
+    env = {**settings_env(settings), "OUTBOX_CONSOLE_PORT": str(port), "OUTBOX_LOG_FORMAT": "json"}
+    env.update(variables)
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "outbox_dispatcher", "console"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
 def spawn(settings: Settings, log_path: Path, *args: str) -> subprocess.Popen[bytes]:
     """`outbox-dispatcher run` as a real process (its own process group)."""
     with log_path.open("ab") as log:

@@ -35,9 +35,19 @@ HOSTILE_KEY = "evil\x1b[2J\x1b[H<script>alert(1)</script>\u202egnp.exe\nforged"
 HOSTILE_ERROR = "boom\x1b]0;owned-title\x07 <img src=x onerror=alert(2)> \u202eright-to-left"
 
 
-def client(settings: Settings) -> httpx.AsyncClient:
+def client(settings: Settings, **headers: str) -> httpx.AsyncClient:
     app = create_app(settings, sample=False)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app),
+        base_url="http://127.0.0.1",
+        follow_redirects=True,
+        headers=headers,
+    )
+
+
+async def log_in(c: httpx.AsyncClient, token: str = TOKEN) -> httpx.Response:
+    page = await c.get("/login")
+    return await c.post("/login", data={"csrf": csrf_of(page.text), "token": token})
 
 
 @pytest.fixture
@@ -88,6 +98,11 @@ async def audits(conn: asyncpg.Connection) -> list[dict[str, Any]]:
     return [{**dict(r), "filter": orjson.loads(r["filter"])} for r in rows]
 
 
+def ctl(code: int, escape: str) -> str:
+    """How a page shows a control character of writer-controlled text."""
+    return f'<span class="ctl" title="control character U+{code:04X}">{escape}</span>'
+
+
 def raw_controls(text: str) -> set[str]:
     return {c for c in text if c not in "\n\t" and not c.isprintable()}
 
@@ -125,25 +140,26 @@ async def test_an_unauthenticated_action_is_refused_and_changes_nothing(
                 assert answer.headers["www-authenticate"] == "Bearer"
                 assert "Bearer" in answer.json()["error"]
         # A session that never logged in cannot act from the pages either, CSRF token or not.
-        page = await c.get("/dead")
-        assert 'id="not-logged-in"' in page.text
+        page = await c.get("/login")
         csrf = csrf_of(page.text)
         body = orjson.dumps({"all": True}).decode()
         refused = await c.post(
             "/actions/run", data={"csrf": csrf, "action": "dead-discard", "body": body}
         )
         assert refused.status_code == 401
-    # Without a token the console is read-only: even a Bearer header is refused, and it says so.
-    async with client(make_settings()) as c:
+    # Without a token (an anonymous read-only console): even a Bearer header is refused, and
+    # it says so.
+    async with client(make_settings(console_anonymous_read=True)) as c:
         for path, body in ACTIONS:
             answer = await c.post(path, json=body, headers=AUTH)
             assert answer.status_code == 403
-            assert "read-only" in answer.json()["error"]
+            assert "cannot act" in answer.json()["error"]
         page = await c.get("/")
         assert 'id="read-only"' in page.text
         assert "/actions/confirm" not in page.text
         form = await c.get("/login")
-        login = await c.post("/login", data={"csrf": csrf_of(form.text), "token": TOKEN})
+        assert 'name="token"' not in form.text  # nothing to log in with
+        login = await c.post("/login", data={"token": TOKEN})
         assert login.status_code == 403
     assert await snapshot(conn) == before
 
@@ -156,10 +172,9 @@ async def test_a_form_post_without_the_sessions_csrf_token_is_refused(
     # Logging in needs the CSRF token too (no login CSRF).
     assert (await api.post("/login", data={"token": TOKEN})).status_code == 403
     page = await api.get("/login")
-    assert (
-        await api.post("/login", data={"csrf": csrf_of(page.text), "token": "nope"})
-    ).status_code == 401
-    logged = await api.post("/login", data={"csrf": csrf_of(page.text), "token": TOKEN})
+    logged = await api.post(
+        "/login", data={"csrf": csrf_of(page.text), "token": TOKEN}, follow_redirects=False
+    )
     assert logged.status_code == 303
     cookie = logged.headers["set-cookie"].lower()
     assert "httponly" in cookie and "samesite=strict" in cookie and "max-age=28800" in cookie
@@ -200,7 +215,9 @@ async def test_an_empty_filter_and_bad_input_are_refused_with_a_clear_4xx(
         ("/api/v1/replay", {"from_id": 5, "to_id": 1}, "from_id 5 is after to_id 1"),
         ("/api/v1/pause", {}, 'give "topic", or "all": true'),
         ("/api/v1/pause", {"topic": "orders", "all": True}, 'give "topic"'),
-        ("/api/v1/resume", {"reason": "x"}, 'give "topic"'),
+        ("/api/v1/resume", {}, 'give "topic"'),
+        # A resume takes no reason (N14: a field that did nothing).
+        ("/api/v1/resume", {"topic": "orders", "reason": "x"}, "invalid input: reason"),
     ]
     for path, body, message in refused:
         answer = await api.post(path, json=body, headers=AUTH)
@@ -217,13 +234,16 @@ async def test_an_empty_filter_and_bad_input_are_refused_with_a_clear_4xx(
     dry = await api.post("/api/v1/dead/requeue?dry_run=maybe", json={"all": True}, headers=AUTH)
     assert dry.status_code == 400
     for query in ("limit=0", "limit=abc", "limit=100000", "since=soon", "keyless=maybe"):
-        listed = await api.get(f"/api/v1/dead?{query}")
+        listed = await api.get(f"/api/v1/dead?{query}", headers=AUTH)
         assert listed.status_code == 400, query
         assert listed.json()["error"].startswith("invalid input"), query
-    assert (await api.get("/api/v1/rows/999999")).json() == {"error": "no row 999999"}
-    assert (await api.get("/api/v1/rows/999999")).status_code == 404
-    page = await api.get("/dead?since=soon")
+    missing = await api.get("/api/v1/rows/999999", headers=AUTH)
+    assert missing.json() == {"error": "no row 999999"} and missing.status_code == 404
+    page = await api.get("/dead?since=soon", headers=AUTH)
     assert page.status_code == 400 and "invalid input: since" in page.text
+    # In the CLI's words, with a way back to the form (N19).
+    assert "&#39;soon&#39; is not an ISO-8601 time (e.g. 2026-11-30T12:00:00Z)" in page.text
+    assert 'href="/dead" id="back"' in page.text
     assert await snapshot(conn) == before
 
 
@@ -238,7 +258,9 @@ async def test_each_api_action_changes_exactly_the_rows_it_says_and_is_audited(
     published = await published_rows(conn, "gamma", 5)
 
     dry = await api.post("/api/v1/dead/requeue?dry_run=true", json={"topic": "alpha"}, headers=AUTH)
-    assert dry.json() == {
+    counted = dry.json()
+    assert counted.pop("bound")["rows"] == 3
+    assert counted == {
         "command": "dead requeue",
         "rows": 3,
         "dry_run": True,
@@ -288,14 +310,15 @@ async def test_each_api_action_changes_exactly_the_rows_it_says_and_is_audited(
         {"command": "dead discard", "filter": {"ids": [b[0]], **via}, "rows": 1},
         {"command": "replay", "filter": {**body, **via}, "rows": 3},
         {"command": "pause", "filter": {"topic": "gamma", "reason": "why", **via}, "rows": 1},
-        {"command": "pause", "filter": {"topic": None, "reason": None, **via}, "rows": 1},
+        {"command": "pause", "filter": via, "rows": 1},
         {"command": "resume", "filter": {"topic": "gamma", **via}, "rows": 1},
-        {"command": "resume", "filter": {"topic": None, **via}, "rows": 1},
+        {"command": "resume", "filter": via, "rows": 1},
         {"command": "resume", "filter": {"topic": "gamma", **via}, "rows": 0},
     ]
-    listed = (await api.get("/api/v1/audit?limit=2")).json()["actions"]
+    listed = (await api.get("/api/v1/audit?limit=2", headers=AUTH)).json()["actions"]
     assert [(x["command"], x["rows"]) for x in listed] == [("resume", 0), ("resume", 1)]
-    page = await api.get("/audit?command=replay")
+    assert {x["identity"] for x in listed} == {"token holder"}
+    page = await api.get("/audit?command=replay", headers=AUTH)
     assert page.status_code == 200 and page.text.count("<td>replay</td>") == 1
 
 
@@ -359,10 +382,10 @@ async def test_page_actions_confirm_with_the_count_then_change_those_rows(
     assert none_ticked.status_code == 400
     body = re.search(r'name="body" value="([^"]+)"', ask.text)
     assert body
-    done = await api.post(
-        "/actions/run",
-        data={"csrf": csrf, "action": "dead-discard", "body": html.unescape(body.group(1))},
-    )
+    run = {"csrf": csrf, "action": "dead-discard", "body": html.unescape(body.group(1))}
+    untyped = await api.post("/actions/run", data=run)
+    assert untyped.status_code == 400 and "discard&#34; to confirm a discard" in untyped.text
+    done = await api.post("/actions/run", data={**run, "typed": "discard"})
     assert "discarded 3 dead rows." in done.text
     assert await conn.fetchval("SELECT count(*) FROM outbox WHERE id = ANY($1)", b) == 0
 
@@ -435,7 +458,7 @@ async def test_dead_rows_and_blocked_keys_filter_by_topic_key_time_and_error_tex
         found = (await c.get(f"/api/v1/dead?{query}")).json()["rows"]
         return sorted(((r["topic"], r["ordering_key"]) for r in found), key=str)
 
-    async with client(make_settings(dead_letter_policy="block")) as c:
+    async with client(make_settings(dead_letter_policy="block", console_anonymous_read=True)) as c:
         assert len(await keys(c, "")) == 5
         assert await keys(c, "topic=beta") == [("beta", "k1"), ("beta", None)]
         assert await keys(c, "topic=(routed)") == []
@@ -460,7 +483,7 @@ async def test_dead_rows_and_blocked_keys_filter_by_topic_key_time_and_error_tex
         assert [k["ordering_key"] for k in only] == ["slow"]
         assert (await c.get("/api/v1/blocked?key=k1")).json()["keys"][0]["dead_rows"] == 2
         assert "slow" in (await c.get("/blocked")).text
-    async with client(make_settings(dead_letter_policy="skip")) as c:
+    async with client(make_settings(dead_letter_policy="skip", console_anonymous_read=True)) as c:
         blocked = (await c.get("/api/v1/blocked")).json()
         assert [k["ordering_key"] for k in blocked["keys"]] == ["slow"]
 
@@ -475,7 +498,7 @@ async def test_the_overview_shows_the_numbers_per_topic_and_the_sampled_chart(
     await conn.execute(
         "INSERT INTO outbox_paused (topic, paused_by, reason) VALUES ('beta', 'op', 'r')"
     )
-    settings = make_settings(console_sample_seconds=0.05)
+    settings = make_settings(console_sample_seconds=0.05, console_anonymous_read=True)
     samples = history.History()
     sampler = asyncio.create_task(history.sample_forever(settings, samples))
     try:
@@ -494,11 +517,13 @@ async def test_the_overview_shows_the_numbers_per_topic_and_the_sampled_chart(
         assert report["history"]["source"] == "sampled by this console process, in memory"
         page = await c.get("/")
         assert page.status_code == 200
-        assert "<strong>7</strong> pending" in page.text
+        assert '<div class="value">7</div><div class="label">waiting</div>' in page.text
         assert "<svg" in page.text and "kept in its memory" in page.text
         assert page.headers["content-security-policy"].startswith("default-src 'none'")
-    chart = history.svg(samples.samples(), time.time())
-    assert chart.count("<polyline") == 2
+    from outbox_dispatcher.console.pages import overview_charts
+
+    backlog, _rates, lag = overview_charts(samples, time.time())
+    assert backlog.count("<polyline") == 3 and lag.count("<polyline") == 1
 
 
 async def test_the_payload_is_hidden_unless_enabled_then_decoded_and_capped(
@@ -516,7 +541,7 @@ async def test_the_payload_is_hidden_unless_enabled_then_decoded_and_capped(
             b"\xff\x00\x01",
         )
     ]
-    async with client(make_settings()) as c:
+    async with client(make_settings(console_token=TOKEN), **AUTH) as c:
         shown = (await c.get(f"/api/v1/rows/{json_row}")).json()
         assert shown["payload"] is None and shown["payload_shown"] is False
         assert shown["payload_bytes"] == 26 and shown["headers"] == {"h": "v"}
@@ -536,14 +561,17 @@ async def test_the_payload_is_hidden_unless_enabled_then_decoded_and_capped(
             assert (await c.get(f"/api/v1/rows/{json_row}")).json()["state"] == state
         page = await c.get(f"/rows/{json_row}")
         assert "s3cr3t" not in page.text and 'id="payload-hidden"' in page.text
-    async with client(make_settings(console_show_payload=True)) as c:
+    async with client(make_settings(console_show_payload=True, console_token=TOKEN), **AUTH) as c:
         shown = (await c.get(f"/api/v1/rows/{json_row}")).json()["payload"]
         assert shown["encoding"] == "json" and '"secret": "s3cr3t-value"' in shown["text"]
         assert (await c.get(f"/api/v1/rows/{text_row}")).json()["payload"]["encoding"] == "utf-8"
         binary = (await c.get(f"/api/v1/rows/{binary_row}")).json()["payload"]
         assert binary == {"encoding": "hex", "text": "ff 00 01", "bytes": 3, "truncated": False}
         assert "s3cr3t-value" in (await c.get(f"/rows/{json_row}")).text
-    async with client(make_settings(console_show_payload=True, console_payload_max_bytes=2)) as c:
+    async with client(
+        make_settings(console_show_payload=True, console_payload_max_bytes=2, console_token=TOKEN),
+        **AUTH,
+    ) as c:
         capped = (await c.get(f"/api/v1/rows/{text_row}")).json()["payload"]
         # The first 2 bytes end inside "é": the partial character is left out, not shown as hex.
         assert capped == {"encoding": "utf-8", "text": "h", "bytes": 19, "truncated": True}
@@ -566,6 +594,7 @@ async def test_a_hostile_key_header_and_error_are_shown_inert(
     )
     await api.post("/api/v1/dead/requeue?dry_run=true", json={"key": HOSTILE_KEY}, headers=AUTH)
     await api.post("/api/v1/pause", json={"topic": "other", "reason": HOSTILE_KEY}, headers=AUTH)
+    await log_in(api)
     pages = [("/dead", {}), (f"/rows/{row}", {}), ("/", {}), ("/audit", {})]
     for path, params in [*pages, ("/dead", {"key": HOSTILE_KEY}), ("/blocked", {})]:
         page = await api.get(path, params=params)
@@ -574,13 +603,21 @@ async def test_a_hostile_key_header_and_error_are_shown_inert(
         for tag in ("<script>alert", "<img", "<b>", "<i>red"):
             assert tag not in page.text, (path, tag)
     shown = (await api.get(f"/rows/{row}")).text
-    assert (
-        "evil\\x1b[2J\\x1b[H&lt;script&gt;alert(1)&lt;/script&gt;\\u202egnp.exe\\nforged" in shown
+    # Each control character is its escape in a marked span (N16: a real ESC and the four
+    # characters of a stored repr look different); the rest is HTML-escaped.
+    esc, bell, rlo, nl = (
+        ctl(0x1B, "\\x1b"),
+        ctl(0x07, "\\x07"),
+        ctl(0x202E, "\\u202e"),
+        ctl(0x0A, "\\n"),
     )
     assert (
-        "\\x1b]0;owned-title\\x07 &lt;img src=x onerror=alert(2)&gt; \\u202eright-to-left" in shown
+        f"evil{esc}[2J{esc}[H&lt;script&gt;alert(1)&lt;/script&gt;{rlo}gnp.exe{nl}forged" in shown
     )
-    assert "x-&lt;b&gt;\\u202e" in shown and "\\x1b[31m&lt;i&gt;red&lt;/i&gt;" in shown
+    assert (
+        f"{esc}]0;owned-title{bell} &lt;img src=x onerror=alert(2)&gt; {rlo}right-to-left" in shown
+    )
+    assert f"x-&lt;b&gt;{rlo}" in shown and f"{esc}[31m&lt;i&gt;red&lt;/i&gt;" in shown
     # The dead page carries its filter back to an action exactly, in inert ASCII JSON.
     listing = await api.get("/dead", params={"key": HOSTILE_KEY})
     carried = re.search(r'name="filter" value="([^"]+)"', listing.text)
@@ -632,7 +669,9 @@ async def test_a_read_only_database_role_serves_the_read_pages(
             row = await admin.fetchval("SELECT id FROM outbox")
             before = await snapshot(admin)
             read_only_url = _as_role(url, reader, "pw-reader")
-            async with client(make_settings(database_url=read_only_url)) as c:
+            async with client(
+                make_settings(database_url=read_only_url, console_anonymous_read=True)
+            ) as c:
                 for path in ("/", "/dead", "/blocked", f"/rows/{row}", "/audit", "/replay"):
                     page = await c.get(path)
                     assert page.status_code == 200, (path, page.text)
@@ -681,7 +720,7 @@ async def test_the_console_command_serves_pages_and_the_api_over_http(
         )
     try:
         base = f"http://127.0.0.1:{port}"
-        async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+        async with httpx.AsyncClient(base_url=base, timeout=10, headers=AUTH) as c:
             for _ in range(300):
                 try:
                     status = await c.get("/api/v1/status")
@@ -693,8 +732,10 @@ async def test_the_console_command_serves_pages_and_the_api_over_http(
                 pytest.fail(f"the console never answered:\n{log_path.read_text()}")
             assert status.status_code == 200
             assert status.json()["totals"]["dead"] == 1
-            assert "Backlog and lag, last hour" in (await c.get("/")).text
-            refused = await c.post("/api/v1/dead/requeue", json={"ids": [row]})
+            assert "The last hour" in (await c.get("/")).text
+            refused = await c.post(
+                "/api/v1/dead/requeue", json={"ids": [row]}, headers={"authorization": ""}
+            )
             assert refused.status_code == 401
             done = await c.post("/api/v1/dead/requeue", json={"ids": [row]}, headers=AUTH)
             assert done.json()["rows"] == 1

@@ -20,12 +20,13 @@ import pytest
 from aiokafka import ConsumerRecord
 from aiokafka.admin import AIOKafkaAdminClient
 
-from outbox_dispatcher import cleanup, db
+from outbox_dispatcher import cleanup, db, migrations
 from outbox_dispatcher.claimer import Claimer
 from outbox_dispatcher.cli import tables
-from outbox_dispatcher.operate import reads
-from outbox_dispatcher.operate.actions import DeadDiscard, Pause, Replay, perform
+from outbox_dispatcher.operate import listings, reads
+from outbox_dispatcher.operate.actions import DeadDiscard, Replay, perform
 from outbox_dispatcher.operate.filters import Filters
+from outbox_dispatcher.operate.pauses import Pause
 from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
@@ -216,7 +217,7 @@ async def test_dead_rows_are_listed_requeued_in_order_under_block_and_discarded(
         assert [d["ordering_key"] for d in dead] == ["key-0", "gone-1", "gone-2", "gone-3"]
         assert set(dead[0]) >= {"id", "event_id", "topic", "attempts", "dead_at", "last_error"}
         assert dead[0]["last_error"] == "boom" and dead[0]["attempts"] == 10
-        plain = tables.dead_table(await reads.dead_list(session(conn), Filters(key="key-0"), 9))
+        plain = tables.dead_table(await listings.dead_list(session(conn), Filters(key="key-0"), 9))
         assert "boom" in plain and "gone-1" not in plain
         requeued = await cli(settings, "dead", "requeue", "--key", "key-0")
         assert requeued.code == 0, requeued.err
@@ -234,9 +235,9 @@ async def test_dead_rows_are_listed_requeued_in_order_under_block_and_discarded(
 
         # Filters by time and id, in-process; ids of rows that are not dead are left alone.
         recent = Filters(since=datetime.now(UTC) - timedelta(hours=1))
-        assert await reads.dead_list(session(conn), recent, 100) == []
+        assert await listings.dead_list(session(conn), recent, 100) == []
         old = Filters(until=datetime(2021, 1, 1, tzinfo=UTC))
-        assert len(await reads.dead_list(session(conn), old, 100)) == 3
+        assert len(await listings.dead_list(session(conn), old, 100)) == 3
         published_id = await conn.fetchval(
             "SELECT min(id) FROM outbox WHERE published_at IS NOT NULL"
         )
@@ -571,6 +572,36 @@ async def test_check_reports_rows_no_claim_will_find_and_repair_hands_them_over(
         await conn.fetchval("SELECT head_id FROM outbox_work WHERE ordering_key = 'restored'")
         == ids[1]["id"]
     )
+
+
+async def test_on_the_expanded_schema_operator_commands_wait_for_the_console_version(
+    empty_database_url: str, topic: str, make_settings: Any
+) -> None:
+    """A rolling upgrade leaves the schema at version 10 while older dispatchers run (migrate
+    applies 11 and 12 after them): dispatchers run there, `check` says what waits as a warning,
+    and an operator command refuses with what to do instead of failing on a column of 12."""
+    conn = await asyncpg.connect(empty_database_url)
+    try:
+        for migration in migrations.load_migrations()[:10]:
+            sql = migrations.render(migration.path.read_text("utf-8"), "public", "outbox")
+            async with conn.transaction():
+                await conn.execute(sql)
+    finally:
+        await conn.close()
+    settings = settings_for(make_settings, database_url=empty_database_url, default_topic=topic)
+    found = await cli(settings, "check")
+    assert found.code == 0, found.err
+    assert "ok: schema public.outbox is at version 10" in found.out
+    assert (
+        "warning: schema: the operator commands and the console need version "
+        f"{migrations.CONSOLE_VERSION}: run `outbox-dispatcher migrate`"
+    ) in found.err
+    status = await cli(settings, "status")
+    assert status.code == 1, status.err
+    assert (
+        "is at version 10, the operator commands and the console need "
+        f"{migrations.CONSOLE_VERSION} or later: run `outbox-dispatcher migrate`"
+    ) in status.err
 
 
 async def test_a_pause_counts_the_rows_a_claim_that_began_before_it_still_leases(

@@ -288,8 +288,9 @@ async def test_a_version_9_release_keeps_serving_and_restarting_through_the_upgr
     """The upgrade order of docs/operations.md with the previous release (version 9, from this
     repository's history) running as users run it: `migrate` applies the expand step and leaves
     the contract step while the old dispatcher beats; the old one stays ready, is killed and
-    restarts on the expanded schema; the new release runs beside it; once the old one stopped,
-    `migrate` again contracts. Writers write throughout: nothing is lost or reordered."""
+    restarts on the expanded schema; the new release runs (and beats) beside it; once the old one
+    stopped, `migrate` again contracts and adds the console's version 12. Writers write
+    throughout: nothing is lost or reordered."""
     old_code = previous_release(tmp_path, PREVIOUS_V9)
     url = empty_database_url
     settings = make_settings(
@@ -342,6 +343,18 @@ async def test_a_version_9_release_keeps_serving_and_restarting_through_the_upgr
         processes.append(new)
         await wait_started([tmp_path / "new.log"])
         await wait_ready(port_of_new, "the new release beside the old one")
+
+        async def beats_at(version: int, counted: bool) -> bool:
+            found = await conn.fetchval(
+                "SELECT count(*) FROM outbox_dispatchers WHERE version = $1"
+                + (" AND published_total IS NOT NULL" if counted else ""),
+                version,
+            )
+            return bool(found)
+
+        # Its heartbeat on the expanded schema: the version it runs, no counters before 12.
+        latest = migrations.latest_version()
+        await wait_until(lambda: beats_at(latest, False), 30, "the new release's heartbeat")
         await write(20)
 
         old.send_signal(signal.SIGTERM)
@@ -352,7 +365,7 @@ async def test_a_version_9_release_keeps_serving_and_restarting_through_the_upgr
         applied = await migrate(url)
         assert (list(applied), applied.waiting, applied.older) == ([], 11, 2)
         applied = await migrate(url, contract=True)
-        assert applied == [11]
+        assert applied == [11, 12]
         answer = await wait_ready(port_of_new, "the new release, after the contract step")
         assert answer["checks"]["schema"] == "ok"
         await write(20)
@@ -361,6 +374,7 @@ async def test_a_version_9_release_keeps_serving_and_restarting_through_the_upgr
         verdict = check(records, await event_ids(conn))
         assert (len(verdict.lost), verdict.reordered, verdict.unexpected) == (0, [], [])
         assert await count(conn, "dead_at IS NOT NULL") == 0
+        await wait_until(lambda: beats_at(latest, True), 30, "the new release's counters")
         assert "Traceback" not in (tmp_path / "new.log").read_text()
     finally:
         stop_all(processes)

@@ -42,12 +42,14 @@ def test_filters_from_flags() -> None:
     f = filters_of(ns)
     assert f.ids == [1, 2] and f.key == "k" and f.topic is None
     assert f.since == datetime(2026, 1, 2, tzinfo=UTC), "a bare time is UTC"
-    assert f.dead_args() == ([1, 2], "k", None, f.since, None, None, None, None, None)
+    # The filters, a cause, and no bound (an action's count fixes it).
+    nothing = (None,) * 3
+    assert f.dead_args() == ([1, 2], "k", None, f.since, None, None, None, None, None, *nothing)
     ns = parse("dead", "requeue", "--error", "TooLarge")
     assert filters_of(ns).error == "TooLarge" and not filters_of(ns).empty()
-    assert filters_of(ns).dead_args()[-1] == "TooLarge"
+    assert filters_of(ns).dead_args()[8] == "TooLarge"
     ns = parse("replay", "--topic", "t", "--from-id", "5", "--to-id", "9")
-    assert filters_of(ns).replay_args() == (5, 9, None, "t", None, None)
+    assert filters_of(ns).replay_args() == (5, 9, None, "t", None, None, None, None)
 
 
 @pytest.mark.parametrize(

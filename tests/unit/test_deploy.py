@@ -469,15 +469,24 @@ def test_helm_console_is_an_optional_deployment_the_dispatchers_never_select() -
     assert env["OUTBOX_CONSOLE_TOKEN_FILE"] == "/var/run/secrets/outbox/console_token"
     assert env["OUTBOX_DATABASE_URL_FILE"] == "/var/run/secrets/outbox/database_url"
     assert env["OUTBOX_CONSOLE_SHOW_PAYLOAD"] == "false"
+    assert env["OUTBOX_CONSOLE_ANONYMOUS_READ"] == "false"
     # The dispatchers do not get the console's token.
     [dispatcher] = dispatchers["spec"]["template"]["spec"]["containers"]
     assert not any("CONSOLE" in name for name in env_of(dispatcher))
-    # Without a token key: a read-only console, and no token file.
-    read_only = render("console.enabled=true")
-    [plain] = [d for d in read_only if d["metadata"]["name"].endswith("-console")]
-    assert "OUTBOX_CONSOLE_TOKEN_FILE" not in env_of(
-        plain["spec"]["template"]["spec"]["containers"][0]
+    # Without a token key: a read-only console that anyone reads (chosen explicitly), and no
+    # token file; a proxy's names and the host name it uses when given.
+    read_only = render(
+        "console.enabled=true",
+        "console.anonymousRead=true",
+        "console.trustedProxies=10.0.0.0/8",
+        "console.allowedHosts=console.example",
     )
+    [plain] = [d for d in read_only if d["metadata"]["name"].endswith("-console")]
+    plain_env = env_of(plain["spec"]["template"]["spec"]["containers"][0])
+    assert "OUTBOX_CONSOLE_TOKEN_FILE" not in plain_env
+    assert plain_env["OUTBOX_CONSOLE_ANONYMOUS_READ"] == "true"
+    assert plain_env["OUTBOX_CONSOLE_TRUSTED_PROXIES"] == "10.0.0.0/8"
+    assert plain_env["OUTBOX_CONSOLE_ALLOWED_HOSTS"] == "console.example"
     assert not [d for d in render() if d["metadata"]["name"].endswith("-console")]
 
 
@@ -507,9 +516,9 @@ def test_helm_notes_render(tmp_path: Path) -> None:
     assert "Secret orders-outbox (existing)" in existing and "WARNING" not in existing
     assert "hook Job" in existing and "9700:9700" in existing
     assert "Operator console" not in default
-    console = notes("console.enabled=true")
+    console = notes("console.enabled=true", "console.anonymousRead=true")
     assert "port-forward deployment/orders-outbox-dispatcher-console 9647:9647" in console
-    assert "read-only: set console.tokenKey to act" in console
+    assert "read-only, anyone reads: set console.tokenKey to act" in console
 
 
 @needs_helm
@@ -527,6 +536,7 @@ def test_helm_notes_render(tmp_path: Path) -> None:
         (["secrets.database_url="], "secrets.database_url is empty"),
         (["console.enabled=true", "console.tokenKey=console_token"], "secrets.console_token is"),
         (["console.tokenKey=Not-A-Key"], "tokenKey"),
+        (["console.enabled=true"], "console.enabled needs console.tokenKey"),
     ],
 )
 def test_helm_rejects_bad_values(sets: list[str], message: str) -> None:
@@ -701,7 +711,7 @@ def test_manifests_decode_strictly_as_kubernetes_objects() -> None:
         "chart defaults": [],
         "chart monitors": ["serviceMonitor.enabled=true", "podMonitor.enabled=true"],
         "chart hook": ["existingSecret=orders-outbox", "migrate.mode=hook"],
-        "chart console": ["console.enabled=true"],
+        "chart console": ["console.enabled=true", "console.anonymousRead=true"],
     }.items():
         flags = [flag for s in sets for flag in ("--set", s)]
         rendered = helm("template", "orders", str(CHART), *flags)

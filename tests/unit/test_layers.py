@@ -54,6 +54,25 @@ def test_the_console_does_not_import_the_cli() -> None:
     assert offenders("console", "outbox_dispatcher.cli") == []
 
 
+def attribute_uses(folder: str, name: str) -> list[str]:
+    """Places in `folder` that read an attribute `name` (x.store, session.store.fetch...)."""
+    found = []
+    for path in sorted((PACKAGE / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == name:
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    return found
+
+
+def test_the_faces_reach_the_database_only_through_the_operator_layer() -> None:
+    """The CLI's operator commands and the console read and act through operate/ (reads,
+    listings, actions, jobs, logins), never through the store or its statements, so that a
+    change of what "pending" or "in flight" means (the claim engine's) changes one place."""
+    for face in ("cli", "console"):
+        assert offenders(face, "outbox_dispatcher.store", "outbox_dispatcher.sql") == []
+        assert attribute_uses(face, "store") == [], face
+
+
 def test_the_root_exceptions_import_no_kafka_client() -> None:
     """errors.py keeps the root exception and its subclasses; how a publish failure is handled
     is the Kafka side's (kafka/failures.py)."""
