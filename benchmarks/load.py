@@ -86,7 +86,7 @@ async def make_stuck(url: str, topic: str, kind: str, rows: int) -> dict[str, An
                 head,
             )
         elif kind == "paused":
-            await conn.fetchrow(QUERIES.pause, stuck_topic, "a stuck key")
+            await conn.fetchrow(QUERIES.pause, stuck_topic, "a stuck key", None)
         elif kind == "replay":
             await conn.execute(
                 "UPDATE outbox SET published_at = now() WHERE ordering_key = $1", STUCK_KEY

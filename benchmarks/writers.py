@@ -49,7 +49,8 @@ WRITER_PARTS = {
         "DROP TRIGGER outbox_note_removed_dead ON outbox; DROP TRIGGER outbox_truncated ON outbox; "
         f"ALTER TABLE outbox {CHECKS}, DROP CONSTRAINT outbox_event_id_key, "
         "DROP CONSTRAINT outbox_not_published_and_dead; "
-        "DROP INDEX outbox_key_rows_idx, outbox_dead_key_idx; "
+        "DROP INDEX outbox_key_rows_idx, outbox_dead_key_idx, outbox_dead_id_idx, "
+        "outbox_dead_at_idx; "
         f"ALTER TABLE outbox RESET (fillfactor, {AUTOVACUUM_OPTIONS})"
     ),
 }

@@ -345,6 +345,12 @@ BEGIN
         IF v_top IS NOT NULL THEN
             UPDATE ${schema}.${table}_cursor x SET position = v_top WHERE x.one;
         END IF;
+    ELSIF v_ids IS NULL AND NOT EXISTS (
+            SELECT 1 FROM unnest(c.hole_xmax, c.hole_at) AS h(x, at)
+             WHERE h.x <= v_xmin AND h.at < now() - p_hole_margin * interval '1 second') THEN
+        -- Holes that nothing filled and none that can go: the cursor stays as it is (rewriting
+        -- it at every claim while a writer stays open piled up versions its snapshot keeps).
+        NULL;
     ELSE
         UPDATE ${schema}.${table}_cursor x
            SET position = greatest(c.position, coalesce(v_top, c.position)),

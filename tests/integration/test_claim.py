@@ -514,6 +514,36 @@ async def test_rows_a_settle_publishes_while_discovery_reads_them_are_not_claime
     assert await conn.fetchval("SELECT count(*) FROM outbox_work") == 0
 
 
+async def test_claims_beside_an_open_writer_do_not_rewrite_the_cursor(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, database_url: str, make_settings: Any
+) -> None:
+    """While a writer's transaction stays open its id is a hole every discovery looks at again.
+    Claims that find nothing new leave the cursor row alone: a rewrite per claim left versions
+    that the open transaction's snapshot keeps from vacuum, and claims grew dearer with its age."""
+    writer = await asyncpg.connect(database_url)
+    try:
+        tx = writer.transaction()
+        await tx.start()
+        held = await writer.fetchval(
+            "INSERT INTO outbox (topic, ordering_key, payload) VALUES ('t', 'w', 'x') RETURNING id"
+        )
+        ids = await insert(conn, ["a"])
+        batch = await claimer(pool, make_settings()).claim()
+        assert by_key(batch) == {"a": ids}
+        assert batch is not None
+        await settle(pool, batch, [Result(Outcome.PUBLISHED)])
+        before = await conn.fetchrow("SELECT ctid, hole_lo FROM outbox_cursor")
+        assert list(before["hole_lo"]) == [held]
+        for _ in range(20):
+            assert await claimer(pool, make_settings()).claim() is None
+        after = await conn.fetchrow("SELECT ctid, hole_lo FROM outbox_cursor")
+        assert after["ctid"] == before["ctid"]
+        await tx.commit()
+    finally:
+        await writer.close()
+    assert by_key(await claimer(pool, make_settings()).claim()) == {"w": [held]}
+
+
 # --- Rows that reach the table around the engine's bookkeeping: the anti-entropy sweep -------
 
 

@@ -56,7 +56,7 @@ async def insert_key(conn: asyncpg.Connection, topic: str, key: str, rows: int) 
 
 
 async def pause_topic(conn: asyncpg.Connection, topic: str) -> None:
-    await conn.fetchrow(QUERIES.pause, topic, "a stuck key's topic")
+    await conn.fetchrow(QUERIES.pause, topic, "a stuck key's topic", None)
 
 
 # Each case makes the key STUCK unable to move for the whole test, with >= STUCK_ROWS pending
