@@ -363,6 +363,7 @@ DECLARE
     v_lk text[];
     v_lkl boolean[];
     v_mine bigint[];
+    v_read bigint;
 BEGIN
     -- Rows writers or operators changed (taken in once: the log is emptied here). A row moved to
     -- another key while a live claim of its old key holds it waits in the log until that claim
@@ -548,21 +549,27 @@ BEGIN
     -- insert, a key's previous owner may have settled its batch (rows this read saw pending) and
     -- dropped the key's work (so the insert met no conflict). Its rows are published now; a key
     -- left with none is handed back as ready work (its claim looks again).
-    SELECT array_agg(o.id ORDER BY o.id) INTO v_mine
+    SELECT array_agg(o.id ORDER BY o.id)
+               FILTER (WHERE o.published_at IS NULL AND o.dead_at IS NULL),
+           count(*)
+      INTO v_mine, v_read
       FROM unnest(v_ids, v_keys, v_pending) AS u(id, k, pending)
       JOIN unnest(v_lk, v_lkl) AS l(wk, kl)
         ON l.wk = coalesce(u.k, u.id::text) AND l.kl = (u.k IS NULL)
       JOIN ${schema}.${table} o ON o.id = u.id
-     WHERE u.pending AND o.published_at IS NULL AND o.dead_at IS NULL;
-    UPDATE ${schema}.${table}_work x
-       SET claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
-           head_id = x.claim_first, state = 'r', not_before = '-infinity'
-      FROM unnest(v_lk, v_lkl) AS l(wk, kl)
-     WHERE x.ordering_key = l.wk AND x.keyless = l.kl AND x.claim_token = p_token
-       AND NOT EXISTS (SELECT 1 FROM ${schema}.${table} o
-                        WHERE o.id = ANY (v_mine)
-                          AND coalesce(o.ordering_key, o.id::text) = l.wk
-                          AND (o.ordering_key IS NULL) = l.kl);
+     WHERE u.pending;
+    IF coalesce(cardinality(v_mine), 0) < v_read THEN
+        -- (only when some row was settled meanwhile: a key may be left with none)
+        UPDATE ${schema}.${table}_work x
+           SET claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
+               head_id = x.claim_first, state = 'r', not_before = '-infinity'
+          FROM unnest(v_lk, v_lkl) AS l(wk, kl)
+         WHERE x.ordering_key = l.wk AND x.keyless = l.kl AND x.claim_token = p_token
+           AND NOT EXISTS (SELECT 1 FROM ${schema}.${table} o
+                            WHERE o.id = ANY (v_mine)
+                              AND coalesce(o.ordering_key, o.id::text) = l.wk
+                              AND (o.ordering_key IS NULL) = l.kl);
+    END IF;
     IF v_mine IS NULL THEN
         RETURN;
     END IF;

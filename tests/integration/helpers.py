@@ -69,6 +69,15 @@ async def insert_sequenced(
     return order
 
 
+async def sessions_waiting_on_a_lock(conn: asyncpg.Connection) -> int:
+    """Sessions of this database waiting for a lock (a statement the test holds up)."""
+    waiting: int = await conn.fetchval(
+        "SELECT count(DISTINCT l.pid) FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
+        " WHERE NOT l.granted AND a.datname = current_database()"
+    )
+    return waiting
+
+
 async def wait_until(
     predicate: Callable[[], Awaitable[bool]], timeout: float, what: str, interval: float = 0.1
 ) -> None:

@@ -21,7 +21,7 @@ from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import Store
 from tests.faultproxy import fault_proxy
-from tests.integration.helpers import wait_until
+from tests.integration.helpers import sessions_waiting_on_a_lock, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -494,12 +494,7 @@ async def test_rows_a_settle_publishes_while_discovery_reads_them_are_not_claime
         claim = asyncio.create_task(claimer(pool, make_settings()).claim())
 
         async def waiting() -> bool:
-            return bool(
-                await conn.fetchval(
-                    "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
-                    " WHERE NOT l.granted AND a.datname = current_database()"
-                )
-            )
+            return await sessions_waiting_on_a_lock(conn) > 0
 
         await wait_until(waiting, 10, "discovery to wait for the settle's lock")
         await tx.commit()

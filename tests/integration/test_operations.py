@@ -41,6 +41,7 @@ from .helpers import (
     event_ids,
     insert_sequenced,
     running,
+    sessions_waiting_on_a_lock,
     wait_all_settled,
     wait_until,
 )
@@ -644,8 +645,4 @@ async def test_a_pause_counts_the_rows_a_claim_that_began_before_it_still_leases
 
 
 async def _waiting_on_a_lock(conn: asyncpg.Connection, sessions: int) -> bool:
-    waiting = await conn.fetchval(
-        "SELECT count(DISTINCT l.pid) FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
-        " WHERE NOT l.granted AND a.datname = current_database()"
-    )
-    return bool(waiting >= sessions)
+    return await sessions_waiting_on_a_lock(conn) >= sessions
