@@ -628,6 +628,7 @@ DECLARE
     v_keyless boolean[];
     v_heads bigint[];
     v_old boolean[];
+    v_held bigint[] := '{}';
 BEGIN
     -- The pauses and their generation, in one snapshot.
     SELECT (SELECT array_agg(p.topic) FROM ${schema}.${table}_paused p), x.pause_gen
@@ -666,6 +667,19 @@ BEGIN
     END IF;
     IF v_taken >= p_limit THEN
         RETURN;
+    END IF;
+    -- Rows a writer moved to another key while a live claim of their old key holds them: their
+    -- change waits in the log (see discover), and their new key's run stops before them, so
+    -- that a row is never in two live claims.
+    IF (SELECT x.seq FROM ${schema}.${table}_changed x ORDER BY x.seq LIMIT 1) IS NOT NULL THEN
+        SELECT coalesce(array_agg(DISTINCT y.id), '{}') INTO v_held
+          FROM ${schema}.${table}_changed y
+         WHERE y.old_key IS DISTINCT FROM y.ordering_key AND EXISTS (
+               SELECT 1 FROM ${schema}.${table}_work w
+                WHERE w.ordering_key = coalesce(y.old_key, y.id::text)
+                  AND w.keyless = (y.old_key IS NULL)
+                  AND w.claim_token IS NOT NULL AND w.claim_expires_at > now()
+                  AND (w.keyless OR (y.id >= w.claim_first AND y.id < w.head_id)));
     END IF;
 
     WITH expired AS (
@@ -740,7 +754,8 @@ BEGIN
                    o.next_attempt_at <= now()
                    AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
                    AND NOT (c.compat AND o.lease_expires_at > now()
-                            AND o.lease_token IS DISTINCT FROM p_token) AS ok,
+                            AND o.lease_token IS DISTINCT FROM p_token)
+                   AND o.id <> ALL (v_held) AS ok,
                    w.old AND o.attempts + 1 >= p_max_attempts AS looping
               FROM ${schema}.${table} o
              WHERE o.ordering_key >= w.k AND o.ordering_key <= w.k AND o.id >= w.h
@@ -768,7 +783,8 @@ BEGIN
                    o.next_attempt_at <= now()
                    AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
                    AND NOT (c.compat AND o.lease_expires_at > now()
-                            AND o.lease_token IS DISTINCT FROM p_token) AS ok,
+                            AND o.lease_token IS DISTINCT FROM p_token)
+                   AND o.id <> ALL (v_held) AS ok,
                    w.old AND o.attempts + 1 >= p_max_attempts AS looping
               FROM ${schema}.${table} o
              WHERE o.ordering_key >= w.k AND o.ordering_key <= w.k AND o.id > w.after
@@ -788,6 +804,7 @@ BEGIN
                AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
                AND NOT (c.compat AND o.lease_expires_at > now())
                AND NOT (w.old AND o.attempts + 1 >= p_max_attempts)
+               AND o.id <> ALL (v_held)
           FROM work w JOIN ${schema}.${table} o ON o.id = w.h
          -- (a row a writer gave a key since is its key's now)
          WHERE w.kl AND o.ordering_key IS NULL AND o.published_at IS NULL AND o.dead_at IS NULL
@@ -815,6 +832,10 @@ BEGIN
           LEFT JOIN LATERAL (SELECT r.id, r.topic, r.next_attempt_at, r.looping FROM runs r
                               WHERE r.k = w.k AND r.kl = w.kl ORDER BY r.id LIMIT 1) h ON true
          WHERE NOT EXISTS (SELECT 1 FROM span s WHERE s.k = w.k AND s.kl = w.kl)
+           -- A key that could go but found no room in this batch is left as it was: its state
+           -- still holds, and an expired lease stays for the claim that takes it over (and
+           -- counts the attempt).
+           AND NOT EXISTS (SELECT 1 FROM ranked r WHERE r.k = w.k AND r.kl = w.kl)
     ),
     gone AS (
         DELETE FROM ${schema}.${table}_work x USING idle i
@@ -1090,11 +1111,20 @@ AS $fn$
 DECLARE
     v_held uuid[];
 BEGIN
-    WITH extended AS (
+    -- Locked in key order first, as claims and settles lock work: an update in scan order
+    -- deadlocked with a settle of the same claim and with discovery.
+    WITH mine AS (
+        SELECT x.ordering_key, x.keyless FROM ${schema}.${table}_work x
+         WHERE x.claim_token = ANY (p_tokens) AND x.claim_expires_at > now() AND x.state <> 'x'
+         ORDER BY x.ordering_key, x.keyless
+           FOR UPDATE OF x
+    ),
+    extended AS (
         UPDATE ${schema}.${table}_work x
            SET claim_expires_at = now() + p_seconds * interval '1 second'
-          FROM (SELECT DISTINCT t FROM unnest(p_tokens) AS u(t)) u
-         WHERE x.claim_token = u.t AND x.claim_expires_at > now() AND x.state <> 'x'
+          FROM mine m
+         WHERE x.ordering_key = m.ordering_key AND x.keyless = m.keyless
+           AND x.claim_token = ANY (p_tokens) AND x.claim_expires_at > now() AND x.state <> 'x'
         RETURNING x.claim_token
     )
     SELECT array_agg(DISTINCT e.claim_token) INTO v_held FROM extended e;
@@ -1119,12 +1149,20 @@ AS $fn$
 DECLARE
     v_rows integer;
 BEGIN
-    WITH released AS (
+    WITH mine AS (
+        SELECT x.ordering_key, x.keyless FROM ${schema}.${table}_work x
+         WHERE x.claim_token = p_token AND x.state <> 'x'
+         ORDER BY x.ordering_key, x.keyless
+           FOR UPDATE OF x
+    ),
+    released AS (
         UPDATE ${schema}.${table}_work x
            SET claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL,
                head_id = least(x.claim_first, x.head_id), claim_first = NULL,
                state = 'r', not_before = '-infinity'
-         WHERE x.claim_token = p_token AND x.state <> 'x'
+          FROM mine m
+         WHERE x.ordering_key = m.ordering_key AND x.keyless = m.keyless
+           AND x.claim_token = p_token AND x.state <> 'x'
         RETURNING 1
     )
     SELECT count(*) INTO v_rows FROM released;
@@ -1249,11 +1287,16 @@ BEGIN
                CASE WHEN bool_or(EXISTS (
                         SELECT 1 FROM ${schema}.${table}_work l
                          WHERE l.claim_token IS NOT NULL AND l.claim_expires_at > now()
-                           AND p.id >= l.claim_first AND p.id < l.head_id))
+                           AND (p.id = l.claim_first
+                                OR (NOT l.keyless AND p.id > l.claim_first
+                                    AND p.id < l.head_id))))
                     THEN now() + p_hold_seconds * interval '1 second'
                     ELSE '-infinity' END AS not_before
           FROM part p
          WHERE p.pending
+           -- (a row in the change log is known: the claim that takes its change in places it,
+           -- once no live claim of its old key holds it)
+           AND NOT EXISTS (SELECT 1 FROM ${schema}.${table}_changed x WHERE x.id = p.id)
            AND NOT EXISTS (
                SELECT 1 FROM ${schema}.${table}_work w
                 WHERE w.ordering_key = coalesce(p.ordering_key, p.id::text)

@@ -176,6 +176,46 @@ async def test_extending_a_lease_that_expired_changes_nothing(
     )
 
 
+async def test_the_lease_keeper_locks_a_claims_keys_in_key_order(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, database_url: str, make_settings: Any
+) -> None:
+    """Found by the long-transactions test at full scale: the lease keeper updated a claim's
+    work in scan order while discovery (and the claim's own settle) locked it in key order, and
+    they deadlocked. Here a session holds key a as discovery does and then asks for key b: the
+    lease keeper, waiting for a, must not be holding b already."""
+    await insert(conn, ["a", "b"])
+    batch = await claimer(pool, make_settings(batch_size=2)).claim()
+    assert batch is not None and len(batch.records) == 2
+    # b first in the table and in the lease index, so that a scan meets it first.
+    for key, seconds in (("b", 50), ("a", 60)):
+        await conn.execute(
+            "UPDATE outbox_work SET claim_expires_at = now() + $2 * interval '1 second'"
+            " WHERE ordering_key = $1",
+            key,
+            seconds,
+        )
+    discovery = await asyncpg.connect(database_url)
+    try:
+        holder = discovery.transaction()
+        await holder.start()
+        await discovery.execute("SELECT 1 FROM outbox_work WHERE ordering_key = 'a' FOR SHARE")
+        ids = [r.id for r in batch.records]
+        extending = asyncio.ensure_future(
+            pool.fetch(QUERIES.extend_leases, ids, [batch.token] * 2, 60.0)
+        )
+
+        async def waiting() -> bool:
+            return await sessions_waiting_on_a_lock(conn) > 0
+
+        await wait_until(waiting, 10, "the lease keeper to wait for key a")
+        await discovery.execute("SET LOCAL lock_timeout = '3s'")
+        await discovery.execute("SELECT 1 FROM outbox_work WHERE ordering_key = 'b' FOR SHARE")
+        await holder.commit()
+        assert sorted(r[0] for r in await extending) == ids
+    finally:
+        await discovery.close()
+
+
 async def test_a_claim_whose_reply_was_lost_is_released_by_its_token(
     pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
 ) -> None:
@@ -290,6 +330,36 @@ async def test_dead_letter_policy(
     claimed = by_key(await c.claim())
     assert claimed.get("k", []) == [ids[i] for i in expected]
     assert claimed["other"] == [ids[2]]
+
+
+async def test_an_expired_lease_the_batch_has_no_room_for_waits_for_a_takeover(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    """Found by the stuck-owner scenario at full scale (0 takeovers of 200 held rows): a claim
+    locked more keys than its batch had room for, and gave the expired leases among those it
+    could not take back as fresh work, so no takeover was counted (nor a crash loop seen). Now
+    a key the batch has no room for is left as it was (not even written)."""
+    x, a, b = await insert(conn, ["x", "a", "b"])
+    # x's row waits while the owner that will die claims a and b; then it is due, and older.
+    await conn.execute("UPDATE outbox SET next_attempt_at = now() + interval '1 hour'")
+    await conn.execute("UPDATE outbox SET next_attempt_at = now() WHERE id <> $1", x)
+    dead = await claimer(pool, make_settings(batch_size=3), "dead").claim()
+    assert by_key(dead) == {"a": [a], "b": [b]}
+    await conn.execute("UPDATE outbox SET next_attempt_at = now() WHERE id = $1", x)
+    await conn.execute(
+        "UPDATE outbox_work SET state = 'r', not_before = '-infinity' WHERE ordering_key = 'x'"
+    )
+    await expire(conn)
+    version = "SELECT xmin::text FROM outbox_work WHERE ordering_key = 'b'"
+    before = await conn.fetchval(version)
+    # Two rows of room, three keys: x (the oldest head) and a; b has no room.
+    first = await claimer(pool, make_settings(batch_size=2), "rescuer").claim()
+    assert by_key(first) == {"x": [x], "a": [a]}
+    assert await conn.fetchval(version) == before, "b was left as it was"
+    assert await conn.fetchval("SELECT lease_owner FROM outbox_leases WHERE id = $1", b) == "dead"
+    second = await claimer(pool, make_settings(batch_size=2), "rescuer").claim()
+    assert second is not None and [r.id for r in second.records] == [b]
+    assert second.records[0].reclaimed and second.records[0].attempts == 1, "a takeover"
 
 
 async def test_rows_whose_owners_keep_dying_are_dead_lettered(
