@@ -20,12 +20,13 @@ from aiokafka import AIOKafkaProducer
 from pydantic import SecretStr
 
 from outbox_dispatcher import db
-from outbox_dispatcher.claimer import Claimer
+from outbox_dispatcher.config.names import quote_identifier
+from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.dispatch.claimer import Claimer
+from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka.publisher import KafkaPublisher
-from outbox_dispatcher.marker import Marker
 from outbox_dispatcher.models import Batch, Outcome, Result
-from outbox_dispatcher.settings import Settings, quote_identifier
 from outbox_dispatcher.sql import Queries
 
 _OWNER = "benchmark-pg-only"
@@ -165,7 +166,7 @@ class _Pending:
         return value
 
 
-async def _drain_loop(claimer: Claimer, marker: Marker, pending: _Pending) -> int:
+async def _drain_loop(claimer: Claimer, marker: Settler, pending: _Pending) -> int:
     """Claim and mark as published, skipping Kafka; stop on an empty table, or after two empty
     claims in a row (other loops may briefly hold every remaining key)."""
     marked = 0
@@ -190,7 +191,7 @@ async def pg_only(database_url: str, settings: Settings) -> tuple[int, float]:
     pool = await db.create_pool(settings)
     try:
         claimer = Claimer(pool, queries, settings, _OWNER)
-        marker = Marker(pool, queries, retry_for=settings.lease_seconds)
+        marker = Settler(pool, queries, retry_for=settings.lease_seconds)
         table = f"{quote_identifier(settings.db_schema)}.{quote_identifier(settings.table)}"
         pending = _Pending(pool, table)
         started = time.perf_counter()

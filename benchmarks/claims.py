@@ -1,5 +1,5 @@
 """What one claim costs beside stuck work (issue 21: 1M keys paused, 1M keyless rows in backoff,
-against none): the product's own claim and settle (Claimer, Marker) on one connection of their
+against none): the product's own claim and settle (Claimer, Settler) on one connection of their
 own, no Kafka, no dispatcher process.
 
 The stuck work is written by bulk SQL as the engine leaves it once its claims have parked it
@@ -22,10 +22,10 @@ import asyncpg
 from benchmarks.load import QUERIES, insert_rows
 from benchmarks.stack import Stack, connection, fresh, settings_for
 from outbox_dispatcher import db
-from outbox_dispatcher.claimer import Claimer
-from outbox_dispatcher.marker import Marker
+from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.dispatch.claimer import Claimer
+from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Outcome, Result
-from outbox_dispatcher.settings import Settings
 
 STUCK_KINDS = ("paused_keys", "keyless_backoff")
 STUCK_TOPIC = "bench-stuck"
@@ -139,7 +139,7 @@ async def timed_claims(
         got = len(batch.records) if batch is not None else None
         assert got == expect, f"a claim took {got} rows, {expect} expected"
         if batch is not None:
-            await Marker(pool, QUERIES, retry_for=1.0).settle(
+            await Settler(pool, QUERIES, retry_for=1.0).settle(
                 batch, [PUBLISHED] * len(batch.records)
             )
     return 1000 * statistics.median(walls), 1000 * cpu / len(claimers)

@@ -18,7 +18,7 @@ from pathlib import Path
 import asyncpg
 
 from benchmarks.stack import RESULTS, Stack
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.config.settings import Settings
 from tests.faultproxy import CHUNK, FaultProxy, _Link
 
 TICKS = os.sysconf("SC_CLK_TCK")

@@ -21,7 +21,7 @@ import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from outbox_dispatcher import migrations
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.config.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import asyncpg
 import structlog
 
-from outbox_dispatcher import db
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import Row, Store
 
@@ -67,25 +66,20 @@ def walk_ends(window: Row, batch_size: int) -> bool:
     return bool(window["seen"] < batch_size or not window["older_rows"])
 
 
-async def retention(pool: asyncpg.Pool, queries: Queries, settings: Settings) -> None:
-    """Forever, every cleanup_interval_seconds: delete published rows past retention_seconds."""
-    while True:
-        await asyncio.sleep(settings.cleanup_interval_seconds)
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        try:
-            swept = await delete_published(
-                pool, queries, settings.retention_seconds, settings.cleanup_batch_size
-            )
-        except db.RETRIABLE_ERRORS as exc:
-            log.warning("retention_failed", error=repr(exc))
-            continue
-        if swept.deleted:
-            log.info(
-                "retention_deleted",
-                rows=swept.deleted,
-                batches=swept.batches,
-                rows_examined=swept.rows_examined,
-                older_than_seconds=settings.retention_seconds,
-                seconds=round(loop.time() - started, 3),
-            )
+async def retention_step(pool: asyncpg.Pool, queries: Queries, settings: Settings) -> None:
+    """One run of retention (the supervisor runs it every cleanup_interval_seconds): delete
+    published rows past retention_seconds, and say how many."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    swept = await delete_published(
+        pool, queries, settings.retention_seconds, settings.cleanup_batch_size
+    )
+    if swept.deleted:
+        log.info(
+            "retention_deleted",
+            rows=swept.deleted,
+            batches=swept.batches,
+            rows_examined=swept.rows_examined,
+            older_than_seconds=settings.retention_seconds,
+            seconds=round(loop.time() - started, 3),
+        )

@@ -14,7 +14,8 @@ import orjson
 from asyncpg.pool import PoolConnectionProxy
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.settings import PERCENT_ENCODE, Settings
+from outbox_dispatcher.config.names import PERCENT_ENCODE
+from outbox_dispatcher.config.settings import Settings
 
 APPLICATION_NAME = "outbox-dispatcher"
 
@@ -168,7 +169,7 @@ def translate(
         )
     if isinstance(exc, ValueError):
         # A parse error quotes a piece of the URL, which may be a piece of the password of any
-        # length: say nothing of it (settings.database_url_problem catches most of these first).
+        # length: say nothing of it (config.names.database_url_problem catches most of these first).
         return errors.ConfigurationError(
             f"{setting} is not a usable PostgreSQL URL: expected "
             f"postgresql://user:password@host:port/database[?option=value]; {PERCENT_ENCODE}"

@@ -1,19 +1,16 @@
 """One root exception; each subclass says whether retrying can help and what the operator does.
 
 A class's docstring is its default message, as in procrastinate. How a failed publish is
-handled (`classify`) is the Kafka side's knowledge, kafka/failures.py: an error of ours declares
-its `failure` there when it has one.
+handled (`classify`) and what a Kafka error means to an operator (`describe` with its hints) are
+the Kafka side's knowledge, kafka/failures.py: an error of ours declares its `failure` here when
+it has one. This module imports nothing of ours but the models.
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from outbox_dispatcher.kafka import failures
-
-# retries.py asks errors.classify (it moves with the claim engine's rewrite); one function.
-from outbox_dispatcher.kafka.failures import classify as classify
-from outbox_dispatcher.models import Failure as Failure
+from outbox_dispatcher.models import Failure
 
 
 class OutboxDispatcherError(Exception):
@@ -85,7 +82,8 @@ def describe(exc: BaseException) -> str:
     code, _, rest = text.partition("] ") if text.startswith("[Error ") else ("", "", text)
     while rest.startswith(name):
         rest = rest.removeprefix(name).removeprefix(":").strip()
-    # A bare broker error code says little: add what the code means (and the too-large hint).
-    rest = failures.explain(exc, rest)
+    # A bare broker error code says little: add what the code means (Kafka's errors carry it).
+    if not rest:
+        rest = str(getattr(exc, "description", "") or "").strip()
     text = " ".join(part for part in (f"{code}]" if code else "", rest) if part)
     return f"{name}: {text}" if text else name

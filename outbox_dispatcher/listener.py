@@ -10,8 +10,7 @@ import asyncpg
 import structlog
 
 from outbox_dispatcher import db, errors
-from outbox_dispatcher.claimer import Wakeup
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import Store
 
@@ -33,8 +32,9 @@ def channel_name(settings: Settings) -> str:
     return f"{settings.db_schema}.{settings.table}"
 
 
-async def listen(settings: Settings, wakeup: Wakeup) -> None:
-    """Forever: hold a LISTEN connection, reconnecting with backoff; pass each hint on."""
+async def listen(settings: Settings, notify: Callable[[], object]) -> None:
+    """Forever: hold a LISTEN connection, reconnecting with backoff; pass each hint on (to the
+    claim loops' Wakeup)."""
     secret = settings.listen_database_url or settings.database_url
     setting = (
         "OUTBOX_LISTEN_DATABASE_URL" if settings.listen_database_url else "OUTBOX_DATABASE_URL"
@@ -44,7 +44,7 @@ async def listen(settings: Settings, wakeup: Wakeup) -> None:
     listened = False
 
     def wake(*_: object) -> None:
-        wakeup.notify()
+        notify()
 
     while True:
         conn: asyncpg.Connection | None = None

@@ -7,7 +7,6 @@ gauges are sampled from the database every metrics_interval_seconds by `sample`.
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import math
 import platform
@@ -32,10 +31,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from outbox_dispatcher import __version__, db
-from outbox_dispatcher.errors import Failure
-from outbox_dispatcher.models import OutboxRecord, Outcome, Result
-from outbox_dispatcher.settings import DeadLetterPolicy, Settings
-from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.models import Failure, OutboxRecord, Outcome, Result
 from outbox_dispatcher.store import Store
 
 log = structlog.get_logger(__name__)
@@ -114,12 +110,19 @@ class BatchHistogram(Collector):
 
 
 class Metrics:
+    """The process's Prometheus registry: the table's gauges (sampled), this dispatcher's
+    counters, and the durations of a batch's steps."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
-        r = self.registry
+        self._register_gauges(self.registry)
+        self._register_counters(self.registry)
+        self._register_durations(self.registry)
+
+    def _register_gauges(self, r: CollectorRegistry) -> None:
         self.build_info = Gauge(
             "outbox_build_info",
             "Always 1; the labels say which outbox-dispatcher runs.",
@@ -184,6 +187,8 @@ class Metrics:
             "When the table gauges were last read from the database (Unix time).",
             registry=r,
         )
+
+    def _register_counters(self, r: CollectorRegistry) -> None:
         self.claimed = Counter(
             "outbox_claimed_rows", "Rows claimed by this dispatcher.", registry=r
         )
@@ -222,6 +227,8 @@ class Metrics:
             "Rows taken over after their previous owner's lease expired.",
             registry=r,
         )
+
+    def _register_durations(self, r: CollectorRegistry) -> None:
         self.claim_duration = Histogram(
             "outbox_claim_duration_seconds",
             "One claim round trip.",
@@ -301,33 +308,26 @@ SAMPLE_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-async def sample(pool: asyncpg.Pool, queries: Queries, settings: Settings, m: Metrics) -> None:
-    """Read the table gauges (pending, lag, parked, dead, blocked keys) every metrics interval.
+async def sample(store: Store, m: Metrics, *, block_on_dead: bool) -> None:
+    """Read the table gauges (pending, lag, parked, dead, blocked keys) once; the supervisor
+    samples every metrics interval.
 
     Each sample first notes the highest committed id in the database's clock table, the time
     the lag is measured from (a writer's created_at is believed only within those notes), and
     afterwards forgets the notes no pending row needs.
     """
-    block = settings.dead_letter_policy is DeadLetterPolicy.BLOCK
-    store = Store(pool, queries)
-    while True:
-        try:
-            await store.clock_tick()
-            row = await store.gauges(block_on_dead=block)
-            await store.clock_prune(first_pending_id=row["first_pending_id"])
-        except SAMPLE_ERRORS as exc:
-            log.warning("metrics_sample_failed", error=repr(exc))
-        else:
-            m.pending.set(row["pending"])
-            m.oldest_pending_age.set(row["oldest_pending_age_seconds"] or 0.0)
-            for reason in ("paused", "held"):
-                m.parked_rows.labels(reason).set(row[f"{reason}_rows"])
-                m.oldest_parked_age.labels(reason).set(row[f"oldest_{reason}_age_seconds"] or 0.0)
-            m.dead.set(row["dead"])
-            m.blocked_keys.labels("backoff").set(row["backoff_keys"])
-            m.blocked_keys.labels("held").set(row["held_keys"])
-            m.blocked_keys.labels("dead").set(row["dead_blocked_keys"])
-            m.paused.labels("table").set(int(row["table_paused"]))
-            m.paused.labels("topic").set(row["paused_topics"])
-            m.sampled.set(time.time())
-        await asyncio.sleep(settings.metrics_interval_seconds)
+    await store.clock_tick()
+    row = await store.gauges(block_on_dead=block_on_dead)
+    await store.clock_prune(first_pending_id=row["first_pending_id"])
+    m.pending.set(row["pending"])
+    m.oldest_pending_age.set(row["oldest_pending_age_seconds"] or 0.0)
+    for reason in ("paused", "held"):
+        m.parked_rows.labels(reason).set(row[f"{reason}_rows"])
+        m.oldest_parked_age.labels(reason).set(row[f"oldest_{reason}_age_seconds"] or 0.0)
+    m.dead.set(row["dead"])
+    m.blocked_keys.labels("backoff").set(row["backoff_keys"])
+    m.blocked_keys.labels("held").set(row["held_keys"])
+    m.blocked_keys.labels("dead").set(row["dead_blocked_keys"])
+    m.paused.labels("table").set(int(row["table_paused"]))
+    m.paused.labels("topic").set(row["paused_topics"])
+    m.sampled.set(time.time())

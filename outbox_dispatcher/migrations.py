@@ -15,7 +15,7 @@ import asyncpg
 import structlog
 
 from outbox_dispatcher import db, errors
-from outbox_dispatcher.settings import quote_identifier, validate_identifier
+from outbox_dispatcher.config.names import quote_identifier, validate_identifier
 from outbox_dispatcher.sql import Queries
 
 log = structlog.get_logger(__name__)

@@ -4,14 +4,13 @@ under the policy the dispatchers run with (not the operator's own environment)."
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 import asyncpg
 import structlog
 
 from outbox_dispatcher import db, migrations
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import Store
 
@@ -32,37 +31,40 @@ LIVE_SECONDS = 3 * HEARTBEAT_SECONDS + 5
 Counters = Callable[[], tuple[int, int]]
 
 
-async def heartbeat(
-    pool: asyncpg.Pool,
-    queries: Queries,
-    settings: Settings,
-    owner: str,
-    counters: Counters = lambda: (0, 0),
-) -> None:
-    """Forever: upsert this dispatcher's row, with the schema version it runs and, once the
-    schema keeps them (version 12), its counters. A failure is logged, never fatal: the registry
-    only informs operators."""
-    store = Store(pool, queries)
-    warned = False
-    counted = False
-    while True:
-        try:
-            # A rolling upgrade runs this release on version 10 and 11 too: no counters there
-            # until `migrate` applies version 12, looked for at each beat until then.
-            counted = counted or await store.schema_version() >= migrations.CONSOLE_VERSION
-            await store.dispatcher_beat(
-                owner=owner,
-                dead_letter_policy=settings.dead_letter_policy.value,
-                version=migrations.latest_version(),
-                totals=counters() if counted else None,
-            )
-        except _TOLERATED as exc:
-            if not warned:
-                log.warning(
-                    "heartbeat_failed",
-                    error=repr(exc),
-                    hint="the dispatcher role needs the grants of schema/roles.sql (run it again "
-                    "after migrating); `status` cannot see this dispatcher until then",
-                )
-                warned = True
-        await asyncio.sleep(HEARTBEAT_SECONDS)
+class Heartbeat:
+    """One beat: upsert this dispatcher's row, with the schema version it runs and, once the
+    schema keeps them (version 12), its counters. The supervisor beats every HEARTBEAT_SECONDS;
+    a failure is logged once, never fatal: the registry only informs operators."""
+
+    TOLERATED = _TOLERATED
+    HINT = (
+        "the dispatcher role needs the grants of schema/roles.sql (run it again after "
+        "migrating); `status` cannot see this dispatcher until then"
+    )
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        queries: Queries,
+        settings: Settings,
+        owner: str,
+        counters: Counters = lambda: (0, 0),
+    ) -> None:
+        self._store = Store(pool, queries)
+        self._owner = owner
+        self._policy = settings.dead_letter_policy.value
+        self._counters = counters
+        self._counted = False
+
+    async def beat(self) -> None:
+        # A rolling upgrade runs this release on version 10 and 11 too: no counters there
+        # until `migrate` applies version 12, looked for at each beat until then.
+        self._counted = (
+            self._counted or await self._store.schema_version() >= migrations.CONSOLE_VERSION
+        )
+        await self._store.dispatcher_beat(
+            owner=self._owner,
+            dead_letter_policy=self._policy,
+            version=migrations.latest_version(),
+            totals=self._counters() if self._counted else None,
+        )

@@ -6,8 +6,9 @@ import random
 from collections.abc import Sequence
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.models import PUBLISHED, OutboxRecord, Outcome, Result
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.kafka import failures
+from outbox_dispatcher.models import PUBLISHED, Failure, OutboxRecord, Outcome, Result
 
 # 2**62 times any initial backoff is far past any cap, and still a finite float: without this
 # bound, float(2 ** 1024) raises OverflowError at the 1025th failure (review finding F8), in the
@@ -52,21 +53,21 @@ class RetryPolicy:
     def result(self, record: OutboxRecord, outcome: BaseException | None) -> Result:
         if outcome is None:
             return PUBLISHED
-        reason = errors.describe(outcome)
+        reason = failures.describe(outcome)
         if isinstance(outcome, errors.NotAttempted):
             return Result(Outcome.RETRY)
         if isinstance(outcome, errors.TopicMissingError):
-            failure = errors.Failure.ROW
+            failure = Failure.ROW
         else:
-            failure = errors.classify(outcome)
-        if failure is errors.Failure.PERMANENT:
+            failure = failures.classify(outcome)
+        if failure is Failure.PERMANENT:
             return Result(
                 Outcome.DEAD,
                 f"permanent error, not retried: {reason}",
                 counted=True,
                 failure=failure,
             )
-        if failure is errors.Failure.TRANSIENT:
+        if failure is Failure.TRANSIENT:
             # Not the row's fault: wait for the broker, never dead-letter for it.
             return Result(
                 Outcome.RETRY, reason, delay=self.outage_delay(), counted=False, failure=failure
@@ -86,5 +87,5 @@ class RetryPolicy:
 
 def _is_outage(outcome: BaseException) -> bool:
     return not isinstance(outcome, errors.NotAttempted | errors.TopicMissingError) and (
-        errors.classify(outcome) is errors.Failure.TRANSIENT
+        failures.classify(outcome) is Failure.TRANSIENT
     )

@@ -16,8 +16,8 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
 from outbox_dispatcher import metrics
-from outbox_dispatcher.settings import Settings
-from outbox_dispatcher.settings import env_name as _env_name
+from outbox_dispatcher.config.names import env_name as _env_name
+from outbox_dispatcher.config.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -21,11 +21,11 @@ from aiokafka import AIOKafkaProducer
 from aiokafka import errors as kafka_errors
 from aiokafka.structs import TopicPartition
 
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.kafka.records import partition_of
 from outbox_dispatcher.models import Batch, OutboxRecord, Result
-from outbox_dispatcher.settings import Settings
 
 
 def rec(i: int, topic: str | None, key: str | None, payload: bytes = b"x") -> OutboxRecord:

@@ -29,8 +29,8 @@ from outbox_dispatcher.cli.terminal import (
     EXIT_USAGE,
     err,
 )
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.operate.actions import ActionRefusedError
-from outbox_dispatcher.settings import Settings
 
 __all__ = [
     "EXIT_CONFIG",

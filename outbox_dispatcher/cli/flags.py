@@ -25,8 +25,10 @@ from pydantic import SecretStr, ValidationError
 
 from outbox_dispatcher import routing
 from outbox_dispatcher.cli.terminal import EXIT_USAGE
+from outbox_dispatcher.config.names import env_name
+from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.config.sources import SECRETS_DIR_VARIABLE
 from outbox_dispatcher.operate.filters import ROUTED, Filters, Names
-from outbox_dispatcher.settings import SECRETS_DIR_VARIABLE, Settings, env_name
 
 Handler = Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]
 

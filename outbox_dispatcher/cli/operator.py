@@ -26,6 +26,7 @@ from outbox_dispatcher.cli.flags import (
     topic_name,
 )
 from outbox_dispatcher.cli.terminal import EXIT_FAILED, EXIT_OK, err, out
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.operate import listings, reads, text
 from outbox_dispatcher.operate.actions import (
     Action,
@@ -43,7 +44,6 @@ from outbox_dispatcher.operate.check import check
 from outbox_dispatcher.operate.jobs import Ledger
 from outbox_dispatcher.operate.pauses import Pause, Resume
 from outbox_dispatcher.operate.session import connected
-from outbox_dispatcher.settings import Settings
 
 log = structlog.get_logger(__name__)
 

@@ -14,10 +14,10 @@ import structlog
 from outbox_dispatcher import db, errors, migrations, tracing
 from outbox_dispatcher.cli.flags import BATCHED, CONNECT, EVERY, Commands, command
 from outbox_dispatcher.cli.terminal import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import Dispatcher
 from outbox_dispatcher.operate.check import unknown_variables
 from outbox_dispatcher.operate.session import connected
-from outbox_dispatcher.settings import Settings
 
 log = structlog.get_logger(__name__)
 

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.console.app import create_app
 from outbox_dispatcher.console.tasks import Jobs
-from outbox_dispatcher.settings import Settings
 
 __all__ = ["create_app", "serve"]
 

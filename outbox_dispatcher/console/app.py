@@ -17,11 +17,11 @@ from starlette.middleware.sessions import SessionMiddleware
 from starlette.routing import Route
 
 from outbox_dispatcher import errors
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.console import auth, history, security
 from outbox_dispatcher.console.acting import Acts
 from outbox_dispatcher.console.inputs import InputError
 from outbox_dispatcher.console.web import LoginNeededError
-from outbox_dispatcher.settings import Settings
 
 API = "/api/v1"
 API_ACTION_PATHS = {

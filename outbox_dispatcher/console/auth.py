@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from outbox_dispatcher import errors
+from outbox_dispatcher.config.names import split_list
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.operate import logins
 from outbox_dispatcher.operate.jobs import Origin
 from outbox_dispatcher.operate.session import Session
-from outbox_dispatcher.settings import Settings, split_list
 
 SESSION_COOKIE = "outbox_console"
 SESSION_SECONDS = 8 * 3600

@@ -5,18 +5,20 @@ heartbeat (every 10 s): rows published and dead-lettered since it started."""
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from typing import NoReturn
 
 import asyncpg
 import structlog
 
 from outbox_dispatcher import db, errors
+from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.dispatch.every import Warn, every
 from outbox_dispatcher.operate import jobs, reads
 from outbox_dispatcher.operate.session import connected
-from outbox_dispatcher.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -123,17 +125,16 @@ async def sample_once(settings: Settings, history: History) -> None:
     )
 
 
-async def sample_forever(settings: Settings, history: History) -> None:
+async def sample_forever(settings: Settings, history: History) -> NoReturn:
     """Every console_sample_seconds, a sample. A failure is logged once per outage, never
     fatal: the chart only informs."""
-    failing = False
-    while True:
-        try:
-            await sample_once(settings, history)
-        except _TOLERATED as exc:
-            if not failing:
-                log.warning("console_sample_failed", error=errors.describe(exc))
-            failing = True
-        else:
-            failing = False
-        await asyncio.sleep(settings.console_sample_seconds)
+    await every(
+        settings.console_sample_seconds,
+        functools.partial(sample_once, settings, history),
+        log=log,
+        failed="console_sample_failed",
+        tolerated=_TOLERATED,
+        wait_first=False,
+        warn=Warn.PER_OUTAGE,
+        describe=errors.describe,
+    )

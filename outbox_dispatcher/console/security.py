@@ -10,7 +10,8 @@ import html
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from outbox_dispatcher.settings import Settings, split_list
+from outbox_dispatcher.config.names import split_list
+from outbox_dispatcher.config.settings import Settings
 
 HEADERS = {
     # No script, no frames, no foreign resources: the pages need none.

@@ -13,6 +13,7 @@ import orjson
 from pydantic import BaseModel
 
 from outbox_dispatcher import errors
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.console import history
 from outbox_dispatcher.console.inputs import (
     AuditQuery,
@@ -40,7 +41,6 @@ from outbox_dispatcher.operate.listings import Cursor, RowsQuery
 from outbox_dispatcher.operate.pauses import Pause, Resume
 from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.routing import Router
-from outbox_dispatcher.settings import Settings
 
 
 def _json_value(value: object) -> object:

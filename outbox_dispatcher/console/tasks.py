@@ -12,10 +12,10 @@ import contextlib
 import structlog
 
 from outbox_dispatcher import errors
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.operate.actions import Action, perform
 from outbox_dispatcher.operate.jobs import Ledger, Origin
 from outbox_dispatcher.operate.session import connected
-from outbox_dispatcher.settings import Settings
 
 log = structlog.get_logger(__name__)
 

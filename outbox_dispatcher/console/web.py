@@ -15,11 +15,11 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
 from outbox_dispatcher import __version__, display, errors
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.console import auth, history, render, service, tasks
 from outbox_dispatcher.console.inputs import InputError
 from outbox_dispatcher.operate.session import Session, connected
 from outbox_dispatcher.routing import Router
-from outbox_dispatcher.settings import Settings
 
 log = structlog.get_logger(__name__)
 

@@ -21,10 +21,10 @@ from typing import Protocol
 import structlog
 
 from outbox_dispatcher import errors
+from outbox_dispatcher.dispatch.leases import InFlight
 from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.metrics import Metrics
-from outbox_dispatcher.models import Batch, OutboxRecord, Outcome, Part, Result
-from outbox_dispatcher.reclaimer import InFlight
+from outbox_dispatcher.models import Batch, Failure, OutboxRecord, Outcome, Part, Result
 from outbox_dispatcher.retries import RetryPolicy
 
 log = structlog.get_logger(__name__)
@@ -32,7 +32,7 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True)
 class SettleConfig:
-    """What the settler (marker.Marker) is made with."""
+    """What the settler (dispatch/settler.py) is made with."""
 
     # How long a settle retries while the database is away before it leaves the rows to their
     # lease (settle_failed).
@@ -42,8 +42,8 @@ class SettleConfig:
     block_on_dead: bool = False
 
 
-class Settler(Protocol):
-    """What settles a batch's rows (marker.Marker): one statement, fenced by the lease token,
+class Settles(Protocol):
+    """What settles a batch's rows (dispatch/settler.py): one statement, fenced by the lease token,
     finished even if its caller is cancelled; returns the rows it changed."""
 
     async def settle_shielded(self, batch: Batch, results: Sequence[Result]) -> int: ...
@@ -53,7 +53,7 @@ class Settling:
     """What every batch of a dispatcher settles through: its retry policy (the outage streak is
     the dispatcher's), its settler, its metrics and logs, and its count of published rows."""
 
-    def __init__(self, settler: Settler, retry_policy: RetryPolicy, metrics: Metrics) -> None:
+    def __init__(self, settler: Settles, retry_policy: RetryPolicy, metrics: Metrics) -> None:
         self.settler = settler
         self.retry_policy = retry_policy
         self.metrics = metrics
@@ -145,7 +145,7 @@ class BatchRun:
             )
         finally:
             self._in_flight.discard(batch.token)
-        if self._transient or any(res.failure is errors.Failure.TRANSIENT for res in results):
+        if self._transient or any(res.failure is Failure.TRANSIENT for res in results):
             return self._settling.retry_policy.outage_delay()
         return 0.0
 
@@ -168,7 +168,7 @@ class BatchRun:
                 self._rows(part), part.outcomes, self._claimed_at, time.time(), early=True
             )
             self._transient = self._transient or any(
-                res.failure is errors.Failure.TRANSIENT for res in results
+                res.failure is Failure.TRANSIENT for res in results
             )
             settled = self.delivery.settled
             self._in_flight.add(

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 import structlog
 
 from outbox_dispatcher import db, listener
-from outbox_dispatcher.claimer import Claimer, Wakeup, pause
 from outbox_dispatcher.dispatch.batch import BatchRun, Settling
+from outbox_dispatcher.dispatch.claimer import Claimer
+from outbox_dispatcher.dispatch.leases import InFlight
+from outbox_dispatcher.dispatch.wakeup import Wakeup, pause
 from outbox_dispatcher.health import Heartbeats
 from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.metrics import Metrics
 from outbox_dispatcher.models import Batch
-from outbox_dispatcher.reclaimer import InFlight
 
 log = structlog.get_logger(__name__)
 

@@ -9,12 +9,13 @@ This is where the settings are read: each component takes a config of its own (c
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import asyncpg
 import structlog
@@ -26,12 +27,16 @@ from outbox_dispatcher import (
     listener,
     metrics,
     migrations,
-    reclaimer,
     registry,
 )
-from outbox_dispatcher.claimer import Claimer, Wakeup
+from outbox_dispatcher.config.settings import DeadLetterPolicy, Settings
+from outbox_dispatcher.dispatch import leases
 from outbox_dispatcher.dispatch.batch import SettleConfig, Settling
 from outbox_dispatcher.dispatch.claim_loop import ClaimLoop, ClaimLoopConfig, Shared
+from outbox_dispatcher.dispatch.claimer import Claimer
+from outbox_dispatcher.dispatch.every import Warn, every
+from outbox_dispatcher.dispatch.settler import Settler
+from outbox_dispatcher.dispatch.wakeup import Wakeup
 from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
 from outbox_dispatcher.kafka.delivery import DeliveryConfig
 from outbox_dispatcher.kafka.producers import ProducerConfig
@@ -39,9 +44,7 @@ from outbox_dispatcher.kafka.publisher import KafkaPublisher, PublisherConfig
 from outbox_dispatcher.kafka.records import RecordConfig
 from outbox_dispatcher.kafka.tls import ConnectionConfig
 from outbox_dispatcher.kafka.topics import TopicConfig
-from outbox_dispatcher.marker import Marker
 from outbox_dispatcher.retries import RetryPolicy
-from outbox_dispatcher.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import Store
 
@@ -66,7 +69,7 @@ class Dispatcher:
         self.owner = owner or instance_id()
         self.queries = Queries.for_table(settings.db_schema, settings.table)
         self.stopping = asyncio.Event()
-        self.in_flight = reclaimer.InFlight()
+        self.in_flight = leases.InFlight()
         self.retry_policy = RetryPolicy(settings)
         self._settling: Settling | None = None  # made with the pool (see _supervise)
         self.wakeup = Wakeup()
@@ -123,7 +126,7 @@ class Dispatcher:
         s = self.settings
         configs = self.configs
         claimer = Claimer(pool, self.queries, s, self.owner)
-        marker = Marker(
+        marker = Settler(
             pool,
             self.queries,
             retry_for=configs.settle.retry_for_seconds,
@@ -176,16 +179,16 @@ class Dispatcher:
         dispatcher's heartbeat, and as configured LISTEN, HTTP and retention."""
         s = self.settings
         side: dict[str, Coroutine[Any, Any, None]] = {
-            "lease-keeper": reclaimer.keep_leases(
+            "lease-keeper": leases.keep_leases(
                 pool, self.queries, s, self.in_flight, self.heartbeats
             ),
-            "reclaimer": reclaimer.reclaim(pool, self.queries, s, self.metrics),
-            "metrics": metrics.sample(pool, self.queries, s, self.metrics),
+            "reclaimer": leases.reclaim(pool, self.queries, s, self.metrics),
+            "metrics": self._sample_gauges(pool),
             "readiness": self._refresh_readiness(readiness),
-            "heartbeat": registry.heartbeat(pool, self.queries, s, self.owner, self.metrics.totals),
+            "heartbeat": self._beat(pool),
         }
         if s.listen:
-            side["listener"] = listener.listen(s, self.wakeup)
+            side["listener"] = listener.listen(s, self.wakeup.notify)
         if s.http_enabled:
             self._http = HealthServer(
                 s.http_host,
@@ -196,8 +199,43 @@ class Dispatcher:
             )
             side["http"] = self._http.serve()
         if s.retention_seconds > 0 and not s.delete_on_publish:
-            side["retention"] = cleanup.retention(pool, self.queries, s)
+            side["retention"] = every(
+                s.cleanup_interval_seconds,
+                functools.partial(cleanup.retention_step, pool, self.queries, s),
+                log=cleanup.log,
+                failed="retention_failed",
+                tolerated=db.RETRIABLE_ERRORS,
+            )
         return side
+
+    async def _sample_gauges(self, pool: asyncpg.Pool) -> NoReturn:
+        """The table gauges, every metrics interval (a role without a newer grant: they go
+        stale and OutboxTableMetricsStale fires; publishing goes on)."""
+        store = Store(pool, self.queries)
+        block = self.settings.dead_letter_policy is DeadLetterPolicy.BLOCK
+        await every(
+            self.settings.metrics_interval_seconds,
+            functools.partial(metrics.sample, store, self.metrics, block_on_dead=block),
+            log=metrics.log,
+            failed="metrics_sample_failed",
+            tolerated=metrics.SAMPLE_ERRORS,
+            wait_first=False,
+        )
+
+    async def _beat(self, pool: asyncpg.Pool) -> NoReturn:
+        heartbeat = registry.Heartbeat(
+            pool, self.queries, self.settings, self.owner, self.metrics.totals
+        )
+        await every(
+            registry.HEARTBEAT_SECONDS,
+            heartbeat.beat,
+            log=registry.log,
+            failed="heartbeat_failed",
+            tolerated=registry.Heartbeat.TOLERATED,
+            wait_first=False,
+            warn=Warn.ONCE,
+            context=lambda: {"hint": registry.Heartbeat.HINT},
+        )
 
     async def _readiness(self, pool: asyncpg.Pool, publisher: KafkaPublisher) -> Readiness:
         checks: dict[str, str] = {}

@@ -29,7 +29,7 @@ from outbox_dispatcher.kafka.producers import NotSubmitted, Producers
 from outbox_dispatcher.kafka.records import RecordEncoder
 from outbox_dispatcher.kafka.topics import ClaimLookups, TopicLookup
 from outbox_dispatcher.kafka.waves import plan_waves
-from outbox_dispatcher.models import OutboxRecord, Part
+from outbox_dispatcher.models import Failure, OutboxRecord, Part
 from outbox_dispatcher.tracing import Tracer
 
 log = structlog.get_logger(__name__)
@@ -335,7 +335,7 @@ class Delivery:
         failure, or no answer, becomes `stopped` (not attempted: the row keeps its place and is
         not counted); an acknowledgement or the row's own failure stands."""
         return [
-            stopped if o is not None and failures.classify(o) is errors.Failure.TRANSIENT else o
+            stopped if o is not None and failures.classify(o) is Failure.TRANSIENT else o
             for o in outcomes_of(self.answers, stopped)
         ]
 

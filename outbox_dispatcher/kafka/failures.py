@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from aiokafka import errors as kafka_errors
 
+from outbox_dispatcher import errors
 from outbox_dispatcher.models import Failure
 
 # The broker or the producer refuses this row as it is: it is dead-lettered now.
@@ -109,13 +110,12 @@ def is_rejection(exc: BaseException | None) -> bool:
     )
 
 
-def explain(exc: BaseException, text: str) -> str:
-    """The Kafka part of errors.describe: what a bare broker error code means, and what to do
-    about a record that is too large."""
-    if isinstance(exc, kafka_errors.BrokerResponseError) and not text:
-        text = str(getattr(exc, "description", "")).strip()
-    if isinstance(exc, TOO_LARGE):
-        # aiokafka names its own max_request_size; ours is OUTBOX_KAFKA_MAX_REQUEST_BYTES.
-        text = text.replace("the max_request_size configuration", "OUTBOX_KAFKA_MAX_REQUEST_BYTES")
-        text = f"{text} ({TOO_LARGE_HINT})" if text else TOO_LARGE_HINT
-    return text
+def describe(exc: BaseException) -> str:
+    """errors.describe, and for a record too large what to do about it: the reason a failed
+    publish leaves in last_error."""
+    text = errors.describe(exc)
+    if not isinstance(exc, TOO_LARGE):
+        return text
+    # aiokafka names its own max_request_size; ours is OUTBOX_KAFKA_MAX_REQUEST_BYTES.
+    text = text.replace("the max_request_size configuration", "OUTBOX_KAFKA_MAX_REQUEST_BYTES")
+    return f"{text} ({TOO_LARGE_HINT})"

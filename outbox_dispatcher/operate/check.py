@@ -14,12 +14,14 @@ from typing import Literal
 import asyncpg
 
 from outbox_dispatcher import db, errors, migrations
+from outbox_dispatcher.config.names import env_name
+from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.config.sources import SECRETS_DIR_VARIABLE
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.operate import reads
 from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.routing import Router
-from outbox_dispatcher.settings import SECRETS_DIR_VARIABLE, Settings, env_name
 from outbox_dispatcher.store import Store
 
 # Ids a step of `check --repair`'s sweep walks (at least).

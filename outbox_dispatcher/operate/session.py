@@ -14,7 +14,7 @@ import asyncpg
 from asyncpg.transaction import Transaction
 
 from outbox_dispatcher import db, listener, migrations
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import Store
 

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 
-from outbox_dispatcher.settings import quote_identifier, validate_identifier
+from outbox_dispatcher.config.names import quote_identifier, validate_identifier
 
 _HEADER = re.compile(r"^-- ([a-z_]+) --$", re.MULTILINE)
 

@@ -25,7 +25,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from outbox_dispatcher import migrations
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.config.settings import Settings
 from tests.containers import Engine, find_engine, free_port, fresh_clone
 
 from .cluster import Cluster

@@ -19,8 +19,8 @@ import asyncpg
 import orjson
 from pydantic import SecretStr
 
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import Dispatcher
-from outbox_dispatcher.settings import Settings
 
 # Moved to tests/checker.py; re-exported so that older tests keep importing them from here.
 from tests.checker import Verdict as Verdict

@@ -31,7 +31,7 @@ from aiokafka.errors import KafkaError
 from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.config.settings import Settings
 
 from .helpers import Services, check, consume, running, wait_until
 

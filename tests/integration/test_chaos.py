@@ -26,7 +26,7 @@ import orjson
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.config.settings import Settings
 from tests.checker import Verdict, verdict_for
 
 from .helpers import (

@@ -14,10 +14,10 @@ import orjson
 import pytest
 
 from outbox_dispatcher import db
-from outbox_dispatcher.claimer import Claimer
-from outbox_dispatcher.marker import Marker
+from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.dispatch.claimer import Claimer
+from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, Outcome, Result
-from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import Store
 from tests.faultproxy import fault_proxy
@@ -67,7 +67,7 @@ async def expire(conn: asyncpg.Connection) -> None:
 
 
 async def settle(pool: asyncpg.Pool, batch: Batch, results: list[Result]) -> int:
-    return await Marker(pool, QUERIES, retry_for=1.0).settle(batch, results)
+    return await Settler(pool, QUERIES, retry_for=1.0).settle(batch, results)
 
 
 async def test_claim_leases_a_prefix_of_each_key_in_id_order(

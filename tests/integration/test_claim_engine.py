@@ -3,7 +3,7 @@ rows than any window or batch does not hold back other keys, every claimer gets 
 under a backlog, wide claims do not exhaust the lock table, and a key's run stays exact while
 several claimers and a writer race.
 
-Only the public surface is used (Claimer.claim, Marker.settle, a real Dispatcher, the operators'
+Only the public surface is used (Claimer.claim, Settler.settle, a real Dispatcher, the operators'
 statements in Queries, plain INSERTs), so that the tests run unchanged on another engine. The
 bookkeeping columns are written by hand only to simulate a dead row (dead_at), a backoff
 (next_attempt_at) or rows already published (published_at).
@@ -25,10 +25,10 @@ import asyncpg
 import pytest
 
 from outbox_dispatcher import db
-from outbox_dispatcher.claimer import Claimer
-from outbox_dispatcher.marker import Marker
+from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.dispatch.claimer import Claimer
+from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, Outcome, Result
-from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
 
 from .helpers import Services, check, consume, count, insert_sequenced, running, wait_until
@@ -324,7 +324,7 @@ async def test_each_key_runs_exactly_in_order_under_concurrent_claimers_and_a_wr
                 results.append(Result(Outcome.RETRY if key in cut else Outcome.PUBLISHED))
             await asyncio.sleep(rng.random() * 0.01)  # publishing, while others claim
             del held[n]  # from the settle on, its keys may legitimately be taken again
-            settled = await Marker(pool, QUERIES, retry_for=1.0).settle(batch, results)
+            settled = await Settler(pool, QUERIES, retry_for=1.0).settle(batch, results)
             if settled != len(batch.records):
                 problems.append(f"loop {n} settled {settled} of {len(batch.records)} rows")
             for r, result in zip(batch.records, results, strict=True):

@@ -28,10 +28,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from outbox_dispatcher import db
-from outbox_dispatcher.claimer import Claimer
-from outbox_dispatcher.marker import Marker
+from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.dispatch.claimer import Claimer
+from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, OutboxRecord, Outcome, Result
-from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import Store
 
@@ -307,7 +307,7 @@ class Claimers:
     def __init__(self, pool: asyncpg.Pool, world: World) -> None:
         self.pool = pool
         self.world = world
-        self.marker = Marker(pool, QUERIES, retry_for=1.0)
+        self.marker = Settler(pool, QUERIES, retry_for=1.0)
         self.held: dict[int, Held] = {}
 
     async def run(self, op: Op, step: int) -> None:

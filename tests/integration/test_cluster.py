@@ -27,10 +27,10 @@ import orjson
 import pytest
 from aiokafka.partitioner import murmur2
 
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka.publisher import KafkaPublisher, all_outcomes
 from outbox_dispatcher.models import OutboxRecord
-from outbox_dispatcher.settings import Settings
 from tests.checker import Verdict, verdict_for
 from tests.faultproxy import FaultProxy
 

@@ -20,8 +20,8 @@ import orjson
 import pytest
 
 from outbox_dispatcher import migrations
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.console import create_app, history
-from outbox_dispatcher.settings import Settings
 from tests.containers import free_port
 
 from .helpers import Services, cli, settings_env

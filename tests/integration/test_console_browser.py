@@ -22,7 +22,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
 
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.config.settings import Settings
 from tests.containers import free_port
 
 from .helpers import spawn, spawn_console, stop_all, wait_started, wait_until

@@ -16,8 +16,8 @@ import httpx
 import orjson
 import pytest
 
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.operate.session import Session
-from outbox_dispatcher.settings import Settings
 from tests.containers import free_port
 
 from .helpers import cli, interruptible, kill9, spawn_console, wait_until

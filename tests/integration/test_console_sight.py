@@ -13,9 +13,9 @@ import asyncpg
 import orjson
 import pytest
 
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.console import history
 from outbox_dispatcher.operate.session import Session
-from outbox_dispatcher.settings import Settings
 
 from .helpers import cli
 from .test_console import AUTH, TOKEN, client, csrf_of, dead_rows, log_in

@@ -23,7 +23,7 @@ import asyncpg
 import pytest
 import yaml
 
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.config.settings import Settings
 from tests.deploy_files import DEPLOY, exec_form, healthcheck_command, parse_dockerfile
 
 from .helpers import (

@@ -13,7 +13,8 @@ import orjson
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from outbox_dispatcher import errors, reclaimer
+from outbox_dispatcher import errors
+from outbox_dispatcher.dispatch import leases
 from outbox_dispatcher.dispatch.supervisor import Dispatcher
 
 from .helpers import (
@@ -181,7 +182,7 @@ async def test_a_dead_loop_stops_the_whole_dispatcher(
         await asyncio.sleep(0.2)
         raise RuntimeError("reclaimer bug")
 
-    monkeypatch.setattr(reclaimer, "reclaim", broken)
+    monkeypatch.setattr(leases, "reclaim", broken)
     dispatcher = Dispatcher(make_settings())
     with pytest.raises(ExceptionGroup) as caught:
         await asyncio.wait_for(dispatcher.run(), 30)
@@ -194,7 +195,7 @@ async def test_a_loop_that_returns_is_a_dead_loop_too(
     async def gives_up(*_: object) -> None:
         await asyncio.sleep(0.2)
 
-    monkeypatch.setattr(reclaimer, "keep_leases", gives_up)
+    monkeypatch.setattr(leases, "keep_leases", gives_up)
     with pytest.raises(ExceptionGroup) as caught:
         await asyncio.wait_for(Dispatcher(make_settings()).run(), 30)
     assert caught.group_contains(errors.LoopDiedError, match="lease-keeper")

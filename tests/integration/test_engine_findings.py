@@ -12,10 +12,10 @@ import asyncpg
 import pytest
 
 from outbox_dispatcher import db, migrations
-from outbox_dispatcher.claimer import Claimer
-from outbox_dispatcher.marker import Marker
+from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.dispatch.claimer import Claimer
+from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, Outcome, Result
-from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
 
 pytestmark = pytest.mark.integration
@@ -49,7 +49,7 @@ def claimer(pool: Any, batch_size: int = 100, owner: str = "c") -> Claimer:
 
 
 async def settle(pool: asyncpg.Pool, batch: Batch) -> None:
-    await Marker(pool, QUERIES, retry_for=1.0).settle(batch, [PUBLISHED] * len(batch.records))
+    await Settler(pool, QUERIES, retry_for=1.0).settle(batch, [PUBLISHED] * len(batch.records))
 
 
 async def drain(pool: asyncpg.Pool, claims: int, batch_size: int = 500) -> list[int]:
@@ -222,7 +222,7 @@ BLOCK = Settings(batch_size=100, dead_letter_policy="block")
 async def claim_cost(conn: asyncpg.Connection) -> int:
     """Blocks a claim that finds one fresh row and empty claims after it read: the most."""
     measured = Measured(conn)
-    marker = Marker(conn, QUERIES, retry_for=1.0)  # type: ignore[arg-type]
+    marker = Settler(conn, QUERIES, retry_for=1.0)  # type: ignore[arg-type]
     for _ in range(8):  # a session's first executions of a statement are planned each time
         await Claimer(conn, QUERIES, BLOCK, "m").claim()  # type: ignore[arg-type]
     await insert(conn, ["fresh"])
@@ -368,7 +368,7 @@ async def _drain_blocks(conn: asyncpg.Connection, table: str) -> int:
     """Blocks all claims read to drain the table, with 500-row batches."""
     queries = Queries.for_table("public", table)
     measured = Measured(conn)
-    marker = Marker(conn, queries, retry_for=1.0)  # type: ignore[arg-type]
+    marker = Settler(conn, queries, retry_for=1.0)  # type: ignore[arg-type]
     settings = Settings(batch_size=500, table=table)
     for _ in range(400):
         batch = await Claimer(measured, queries, settings, "m").claim()  # type: ignore[arg-type]

@@ -15,9 +15,9 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
+from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.supervisor import Dispatcher
 from outbox_dispatcher.inbox import Inbox, MissingEventIdError
-from outbox_dispatcher.marker import Marker
 
 from .helpers import Services, consume, insert_sequenced, running, wait_all_settled, wait_until
 
@@ -48,7 +48,7 @@ async def test_redelivered_events_are_processed_once(
         return 0  # the broker acknowledged, the mark never reached the database
 
     with monkeypatch.context() as patch:
-        patch.setattr(Marker, "settle_shielded", mark_lost)
+        patch.setattr(Settler, "settle_shielded", mark_lost)
         crashing = Dispatcher(settings)
         task = asyncio.create_task(crashing.run())
 

@@ -16,8 +16,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from outbox_dispatcher.claimer import Claimer
 from outbox_dispatcher.db import APPLICATION_NAME
+from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.models import Batch
 
 from .helpers import Services, check, consume, count, event_ids, insert_sequenced, running

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 from outbox_dispatcher import metrics
-from outbox_dispatcher.claimer import Claimer
+from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.supervisor import Dispatcher
 
 from .helpers import (

@@ -21,14 +21,14 @@ from aiokafka import ConsumerRecord
 from aiokafka.admin import AIOKafkaAdminClient
 
 from outbox_dispatcher import cleanup, db, migrations
-from outbox_dispatcher.claimer import Claimer
 from outbox_dispatcher.cli import tables
+from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.operate import listings, reads
 from outbox_dispatcher.operate.actions import DeadDiscard, Replay, perform
 from outbox_dispatcher.operate.filters import Filters
 from outbox_dispatcher.operate.pauses import Pause
 from outbox_dispatcher.operate.session import Session
-from outbox_dispatcher.settings import Settings
 from outbox_dispatcher.sql import Queries
 from tests.unit.test_console_extra import SITECUSTOMIZE
 

@@ -12,9 +12,10 @@ from urllib.parse import urlsplit
 import asyncpg
 import pytest
 
-from outbox_dispatcher import db, marker
-from outbox_dispatcher.claimer import Claimer
-from outbox_dispatcher.marker import Marker
+from outbox_dispatcher import db
+from outbox_dispatcher.dispatch import settler
+from outbox_dispatcher.dispatch.claimer import Claimer
+from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, Outcome, Result
 from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import Store
@@ -47,7 +48,7 @@ class Events:
 @pytest.fixture
 def events(monkeypatch: pytest.MonkeyPatch) -> Events:
     recorded = Events()
-    monkeypatch.setattr(marker, "log", recorded)
+    monkeypatch.setattr(settler, "log", recorded)
     return recorded
 
 
@@ -102,7 +103,7 @@ async def test_a_mark_whose_reply_was_lost_is_not_reported_as_a_lost_lease(
             _via(database_url, proxy.port), min_size=1, max_size=1, init=db.init_connection
         )
         try:
-            mark = Marker(via, QUERIES, retry_for=30.0, owner="owner-a")
+            mark = Settler(via, QUERIES, retry_for=30.0, owner="owner-a")
             task = asyncio.create_task(mark.settle(batch, [OK] * 3))
             await asyncio.wait_for(proxy.tripped.wait(), 10)
 
@@ -142,14 +143,14 @@ async def test_a_lease_really_lost_after_an_unanswered_mark_is_still_reported(
             _via(database_url, proxy.port), min_size=1, max_size=1, init=db.init_connection
         )
         try:
-            mark = Marker(via, QUERIES, retry_for=30.0, owner="owner-a")
+            mark = Settler(via, QUERIES, retry_for=30.0, owner="owner-a")
             task = asyncio.create_task(mark.settle(batch, [OK] * 3))
             await asyncio.wait_for(proxy.tripped.wait(), 10)
             await asyncio.sleep(1.0)  # A's lease expires
             taken = await claim(pool, make_settings(batch_size=10), "owner-b")
             assert [r.reclaimed for r in taken.records] == [True] * 3
             assert (
-                await Marker(pool, QUERIES, retry_for=5.0, owner="owner-b").settle(taken, [OK] * 3)
+                await Settler(pool, QUERIES, retry_for=5.0, owner="owner-b").settle(taken, [OK] * 3)
                 == 3
             )
             await proxy.restore()
@@ -197,7 +198,7 @@ async def test_a_stale_owners_late_mark_records_a_crash_loop_row_it_published(
     assert await count(conn, f"id = {r1} AND dead_at IS NOT NULL") == 1
     b = Claimer(pool, QUERIES, make_settings(batch_size=10, dead_letter_policy="block"), "owner-b")
     assert await b.claim() is None  # 4.
-    marker = Marker(pool, QUERIES, retry_for=5.0, owner="owner-a", block_on_dead=True)
+    marker = Settler(pool, QUERIES, retry_for=5.0, owner="owner-a", block_on_dead=True)
     settled = await marker.settle(stale, [OK])  # 6.
     assert settled == 1
     assert events.rows("lease_lost") == []
@@ -222,7 +223,7 @@ async def test_a_stale_owners_late_failure_leaves_the_crash_loop_row_dead(
     swept = await Store(pool, QUERIES).dead_letter_crash_loops(max_attempts=1, block_on_dead=False)
     assert [row["id"] for row in swept] == [r1]
     failed = Result(Outcome.RETRY, "broker down", delay=1.0, counted=False)
-    assert await Marker(pool, QUERIES, retry_for=5.0, owner="owner-a").settle(stale, [failed]) == 0
+    assert await Settler(pool, QUERIES, retry_for=5.0, owner="owner-a").settle(stale, [failed]) == 0
     assert events.rows("lease_lost") == [1]
     row = await conn.fetchrow(
         "SELECT published_at, dead_at, last_error FROM outbox WHERE id = $1", r1

@@ -22,7 +22,7 @@ import orjson
 import pytest
 
 from outbox_dispatcher import migrations
-from outbox_dispatcher.settings import DeadLetterPolicy
+from outbox_dispatcher.config.settings import DeadLetterPolicy
 
 from .helpers import (
     Services,

@@ -17,7 +17,7 @@ import asyncpg
 import orjson
 import pytest
 
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.config.settings import Settings
 
 from .helpers import (
     Services,

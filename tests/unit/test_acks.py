@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka import acks as acks_module
 from outbox_dispatcher.kafka.acks import Acks
 from outbox_dispatcher.kafka.producers import Producers
 from outbox_dispatcher.kafka.topics import TopicLookup
-from outbox_dispatcher.settings import Settings
 
 
 def waits() -> Acks:

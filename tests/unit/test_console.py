@@ -10,10 +10,10 @@ import pytest
 from pydantic import SecretStr, ValidationError
 
 from outbox_dispatcher import errors
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.console import auth, charts, history, inputs, render, security, service
 from outbox_dispatcher.console.render import ascii_json as _ascii_json
 from outbox_dispatcher.console.render import exact_attribute as _exact_attribute
-from outbox_dispatcher.settings import Settings
 
 
 def test_an_action_needs_a_filter_or_all_and_not_both() -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.config.settings import Settings
 from tests.deploy_files import (
     DEPLOY,
     DOCKERFILE,

@@ -12,15 +12,15 @@ import pytest
 from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher import errors
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.batch import BatchRun, Settling
+from outbox_dispatcher.dispatch.leases import InFlight
 from outbox_dispatcher.kafka import acks as acks_module
 from outbox_dispatcher.kafka import producers as producers_module
 from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.metrics import Metrics
-from outbox_dispatcher.models import Batch, Outcome, Result
-from outbox_dispatcher.reclaimer import InFlight
+from outbox_dispatcher.models import Batch, Failure, Outcome, Result
 from outbox_dispatcher.retries import RetryPolicy
-from outbox_dispatcher.settings import Settings
 from tests.fakes import (
     FakeBatch,
     FakeProducer,
@@ -193,7 +193,7 @@ async def test_an_outage_asks_the_claim_loop_to_pause() -> None:
     batch = Batch(uuid.uuid4(), [rec(1, "t", "a"), rec(2, "t", "b")])
     settler = RecordingSettler()
     assert await run_of(batch, publisher, settler).run() > 0.0
-    assert [r.failure for r in settler.results[0]] == [errors.Failure.TRANSIENT] * 2
+    assert [r.failure for r in settler.results[0]] == [Failure.TRANSIENT] * 2
     assert not any(r.counted for r in settler.results[0])
 
 

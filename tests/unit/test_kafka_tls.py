@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from outbox_dispatcher import errors
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka.tls import ssl_context
-from outbox_dispatcher.settings import Settings
 
 
 def context_for(settings: Settings) -> ssl.SSLContext | None:

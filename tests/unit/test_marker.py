@@ -3,7 +3,7 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime
 
-from outbox_dispatcher.marker import Marker
+from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, OutboxRecord, Outcome, Result
 from outbox_dispatcher.sql import Queries
 
@@ -19,7 +19,7 @@ def test_settle_arguments_carry_every_row_with_its_key() -> None:
         OutboxRecord(i, "t", k, b"x", {}, uuid.uuid4(), now, 0, False) for i, k in enumerate(keys)
     ]
     batch = Batch(uuid.uuid4(), records)
-    marker = Marker(None, Q, retry_for=1, delete_on_publish=True)  # type: ignore[arg-type]
+    marker = Settler(None, Q, retry_for=1, delete_on_publish=True)  # type: ignore[arg-type]
     args = marker.arguments(batch, [OK, RETRY, OK, OK])
     assert args == {
         "token": batch.token,

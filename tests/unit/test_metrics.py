@@ -12,10 +12,10 @@ from aiokafka import errors as kafka_errors
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from outbox_dispatcher import errors
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.metrics import LAG_BUCKETS, BatchHistogram, Metrics
-from outbox_dispatcher.models import OutboxRecord, Outcome, Result
+from outbox_dispatcher.models import Failure, OutboxRecord, Outcome, Result
 from outbox_dispatcher.retries import RetryPolicy
-from outbox_dispatcher.settings import Settings
 
 
 def record(attempts: int = 0, topic: str = "t") -> OutboxRecord:
@@ -40,7 +40,7 @@ def test_a_dead_row_is_counted_by_its_class_whatever_its_text_says() -> None:
     # Text that reads like the other class on purpose: the counters must not parse it.
     m.record_batch(
         [record()],
-        [Result(Outcome.DEAD, "permanent-looking broker text", failure=errors.Failure.ROW)],
+        [Result(Outcome.DEAD, "permanent-looking broker text", failure=Failure.ROW)],
         now,
     )
     assert counts(m) == {
@@ -50,7 +50,7 @@ def test_a_dead_row_is_counted_by_its_class_whatever_its_text_says() -> None:
     m = Metrics()
     m.record_batch(
         [record()],
-        [Result(Outcome.DEAD, "gave up, it says", failure=errors.Failure.PERMANENT)],
+        [Result(Outcome.DEAD, "gave up, it says", failure=Failure.PERMANENT)],
         now,
     )
     assert counts(m) == {
@@ -64,8 +64,8 @@ def test_retries_are_counted_as_row_or_outage_by_class_and_not_attempted_not_at_
     m.record_batch(
         [record(), record(), record()],
         [
-            Result(Outcome.RETRY, "x", delay=1, counted=True, failure=errors.Failure.ROW),
-            Result(Outcome.RETRY, "y", delay=1, failure=errors.Failure.TRANSIENT),
+            Result(Outcome.RETRY, "x", delay=1, counted=True, failure=Failure.ROW),
+            Result(Outcome.RETRY, "y", delay=1, failure=Failure.TRANSIENT),
             Result(Outcome.RETRY),  # not attempted: an earlier row of its key failed
         ],
         0.0,
@@ -81,14 +81,14 @@ def test_retries_are_counted_as_row_or_outage_by_class_and_not_attempted_not_at_
     [
         (None, 0, Outcome.PUBLISHED, None),
         (errors.NotAttempted(), 0, Outcome.RETRY, None),
-        (kafka_errors.MessageSizeTooLargeError(), 0, Outcome.DEAD, errors.Failure.PERMANENT),
-        (kafka_errors.KafkaConnectionError(), 5, Outcome.RETRY, errors.Failure.TRANSIENT),
-        (errors.TopicMissingError(), 0, Outcome.RETRY, errors.Failure.ROW),
-        (RuntimeError("permanent error, not retried"), 2, Outcome.DEAD, errors.Failure.ROW),
+        (kafka_errors.MessageSizeTooLargeError(), 0, Outcome.DEAD, Failure.PERMANENT),
+        (kafka_errors.KafkaConnectionError(), 5, Outcome.RETRY, Failure.TRANSIENT),
+        (errors.TopicMissingError(), 0, Outcome.RETRY, Failure.ROW),
+        (RuntimeError("permanent error, not retried"), 2, Outcome.DEAD, Failure.ROW),
     ],
 )
 def test_the_retry_policy_gives_each_outcome_its_class(
-    exc: BaseException | None, attempts: int, outcome: Outcome, failure: errors.Failure | None
+    exc: BaseException | None, attempts: int, outcome: Outcome, failure: Failure | None
 ) -> None:
     policy = RetryPolicy(Settings(max_attempts=3), random.Random(1))
     result = policy.result(record(attempts), exc)

@@ -12,7 +12,9 @@ from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from outbox_dispatcher import errors
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import configs_of
+from outbox_dispatcher.kafka import failures
 from outbox_dispatcher.kafka.records import (
     BATCH_HEADER,
     RecordEncoder,
@@ -22,8 +24,7 @@ from outbox_dispatcher.kafka.records import (
     record_size,
     serialized_size,
 )
-from outbox_dispatcher.models import OutboxRecord
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.models import Failure, OutboxRecord
 
 
 def encoder_for(settings: Settings) -> RecordEncoder:
@@ -145,7 +146,7 @@ def test_a_record_over_the_request_limit_is_refused_as_the_producer_would() -> N
     with pytest.raises(kafka_errors.MessageSizeTooLargeError) as refused:
         encoder.encode(over)
     assert "larger than the maximum request size" in str(refused.value)
-    assert errors.classify(refused.value) is errors.Failure.PERMANENT
+    assert failures.classify(refused.value) is Failure.PERMANENT
 
 
 def test_partitions_are_the_default_partitioners() -> None:

@@ -8,10 +8,11 @@ import pytest
 from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher import errors
+from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.errors import NotAttempted, TopicMissingError
-from outbox_dispatcher.models import OutboxRecord, Outcome
+from outbox_dispatcher.kafka import failures
+from outbox_dispatcher.models import Failure, OutboxRecord, Outcome
 from outbox_dispatcher.retries import MAX_OUTAGE_STREAK, RetryPolicy
-from outbox_dispatcher.settings import Settings
 
 
 def record(attempts: int = 0) -> OutboxRecord:
@@ -118,7 +119,7 @@ def test_outage_pause_grows_while_outages_last_and_resets(policy: RetryPolicy) -
 
 
 def test_classify_unknown_errors_as_row_errors() -> None:
-    assert errors.classify(RuntimeError("bug")) is errors.Failure.ROW
+    assert failures.classify(RuntimeError("bug")) is Failure.ROW
     assert errors.describe(RuntimeError("bug")) == "RuntimeError: bug"
     assert errors.describe(kafka_errors.KafkaConnectionError()) == "KafkaConnectionError"
 
@@ -129,7 +130,7 @@ def test_oversize_errors_name_our_setting_and_the_topic_limit_once() -> None:
         "size you have configured with the max_request_size configuration"
     )
     for exc in (client_side, kafka_errors.MessageSizeTooLargeError()):
-        text = errors.describe(exc)
+        text = failures.describe(exc)
         assert "OUTBOX_KAFKA_MAX_REQUEST_BYTES" in text and "max.message.bytes" in text
         assert "max_request_size" not in text
         assert text.count("MessageSizeTooLargeError") == 1

@@ -4,8 +4,10 @@ import pytest
 from pydantic import ValidationError
 
 from outbox_dispatcher import errors
+from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.kafka import failures
+from outbox_dispatcher.models import Failure
 from outbox_dispatcher.routing import Router, check_template
-from outbox_dispatcher.settings import Settings
 
 
 def test_the_rows_own_topic_wins() -> None:
@@ -29,7 +31,7 @@ def test_unroutable_rows_say_why() -> None:
 
 
 def test_routing_errors_dead_letter_at_once() -> None:
-    assert errors.classify(errors.RoutingError()) is errors.Failure.PERMANENT
+    assert failures.classify(errors.RoutingError()) is Failure.PERMANENT
 
 
 @pytest.mark.parametrize("template", ["events", "bad topic.{x}", "events.{x", "{x}}"])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from outbox_dispatcher import cli
-from outbox_dispatcher.settings import Settings
+from outbox_dispatcher.config.settings import Settings
 
 SECRET = "Sup3r-s3cret-canary"
 

@@ -7,7 +7,8 @@ from pydantic import ValidationError
 
 from outbox_dispatcher import cli
 from outbox_dispatcher.cli import flags
-from outbox_dispatcher.settings import DeadLetterPolicy, Settings, quote_identifier
+from outbox_dispatcher.config.names import quote_identifier
+from outbox_dispatcher.config.settings import DeadLetterPolicy, Settings
 
 
 def test_defaults_point_at_the_local_stack() -> None:

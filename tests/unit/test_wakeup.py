@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import asyncio
 
-from outbox_dispatcher.claimer import Wakeup
+from outbox_dispatcher.dispatch.wakeup import Wakeup
 
 
 async def test_a_hint_wakes_one_waiting_loop_not_all() -> None:

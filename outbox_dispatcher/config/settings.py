@@ -1,17 +1,13 @@
-"""Configuration: environment variables with the OUTBOX_ prefix, overridden by CLI flags.
+"""Every setting: environment variables with the OUTBOX_ prefix, overridden by CLI flags.
 
-Read once, in the CLI; every component receives the settings object and reads only its part.
+Read once, in the CLI; the supervisor builds each component's small config from them
+(dispatch/supervisor.configs_of).
 """
 
 from __future__ import annotations
 
 import enum
-import ipaddress
-import os
-import re
-import urllib.parse
-from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     AliasChoices,
@@ -21,20 +17,20 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
 
-from outbox_dispatcher import errors, routing
+from outbox_dispatcher import routing
+from outbox_dispatcher.config import checks
+from outbox_dispatcher.config.names import (
+    validate_identifier,
+)
+from outbox_dispatcher.config.sources import FileVariablesSource, SecretsDirSource
 
-# Lowercase only, so that derived names (outbox_claim, outbox_schema_version, ...) stay valid,
-# unquoted-equivalent identifiers; short enough that every derived name fits in 63 bytes.
-IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,39}$")
 CONSOLE_TOKEN_MIN_LENGTH = 16
-RESERVED_SCHEMAS = frozenset({"pg_catalog", "information_schema", "pg_toast"})
 
 
 class DeadLetterPolicy(enum.StrEnum):
@@ -44,55 +40,9 @@ class DeadLetterPolicy(enum.StrEnum):
     BLOCK = "block"  # nothing later of the key is published until an operator acts
 
 
-def validate_identifier(value: str, what: str) -> str:
-    if not IDENTIFIER.match(value):
-        msg = (
-            f"{what} {value!r} is not allowed: use 1-40 characters of lowercase letters, digits "
-            "and underscores, starting with a letter or underscore"
-        )
-        raise ValueError(msg)
-    return value
-
-
-def split_list(value: str | None) -> list[str]:
-    """A comma-separated setting's items, blanks dropped."""
-    return [item.strip() for item in (value or "").split(",") if item.strip()]
-
-
-def quote_identifier(value: str) -> str:
-    """Quote an identifier that has already passed validate_identifier."""
-    return '"' + value.replace('"', '""') + '"'
-
-
 # Finite: `inf` would pass a bare `gt=0` and overflow a database interval later.
 PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-
-PERCENT_ENCODE = (
-    "percent-encode the characters of the user name and password that mean something in a URL "
-    "(@ as %40, : as %3A, / as %2F, ? as %3F, # as %23, % as %25)"
-)
-
-
-def database_url_problem(dsn: str) -> str | None:
-    """Why `dsn` is not a PostgreSQL URL the driver would read as meant, or None. Never quotes
-    any part of it: an unencoded '/', '?', '#' or '@' in the password moves the password's
-    pieces into the host, port or path, where a driver's parse error would quote them."""
-    try:
-        parts = urllib.parse.urlsplit(dsn)
-    except ValueError:
-        return "it does not parse as a URL"
-    if parts.scheme not in ("postgresql", "postgres") or not dsn.startswith(parts.scheme + "://"):
-        return "it must start with postgresql://"
-    netloc = parts.netloc
-    rest = dsn[len(parts.scheme) + 3 + len(netloc) :]
-    if netloc.count("@") > 1 or ("@" not in netloc and "@" in rest):
-        return "an '@', '/', '?' or '#' in the user name or password is not percent-encoded"
-    for host in netloc.rpartition("@")[2].split(","):
-        port = host.rpartition("]")[2].rpartition(":")[2] if ":" in host else ""
-        if port and not port.isdigit():
-            return "a port is not a number (is a character of the password not percent-encoded?)"
-    return None
 
 
 class Settings(BaseSettings):
@@ -437,45 +387,27 @@ class Settings(BaseSettings):
     @field_validator("database_url", "listen_database_url")
     @classmethod
     def _check_database_url(cls, value: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
-        if value is not None and (problem := database_url_problem(value.get_secret_value())):
-            name = env_name(info.field_name or "database_url")
-            msg = (
-                f"{name} is not a usable PostgreSQL URL ({problem}): expected "
-                f"postgresql://user:password@host:port/database[?option=value]; {PERCENT_ENCODE}"
-            )
-            raise ValueError(msg)
+        if value is not None:
+            checks.database_url(value.get_secret_value(), info.field_name or "database_url")
         return value
 
     @field_validator("console_token")
     @classmethod
     def _check_console_token(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None and len(value.get_secret_value()) < CONSOLE_TOKEN_MIN_LENGTH:
-            msg = (
-                f"OUTBOX_CONSOLE_TOKEN must be at least {CONSOLE_TOKEN_MIN_LENGTH} characters "
-                "(e.g. the output of `openssl rand -hex 32`)"
-            )
-            raise ValueError(msg)
+        if value is not None:
+            checks.console_token(value.get_secret_value())
         return value
 
     @field_validator("console_trusted_proxies")
     @classmethod
     def _check_trusted_proxies(cls, value: str | None) -> str | None:
-        for item in split_list(value):
-            try:
-                ipaddress.ip_network(item, strict=False)
-            except ValueError:
-                msg = f"OUTBOX_CONSOLE_TRUSTED_PROXIES: {item!r} is not an address or network"
-                raise ValueError(msg) from None
+        checks.trusted_proxies(value)
         return value
 
     @field_validator("db_schema")
     @classmethod
     def _check_schema(cls, value: str) -> str:
-        validate_identifier(value, "OUTBOX_SCHEMA")
-        if value in RESERVED_SCHEMAS or value.startswith("pg_"):
-            msg = f"OUTBOX_SCHEMA {value!r} is a system schema; choose another"
-            raise ValueError(msg)
-        return value
+        return checks.schema(value)
 
     @field_validator("table")
     @classmethod
@@ -498,73 +430,13 @@ class Settings(BaseSettings):
     @field_validator("kafka_bootstrap_servers")
     @classmethod
     def _check_bootstrap(cls, value: str) -> str:
-        servers = [s.strip() for s in value.split(",") if s.strip()]
-
-        def usable(server: str) -> bool:
-            host, _, port = server.rpartition(":")
-            return bool(host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536
-
-        if not servers or not all(usable(s) for s in servers):
-            msg = (
-                f"OUTBOX_KAFKA_BOOTSTRAP_SERVERS {value!r}: expected host:port[,host:port...] "
-                "with ports 1-65535"
-            )
-            raise ValueError(msg)
-        return ",".join(servers)
+        return checks.bootstrap_servers(value)
 
     @model_validator(mode="after")
     def _check_relations(self) -> Settings:
-        if self.backoff_max_seconds < self.backoff_initial_seconds:
-            msg = "OUTBOX_BACKOFF_MAX_SECONDS must be >= OUTBOX_BACKOFF_INITIAL_SECONDS"
-            raise ValueError(msg)
-        if self.kafka_sasl_mechanism and not (
-            self.kafka_sasl_username and self.kafka_sasl_password
-        ):
-            msg = "OUTBOX_KAFKA_SASL_MECHANISM needs OUTBOX_KAFKA_SASL_USERNAME and _PASSWORD"
-            raise ValueError(msg)
-        self._check_kafka_security()
+        checks.relations(self)
+        checks.kafka_security(self)
         return self
-
-    def _check_kafka_security(self) -> None:
-        """Credentials or TLS files that the chosen protocol would silently not use are a
-        mistake that sends data in the clear: refuse them."""
-        protocol = self.kafka_security_protocol
-        sasl = protocol.startswith("SASL_")
-        if sasl and not self.kafka_sasl_mechanism:
-            msg = f"OUTBOX_KAFKA_SECURITY_PROTOCOL={protocol} needs OUTBOX_KAFKA_SASL_MECHANISM"
-            raise ValueError(msg)
-        sasl_given = [
-            name
-            for name, value in (
-                ("OUTBOX_KAFKA_SASL_MECHANISM", self.kafka_sasl_mechanism),
-                ("OUTBOX_KAFKA_SASL_USERNAME", self.kafka_sasl_username),
-                ("OUTBOX_KAFKA_SASL_PASSWORD", self.kafka_sasl_password),
-            )
-            if value
-        ]
-        if not sasl and sasl_given:
-            msg = (
-                f"{', '.join(sasl_given)} set but OUTBOX_KAFKA_SECURITY_PROTOCOL={protocol} "
-                "does not use SASL (the credentials would go unused and the data in the clear): "
-                "set SASL_SSL (or SASL_PLAINTEXT) and OUTBOX_KAFKA_SASL_MECHANISM"
-            )
-            raise ValueError(msg)
-        tls_files = {
-            "OUTBOX_KAFKA_SSL_CAFILE": self.kafka_ssl_cafile,
-            "OUTBOX_KAFKA_SSL_CERTFILE": self.kafka_ssl_certfile,
-            "OUTBOX_KAFKA_SSL_KEYFILE": self.kafka_ssl_keyfile,
-            "OUTBOX_KAFKA_SSL_KEY_PASSWORD": self.kafka_ssl_key_password,
-        }
-        given = [name for name, value in tls_files.items() if value]
-        if given and protocol not in ("SSL", "SASL_SSL"):
-            msg = (
-                f"{', '.join(given)} set but OUTBOX_KAFKA_SECURITY_PROTOCOL={protocol} does not "
-                "use TLS: set SSL or SASL_SSL"
-            )
-            raise ValueError(msg)
-        if (self.kafka_ssl_keyfile or self.kafka_ssl_key_password) and not self.kafka_ssl_certfile:
-            msg = "OUTBOX_KAFKA_SSL_KEYFILE and _KEY_PASSWORD need OUTBOX_KAFKA_SSL_CERTFILE"
-            raise ValueError(msg)
 
     @classmethod
     def settings_customise_sources(
@@ -587,75 +459,3 @@ class Settings(BaseSettings):
     @property
     def effective_pool_size(self) -> int:
         return self.pool_size or self.claim_tasks + 2
-
-
-SECRETS_DIR_VARIABLE = "OUTBOX_SECRETS_DIR"
-
-
-def env_name(field: str) -> str:
-    """The environment variable of a setting."""
-    return "OUTBOX_SCHEMA" if field == "db_schema" else f"OUTBOX_{field.upper()}"
-
-
-def read_secret_file(path: Path, what: str) -> str:
-    """A file's text without its trailing newline (editors and `echo` add one). The error names
-    the variable and the path, never the content."""
-    try:
-        text = path.read_text("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        msg = f"cannot read {what} ({errors.describe(exc)}): fix the path or the file's permissions"
-        raise errors.ConfigurationError(msg) from exc
-    return text.rstrip("\r\n")
-
-
-class FileVariablesSource(PydanticBaseSettingsSource):
-    """OUTBOX_<SETTING>_FILE=<path>: the setting's value is the file's content (Docker and
-    Kubernetes secrets mounted as files, so that the secret is not in the environment)."""
-
-    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        variable = env_name(field_name) + "_FILE"
-        path = os.environ.get(variable)
-        if not path:
-            return None, field_name, False
-        return read_secret_file(Path(path), f"{variable}={path}"), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        values: dict[str, Any] = {}
-        for name, field in self.settings_cls.model_fields.items():
-            value, key, _ = self.get_field_value(field, name)
-            if value is not None:
-                values[key] = value
-        return values
-
-
-class SecretsDirSource(PydanticBaseSettingsSource):
-    """Files in the directory OUTBOX_SECRETS_DIR (e.g. a mounted Kubernetes Secret), each named
-    like the setting's variable (OUTBOX_DATABASE_URL; case does not matter)."""
-
-    def __init__(self, settings_cls: type[BaseSettings]) -> None:
-        super().__init__(settings_cls)
-        self._files: dict[str, Path] = {}
-        directory = os.environ.get(SECRETS_DIR_VARIABLE)
-        if not directory:
-            return
-        root = Path(directory)
-        if not root.is_dir():
-            msg = f"{SECRETS_DIR_VARIABLE}={directory} is not a directory: mount it or unset it"
-            raise errors.ConfigurationError(msg)
-        # Kubernetes mounts a Secret as symlinks into a hidden ..data directory: skip dot files.
-        self._files = {p.name.upper(): p for p in root.iterdir() if not p.name.startswith(".")}
-
-    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        name = env_name(field_name)
-        path = self._files.get(name)
-        if path is None or not path.is_file():
-            return None, field_name, False
-        return read_secret_file(path, f"{name} in {SECRETS_DIR_VARIABLE}"), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        values: dict[str, Any] = {}
-        for name, field in self.settings_cls.model_fields.items():
-            value, key, _ = self.get_field_value(field, name)
-            if value is not None:
-                values[key] = value
-        return values

@@ -1,19 +1,17 @@
-"""Claims batches of pending rows and waits for new ones (notification, poll, or stop)."""
+"""Claims batches of pending rows: one claim statement, its key count fitted to the backlog."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from collections import deque
 from typing import Any
 
 import asyncpg
 import structlog
 
 from outbox_dispatcher import db
+from outbox_dispatcher.config.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.models import Batch, OutboxRecord
-from outbox_dispatcher.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.sql import Queries
 from outbox_dispatcher.store import OutOfMemoryError, Row, Store
 
@@ -108,50 +106,3 @@ class Claimer:
                 log.info("lost_claim_released", rows=rows, token=str(token))
             elif until > now:
                 self._unsure.append((token, until))
-
-
-class Wakeup:
-    """Hands each new-rows hint to one idle claim loop, not to all of them: waking every loop on
-    every notification makes them all claim at once and fight over the same keys, which costs
-    the database more than the rows are worth. A loop that found a full batch passes the hint on
-    (there is likely more). A hint that finds no loop waiting is kept for the next one."""
-
-    def __init__(self) -> None:
-        self._waiters: deque[asyncio.Future[None]] = deque()
-        self._pending = False
-
-    def notify(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-        self._pending = True
-
-    async def wait(self, stop: asyncio.Event, seconds: float) -> None:
-        """Return on a hint, on stop, or after `seconds` (the polling fallback)."""
-        if self._pending:
-            self._pending = False
-            return
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        await wait_any(waiter, stop, seconds)
-        if not waiter.done():
-            waiter.cancel()
-
-
-async def wait_any(future: asyncio.Future[None], stop: asyncio.Event, seconds: float) -> None:
-    stopped: asyncio.Future[None] = asyncio.ensure_future(_wait(stop))
-    try:
-        await asyncio.wait({future, stopped}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopped.cancel()
-
-
-async def _wait(event: asyncio.Event) -> None:
-    await event.wait()
-
-
-async def pause(stop: asyncio.Event, seconds: float) -> None:
-    """Sleep, but wake up for a shutdown."""
-    await wait_any(asyncio.get_running_loop().create_future(), stop, seconds)

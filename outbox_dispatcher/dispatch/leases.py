@@ -8,18 +8,19 @@ bookkeeping.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
+from typing import NoReturn
 
 import asyncpg
 import structlog
 
 from outbox_dispatcher import db
+from outbox_dispatcher.config.settings import DeadLetterPolicy, Settings
+from outbox_dispatcher.dispatch.every import every
 from outbox_dispatcher.health import Heartbeats
 from outbox_dispatcher.metrics import Metrics
-from outbox_dispatcher.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.sql import Queries
-from outbox_dispatcher.store import Store
+from outbox_dispatcher.store import Row, Store
 
 log = structlog.get_logger(__name__)
 
@@ -54,57 +55,75 @@ async def keep_leases(
     settings: Settings,
     in_flight: InFlight,
     heartbeats: Heartbeats,
-) -> None:
+) -> NoReturn:
     """Extend the leases of in-flight rows every lease/3, for as long as the process lives."""
-    interval = settings.lease_seconds / 3
     store = Store(pool, queries)
-    while True:
-        heartbeats.beat("lease-keeper")
-        await asyncio.sleep(interval)
-        ids, tokens = in_flight.pairs()
-        if not ids:
-            continue
+    asked = 0
+
+    async def extend() -> None:
+        nonlocal asked
         try:
+            ids, tokens = in_flight.pairs()
+            asked = len(ids)
+            if not ids:
+                return
             extended = await store.extend_leases(
                 ids=ids, tokens=tokens, seconds=settings.lease_seconds
             )
-        except db.RETRIABLE_ERRORS as exc:
-            log.warning("lease_extension_failed", rows=len(ids), error=repr(exc))
-            continue
-        if extended < len(ids):
-            # Settled meanwhile, or expired and maybe taken over; the settle will tell which.
-            log.debug("lease_extension_partial", extended=extended, asked=len(ids))
+            if extended < len(ids):
+                # Settled meanwhile, or expired and maybe taken over; the settle will tell which.
+                log.debug("lease_extension_partial", extended=extended, asked=len(ids))
+        finally:
+            heartbeats.beat("lease-keeper")
+
+    heartbeats.beat("lease-keeper")
+    await every(
+        settings.lease_seconds / 3,
+        extend,
+        log=log,
+        failed="lease_extension_failed",
+        tolerated=db.RETRIABLE_ERRORS,
+        context=lambda: {"rows": asked},
+    )
 
 
 async def reclaim(
     pool: asyncpg.Pool, queries: Queries, settings: Settings, metrics: Metrics
-) -> None:
+) -> NoReturn:
     """Dead-letter rows whose leases keep expiring; report expired leases awaiting takeover."""
     store = Store(pool, queries)
-    while True:
-        await asyncio.sleep(settings.reclaim_interval_seconds)
-        try:
-            dead = await store.dead_letter_crash_loops(
-                max_attempts=settings.max_attempts,
-                block_on_dead=settings.dead_letter_policy is DeadLetterPolicy.BLOCK,
-            )
-            expired = await store.count_expired_leases()
-        except db.RETRIABLE_ERRORS as exc:
-            log.warning("reclaim_failed", error=repr(exc))
-            continue
-        for row in dead:
-            metrics.dead_lettered.labels(row["topic"] or "(routed)", "crash_loop").inc()
-            log.error(
-                "dead_lettered_crash_loop",
-                id=row["id"],
-                event_id=str(row["event_id"]),
-                topic=row["topic"],
-                last_owner=row["lease_owner"],
-            )
+
+    async def step() -> None:
+        dead = await store.dead_letter_crash_loops(
+            max_attempts=settings.max_attempts,
+            block_on_dead=settings.dead_letter_policy is DeadLetterPolicy.BLOCK,
+        )
+        expired = await store.count_expired_leases()
+        report_crash_loops(dead, metrics)
         if expired:
             log.info("expired_leases_awaiting_takeover", leases=expired)
         if settings.sweep_rows:
             await sweep_step(store, settings, metrics)
+
+    await every(
+        settings.reclaim_interval_seconds,
+        step,
+        log=log,
+        failed="reclaim_failed",
+        tolerated=db.RETRIABLE_ERRORS,
+    )
+
+
+def report_crash_loops(dead: list[Row], metrics: Metrics) -> None:
+    for row in dead:
+        metrics.dead_lettered.labels(row["topic"] or "(routed)", "crash_loop").inc()
+        log.error(
+            "dead_lettered_crash_loop",
+            id=row["id"],
+            event_id=str(row["event_id"]),
+            topic=row["topic"],
+            last_owner=row["lease_owner"],
+        )
 
 
 async def sweep_step(store: Store, settings: Settings, metrics: Metrics) -> None:

@@ -18,7 +18,7 @@ from outbox_dispatcher.store import Store
 log = structlog.get_logger(__name__)
 
 
-class Marker:
+class Settler:
     def __init__(
         self,
         pool: asyncpg.Pool,
