@@ -166,7 +166,7 @@ class _Pending:
         return value
 
 
-async def _drain_loop(claimer: Claimer, marker: Settler, pending: _Pending) -> int:
+async def _drain_loop(claimer: Claimer, settler: Settler, pending: _Pending) -> int:
     """Claim and mark as published, skipping Kafka; stop on an empty table, or after two empty
     claims in a row (other loops may briefly hold every remaining key)."""
     marked = 0
@@ -179,7 +179,7 @@ async def _drain_loop(claimer: Claimer, marker: Settler, pending: _Pending) -> i
                 return marked
             continue
         empty = 0
-        marked += await marker.settle(batch, [_PUBLISHED] * len(batch.records))
+        marked += await settler.settle(batch, [_PUBLISHED] * len(batch.records))
 
 
 async def pg_only(database_url: str, settings: Settings) -> tuple[int, float]:
@@ -191,13 +191,13 @@ async def pg_only(database_url: str, settings: Settings) -> tuple[int, float]:
     pool = await db.create_pool(settings)
     try:
         claimer = Claimer(pool, queries, settings, _OWNER)
-        marker = Settler(pool, queries, retry_for=settings.lease_seconds)
+        settler = Settler(pool, queries, retry_for=settings.lease_seconds)
         table = f"{quote_identifier(settings.db_schema)}.{quote_identifier(settings.table)}"
         pending = _Pending(pool, table)
         started = time.perf_counter()
         async with asyncio.TaskGroup() as tg:
             loops = [
-                tg.create_task(_drain_loop(claimer, marker, pending))
+                tg.create_task(_drain_loop(claimer, settler, pending))
                 for _ in range(settings.claim_tasks)
             ]
         elapsed = time.perf_counter() - started

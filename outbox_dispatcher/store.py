@@ -2,7 +2,7 @@
 keyword-only method each, named like the statement in sql/queries.sql.
 
 The claim engine lives in the schema (schema/) and in these calls; the modules around them
-(claimer, marker, reclaimer, listener, metrics, status, registry, cleanup) decide when to call,
+(claimer, settler, leases, listener, metrics, status, registry, cleanup) decide when to call,
 never how to talk SQL, so a change of the engine touches this file, the schema and their tests.
 """
 

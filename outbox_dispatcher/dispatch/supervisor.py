@@ -126,7 +126,7 @@ class Dispatcher:
         s = self.settings
         configs = self.configs
         claimer = Claimer(pool, self.queries, s, self.owner)
-        marker = Settler(
+        settler = Settler(
             pool,
             self.queries,
             retry_for=configs.settle.retry_for_seconds,
@@ -134,7 +134,7 @@ class Dispatcher:
             owner=self.owner,
             block_on_dead=configs.settle.block_on_dead,
         )
-        settling = self._settling = Settling(marker, self.retry_policy, self.metrics)
+        settling = self._settling = Settling(settler, self.retry_policy, self.metrics)
         readiness = ReadinessCache(lambda: self._readiness(pool, publisher))
         # Without LISTEN nobody hears a notification: writers are never asked to send one.
         waiting = (

@@ -307,7 +307,7 @@ class Claimers:
     def __init__(self, pool: asyncpg.Pool, world: World) -> None:
         self.pool = pool
         self.world = world
-        self.marker = Settler(pool, QUERIES, retry_for=1.0)
+        self.settler = Settler(pool, QUERIES, retry_for=1.0)
         self.held: dict[int, Held] = {}
 
     async def run(self, op: Op, step: int) -> None:
@@ -347,7 +347,7 @@ class Claimers:
             for r, res in zip(held.batch.records, results, strict=True)
             if res.outcome is Outcome.PUBLISHED
         )
-        await self.marker.settle(held.batch, results)
+        await self.settler.settle(held.batch, results)
 
 
 async def engine_step(op: Op, pool: asyncpg.Pool, world: World) -> None:

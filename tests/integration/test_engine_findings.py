@@ -222,14 +222,14 @@ BLOCK = Settings(batch_size=100, dead_letter_policy="block")
 async def claim_cost(conn: asyncpg.Connection) -> int:
     """Blocks a claim that finds one fresh row and empty claims after it read: the most."""
     measured = Measured(conn)
-    marker = Settler(conn, QUERIES, retry_for=1.0)  # type: ignore[arg-type]
+    settler = Settler(conn, QUERIES, retry_for=1.0)  # type: ignore[arg-type]
     for _ in range(8):  # a session's first executions of a statement are planned each time
         await Claimer(conn, QUERIES, BLOCK, "m").claim()  # type: ignore[arg-type]
     await insert(conn, ["fresh"])
     for _ in range(3):
         batch = await Claimer(measured, QUERIES, BLOCK, "m").claim()  # type: ignore[arg-type]
         if batch is not None:
-            await marker.settle(batch, [PUBLISHED] * len(batch.records))
+            await settler.settle(batch, [PUBLISHED] * len(batch.records))
     return max(measured.blocks)
 
 
@@ -368,13 +368,13 @@ async def _drain_blocks(conn: asyncpg.Connection, table: str) -> int:
     """Blocks all claims read to drain the table, with 500-row batches."""
     queries = Queries.for_table("public", table)
     measured = Measured(conn)
-    marker = Settler(conn, queries, retry_for=1.0)  # type: ignore[arg-type]
+    settler = Settler(conn, queries, retry_for=1.0)  # type: ignore[arg-type]
     settings = Settings(batch_size=500, table=table)
     for _ in range(400):
         batch = await Claimer(measured, queries, settings, "m").claim()  # type: ignore[arg-type]
         if batch is None:
             break
-        await marker.settle(batch, [PUBLISHED] * len(batch.records))
+        await settler.settle(batch, [PUBLISHED] * len(batch.records))
     left = await conn.fetchval(f"SELECT count(*) FROM {table} WHERE published_at IS NULL")
     assert left == 0
     return sum(measured.blocks)

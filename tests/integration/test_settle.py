@@ -13,7 +13,7 @@ import asyncpg
 import pytest
 
 from outbox_dispatcher import db
-from outbox_dispatcher.dispatch import settler
+from outbox_dispatcher.dispatch import settler as settler_module
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, Outcome, Result
@@ -31,7 +31,7 @@ OK = Result(Outcome.PUBLISHED)
 
 
 class Events:
-    """The marker's log calls, recorded (event name, fields)."""
+    """The settler's log calls, recorded (event name, fields)."""
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, dict[str, Any]]] = []
@@ -48,7 +48,7 @@ class Events:
 @pytest.fixture
 def events(monkeypatch: pytest.MonkeyPatch) -> Events:
     recorded = Events()
-    monkeypatch.setattr(settler, "log", recorded)
+    monkeypatch.setattr(settler_module, "log", recorded)
     return recorded
 
 
@@ -89,7 +89,7 @@ async def test_a_mark_whose_reply_was_lost_is_not_reported_as_a_lost_lease(
 ) -> None:
     """The mark reaches PostgreSQL through the fault proxy and commits; the proxy drops its
     reply (the blackhole starts right behind the statement's bytes: its key is in them). On
-    restore the connection is reset, the marker retries, and the retry changes 0 rows because
+    restore the connection is reset, the settler retries, and the retry changes 0 rows because
     the first attempt already cleared the token. Before: `lease_lost` ("published again") for
     every row and settle() returned 0, so the dispatcher skipped the batch's metrics."""
     key = f"lost-reply-{uuid.uuid4().hex}"
@@ -198,8 +198,8 @@ async def test_a_stale_owners_late_mark_records_a_crash_loop_row_it_published(
     assert await count(conn, f"id = {r1} AND dead_at IS NOT NULL") == 1
     b = Claimer(pool, QUERIES, make_settings(batch_size=10, dead_letter_policy="block"), "owner-b")
     assert await b.claim() is None  # 4.
-    marker = Settler(pool, QUERIES, retry_for=5.0, owner="owner-a", block_on_dead=True)
-    settled = await marker.settle(stale, [OK])  # 6.
+    settler = Settler(pool, QUERIES, retry_for=5.0, owner="owner-a", block_on_dead=True)
+    settled = await settler.settle(stale, [OK])  # 6.
     assert settled == 1
     assert events.rows("lease_lost") == []
     row = await conn.fetchrow("SELECT published_at, dead_at FROM outbox WHERE id = $1", r1)

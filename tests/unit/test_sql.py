@@ -51,7 +51,7 @@ EXECUTING = {"fetch", "fetchval", "fetchrow", "execute", "executemany", "cursor"
 
 def test_only_the_store_runs_the_outbox_statements() -> None:
     """A change of the engine touches the store, the schema and their tests, not the package:
-    no other module (claimer, marker, admin, status, console, ...) calls asyncpg's methods that
+    no other module (claimer, settler, admin, status, console, ...) calls asyncpg's methods that
     run SQL."""
     package = Path(outbox_dispatcher.__file__).parent
     offenders = []

@@ -19,8 +19,8 @@ def test_settle_arguments_carry_every_row_with_its_key() -> None:
         OutboxRecord(i, "t", k, b"x", {}, uuid.uuid4(), now, 0, False) for i, k in enumerate(keys)
     ]
     batch = Batch(uuid.uuid4(), records)
-    marker = Settler(None, Q, retry_for=1, delete_on_publish=True)  # type: ignore[arg-type]
-    args = marker.arguments(batch, [OK, RETRY, OK, OK])
+    settler = Settler(None, Q, retry_for=1, delete_on_publish=True)  # type: ignore[arg-type]
+    args = settler.arguments(batch, [OK, RETRY, OK, OK])
     assert args == {
         "token": batch.token,
         "owner": "",
