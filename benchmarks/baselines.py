@@ -27,7 +27,7 @@ from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.models import Batch, Outcome, Result
-from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import DispatchStore, Statements
 
 _OWNER = "benchmark-pg-only"
 _PUBLISHED = Result(Outcome.PUBLISHED)
@@ -187,11 +187,11 @@ async def pg_only(database_url: str, settings: Settings) -> tuple[int, float]:
     `claim_tasks` loops on one pool. Returns (rows marked published, seconds); creating the pool
     is not timed."""
     settings = settings.model_copy(update={"database_url": SecretStr(database_url)})
-    queries = Queries.for_table(settings.db_schema, settings.table)
+    queries = Statements.for_table(settings.db_schema, settings.table)
     pool = await db.create_pool(settings)
     try:
-        claimer = Claimer(pool, queries, settings, _OWNER)
-        settler = Settler(pool, queries, retry_for=settings.lease_seconds)
+        claimer = Claimer(DispatchStore(pool, queries), settings, _OWNER)
+        settler = Settler(DispatchStore(pool, queries), retry_for=settings.lease_seconds)
         table = f"{quote_identifier(settings.db_schema)}.{quote_identifier(settings.table)}"
         pending = _Pending(pool, table)
         started = time.perf_counter()

@@ -19,13 +19,14 @@ from pathlib import Path
 
 import asyncpg
 
-from benchmarks.load import QUERIES, insert_rows
+from benchmarks.load import STATEMENTS, insert_rows
 from benchmarks.stack import Stack, connection, fresh, settings_for
 from outbox_dispatcher import db
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Outcome, Result
+from outbox_dispatcher.store import DispatchStore
 
 STUCK_KINDS = ("paused_keys", "keyless_backoff")
 STUCK_TOPIC = "bench-stuck"
@@ -100,7 +101,7 @@ async def claim_cost(stack: Stack, kind: str, rows: int, claims: int) -> dict[st
         )
         try:
             pid = await pool.fetchval("SELECT pg_backend_pid()")
-            claimer = Claimer(pool, QUERIES, settings, "benchmark-claims")
+            claimer = Claimer(DispatchStore(pool, STATEMENTS), settings, "benchmark-claims")
             for _ in range(SESSION_FIRST):
                 assert await claimer.claim() is None, "stuck work was claimed"
             empty = await timed_claims(pool, pid, [claimer] * claims, None)
@@ -108,7 +109,7 @@ async def claim_cost(stack: Stack, kind: str, rows: int, claims: int) -> dict[st
         finally:
             await pool.close()
         after = await conn.fetch(STATES)
-        drift = await conn.fetchrow(QUERIES.engine_drift)
+        drift = await DispatchStore(conn, STATEMENTS).engine_drift()
     assert drift is not None and drift["rows"] == 0, f"the engine does not know {drift} rows"
     assert before == after, f"the stuck work moved: {before} -> {after}"
     figures.update(
@@ -139,7 +140,7 @@ async def timed_claims(
         got = len(batch.records) if batch is not None else None
         assert got == expect, f"a claim took {got} rows, {expect} expected"
         if batch is not None:
-            await Settler(pool, QUERIES, retry_for=1.0).settle(
+            await Settler(DispatchStore(pool, STATEMENTS), retry_for=1.0).settle(
                 batch, [PUBLISHED] * len(batch.records)
             )
     return 1000 * statistics.median(walls), 1000 * cpu / len(claimers)
@@ -158,7 +159,7 @@ async def full_claims(
     walls, cpus = [], []
     for n in range(claims):
         await insert_rows(conn, topic, settings.batch_size, settings.batch_size, None, f"f{n}-")
-        claimer = Claimer(pool, QUERIES, settings, "benchmark-claims")
+        claimer = Claimer(DispatchStore(pool, STATEMENTS), settings, "benchmark-claims")
         wall, cpu = await timed_claims(pool, pid, [claimer], settings.batch_size)
         walls.append(wall)
         cpus.append(cpu)

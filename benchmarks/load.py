@@ -10,13 +10,13 @@ from typing import Any
 import asyncpg
 from aiokafka import AIOKafkaConsumer
 
-from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import OperatorStore, Statements
 
 PAYLOAD = 512
 KEYS = 1000
 STUCK_KEY = "stuck-key"  # the prefill's keys are key-<n>: no collision
 STUCK_KEY_KINDS = ("block", "backoff", "paused", "replay")  # see make_stuck
-QUERIES = Queries.for_table("public", "outbox")
+STATEMENTS = Statements.for_table("public", "outbox")
 REPLAY_BATCH = 250  # rows per hold batch of the stuck key's replay (as version 0.1 held)
 
 INSERT_ROWS = (
@@ -86,7 +86,9 @@ async def make_stuck(url: str, topic: str, kind: str, rows: int) -> dict[str, An
                 head,
             )
         elif kind == "paused":
-            await conn.fetchrow(QUERIES.pause, stuck_topic, "a stuck key", None)
+            await OperatorStore(conn, STATEMENTS).pause(
+                topic=stuck_topic, reason="a stuck key", by=None
+            )
         elif kind == "replay":
             await conn.execute(
                 "UPDATE outbox SET published_at = now() WHERE ordering_key = $1", STUCK_KEY

@@ -14,12 +14,10 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import asyncpg
 import structlog
 
 from outbox_dispatcher.config.settings import Settings
-from outbox_dispatcher.sql import Queries
-from outbox_dispatcher.store import Row, Store
+from outbox_dispatcher.store import Row, StoreBase
 
 log = structlog.get_logger(__name__)
 
@@ -32,15 +30,13 @@ class Swept:
 
 
 async def delete_published(
-    executor: asyncpg.Pool | asyncpg.Connection,
-    queries: Queries,
+    store: StoreBase,
     older_than_seconds: float,
     batch_size: int,
     progress: Callable[[int], object] | None = None,
 ) -> Swept:
     """Delete rows published more than `older_than_seconds` ago, one window of `batch_size`
     rows per transaction, until the windows hold nothing older than the cutoff."""
-    store = Store(executor, queries)
     after = 0
     deleted = batches = examined = 0
     while True:
@@ -66,14 +62,12 @@ def walk_ends(window: Row, batch_size: int) -> bool:
     return bool(window["seen"] < batch_size or not window["older_rows"])
 
 
-async def retention_step(pool: asyncpg.Pool, queries: Queries, settings: Settings) -> None:
+async def retention_step(store: StoreBase, settings: Settings) -> None:
     """One run of retention (the supervisor runs it every cleanup_interval_seconds): delete
     published rows past retention_seconds, and say how many."""
     loop = asyncio.get_running_loop()
     started = loop.time()
-    swept = await delete_published(
-        pool, queries, settings.retention_seconds, settings.cleanup_batch_size
-    )
+    swept = await delete_published(store, settings.retention_seconds, settings.cleanup_batch_size)
     if swept.deleted:
         log.info(
             "retention_deleted",

@@ -17,7 +17,7 @@ import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
 from outbox_dispatcher import errors, migrations
-from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store.statements import Statements
 
 
 class Record(Protocol):
@@ -50,7 +50,7 @@ class Inbox:
         self._schema = schema
         self._table = table
         self._header = event_id_header
-        self._insert = Queries.for_table(schema, "outbox", inbox=table).inbox_record
+        self._insert = Statements.for_table(schema, "outbox", inbox=table)["inbox_record"]
 
     async def create(self) -> None:
         """Create the inbox table if it does not exist (schema/inbox.sql)."""
@@ -74,9 +74,13 @@ class Inbox:
         raises, nothing is recorded and a redelivery runs it again."""
         event_id = self.event_id(record)
         async with self._pool.acquire() as conn, conn.transaction():
-            first = await conn.fetchval(
-                self._insert, event_id, record.topic, record.partition, record.offset
-            )
+            values = {
+                "event_id": event_id,
+                "topic": record.topic,
+                "partition": record.partition,
+                "offset": record.offset,
+            }
+            first = await conn.fetchval(self._insert.sql, *self._insert.bind(values))
             if first is None:
                 return False
             await handler(conn, record)

@@ -11,8 +11,7 @@ import structlog
 
 from outbox_dispatcher import db, errors
 from outbox_dispatcher.config.settings import Settings
-from outbox_dispatcher.sql import Queries
-from outbox_dispatcher.store import Store
+from outbox_dispatcher.store import DispatchStore
 
 log = structlog.get_logger(__name__)
 
@@ -82,8 +81,8 @@ class Waiting:
     a notification only while someone listens for it. Best effort: a lost announcement only
     means the next poll finds the rows."""
 
-    def __init__(self, pool: asyncpg.Pool, queries: Queries, owner: str, ttl: float) -> None:
-        self._store = Store(pool, queries)
+    def __init__(self, store: DispatchStore, owner: str, ttl: float) -> None:
+        self._store = store
         self._owner = owner
         self._ttl = ttl
         self._until = 0.0  # this process's clock; 0: not announced

@@ -32,7 +32,7 @@ from prometheus_client.utils import floatToGoString
 
 from outbox_dispatcher import __version__, db
 from outbox_dispatcher.models import Failure, OutboxRecord, Outcome, Result
-from outbox_dispatcher.store import Store
+from outbox_dispatcher.store import DispatchStore
 
 log = structlog.get_logger(__name__)
 
@@ -308,7 +308,7 @@ SAMPLE_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-async def sample(store: Store, m: Metrics, *, block_on_dead: bool) -> None:
+async def sample(store: DispatchStore, m: Metrics, *, block_on_dead: bool) -> None:
     """Read the table gauges (pending, lag, parked, dead, blocked keys) once; the supervisor
     samples every metrics interval.
 

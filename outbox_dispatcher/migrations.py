@@ -16,7 +16,8 @@ import structlog
 
 from outbox_dispatcher import db, errors
 from outbox_dispatcher.config.names import quote_identifier, validate_identifier
-from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store.base import StoreBase
+from outbox_dispatcher.store.statements import Statements
 
 log = structlog.get_logger(__name__)
 
@@ -101,44 +102,32 @@ async def current_version(conn: db.Executor, schema: str, table: str) -> int:
     """The highest version applied. From version 10 on a step records itself in
     <table>_schema_steps; <table>_schema_version, which dispatchers of version 9 and older read,
     only gets the steps those cannot run beside (so that a rolling upgrade keeps them ready)."""
-    exists = await conn.fetchval(
-        "SELECT to_regclass($1) IS NOT NULL",
-        f"{quote_identifier(schema)}.{quote_identifier(table + '_schema_version')}",
-    )
-    if not exists:
+    store = _store(conn, schema, table)
+    if not await store.relation_exists(relation=_relation(schema, f"{table}_schema_version")):
         return 0
-    queries = Queries.for_table(schema, table)
-    steps = await conn.fetchval(
-        "SELECT to_regclass($1) IS NOT NULL",
-        f"{quote_identifier(schema)}.{quote_identifier(table + '_schema_steps')}",
-    )
-    version: int = await conn.fetchval(
-        queries.schema_version if steps else queries.schema_version_before_steps
-    )
-    return version
+    if await store.relation_exists(relation=_relation(schema, f"{table}_schema_steps")):
+        return await store.schema_version()
+    return await store.schema_version_before_steps()
+
+
+def _store(conn: db.Executor, schema: str, table: str) -> StoreBase:
+    return StoreBase(conn, Statements.for_table(schema, table))
+
+
+def _relation(schema: str, name: str) -> str:
+    """A relation's name as to_regclass reads it: quoted, so that any case survives."""
+    return f"{quote_identifier(schema)}.{quote_identifier(name)}"
 
 
 async def older_dispatchers(conn: db.Executor, schema: str, table: str) -> int:
     """Dispatchers older than version 10 that beat lately (0 when the table has none yet)."""
-    exists = await conn.fetchval(
-        "SELECT to_regclass($1) IS NOT NULL",
-        f"{quote_identifier(schema)}.{quote_identifier(table + '_dispatchers')}",
-    )
-    if not exists:
+    store = _store(conn, schema, table)
+    dispatchers = _relation(schema, f"{table}_dispatchers")
+    if not await store.relation_exists(relation=dispatchers):
         return 0
-    queries = Queries.for_table(schema, table)
-    has_version = await conn.fetchval(
-        "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1)"
-        " AND attname = 'version' AND NOT attisdropped)",
-        f"{quote_identifier(schema)}.{quote_identifier(table + '_dispatchers')}",
-    )
-    if not has_version:
-        live = await conn.fetch(queries.dispatchers_live, OLDER_LIVE_SECONDS)
-        return len(live)
-    count: int = await conn.fetchval(
-        queries.live_older_dispatchers, OLDER_LIVE_SECONDS, OLDEST_SUPPORTED
-    )
-    return count
+    if not await store.column_exists(relation=dispatchers, column="version"):
+        return len(await store.dispatchers_live(live_seconds=OLDER_LIVE_SECONDS))
+    return await store.live_older_dispatchers(seconds=OLDER_LIVE_SECONDS, version=OLDEST_SUPPORTED)
 
 
 class Migrated(list[int]):
@@ -158,14 +147,13 @@ async def migrate(
     while dispatchers older than version 10 beat (`contract`: apply it anyway)."""
     migrations = load_migrations()
     applied: list[int] = []
-    # A session lock (the one-key form: never the claim's two-key lock space): a second
-    # migrator waits, then finds nothing to do.
-    await conn.execute("SELECT pg_advisory_lock($1)", lock_key(schema, table))
+    store = _store(conn, schema, table)
+    await store.migration_lock(key=lock_key(schema, table))
     try:
         # Only when missing: CREATE SCHEMA IF NOT EXISTS checks the database's CREATE privilege
         # even for an existing schema, which a least-privilege owner role (schema/roles.sql)
         # does not have.
-        if not await conn.fetchval("SELECT to_regnamespace($1) IS NOT NULL", schema):
+        if not await store.schema_exists(schema_name=schema):
             await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_identifier(schema)}")
         version = await current_version(conn, schema, table)
         if version > len(migrations):
@@ -186,7 +174,7 @@ async def migrate(
             log.info("migration_applied", version=migration.version, name=migration.name)
             applied.append(migration.version)
     finally:
-        await conn.execute("SELECT pg_advisory_unlock($1)", lock_key(schema, table))
+        await store.migration_unlock(key=lock_key(schema, table))
     return Migrated(applied)
 
 

@@ -11,8 +11,7 @@ import structlog
 
 from outbox_dispatcher import db, migrations
 from outbox_dispatcher.config.settings import Settings
-from outbox_dispatcher.sql import Queries
-from outbox_dispatcher.store import Store
+from outbox_dispatcher.store import DispatchStore
 
 log = structlog.get_logger(__name__)
 
@@ -44,13 +43,12 @@ class Heartbeat:
 
     def __init__(
         self,
-        pool: asyncpg.Pool,
-        queries: Queries,
+        store: DispatchStore,
         settings: Settings,
         owner: str,
         counters: Counters = lambda: (0, 0),
     ) -> None:
-        self._store = Store(pool, queries)
+        self._store = store
         self._owner = owner
         self._policy = settings.dead_letter_policy.value
         self._counters = counters

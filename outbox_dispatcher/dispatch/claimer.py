@@ -6,14 +6,12 @@ import time
 import uuid
 from typing import Any
 
-import asyncpg
 import structlog
 
 from outbox_dispatcher import db
 from outbox_dispatcher.config.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.models import Batch, OutboxRecord
-from outbox_dispatcher.sql import Queries
-from outbox_dispatcher.store import OutOfMemoryError, Row, Store
+from outbox_dispatcher.store import DispatchStore, OutOfMemoryError, Row
 
 log = structlog.get_logger(__name__)
 
@@ -22,10 +20,8 @@ class Claimer:
     """Leases batches through the claim function; keeps the claim's key count fitted to how many
     rows a key has waiting, and gives back what a claim with a lost reply may have leased."""
 
-    def __init__(
-        self, pool: asyncpg.Pool, queries: Queries, settings: Settings, owner: str
-    ) -> None:
-        self._store = Store(pool, queries)
+    def __init__(self, store: DispatchStore, settings: Settings, owner: str) -> None:
+        self._store = store
         s = settings
         self._limit = s.batch_size
         self._owner = owner
@@ -66,8 +62,7 @@ class Claimer:
         return Batch(token, list(map(OutboxRecord.from_row, rows)))
 
     def arguments(self, token: uuid.UUID) -> dict[str, Any]:
-        """The claim's parameters for a claim under `token` (Store.claim's keywords, in the
-        statement's order)."""
+        """The claim's parameters for a claim under `token` (DispatchStore.claim's keywords)."""
         return {
             "limit": self._limit,
             "max_keys": self._max_keys,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import uuid
 from typing import NoReturn
 
-import asyncpg
 import structlog
 
 from outbox_dispatcher import db
@@ -19,8 +18,7 @@ from outbox_dispatcher.config.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.dispatch.every import every
 from outbox_dispatcher.health import Heartbeats
 from outbox_dispatcher.metrics import Metrics
-from outbox_dispatcher.sql import Queries
-from outbox_dispatcher.store import Row, Store
+from outbox_dispatcher.store import DispatchStore, Row
 
 log = structlog.get_logger(__name__)
 
@@ -50,14 +48,12 @@ class InFlight:
 
 
 async def keep_leases(
-    pool: asyncpg.Pool,
-    queries: Queries,
+    store: DispatchStore,
     settings: Settings,
     in_flight: InFlight,
     heartbeats: Heartbeats,
 ) -> NoReturn:
     """Extend the leases of in-flight rows every lease/3, for as long as the process lives."""
-    store = Store(pool, queries)
     asked = 0
 
     async def extend() -> None:
@@ -87,11 +83,8 @@ async def keep_leases(
     )
 
 
-async def reclaim(
-    pool: asyncpg.Pool, queries: Queries, settings: Settings, metrics: Metrics
-) -> NoReturn:
+async def reclaim(store: DispatchStore, settings: Settings, metrics: Metrics) -> NoReturn:
     """Dead-letter rows whose leases keep expiring; report expired leases awaiting takeover."""
-    store = Store(pool, queries)
 
     async def step() -> None:
         dead = await store.dead_letter_crash_loops(
@@ -126,7 +119,7 @@ def report_crash_loops(dead: list[Row], metrics: Metrics) -> None:
         )
 
 
-async def sweep_step(store: Store, settings: Settings, metrics: Metrics) -> None:
+async def sweep_step(store: DispatchStore, settings: Settings, metrics: Metrics) -> None:
     """One step of the sweep; another dispatcher's step or a claim's discovery in progress
     makes it a no-op this time."""
     try:

@@ -7,13 +7,11 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-import asyncpg
 import structlog
 
 from outbox_dispatcher import db
 from outbox_dispatcher.models import PUBLISHED, Batch, Result
-from outbox_dispatcher.sql import Queries
-from outbox_dispatcher.store import Store
+from outbox_dispatcher.store import DispatchStore
 
 log = structlog.get_logger(__name__)
 
@@ -21,15 +19,14 @@ log = structlog.get_logger(__name__)
 class Settler:
     def __init__(
         self,
-        pool: asyncpg.Pool,
-        queries: Queries,
+        store: DispatchStore,
         retry_for: float,
         *,
         delete_on_publish: bool = False,
         owner: str | None = None,
         block_on_dead: bool = False,
     ) -> None:
-        self._store = Store(pool, queries)
+        self._store = store
         self._retry_for = retry_for
         self._delete = delete_on_publish
         # dead_letter_policy = block: a key with a dead row stays blocked after this settle.
@@ -39,7 +36,7 @@ class Settler:
         self._owner = owner
 
     def arguments(self, batch: Batch, results: Sequence[Result]) -> dict[str, Any]:
-        """Store.settle's keywords: each row's outcome and key (the work the batch holds)."""
+        """The settle's keywords: each row's outcome and key (the work the batch holds)."""
         records = batch.records
         arguments: dict[str, Any] = {
             "token": batch.token,

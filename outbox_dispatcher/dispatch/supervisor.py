@@ -45,8 +45,7 @@ from outbox_dispatcher.kafka.records import RecordConfig
 from outbox_dispatcher.kafka.tls import ConnectionConfig
 from outbox_dispatcher.kafka.topics import TopicConfig
 from outbox_dispatcher.retries import RetryPolicy
-from outbox_dispatcher.sql import Queries
-from outbox_dispatcher.store import Store
+from outbox_dispatcher.store import DispatchStore, Statements
 
 log = structlog.get_logger(__name__)
 
@@ -67,7 +66,7 @@ class Dispatcher:
         self.settings = settings
         self.configs = configs_of(settings)
         self.owner = owner or instance_id()
-        self.queries = Queries.for_table(settings.db_schema, settings.table)
+        self.statements = Statements.for_table(settings.db_schema, settings.table)
         self.stopping = asyncio.Event()
         self.in_flight = leases.InFlight()
         self.retry_policy = RetryPolicy(settings)
@@ -125,20 +124,20 @@ class Dispatcher:
     async def _supervise(self, pool: asyncpg.Pool, publisher: KafkaPublisher) -> None:
         s = self.settings
         configs = self.configs
-        claimer = Claimer(pool, self.queries, s, self.owner)
+        store = DispatchStore(pool, self.statements)  # the one store every component is handed
+        claimer = Claimer(store, s, self.owner)
         settler = Settler(
-            pool,
-            self.queries,
+            store,
             retry_for=configs.settle.retry_for_seconds,
             delete_on_publish=configs.settle.delete_on_publish,
             owner=self.owner,
             block_on_dead=configs.settle.block_on_dead,
         )
         settling = self._settling = Settling(settler, self.retry_policy, self.metrics)
-        readiness = ReadinessCache(lambda: self._readiness(pool, publisher))
+        readiness = ReadinessCache(lambda: self._readiness(store, publisher))
         # Without LISTEN nobody hears a notification: writers are never asked to send one.
         waiting = (
-            listener.Waiting(pool, self.queries, self.owner, ttl=2 * s.poll_interval_seconds + 5)
+            listener.Waiting(store, self.owner, ttl=2 * s.poll_interval_seconds + 5)
             if s.listen
             else None
         )
@@ -166,26 +165,24 @@ class Dispatcher:
                 )
                 guarded = self._guard(loop.run(), loop.name)
                 claim_tasks.append(tg.create_task(guarded, name=loop.name))
-            side = self._side_loops(pool, readiness)
+            side = self._side_loops(store, readiness)
             side_tasks = [
                 tg.create_task(self._guard(coro, name), name=name) for name, coro in side.items()
             ]
             tg.create_task(self._shutdown(claim_tasks, side_tasks), name="shutdown")
 
     def _side_loops(
-        self, pool: asyncpg.Pool, readiness: ReadinessCache
+        self, store: DispatchStore, readiness: ReadinessCache
     ) -> dict[str, Coroutine[Any, Any, None]]:
         """The loops beside the claim loops, by name: leases, reclaims, gauges, readiness, the
         dispatcher's heartbeat, and as configured LISTEN, HTTP and retention."""
         s = self.settings
         side: dict[str, Coroutine[Any, Any, None]] = {
-            "lease-keeper": leases.keep_leases(
-                pool, self.queries, s, self.in_flight, self.heartbeats
-            ),
-            "reclaimer": leases.reclaim(pool, self.queries, s, self.metrics),
-            "metrics": self._sample_gauges(pool),
+            "lease-keeper": leases.keep_leases(store, s, self.in_flight, self.heartbeats),
+            "reclaimer": leases.reclaim(store, s, self.metrics),
+            "metrics": self._sample_gauges(store),
             "readiness": self._refresh_readiness(readiness),
-            "heartbeat": self._beat(pool),
+            "heartbeat": self._beat(store),
         }
         if s.listen:
             side["listener"] = listener.listen(s, self.wakeup.notify)
@@ -201,17 +198,16 @@ class Dispatcher:
         if s.retention_seconds > 0 and not s.delete_on_publish:
             side["retention"] = every(
                 s.cleanup_interval_seconds,
-                functools.partial(cleanup.retention_step, pool, self.queries, s),
+                functools.partial(cleanup.retention_step, store, s),
                 log=cleanup.log,
                 failed="retention_failed",
                 tolerated=db.RETRIABLE_ERRORS,
             )
         return side
 
-    async def _sample_gauges(self, pool: asyncpg.Pool) -> NoReturn:
+    async def _sample_gauges(self, store: DispatchStore) -> NoReturn:
         """The table gauges, every metrics interval (a role without a newer grant: they go
         stale and OutboxTableMetricsStale fires; publishing goes on)."""
-        store = Store(pool, self.queries)
         block = self.settings.dead_letter_policy is DeadLetterPolicy.BLOCK
         await every(
             self.settings.metrics_interval_seconds,
@@ -222,10 +218,8 @@ class Dispatcher:
             wait_first=False,
         )
 
-    async def _beat(self, pool: asyncpg.Pool) -> NoReturn:
-        heartbeat = registry.Heartbeat(
-            pool, self.queries, self.settings, self.owner, self.metrics.totals
-        )
+    async def _beat(self, store: DispatchStore) -> NoReturn:
+        heartbeat = registry.Heartbeat(store, self.settings, self.owner, self.metrics.totals)
         await every(
             registry.HEARTBEAT_SECONDS,
             heartbeat.beat,
@@ -237,13 +231,13 @@ class Dispatcher:
             context=lambda: {"hint": registry.Heartbeat.HINT},
         )
 
-    async def _readiness(self, pool: asyncpg.Pool, publisher: KafkaPublisher) -> Readiness:
+    async def _readiness(self, store: DispatchStore, publisher: KafkaPublisher) -> Readiness:
         checks: dict[str, str] = {}
         if self.stopping.is_set():
             checks["dispatcher"] = "shutting down"
         try:
             async with asyncio.timeout(3):
-                version = await Store(pool, self.queries).schema_version()
+                version = await store.schema_version()
         except READINESS_ERRORS as exc:
             checks["database"] = f"unreachable: {errors.describe(exc)}"
         else:

@@ -27,7 +27,7 @@ from outbox_dispatcher.operate import jobs, text
 from outbox_dispatcher.operate.filters import FIELDS, Bound, Filters, Names, refusal
 from outbox_dispatcher.operate.jobs import Advance, Batch, Ledger, Origin
 from outbox_dispatcher.operate.session import Session
-from outbox_dispatcher.store import Row, Store
+from outbox_dispatcher.store import OperatorStore, Row
 
 __all__ = ["Advance", "Origin"]
 
@@ -236,9 +236,9 @@ class _Filtered:
             return None
         return f"{self.verb} all {text.rows(matching or 0, self.noun)}?"
 
-    def _args(self, bound: Bound | None) -> tuple[object, ...]:
+    def _values(self, bound: Bound | None) -> dict[str, object]:
         filters = self.filters
-        return filters.replay_args(bound) if self.replays else filters.dead_args(bound)
+        return filters.replay_values(bound) if self.replays else filters.dead_values(bound)
 
     async def count(self, session: Session) -> int | None:
         """Without a bound: count, and fix the bound (the rows counted). With one: count within
@@ -246,11 +246,11 @@ class _Filtered:
         store = session.store
         if self.bound is None:
             bounding = store.replay_bound if self.replays else store.dead_bound
-            row = await bounding(filter_args=self._args(None))
+            row = await bounding(filters=self._values(None))
             self.bound = Bound(max_id=row["max_id"] or 0, before=row["before"], rows=row["rows"])
             return self.bound.rows
         counting = store.replay_count if self.replays else store.dead_count
-        matching = await counting(filter_args=self._args(self.bound))
+        matching = await counting(filters=self._values(self.bound))
         if matching > self.bound.rows:
             problem = text.more_than_confirmed(matching, self.bound.rows, self.noun)
             raise ActionRefusedError(problem, usage=False)
@@ -264,17 +264,17 @@ class _Filtered:
 
     async def run(self, session: Session, ledger: Ledger, advance: Advance | None) -> int:
         batch_of = self._step(session.store)
-        args = self._args(self.bound)
+        values = self._values(self.bound)
 
         async def step(after: int, limit: int) -> Batch:
-            return _batch(await batch_of(filter_args=args, after=after, limit=limit))
+            return _batch(await batch_of(filters=values, after=after, limit=limit))
 
         cap = None if self.bound is None else self.bound.rows
         return await jobs.walk(
             session, step, ledger, self.batch_size, atomic=self.atomic, cap=cap, advance=advance
         )
 
-    def _step(self, store: Store) -> Callable[..., Any]:
+    def _step(self, store: OperatorStore) -> Callable[..., Any]:
         raise NotImplementedError
 
     def audited(self) -> dict[str, object]:
@@ -293,7 +293,7 @@ class DeadRequeue(_Filtered):
     noun = "dead row"
     wakes = True
 
-    def _step(self, store: Store) -> Callable[..., Any]:
+    def _step(self, store: OperatorStore) -> Callable[..., Any]:
         return store.dead_requeue
 
 
@@ -306,7 +306,7 @@ class DeadDiscard(_Filtered):
     noun = "dead row"
     asks = True
 
-    def _step(self, store: Store) -> Callable[..., Any]:
+    def _step(self, store: OperatorStore) -> Callable[..., Any]:
         return store.dead_discard
 
 
@@ -335,7 +335,7 @@ class Replay(_Filtered):
             return ActionRefusedError(text.DELETES_ON_PUBLISH, usage=False)
         return refused
 
-    def _step(self, store: Store) -> Callable[..., Any]:
+    def _step(self, store: OperatorStore) -> Callable[..., Any]:
         return store.replay_batch
 
 

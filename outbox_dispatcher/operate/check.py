@@ -22,7 +22,7 @@ from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.operate import reads
 from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.routing import Router
-from outbox_dispatcher.store import Store
+from outbox_dispatcher.store import StoreBase
 
 # Ids a step of `check --repair`'s sweep walks (at least).
 SWEEP_STEP_ROWS = 50_000
@@ -132,7 +132,7 @@ async def _check_database(
         report.add("note", f"{what} is paused since {p.paused_at.isoformat(timespec='seconds')}")
 
 
-async def sweep_whole_table(store: Store, settings: Settings) -> int:
+async def sweep_whole_table(store: StoreBase, settings: Settings) -> int:
     """Run the anti-entropy sweep from where it stands to the end and then a whole pass (a claim
     holding the cursor makes a step wait); the keys it registered rows for."""
     rows = max(settings.sweep_rows, SWEEP_STEP_ROWS)

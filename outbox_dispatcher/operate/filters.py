@@ -34,27 +34,34 @@ class Filters:
     def empty(self) -> bool:
         return all(value is None for value in vars(self).values())
 
-    def dead_args(self, bound: Bound | None = None) -> tuple[object, ...]:
-        """The dead-row statements' filter parameters, in their order ($1..$12: the filter's
-        _dead_filter in sql/queries.sql), within `bound` if given."""
-        return (
-            self.ids,
-            self.key,
-            self.topic,
-            self.since,
-            self.until,
-            self.keyless,
-            self.dead_since,
-            self.dead_until,
-            self.error,
-            self.cause,
-            *(bound.args() if bound else (None, None)),
-        )
+    def dead_values(self, bound: Bound | None = None) -> dict[str, object]:
+        """The dead-row statements' filter values by name (_dead_filter in
+        store/operator.sql), within `bound` if given."""
+        return {
+            "ids": self.ids,
+            "key": self.key,
+            "topic": self.topic,
+            "since": self.since,
+            "until": self.until,
+            "keyless": self.keyless,
+            "dead_since": self.dead_since,
+            "dead_until": self.dead_until,
+            "error": self.error,
+            "cause": self.cause,
+            **Bound.values_of(bound),
+        }
 
-    def replay_args(self, bound: Bound | None = None) -> tuple[object, ...]:
-        """The replay statements' filter parameters, in their order ($1..$8)."""
-        head = (self.from_id, self.to_id, self.key, self.topic, self.since, self.until)
-        return (*head, *(bound.args() if bound else (None, None)))
+    def replay_values(self, bound: Bound | None = None) -> dict[str, object]:
+        """The replay statements' filter values by name (_replay_filter)."""
+        return {
+            "from_id": self.from_id,
+            "to_id": self.to_id,
+            "key": self.key,
+            "topic": self.topic,
+            "since": self.since,
+            "until": self.until,
+            **Bound.values_of(bound),
+        }
 
     def as_json(self) -> dict[str, object]:
         """The filter for the audit table: only what was given, times in ISO 8601."""
@@ -76,8 +83,12 @@ class Bound:
     before: datetime
     rows: int
 
-    def args(self) -> tuple[object, object]:
-        return (self.max_id, self.before)
+    @staticmethod
+    def values_of(bound: Bound | None) -> dict[str, object]:
+        """The bound's statement values by name; no bound: NULLs (any row)."""
+        if bound is None:
+            return {"max_id": None, "before": None}
+        return {"max_id": bound.max_id, "before": bound.before}
 
     def as_json(self) -> dict[str, object]:
         return {"max_id": self.max_id, "before": self.before.isoformat(), "rows": self.rows}

@@ -10,7 +10,6 @@ in any state scans at most ROWS_WINDOW ids of the primary key, and says where to
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -95,13 +94,13 @@ async def dead_page(
     order = _REVERSED[sort] if back else sort
     start = cursor.args(sort) if cursor else (None,) * (2 if sort.endswith("dead_at") else 1)
     store = session.store
-    args = filters.dead_args(within)
-    found = await store.dead_page(order=order, filter_args=args, cursor=start, limit=limit + 1)
+    values = filters.dead_values(within)
+    found = await store.dead_page(order=order, filters=values, cursor=start, limit=limit + 1)
     rows = [_plain(r) for r in found[:limit]]
     more = len(found) > limit
     if back:
         rows.reverse()
-    total = await store.dead_count(filter_args=args)
+    total = await store.dead_count(filters=values)
     first, last = (Cursor.of(rows[0], sort), Cursor.of(rows[-1], sort)) if rows else (None, None)
     following = last if (more if not back else True) else None
     preceding = first if (cursor is not None if not back else more) else None
@@ -118,7 +117,7 @@ async def dead_groups(
 ) -> tuple[list[dict[str, Any]], int]:
     """Dead rows matching `filters` grouped by topic and cause, the largest first, and how many
     groups there are."""
-    found = await session.store.dead_groups(filter_args=filters.dead_args(), limit=limit)
+    found = await session.store.dead_groups(filters=filters.dead_values(), limit=limit)
     groups = [dict(row) for row in found]
     return groups, int(groups[0]["groups"]) if groups else 0
 
@@ -138,19 +137,11 @@ class RowsQuery:
     from_id: int | None = None
     to_id: int | None = None
 
-    def args(self) -> tuple[object, ...]:
-        """The rows_window statement's filter parameters ($3..$11)."""
-        return (
-            self.state,
-            self.key,
-            self.topic,
-            self.event_id,
-            self.header,
-            self.payload,
-            self.since,
-            self.until,
-            self.from_id,
-        )
+    def values(self) -> dict[str, object]:
+        """The rows_window statement's filter values by name (to_id bounds the scan instead)."""
+        found = dict(vars(self))
+        del found["to_id"]
+        return found
 
 
 @dataclass(frozen=True)
@@ -188,7 +179,7 @@ async def rows_page(
         top = min(top, query.to_id + 1)
     floor = max(query.from_id or 1, 1)
     found_rows = await store.rows_window(
-        before=top, window=window, filter_args=query.args(), limit=limit
+        before=top, window=window, filters=query.values(), limit=limit
     )
     rows = [_plain(r) for r in found_rows]
     lowest = rows[-1]["id"] if len(rows) == limit else max(top - window, floor)
@@ -237,8 +228,9 @@ class AuditQuery:
     since: datetime | None = None
     until: datetime | None = None
 
-    def args(self) -> Sequence[object]:
-        return (self.before, self.command, self.status, self.who, self.since, self.until)
+    def values(self) -> dict[str, object]:
+        """The audit_list statement's filter values by name."""
+        return {"before_id": self.before} | {k: v for k, v in vars(self).items() if k != "before"}
 
 
 def _record(row: Row) -> dict[str, Any]:
@@ -251,7 +243,7 @@ def _record(row: Row) -> dict[str, Any]:
 async def audit(session: Session, query: AuditQuery, limit: int) -> list[dict[str, Any]]:
     """Operator actions, newest first, each with its filter and bound decoded."""
     store = session.store
-    rows = await store.audit_list(lock=session.audit_lock, filter_args=query.args(), limit=limit)
+    rows = await store.audit_list(lock=session.audit_lock, filters=query.values(), limit=limit)
     return [_record(r) for r in rows]
 
 

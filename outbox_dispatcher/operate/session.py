@@ -15,8 +15,7 @@ from asyncpg.transaction import Transaction
 
 from outbox_dispatcher import db, listener, migrations
 from outbox_dispatcher.config.settings import Settings
-from outbox_dispatcher.sql import Queries
-from outbox_dispatcher.store import Store
+from outbox_dispatcher.store import OperatorStore, Statements
 
 
 def audit_lock_key(schema: str, table: str) -> int:
@@ -31,20 +30,23 @@ class Session:
     actions."""
 
     def __init__(
-        self, conn: asyncpg.Connection, queries: Queries, channel: str, audit_lock: int = 0
+        self,
+        conn: asyncpg.Connection,
+        statements: Statements,
+        channel: str,
+        audit_lock: int = 0,
     ) -> None:
         self.conn = conn
-        self.queries = queries
-        self.store = Store(conn, queries)
+        self.store = OperatorStore(conn, statements)
         self.channel = channel
         self.audit_lock = audit_lock
 
     @classmethod
     def of(cls, conn: asyncpg.Connection, settings: Settings) -> Session:
         """A session on `conn` for the table the settings name."""
-        queries = Queries.for_table(settings.db_schema, settings.table)
+        statements = Statements.for_table(settings.db_schema, settings.table)
         lock = audit_lock_key(settings.db_schema, settings.table)
-        return cls(conn, queries, listener.channel_name(settings), lock)
+        return cls(conn, statements, listener.channel_name(settings), lock)
 
     def transaction(self) -> Transaction:
         return self.conn.transaction()

@@ -18,14 +18,13 @@ from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, Outcome, Result
-from outbox_dispatcher.sql import Queries
-from outbox_dispatcher.store import Store
+from outbox_dispatcher.store import DispatchStore, Statements
 from tests.faultproxy import fault_proxy
 from tests.integration.helpers import sessions_waiting_on_a_lock, wait_until
 
 pytestmark = pytest.mark.integration
 
-QUERIES = Queries.for_table("public", "outbox")
+STATEMENTS = Statements.for_table("public", "outbox")
 
 
 @pytest.fixture
@@ -38,7 +37,7 @@ async def pool(database_url: str) -> Any:
 
 
 def claimer(pool: asyncpg.Pool, settings: Settings, owner: str = "test") -> Claimer:
-    return Claimer(pool, QUERIES, settings, owner)
+    return Claimer(DispatchStore(pool, STATEMENTS), settings, owner)
 
 
 async def insert(conn: asyncpg.Connection, keys: list[str | None]) -> list[int]:
@@ -67,7 +66,7 @@ async def expire(conn: asyncpg.Connection) -> None:
 
 
 async def settle(pool: asyncpg.Pool, batch: Batch, results: list[Result]) -> int:
-    return await Settler(pool, QUERIES, retry_for=1.0).settle(batch, results)
+    return await Settler(DispatchStore(pool, STATEMENTS), retry_for=1.0).settle(batch, results)
 
 
 async def test_claim_leases_a_prefix_of_each_key_in_id_order(
@@ -103,7 +102,9 @@ async def test_a_key_has_one_owner_while_its_claim_is_open_and_while_leased(
         tx = holder.transaction()
         await tx.start()
         token = uuid.uuid4()
-        held = await holder.fetch(QUERIES.claim, *claimer(pool, settings).arguments(token).values())
+        held = await DispatchStore(holder, STATEMENTS).claim(
+            **claimer(pool, settings).arguments(token)
+        )
         assert [r["id"] for r in held] == ids[:3]
         ids += await insert(conn, ["other"] * 2)
         # The holder's claim is not committed: it holds the discovery cursor, so a concurrent
@@ -162,15 +163,15 @@ async def test_extending_a_lease_that_expired_changes_nothing(
     await expire(conn)
     fresh = await claimer(pool, make_settings(batch_size=2), "fresh").claim()
     assert fresh is not None and [r.id for r in fresh.records] == ids[:2]
-    extended = await pool.fetch(QUERIES.extend_leases, ids, [stale.token] * 4, 60.0)
-    assert extended == []
+    store = DispatchStore(pool, STATEMENTS)
+    assert await store.extend_leases(ids=ids, tokens=[stale.token] * 4, seconds=60.0) == 0
     live = await conn.fetch(
         "SELECT DISTINCT claim_owner FROM outbox_work WHERE claim_expires_at > now()"
     )
     assert [r["claim_owner"] for r in live] == ["fresh"]
     # The live owner's own extension works.
     ours = [r.id for r in fresh.records]
-    assert len(await pool.fetch(QUERIES.extend_leases, ours, [fresh.token] * 2, 60.0)) == 2
+    assert await store.extend_leases(ids=ours, tokens=[fresh.token] * 2, seconds=60.0) == 2
     assert await conn.fetchval(
         "SELECT claim_expires_at > now() + interval '50 seconds' FROM outbox_work"
     )
@@ -201,7 +202,9 @@ async def test_the_lease_keeper_locks_a_claims_keys_in_key_order(
         await discovery.execute("SELECT 1 FROM outbox_work WHERE ordering_key = 'a' FOR SHARE")
         ids = [r.id for r in batch.records]
         extending = asyncio.ensure_future(
-            pool.fetch(QUERIES.extend_leases, ids, [batch.token] * 2, 60.0)
+            DispatchStore(pool, STATEMENTS).extend_leases(
+                ids=ids, tokens=[batch.token] * 2, seconds=60.0
+            )
         )
 
         async def waiting() -> bool:
@@ -225,7 +228,7 @@ async def test_a_claim_whose_reply_was_lost_is_released_by_its_token(
     ids = await insert(conn, ["k", "k", None])
     c = claimer(pool, make_settings())
     lost = uuid.uuid4()
-    assert len(await pool.fetch(QUERIES.claim, *c.arguments(lost).values())) == 3
+    assert len(await DispatchStore(pool, STATEMENTS).claim(**c.arguments(lost))) == 3
     c._unsure.append((lost, time.monotonic() + 30))  # what claim() records on a lost reply
     batch = await c.claim()
     assert batch is not None and [r.id for r in batch.records] == ids
@@ -373,7 +376,9 @@ async def test_rows_whose_owners_keep_dying_are_dead_lettered(
     await expire(conn)
     # The claim leaves the crash-looping head alone, and so the key waits ...
     assert await claimer(pool, settings).claim() is None
-    dead = await conn.fetch(QUERIES.dead_letter_crash_loops, settings.max_attempts, False)
+    dead = await DispatchStore(conn, STATEMENTS).dead_letter_crash_loops(
+        max_attempts=settings.max_attempts, block_on_dead=False
+    )
     assert [r["id"] for r in dead] == [ids[0]]
     row = await conn.fetchrow("SELECT attempts, last_error FROM outbox WHERE id = $1", ids[0])
     assert row["attempts"] == 3 and "lease expired 3 times" in row["last_error"]
@@ -404,8 +409,9 @@ async def test_the_reclaimers_sweeps_do_not_read_the_table(
     await conn.execute("UPDATE outbox SET attempts = 2 WHERE ordering_key = 'k0'")
     await conn.execute("ANALYZE outbox")
     pages = await conn.fetchval("SELECT pg_relation_size('outbox') / 8192")
-    sql = getattr(QUERIES, query)
-    args = [3, False] if "$1" in sql else []
+    statement = STATEMENTS[query]
+    sql = statement.sql
+    args = statement.bind({"max_attempts": 3, "block_on_dead": False} if statement.params else {})
     tx = conn.transaction()
     await tx.start()
     try:
@@ -477,9 +483,10 @@ async def test_a_takeover_in_progress_fences_the_stale_owners_late_settle(
     )
     await conn.execute(slow)
     late = claimer(pool, settings, "late")
-    slow_claim = QUERIES.claim.replace('"outbox_claim_work"', '"outbox_claim_slow"')
+    slow_claim = STATEMENTS["claim"].sql.replace('"outbox_claim_work"', '"outbox_claim_slow"')
     token = uuid.uuid4()
-    racing = asyncio.create_task(pool.fetch(slow_claim, *late.arguments(token).values()))
+    arguments = STATEMENTS["claim"].bind(late.arguments(token))
+    racing = asyncio.create_task(pool.fetch(slow_claim, *arguments))
     await asyncio.sleep(0.3)  # it holds k's work now, and sleeps
     assert await settle(pool, stale, [Result(Outcome.PUBLISHED)] * 3) == 0
     taken = await racing
@@ -632,7 +639,7 @@ async def test_a_row_written_below_the_cursor_is_found_by_the_sweep(
         ids[2],
     )
     assert await claimer(pool, make_settings()).claim() is None, "below the cursor: unseen"
-    store = Store(pool, QUERIES)
+    store = DispatchStore(pool, STATEMENTS)
     assert await store.sweep(rows=1000, hold_seconds=30) == (2, True)
     assert await store.sweep(rows=1000, hold_seconds=30) == (0, True), "registered once"
     batch = await claimer(pool, make_settings(batch_size=100)).claim()
@@ -646,7 +653,7 @@ async def test_the_sweep_walks_the_table_in_steps_and_starts_over(
 ) -> None:
     await insert(conn, [f"k{i}" for i in range(10)])
     await claim_and_publish_all(pool, make_settings)
-    store = Store(pool, QUERIES)
+    store = DispatchStore(pool, STATEMENTS)
     steps = [await store.sweep(rows=4, hold_seconds=30) for _ in range(4)]
     assert steps == [(0, False), (0, False), (0, True), (0, False)]
 
@@ -661,14 +668,14 @@ async def test_a_key_update_with_triggers_off_is_found_by_the_sweep(
     known = await claimer(pool, make_settings()).claim()
     assert by_key(known) == {"old": [moved]}
     assert known is not None
-    assert await Store(pool, QUERIES).release_claim(token=known.token) == 1
+    assert await DispatchStore(pool, STATEMENTS).release_claim(token=known.token) == 1
     await conn.execute("SET session_replication_role = replica")
     try:
         await conn.execute("UPDATE outbox SET ordering_key = 'new' WHERE id = $1", moved)
     finally:
         await conn.execute("SET session_replication_role = origin")
     assert await claimer(pool, make_settings()).claim() is None
-    assert await Store(pool, QUERIES).sweep(rows=1000, hold_seconds=30) == (1, True)
+    assert await DispatchStore(pool, STATEMENTS).sweep(rows=1000, hold_seconds=30) == (1, True)
     assert by_key(await claimer(pool, make_settings()).claim()) == {"new": [moved]}
 
 

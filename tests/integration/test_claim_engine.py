@@ -29,13 +29,13 @@ from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, Outcome, Result
-from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import DispatchStore, OperatorStore, Statements
 
 from .helpers import Services, check, consume, count, insert_sequenced, running, wait_until
 
 pytestmark = pytest.mark.integration
 
-QUERIES = Queries.for_table("public", "outbox")
+STATEMENTS = Statements.for_table("public", "outbox")
 
 STUCK = "stuck"
 STUCK_ROWS = 5_000  # more than the default window (batch_size 500 x scan_factor 2) and batch
@@ -56,7 +56,7 @@ async def insert_key(conn: asyncpg.Connection, topic: str, key: str, rows: int) 
 
 
 async def pause_topic(conn: asyncpg.Connection, topic: str) -> None:
-    await conn.fetchrow(QUERIES.pause, topic, "a stuck key's topic", None)
+    await OperatorStore(conn, STATEMENTS).pause(topic=topic, reason="a stuck key's topic", by=None)
 
 
 # Each case makes the key STUCK unable to move for the whole test, with >= STUCK_ROWS pending
@@ -187,7 +187,7 @@ async def pool(database_url: str) -> Any:
 
 
 def claimer(pool: asyncpg.Pool, settings: Settings, owner: str) -> Claimer:
-    return Claimer(pool, QUERIES, settings, owner)
+    return Claimer(DispatchStore(pool, STATEMENTS), settings, owner)
 
 
 async def insert_single_row_keys(conn: asyncpg.Connection, keys: int) -> None:
@@ -324,7 +324,9 @@ async def test_each_key_runs_exactly_in_order_under_concurrent_claimers_and_a_wr
                 results.append(Result(Outcome.RETRY if key in cut else Outcome.PUBLISHED))
             await asyncio.sleep(rng.random() * 0.01)  # publishing, while others claim
             del held[n]  # from the settle on, its keys may legitimately be taken again
-            settled = await Settler(pool, QUERIES, retry_for=1.0).settle(batch, results)
+            settled = await Settler(DispatchStore(pool, STATEMENTS), retry_for=1.0).settle(
+                batch, results
+            )
             if settled != len(batch.records):
                 problems.append(f"loop {n} settled {settled} of {len(batch.records)} rows")
             for r, result in zip(batch.records, results, strict=True):

@@ -32,12 +32,11 @@ from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, OutboxRecord, Outcome, Result
-from outbox_dispatcher.sql import Queries
-from outbox_dispatcher.store import Store
+from outbox_dispatcher.store import DispatchStore, Statements
 
 pytestmark = pytest.mark.integration
 
-QUERIES = Queries.for_table("public", "outbox")
+STATEMENTS = Statements.for_table("public", "outbox")
 KEYS = st.sampled_from(["a", "b", "c", "d", None])
 ISOLATION = ["read committed", "repeatable read", "serializable"]
 
@@ -307,13 +306,15 @@ class Claimers:
     def __init__(self, pool: asyncpg.Pool, world: World) -> None:
         self.pool = pool
         self.world = world
-        self.settler = Settler(pool, QUERIES, retry_for=1.0)
+        self.settler = Settler(DispatchStore(pool, STATEMENTS), retry_for=1.0)
         self.held: dict[int, Held] = {}
 
     async def run(self, op: Op, step: int) -> None:
         held = self.held.get(op.actor)
         if op.action == "claim" and held is None:
-            claimer = Claimer(self.pool, QUERIES, Settings(batch_size=op.n), f"c{op.actor}")
+            claimer = Claimer(
+                DispatchStore(self.pool, STATEMENTS), Settings(batch_size=op.n), f"c{op.actor}"
+            )
             before = await self.pool.fetch(PENDING)
             batch = await claimer.claim()
             if batch is not None:
@@ -336,7 +337,9 @@ class Claimers:
         elif op.action == "extend" and held is not None:
             # A lease keeper that may have lost its lease must only extend a live one of its own.
             ids = [r.id for r in held.batch.records]
-            await self.pool.fetch(QUERIES.extend_leases, ids, [held.batch.token] * len(ids), 60.0)
+            await DispatchStore(self.pool, STATEMENTS).extend_leases(
+                ids=ids, tokens=[held.batch.token] * len(ids), seconds=60.0
+            )
         elif op.action in ("ack", "fail", "dead") and held is not None:
             await self.settle(self.held.pop(op.actor), results_for(held.batch, op))
 
@@ -351,7 +354,7 @@ class Claimers:
 
 
 async def engine_step(op: Op, pool: asyncpg.Pool, world: World) -> None:
-    store = Store(pool, QUERIES)
+    store = DispatchStore(pool, STATEMENTS)
     if op.action == "sweep":
         await store.sweep(rows=op.n, hold_seconds=30)
         # What the sweep registered (its key's head is at or before it) is the engine's to know
@@ -387,9 +390,11 @@ async def drain(claimers: Claimers, pool: asyncpg.Pool, world: World, rows: int)
     )
     wraps = 0
     while wraps < 2:  # from wherever it stood: to the end, then a whole pass
-        wraps += (await Store(pool, QUERIES).sweep(rows=1000, hold_seconds=30))[1]
+        wraps += (await DispatchStore(pool, STATEMENTS).sweep(rows=1000, hold_seconds=30))[1]
     world.needs_sweep.clear()
-    drainer = Claimer(pool, QUERIES, Settings(batch_size=50, max_attempts=100), "drain")
+    drainer = Claimer(
+        DispatchStore(pool, STATEMENTS), Settings(batch_size=50, max_attempts=100), "drain"
+    )
     step = 1 << 20
     for _ in range(rows + 1):
         batch = await drainer.claim()

@@ -16,11 +16,11 @@ from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, Outcome, Result
-from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import DispatchStore, Statements
 
 pytestmark = pytest.mark.integration
 
-QUERIES = Queries.for_table("public", "outbox")
+STATEMENTS = Statements.for_table("public", "outbox")
 PUBLISHED = Result(Outcome.PUBLISHED)
 
 
@@ -45,11 +45,13 @@ async def insert(conn: asyncpg.Connection, keys: list[str | None], topic: str = 
 
 
 def claimer(pool: Any, batch_size: int = 100, owner: str = "c") -> Claimer:
-    return Claimer(pool, QUERIES, Settings(batch_size=batch_size), owner)
+    return Claimer(DispatchStore(pool, STATEMENTS), Settings(batch_size=batch_size), owner)
 
 
 async def settle(pool: asyncpg.Pool, batch: Batch) -> None:
-    await Settler(pool, QUERIES, retry_for=1.0).settle(batch, [PUBLISHED] * len(batch.records))
+    await Settler(DispatchStore(pool, STATEMENTS), retry_for=1.0).settle(
+        batch, [PUBLISHED] * len(batch.records)
+    )
 
 
 async def drain(pool: asyncpg.Pool, claims: int, batch_size: int = 500) -> list[int]:
@@ -222,12 +224,12 @@ BLOCK = Settings(batch_size=100, dead_letter_policy="block")
 async def claim_cost(conn: asyncpg.Connection) -> int:
     """Blocks a claim that finds one fresh row and empty claims after it read: the most."""
     measured = Measured(conn)
-    settler = Settler(conn, QUERIES, retry_for=1.0)  # type: ignore[arg-type]
+    settler = Settler(DispatchStore(conn, STATEMENTS), retry_for=1.0)
     for _ in range(8):  # a session's first executions of a statement are planned each time
-        await Claimer(conn, QUERIES, BLOCK, "m").claim()  # type: ignore[arg-type]
+        await Claimer(DispatchStore(conn, STATEMENTS), BLOCK, "m").claim()
     await insert(conn, ["fresh"])
     for _ in range(3):
-        batch = await Claimer(measured, QUERIES, BLOCK, "m").claim()  # type: ignore[arg-type]
+        batch = await Claimer(DispatchStore(measured, STATEMENTS), BLOCK, "m").claim()
         if batch is not None:
             await settler.settle(batch, [PUBLISHED] * len(batch.records))
     return max(measured.blocks)
@@ -262,7 +264,7 @@ async def test_stuck_keys_and_keyless_rows_do_not_make_claims_dearer(
     # parked: until the claims are quiet (a claim reads a handful of blocks) or 1,500 of them.
     parking = Measured(conn)
     for _ in range(1500):
-        await Claimer(parking, QUERIES, BLOCK, "park").claim()  # type: ignore[arg-type]
+        await Claimer(DispatchStore(parking, STATEMENTS), BLOCK, "park").claim()
         if parking.blocks[-1] <= 2 * max(without, 20):
             break
     # What a claim meets once the stuck work has been there a while: autovacuum has visited the
@@ -366,12 +368,12 @@ async def test_a_row_committed_late_below_its_keys_head_goes_before_the_keys_lat
 
 async def _drain_blocks(conn: asyncpg.Connection, table: str) -> int:
     """Blocks all claims read to drain the table, with 500-row batches."""
-    queries = Queries.for_table("public", table)
+    queries = Statements.for_table("public", table)
     measured = Measured(conn)
-    settler = Settler(conn, queries, retry_for=1.0)  # type: ignore[arg-type]
+    settler = Settler(DispatchStore(conn, queries), retry_for=1.0)
     settings = Settings(batch_size=500, table=table)
     for _ in range(400):
-        batch = await Claimer(measured, queries, settings, "m").claim()  # type: ignore[arg-type]
+        batch = await Claimer(DispatchStore(measured, queries), settings, "m").claim()
         if batch is None:
             break
         await settler.settle(batch, [PUBLISHED] * len(batch.records))

@@ -15,21 +15,20 @@ from outbox_dispatcher.operate import reads
 from outbox_dispatcher.operate.actions import DeadRequeue, Replay, perform
 from outbox_dispatcher.operate.filters import Filters
 from outbox_dispatcher.operate.session import Session
-from outbox_dispatcher.sql import Queries
-from outbox_dispatcher.store import Store
+from outbox_dispatcher.store import DispatchStore, Statements
 
 from .helpers import cli
 from .test_observability import backdate_clock
 
 pytestmark = pytest.mark.integration
 
-QUERIES = Queries.for_table("public", "outbox")
+STATEMENTS = Statements.for_table("public", "outbox")
 DAY = 86400
 
 
 async def gauges(conn: asyncpg.Connection) -> dict[str, Any]:
     """One sample, as the metrics sampler takes it: clock entry, gauges, prune."""
-    store = Store(conn, QUERIES)
+    store = DispatchStore(conn, STATEMENTS)
     await store.clock_tick()
     row = dict(await store.gauges(block_on_dead=False))
     await store.clock_prune(first_pending_id=row["first_pending_id"])
@@ -37,7 +36,7 @@ async def gauges(conn: asyncpg.Connection) -> dict[str, Any]:
 
 
 async def topic_status(conn: asyncpg.Connection, topic: str | None) -> reads.TopicStatus:
-    session = Session(conn, QUERIES, "public.outbox")
+    session = Session(conn, STATEMENTS, "public.outbox")
     [found] = [t for t in await reads.topics(session) if t.topic == topic]
     return found
 
@@ -94,7 +93,7 @@ async def test_a_replay_of_old_rows_lags_from_the_replay(conn: asyncpg.Connectio
         "       now() - interval '2 days' FROM generate_series(1, 50) i"
     )
     await backdate_clock(conn, minutes=2 * 24 * 60 - 1)
-    session = Session(conn, QUERIES, "public.outbox")
+    session = Session(conn, STATEMENTS, "public.outbox")
     replayed = await perform(Replay(Filters(topic="lag-r"), batch_size=20), session)
     assert replayed.rows == 50
     row = await gauges(conn)

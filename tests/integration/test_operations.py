@@ -29,7 +29,7 @@ from outbox_dispatcher.operate.actions import DeadDiscard, Replay, perform
 from outbox_dispatcher.operate.filters import Filters
 from outbox_dispatcher.operate.pauses import Pause
 from outbox_dispatcher.operate.session import Session
-from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import DispatchStore, Statements
 from tests.unit.test_console_extra import SITECUSTOMIZE
 
 from .helpers import (
@@ -48,11 +48,11 @@ from .helpers import (
 
 pytestmark = pytest.mark.integration
 
-QUERIES = Queries.for_table("public", "outbox")
+STATEMENTS = Statements.for_table("public", "outbox")
 
 
 def session(conn: asyncpg.Connection) -> Session:
-    return Session(conn, QUERIES, "public.outbox")
+    return Session(conn, STATEMENTS, "public.outbox")
 
 
 def settings_for(make_settings: Any, **overrides: Any) -> Settings:
@@ -444,7 +444,7 @@ async def test_cleanup_deletes_only_old_published_rows_in_batches(
     assert await count(conn, "dead_at IS NOT NULL") == 20
     assert await count(conn, "published_at IS NULL AND dead_at IS NULL") == 5
     assert await count(conn, "published_at IS NOT NULL") == 8
-    again = await cleanup.delete_published(conn, QUERIES, 0, 3)
+    again = await cleanup.delete_published(conn, STATEMENTS, 0, 3)
     assert again.deleted == 8
     assert await count(conn) == 25
     bad = await cli(settings, "cleanup", "--older-than", "soon")
@@ -628,7 +628,9 @@ async def test_a_pause_counts_the_rows_a_claim_that_began_before_it_still_leases
         await hold.start()
         await holder.execute("SELECT 1 FROM outbox_work WHERE ordering_key = 'k' FOR UPDATE")
         claim = asyncio.create_task(
-            Claimer(pool, Queries.for_table("public", "outbox"), make_settings(), "c").claim()
+            Claimer(
+                DispatchStore(pool, Statements.for_table("public", "outbox")), make_settings(), "c"
+            ).claim()
         )
         await wait_until(lambda: _waiting_on_a_lock(conn, 1), 10, "the claim to wait")
         pausing = asyncio.create_task(perform(Pause("n13", count_waiting=True), session(operator)))

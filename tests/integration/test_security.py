@@ -30,8 +30,7 @@ from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.operate import reads
 from outbox_dispatcher.operate.actions import ReleaseHeld, perform
 from outbox_dispatcher.operate.session import Session
-from outbox_dispatcher.sql import Queries
-from outbox_dispatcher.store import Store
+from outbox_dispatcher.store import DispatchStore, Statements
 
 from .conftest import ROOT, _fresh_database
 from .helpers import (
@@ -406,13 +405,13 @@ async def test_dispatcher_role_publishes_and_can_do_nothing_else(
 
                 disp = await asyncpg.connect(dispatcher_url)
                 try:
-                    queries = Queries.for_table("public", "outbox")
+                    queries = Statements.for_table("public", "outbox")
                     session = Session(disp, queries, "public.outbox")
                     topics = await reads.topics(session)
                     assert [t.published for t in topics] == [len(expected)]
                     # The metrics sampler's clock and gauges (version 7), and the operator
                     # commands that set pending_since, work under the dispatcher role.
-                    store = Store(disp, queries)
+                    store = DispatchStore(disp, queries)
                     await store.clock_tick()
                     gauges = await store.gauges(block_on_dead=False)
                     await store.clock_prune(first_pending_id=gauges["first_pending_id"])

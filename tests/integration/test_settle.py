@@ -17,8 +17,7 @@ from outbox_dispatcher.dispatch import settler as settler_module
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, Outcome, Result
-from outbox_dispatcher.sql import Queries
-from outbox_dispatcher.store import Store
+from outbox_dispatcher.store import DispatchStore, Statements
 from tests.faultproxy import FaultProxy
 
 from .helpers import count, wait_until
@@ -26,7 +25,7 @@ from .test_network_faults import _via
 
 pytestmark = pytest.mark.integration
 
-QUERIES = Queries.for_table("public", "outbox")
+STATEMENTS = Statements.for_table("public", "outbox")
 OK = Result(Outcome.PUBLISHED)
 
 
@@ -72,7 +71,7 @@ async def insert(conn: asyncpg.Connection, keys: list[str]) -> list[int]:
 
 
 async def claim(pool: asyncpg.Pool, settings: Any, owner: str) -> Batch:
-    batch = await Claimer(pool, QUERIES, settings, owner).claim()
+    batch = await Claimer(DispatchStore(pool, STATEMENTS), settings, owner).claim()
     assert batch is not None
     return batch
 
@@ -103,7 +102,7 @@ async def test_a_mark_whose_reply_was_lost_is_not_reported_as_a_lost_lease(
             _via(database_url, proxy.port), min_size=1, max_size=1, init=db.init_connection
         )
         try:
-            mark = Settler(via, QUERIES, retry_for=30.0, owner="owner-a")
+            mark = Settler(DispatchStore(via, STATEMENTS), retry_for=30.0, owner="owner-a")
             task = asyncio.create_task(mark.settle(batch, [OK] * 3))
             await asyncio.wait_for(proxy.tripped.wait(), 10)
 
@@ -143,14 +142,16 @@ async def test_a_lease_really_lost_after_an_unanswered_mark_is_still_reported(
             _via(database_url, proxy.port), min_size=1, max_size=1, init=db.init_connection
         )
         try:
-            mark = Settler(via, QUERIES, retry_for=30.0, owner="owner-a")
+            mark = Settler(DispatchStore(via, STATEMENTS), retry_for=30.0, owner="owner-a")
             task = asyncio.create_task(mark.settle(batch, [OK] * 3))
             await asyncio.wait_for(proxy.tripped.wait(), 10)
             await asyncio.sleep(1.0)  # A's lease expires
             taken = await claim(pool, make_settings(batch_size=10), "owner-b")
             assert [r.reclaimed for r in taken.records] == [True] * 3
             assert (
-                await Settler(pool, QUERIES, retry_for=5.0, owner="owner-b").settle(taken, [OK] * 3)
+                await Settler(
+                    DispatchStore(pool, STATEMENTS), retry_for=5.0, owner="owner-b"
+                ).settle(taken, [OK] * 3)
                 == 3
             )
             await proxy.restore()
@@ -192,13 +193,21 @@ async def test_a_stale_owners_late_mark_records_a_crash_loop_row_it_published(
     assert [r.id for r in stale.records] == [r1]
     [r2] = await insert(conn, [key])
     await asyncio.sleep(1.0)  # 2.
-    swept = await Store(pool, QUERIES).dead_letter_crash_loops(max_attempts=1, block_on_dead=True)
+    swept = await DispatchStore(pool, STATEMENTS).dead_letter_crash_loops(
+        max_attempts=1, block_on_dead=True
+    )
     # 3.
     assert [row["id"] for row in swept] == [r1]
     assert await count(conn, f"id = {r1} AND dead_at IS NOT NULL") == 1
-    b = Claimer(pool, QUERIES, make_settings(batch_size=10, dead_letter_policy="block"), "owner-b")
+    b = Claimer(
+        DispatchStore(pool, STATEMENTS),
+        make_settings(batch_size=10, dead_letter_policy="block"),
+        "owner-b",
+    )
     assert await b.claim() is None  # 4.
-    settler = Settler(pool, QUERIES, retry_for=5.0, owner="owner-a", block_on_dead=True)
+    settler = Settler(
+        DispatchStore(pool, STATEMENTS), retry_for=5.0, owner="owner-a", block_on_dead=True
+    )
     settled = await settler.settle(stale, [OK])  # 6.
     assert settled == 1
     assert events.rows("lease_lost") == []
@@ -220,10 +229,17 @@ async def test_a_stale_owners_late_failure_leaves_the_crash_loop_row_dead(
     settings = make_settings(batch_size=10, lease_seconds=0.5, max_attempts=1)
     stale = await claim(pool, settings, "owner-a")
     await asyncio.sleep(1.0)
-    swept = await Store(pool, QUERIES).dead_letter_crash_loops(max_attempts=1, block_on_dead=False)
+    swept = await DispatchStore(pool, STATEMENTS).dead_letter_crash_loops(
+        max_attempts=1, block_on_dead=False
+    )
     assert [row["id"] for row in swept] == [r1]
     failed = Result(Outcome.RETRY, "broker down", delay=1.0, counted=False)
-    assert await Settler(pool, QUERIES, retry_for=5.0, owner="owner-a").settle(stale, [failed]) == 0
+    assert (
+        await Settler(DispatchStore(pool, STATEMENTS), retry_for=5.0, owner="owner-a").settle(
+            stale, [failed]
+        )
+        == 0
+    )
     assert events.rows("lease_lost") == [1]
     row = await conn.fetchrow(
         "SELECT published_at, dead_at, last_error FROM outbox WHERE id = $1", r1

@@ -43,13 +43,19 @@ def test_filters_from_flags() -> None:
     assert f.ids == [1, 2] and f.key == "k" and f.topic is None
     assert f.since == datetime(2026, 1, 2, tzinfo=UTC), "a bare time is UTC"
     # The filters, a cause, and no bound (an action's count fixes it).
-    nothing = (None,) * 3
-    assert f.dead_args() == ([1, 2], "k", None, f.since, None, None, None, None, None, *nothing)
+    given = {"ids": [1, 2], "key": "k", "since": f.since}
+    assert {k: v for k, v in f.dead_values().items() if v is not None} == given
+    assert set(f.dead_values()) >= {"cause", "max_id", "before"}
     ns = parse("dead", "requeue", "--error", "TooLarge")
     assert filters_of(ns).error == "TooLarge" and not filters_of(ns).empty()
-    assert filters_of(ns).dead_args()[8] == "TooLarge"
+    assert filters_of(ns).dead_values()["error"] == "TooLarge"
     ns = parse("replay", "--topic", "t", "--from-id", "5", "--to-id", "9")
-    assert filters_of(ns).replay_args() == (5, 9, None, "t", None, None, None, None)
+    replay = filters_of(ns).replay_values()
+    assert {k: v for k, v in replay.items() if v is not None} == {
+        "from_id": 5,
+        "to_id": 9,
+        "topic": "t",
+    }
 
 
 @pytest.mark.parametrize(

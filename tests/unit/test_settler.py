@@ -5,9 +5,9 @@ from datetime import UTC, datetime
 
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, OutboxRecord, Outcome, Result
-from outbox_dispatcher.sql import Queries
+from outbox_dispatcher.store import DispatchStore, Statements
 
-Q = Queries.for_table("public", "outbox")
+Q = Statements.for_table("public", "outbox")
 OK = Result(Outcome.PUBLISHED)
 RETRY = Result(Outcome.RETRY, "boom", delay=1.0, counted=True)
 
@@ -19,7 +19,7 @@ def test_settle_arguments_carry_every_row_with_its_key() -> None:
         OutboxRecord(i, "t", k, b"x", {}, uuid.uuid4(), now, 0, False) for i, k in enumerate(keys)
     ]
     batch = Batch(uuid.uuid4(), records)
-    settler = Settler(None, Q, retry_for=1, delete_on_publish=True)  # type: ignore[arg-type]
+    settler = Settler(DispatchStore(None, Q), retry_for=1, delete_on_publish=True)  # type: ignore[arg-type]
     args = settler.arguments(batch, [OK, RETRY, OK, OK])
     assert args == {
         "token": batch.token,

@@ -1,0 +1,153 @@
+"""The dispatcher's face of the database: every statement the claim, settle, lease, wake-up and
+upkeep paths run, one keyword-only method each, named like its statement in dispatch.sql.
+
+The claim engine lives in the schema (schema/) and in these calls; the modules around them
+(claimer, settler, leases, wakeup, metrics, registry, retention) decide when to call, never how
+to talk SQL, so a change of the engine touches this file, the schema and their tests.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+import asyncpg
+
+from outbox_dispatcher.store.base import Row, StoreBase
+
+# Raised by a claim when the server's lock table or memory is short (SQLSTATE 53200).
+OutOfMemoryError = asyncpg.OutOfMemoryError
+
+
+class DispatchStore(StoreBase):
+    """The hot path and the upkeep of one outbox table."""
+
+    async def claim(
+        self,
+        *,
+        limit: int,
+        max_keys: int,
+        owner: str,
+        lease_seconds: float,
+        token: uuid.UUID,
+        block_on_dead: bool,
+        max_attempts: int,
+        scan: int,
+    ) -> list[Row]:
+        """Lease up to `limit` rows of at most `max_keys` keys under `token`, looking at up to
+        `scan` new rows."""
+        return await self._fetch(
+            "claim",
+            limit=limit,
+            max_keys=max_keys,
+            owner=owner,
+            lease_seconds=lease_seconds,
+            token=token,
+            block_on_dead=block_on_dead,
+            max_attempts=max_attempts,
+            scan=scan,
+        )
+
+    async def release_claim(self, *, token: uuid.UUID) -> int:
+        """Give back what a claim under `token` leased; keys (and rows without one) released."""
+        return int(await self._value("release_claim", token=token))
+
+    async def settle(
+        self,
+        *,
+        token: uuid.UUID,
+        owner: str,
+        ids: Sequence[int],
+        keys: Sequence[str | None],
+        outcomes: Sequence[str],
+        errors: Sequence[str | None],
+        delays: Sequence[float],
+        counted: Sequence[int],
+        delete_published: bool,
+        block_on_dead: bool,
+    ) -> list[int]:
+        """Record one batch's outcomes and release its keys (`keys`: each row's key, aligned
+        with `ids`); the ids of the rows that were still ours."""
+        rows = await self._fetch(
+            "settle",
+            token=token,
+            owner=owner,
+            ids=list(ids),
+            keys=list(keys),
+            outcomes=list(outcomes),
+            errors=list(errors),
+            delays=list(delays),
+            counted=list(counted),
+            delete_published=delete_published,
+            block_on_dead=block_on_dead,
+        )
+        return [int(row[0]) for row in rows]
+
+    async def already_settled(
+        self,
+        *,
+        ids: Sequence[int],
+        owner: str,
+        outcomes: Sequence[str],
+        attempts: Sequence[int],
+        delete_published: bool,
+    ) -> int:
+        """Of these rows, how many already show the outcome a settle by `owner` left (a settle
+        whose reply was lost)."""
+        rows = await self._value(
+            "already_settled",
+            ids=list(ids),
+            owner=owner,
+            outcomes=list(outcomes),
+            attempts=list(attempts),
+            delete_published=delete_published,
+        )
+        return int(rows)
+
+    async def extend_leases(
+        self, *, ids: Sequence[int], tokens: Sequence[uuid.UUID], seconds: float
+    ) -> int:
+        """Extend live leases of these rows' work under their tokens; rows still held."""
+        held = await self._fetch(
+            "extend_leases", ids=list(ids), tokens=list(tokens), seconds=seconds
+        )
+        return len(held)
+
+    async def dead_letter_crash_loops(self, *, max_attempts: int, block_on_dead: bool) -> list[Row]:
+        return await self._fetch(
+            "dead_letter_crash_loops", max_attempts=max_attempts, block_on_dead=block_on_dead
+        )
+
+    async def count_expired_leases(self) -> int:
+        return int(await self._value("count_expired_leases"))
+
+    async def waiting_announce(self, *, owner: str, seconds: float) -> None:
+        await self._fetch("waiting_announce", owner=owner, seconds=seconds)
+
+    async def waiting_withdraw(self, *, owner: str) -> None:
+        await self._fetch("waiting_withdraw", owner=owner)
+
+    async def clock_tick(self) -> None:
+        """Note the highest committed id at the database's time: lag is measured from these."""
+        await self._fetch("clock_tick")
+
+    async def clock_prune(self, *, first_pending_id: int | None) -> None:
+        """Forget clock entries that no pending row needs any more."""
+        await self._fetch("clock_prune", first_pending_id=first_pending_id)
+
+    async def dispatcher_beat(
+        self,
+        *,
+        owner: str,
+        dead_letter_policy: str,
+        version: int,
+        totals: tuple[int, int] | None = None,
+    ) -> None:
+        """A heartbeat; `totals` (rows published, dead-lettered since the start) only on a
+        schema that keeps them (migrations.CONSOLE_VERSION)."""
+        beat = {"owner": owner, "dead_letter_policy": dead_letter_policy, "version": version}
+        if totals is None:
+            await self._fetch("dispatcher_beat", **beat)
+            return
+        published, dead = totals
+        await self._fetch("dispatcher_beat_counted", **beat, published=published, dead=dead)
