@@ -214,7 +214,7 @@ async def test_the_lease_keeper_locks_a_claims_keys_in_key_order(
         await discovery.execute("SET LOCAL lock_timeout = '3s'")
         await discovery.execute("SELECT 1 FROM outbox_work WHERE ordering_key = 'b' FOR SHARE")
         await holder.commit()
-        assert sorted(r[0] for r in await extending) == ids
+        assert await extending == len(ids)  # both rows still held, no deadlock
     finally:
         await discovery.close()
 

@@ -444,7 +444,7 @@ async def test_cleanup_deletes_only_old_published_rows_in_batches(
     assert await count(conn, "dead_at IS NOT NULL") == 20
     assert await count(conn, "published_at IS NULL AND dead_at IS NULL") == 5
     assert await count(conn, "published_at IS NOT NULL") == 8
-    again = await cleanup.delete_published(conn, STATEMENTS, 0, 3)
+    again = await cleanup.delete_published(DispatchStore(conn, STATEMENTS), 0, 3)
     assert again.deleted == 8
     assert await count(conn) == 25
     bad = await cli(settings, "cleanup", "--older-than", "soon")
