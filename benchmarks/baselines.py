@@ -19,7 +19,6 @@ import asyncpg
 from aiokafka import AIOKafkaProducer
 from pydantic import SecretStr
 
-from outbox_dispatcher import db
 from outbox_dispatcher.config.names import quote_identifier
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
@@ -27,7 +26,7 @@ from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.models import Batch, Outcome, Result
-from outbox_dispatcher.store import DispatchStore, Statements
+from outbox_dispatcher.store import DispatchStore, Statements, db
 
 _OWNER = "benchmark-pg-only"
 _PUBLISHED = Result(Outcome.PUBLISHED)

@@ -21,12 +21,11 @@ import asyncpg
 
 from benchmarks.load import STATEMENTS, insert_rows
 from benchmarks.stack import Stack, connection, fresh, settings_for
-from outbox_dispatcher import db
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Outcome, Result
-from outbox_dispatcher.store import DispatchStore
+from outbox_dispatcher.store import DispatchStore, db
 
 STUCK_KINDS = ("paused_keys", "keyless_backoff")
 STUCK_TOPIC = "bench-stuck"

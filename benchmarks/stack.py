@@ -20,8 +20,8 @@ from typing import Any
 import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from outbox_dispatcher import migrations
 from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.store import migrations
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

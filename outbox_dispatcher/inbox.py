@@ -16,7 +16,8 @@ from typing import Any, Protocol
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
-from outbox_dispatcher import errors, migrations
+from outbox_dispatcher import errors
+from outbox_dispatcher.store import migrations
 from outbox_dispatcher.store.statements import Statements
 
 

@@ -13,7 +13,6 @@ import platform
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
-import asyncpg
 import structlog
 from prometheus_client import (
     CollectorRegistry,
@@ -30,9 +29,9 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from outbox_dispatcher import __version__, db
+from outbox_dispatcher import __version__
 from outbox_dispatcher.models import Failure, OutboxRecord, Outcome, Result
-from outbox_dispatcher.store import DispatchStore
+from outbox_dispatcher.store import DispatchStore, db
 
 log = structlog.get_logger(__name__)
 
@@ -304,7 +303,7 @@ def _total(counter: Counter) -> int:
 # gauges go stale (OutboxTableMetricsStale fires), publishing goes on.
 SAMPLE_ERRORS: tuple[type[BaseException], ...] = (
     *db.RETRIABLE_ERRORS,
-    asyncpg.InsufficientPrivilegeError,
+    db.InsufficientPrivilegeError,
 )
 
 

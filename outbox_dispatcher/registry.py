@@ -6,19 +6,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import asyncpg
 import structlog
 
-from outbox_dispatcher import db, migrations
 from outbox_dispatcher.config.settings import Settings
-from outbox_dispatcher.store import DispatchStore
+from outbox_dispatcher.store import DispatchStore, db, migrations
 
 log = structlog.get_logger(__name__)
 
 # The database is away, or the dispatcher role lacks the grants of a newer roles.sql.
 _TOLERATED: tuple[type[BaseException], ...] = (
     *db.RETRIABLE_ERRORS,
-    asyncpg.InsufficientPrivilegeError,
+    db.InsufficientPrivilegeError,
 )
 
 HEARTBEAT_SECONDS = 10.0

@@ -14,7 +14,6 @@ import urllib.parse
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-import asyncpg
 import structlog
 from pydantic import ValidationError
 
@@ -31,6 +30,7 @@ from outbox_dispatcher.cli.terminal import (
 )
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.operate.actions import ActionRefusedError
+from outbox_dispatcher.operate.session import PrivilegeError
 
 __all__ = [
     "EXIT_CONFIG",
@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except operator.ActionInterruptedError as exc:  # Ctrl-C of a recorded action: what it did
         err(exc.message)
         return EXIT_INTERRUPTED
-    except asyncpg.InsufficientPrivilegeError as exc:
+    except PrivilegeError as exc:
         err(_privilege_hint(namespace, settings, exc))
         return EXIT_FAILED
     except ActionRefusedError as exc:
@@ -123,9 +123,7 @@ def _report_error(namespace: argparse.Namespace, event: str, exc: BaseException)
         err(display.inert(str(exc)))
 
 
-def _privilege_hint(
-    namespace: argparse.Namespace, settings: Settings, exc: asyncpg.InsufficientPrivilegeError
-) -> str:
+def _privilege_hint(namespace: argparse.Namespace, settings: Settings, exc: PrivilegeError) -> str:
     """One line naming the role a command needs (schema/roles.sql), not a traceback."""
     role = urllib.parse.urlsplit(settings.database_url.get_secret_value()).username or "?"
     command = " ".join(

@@ -11,11 +11,12 @@ import sys
 
 import structlog
 
-from outbox_dispatcher import db, errors, migrations, tracing
+from outbox_dispatcher import errors, tracing
 from outbox_dispatcher.cli.flags import BATCHED, CONNECT, EVERY, Commands, command
 from outbox_dispatcher.cli.terminal import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import Dispatcher
+from outbox_dispatcher.operate import schema
 from outbox_dispatcher.operate.check import unknown_variables
 from outbox_dispatcher.operate.session import connected
 
@@ -115,22 +116,16 @@ def configure_migrate_parser(commands: Commands) -> None:
 
 
 async def _migrate(settings: Settings, ns: argparse.Namespace) -> int:
-    conn = await db.connect(settings.database_url.get_secret_value(), settings)
-    try:
-        applied = await migrations.migrate(
-            conn, settings.db_schema, settings.table, contract=ns.contract_now
-        )
-        version = await migrations.current_version(conn, settings.db_schema, settings.table)
-    finally:
-        await conn.close()
-    log.info("schema_ready", version=version, applied=list(applied))
+    done = await schema.migrate(settings, contract=ns.contract_now)
+    applied, version = done.applied, done.version
+    log.info("schema_ready", version=version, applied=applied)
     where = f"{settings.db_schema}.{settings.table}"
-    done = f"applied {', '.join(map(str, applied))}" if applied else "nothing to apply"
-    sys.stdout.write(f"schema {where} is at version {version} ({done})\n")
-    if applied.waiting is not None:
+    what = f"applied {', '.join(map(str, applied))}" if applied else "nothing to apply"
+    sys.stdout.write(f"schema {where} is at version {version} ({what})\n")
+    if done.waiting is not None:
         sys.stdout.write(
-            f"version {applied.waiting} waits: {applied.older} dispatcher(s) older than version "
-            f"{migrations.OLDEST_SUPPORTED} still run beside this schema, and it would stop "
+            f"version {done.waiting} waits: {done.older} dispatcher(s) older than version "
+            f"{schema.OLDEST_SUPPORTED} still run beside this schema, and it would stop "
             "them. Run `outbox-dispatcher migrate` again once every dispatcher is upgraded (the "
             "upgraded ones keep working meanwhile), or with --contract-now to apply it anyway\n"
         )

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-import asyncpg
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -22,6 +21,7 @@ from outbox_dispatcher.console import auth, history, security
 from outbox_dispatcher.console.acting import Acts
 from outbox_dispatcher.console.inputs import InputError
 from outbox_dispatcher.console.web import LoginNeededError
+from outbox_dispatcher.operate.session import DatabaseError
 
 API = "/api/v1"
 API_ACTION_PATHS = {
@@ -107,7 +107,7 @@ def create_app(settings: Settings, *, sample: bool = True) -> Starlette:
             LoginNeededError: console.on_login_needed,
             HTTPException: console.on_not_found,
             errors.OutboxDispatcherError: console.on_database_error,
-            asyncpg.PostgresError: console.on_database_error,
+            DatabaseError: console.on_database_error,
         },
         lifespan=console.lifespan,
     )

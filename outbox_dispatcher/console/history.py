@@ -11,14 +11,18 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import NoReturn
 
-import asyncpg
 import structlog
 
-from outbox_dispatcher import db, errors
+from outbox_dispatcher import errors
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.every import Warn, every
 from outbox_dispatcher.operate import jobs, reads
-from outbox_dispatcher.operate.session import connected
+from outbox_dispatcher.operate.session import (
+    RETRIABLE_ERRORS,
+    DatabaseError,
+    PrivilegeError,
+    connected,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -98,9 +102,9 @@ class History:
 
 
 _TOLERATED: tuple[type[BaseException], ...] = (
-    *db.RETRIABLE_ERRORS,
+    *RETRIABLE_ERRORS,
     errors.OutboxDispatcherError,
-    asyncpg.PostgresError,
+    DatabaseError,
 )
 
 
@@ -111,7 +115,7 @@ async def sample_once(settings: Settings, history: History) -> None:
         now = await reads.gauges(session)
         try:
             await jobs.sweep(session)
-        except asyncpg.InsufficientPrivilegeError:
+        except PrivilegeError:
             pass
     history.add(
         Sample(

@@ -8,7 +8,6 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-import asyncpg
 import structlog
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
@@ -18,7 +17,7 @@ from outbox_dispatcher import __version__, display, errors
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.console import auth, history, render, service, tasks
 from outbox_dispatcher.console.inputs import InputError
-from outbox_dispatcher.operate.session import Session, connected
+from outbox_dispatcher.operate.session import PrivilegeError, Session, connected
 from outbox_dispatcher.routing import Router
 
 log = structlog.get_logger(__name__)
@@ -152,7 +151,7 @@ class Base:
         return self.problem(request, code, message)
 
     async def on_database_error(self, request: Request, exc: Exception) -> Response:
-        if isinstance(exc, asyncpg.InsufficientPrivilegeError):
+        if isinstance(exc, PrivilegeError):
             return self.problem(
                 request,
                 403,

@@ -11,15 +11,15 @@ from dataclasses import dataclass
 
 import structlog
 
-from outbox_dispatcher import db, listener
 from outbox_dispatcher.dispatch.batch import BatchRun, Settling
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.leases import InFlight
-from outbox_dispatcher.dispatch.wakeup import Wakeup, pause
+from outbox_dispatcher.dispatch.wakeup import Waiting, Wakeup, pause
 from outbox_dispatcher.health import Heartbeats
 from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.metrics import Metrics
 from outbox_dispatcher.models import Batch
+from outbox_dispatcher.store import db
 
 log = structlog.get_logger(__name__)
 
@@ -65,7 +65,7 @@ class ClaimLoop:
         in_flight: InFlight,
         metrics: Metrics,
         shared: Shared,
-        waiting: listener.Waiting | None = None,
+        waiting: Waiting | None = None,
     ) -> None:
         self.name = name
         self._config = config

@@ -8,10 +8,9 @@ from typing import Any
 
 import structlog
 
-from outbox_dispatcher import db
 from outbox_dispatcher.config.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.models import Batch, OutboxRecord
-from outbox_dispatcher.store import DispatchStore, OutOfMemoryError, Row
+from outbox_dispatcher.store import DispatchStore, OutOfMemoryError, Row, db
 
 log = structlog.get_logger(__name__)
 

@@ -13,12 +13,11 @@ from typing import NoReturn
 
 import structlog
 
-from outbox_dispatcher import db
 from outbox_dispatcher.config.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.dispatch.every import every
 from outbox_dispatcher.health import Heartbeats
 from outbox_dispatcher.metrics import Metrics
-from outbox_dispatcher.store import DispatchStore, Row
+from outbox_dispatcher.store import DispatchStore, Row, db
 
 log = structlog.get_logger(__name__)
 

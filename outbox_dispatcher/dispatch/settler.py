@@ -9,9 +9,8 @@ from typing import Any
 
 import structlog
 
-from outbox_dispatcher import db
 from outbox_dispatcher.models import PUBLISHED, Batch, Result
-from outbox_dispatcher.store import DispatchStore
+from outbox_dispatcher.store import DispatchStore, db
 
 log = structlog.get_logger(__name__)
 

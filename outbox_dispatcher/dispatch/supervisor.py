@@ -17,18 +17,9 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-import asyncpg
 import structlog
 
-from outbox_dispatcher import (
-    cleanup,
-    db,
-    errors,
-    listener,
-    metrics,
-    migrations,
-    registry,
-)
+from outbox_dispatcher import cleanup, errors, metrics, registry
 from outbox_dispatcher.config.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.dispatch import leases
 from outbox_dispatcher.dispatch.batch import SettleConfig, Settling
@@ -36,7 +27,7 @@ from outbox_dispatcher.dispatch.claim_loop import ClaimLoop, ClaimLoopConfig, Sh
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.every import Warn, every
 from outbox_dispatcher.dispatch.settler import Settler
-from outbox_dispatcher.dispatch.wakeup import Wakeup
+from outbox_dispatcher.dispatch.wakeup import Waiting, Wakeup
 from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
 from outbox_dispatcher.kafka.delivery import DeliveryConfig
 from outbox_dispatcher.kafka.producers import ProducerConfig
@@ -45,13 +36,13 @@ from outbox_dispatcher.kafka.records import RecordConfig
 from outbox_dispatcher.kafka.tls import ConnectionConfig
 from outbox_dispatcher.kafka.topics import TopicConfig
 from outbox_dispatcher.retries import RetryPolicy
-from outbox_dispatcher.store import DispatchStore, Statements
+from outbox_dispatcher.store import DispatchStore, Statements, db, listen, migrations
 
 log = structlog.get_logger(__name__)
 
 READINESS_ERRORS: tuple[type[BaseException], ...] = (
     TimeoutError,
-    asyncpg.PostgresError,
+    db.PostgresError,
     *db.RETRIABLE_ERRORS,
 )
 
@@ -121,7 +112,7 @@ class Dispatcher:
             await pool.close()
         log.info("stopped", published=self.published)
 
-    async def _supervise(self, pool: asyncpg.Pool, publisher: KafkaPublisher) -> None:
+    async def _supervise(self, pool: db.Pool, publisher: KafkaPublisher) -> None:
         s = self.settings
         configs = self.configs
         store = DispatchStore(pool, self.statements)  # the one store every component is handed
@@ -137,9 +128,7 @@ class Dispatcher:
         readiness = ReadinessCache(lambda: self._readiness(store, publisher))
         # Without LISTEN nobody hears a notification: writers are never asked to send one.
         waiting = (
-            listener.Waiting(store, self.owner, ttl=2 * s.poll_interval_seconds + 5)
-            if s.listen
-            else None
+            Waiting(store, self.owner, ttl=2 * s.poll_interval_seconds + 5) if s.listen else None
         )
         log.info(
             "started",
@@ -185,7 +174,7 @@ class Dispatcher:
             "heartbeat": self._beat(store),
         }
         if s.listen:
-            side["listener"] = listener.listen(s, self.wakeup.notify)
+            side["listener"] = listen.listen(s, self.wakeup.notify)
         if s.http_enabled:
             self._http = HealthServer(
                 s.http_host,

@@ -1,9 +1,16 @@
-"""Waiting for new rows: a hint from the LISTEN connection, a poll, or the stop."""
+"""Waiting for new rows: a hint from the LISTEN connection, a poll, or the stop; and the
+announcement that asks writers for that hint only while someone waits."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+
+import structlog
+
+from outbox_dispatcher.store import DispatchStore, db
+
+log = structlog.get_logger(__name__)
 
 
 class Wakeup:
@@ -51,3 +58,40 @@ async def _wait(event: asyncio.Event) -> None:
 async def pause(stop: asyncio.Event, seconds: float) -> None:
     """Sleep, but wake up for a shutdown."""
     await wait_any(asyncio.get_running_loop().create_future(), stop, seconds)
+
+
+class Waiting:
+    """Tells writers' trigger that this dispatcher waits for a wake-up, so that writers pay for
+    a notification only while someone listens for it. Best effort: a lost announcement only
+    means the next poll finds the rows."""
+
+    def __init__(self, store: DispatchStore, owner: str, ttl: float) -> None:
+        self._store = store
+        self._owner = owner
+        self._ttl = ttl
+        self._until = 0.0  # this process's clock; 0: not announced
+
+    async def announce(self) -> bool:
+        """Announce (or refresh) the wait; True if it was not announced a moment ago, so that the
+        caller claims once more (rows committed before the announcement sent no notification)."""
+        now = asyncio.get_running_loop().time()
+        if now < self._until - self._ttl / 2:
+            return False
+        try:
+            await self._store.waiting_announce(owner=self._owner, seconds=self._ttl)
+        except db.RETRIABLE_ERRORS as exc:
+            log.debug("waiting_announce_failed", error=repr(exc))
+            return False
+        fresh = now >= self._until
+        self._until = now + self._ttl
+        return fresh
+
+    async def withdraw(self) -> None:
+        """Busy again: writers can stop notifying (a no-op when nothing was announced)."""
+        if not self._until:
+            return
+        self._until = 0.0
+        try:
+            await self._store.waiting_withdraw(owner=self._owner)
+        except db.RETRIABLE_ERRORS as exc:
+            log.debug("waiting_withdraw_failed", error=repr(exc))

@@ -11,9 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-import asyncpg
-
-from outbox_dispatcher import db, errors, migrations
+from outbox_dispatcher import errors
 from outbox_dispatcher.config.names import env_name
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.config.sources import SECRETS_DIR_VARIABLE
@@ -22,7 +20,7 @@ from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.operate import reads
 from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.routing import Router
-from outbox_dispatcher.store import StoreBase
+from outbox_dispatcher.store import StoreBase, db, migrations
 
 # Ids a step of `check --repair`'s sweep walks (at least).
 SWEEP_STEP_ROWS = 50_000
@@ -94,7 +92,7 @@ async def check(settings: Settings, *, repair: bool = False) -> list[Finding]:
 
 
 async def _check_database(
-    conn: asyncpg.Connection, settings: Settings, report: _Findings, *, repair: bool
+    conn: db.Connection, settings: Settings, report: _Findings, *, repair: bool
 ) -> None:
     report.add("ok", "database is reachable")
     schema, table = settings.db_schema, settings.table

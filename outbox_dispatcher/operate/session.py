@@ -10,12 +10,14 @@ import contextlib
 import zlib
 from collections.abc import AsyncIterator
 
-import asyncpg
-from asyncpg.transaction import Transaction
-
-from outbox_dispatcher import db, listener, migrations
 from outbox_dispatcher.config.settings import Settings
-from outbox_dispatcher.store import OperatorStore, Statements
+from outbox_dispatcher.store import OperatorStore, Statements, db, listen, migrations
+
+# What the faces catch from an operator's command: any database error, and a missing grant.
+DatabaseError = db.PostgresError
+PrivilegeError = db.InsufficientPrivilegeError
+# Errors that a later attempt may not meet (a dropped connection, a restart, a failover).
+RETRIABLE_ERRORS = db.RETRIABLE_ERRORS
 
 
 def audit_lock_key(schema: str, table: str) -> int:
@@ -31,7 +33,7 @@ class Session:
 
     def __init__(
         self,
-        conn: asyncpg.Connection,
+        conn: db.Connection,
         statements: Statements,
         channel: str,
         audit_lock: int = 0,
@@ -42,13 +44,13 @@ class Session:
         self.audit_lock = audit_lock
 
     @classmethod
-    def of(cls, conn: asyncpg.Connection, settings: Settings) -> Session:
+    def of(cls, conn: db.Connection, settings: Settings) -> Session:
         """A session on `conn` for the table the settings name."""
         statements = Statements.for_table(settings.db_schema, settings.table)
         lock = audit_lock_key(settings.db_schema, settings.table)
-        return cls(conn, statements, listener.channel_name(settings), lock)
+        return cls(conn, statements, listen.channel_name(settings), lock)
 
-    def transaction(self) -> Transaction:
+    def transaction(self) -> db.Transaction:
         return self.conn.transaction()
 
 

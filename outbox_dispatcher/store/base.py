@@ -11,7 +11,7 @@ from typing import Any
 
 import asyncpg
 
-from outbox_dispatcher import db
+from outbox_dispatcher.store import db
 from outbox_dispatcher.store.statements import Statements
 
 Row = asyncpg.Record

@@ -24,8 +24,8 @@ import asyncpg
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from outbox_dispatcher import migrations
 from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.store import migrations
 from tests.containers import Engine, find_engine, free_port, fresh_clone
 
 from .cluster import Cluster

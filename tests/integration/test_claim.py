@@ -13,12 +13,11 @@ import asyncpg
 import orjson
 import pytest
 
-from outbox_dispatcher import db
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, Outcome, Result
-from outbox_dispatcher.store import DispatchStore, Statements
+from outbox_dispatcher.store import DispatchStore, Statements, db
 from tests.faultproxy import fault_proxy
 from tests.integration.helpers import sessions_waiting_on_a_lock, wait_until
 

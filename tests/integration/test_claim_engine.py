@@ -24,12 +24,11 @@ from typing import Any
 import asyncpg
 import pytest
 
-from outbox_dispatcher import db
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, Outcome, Result
-from outbox_dispatcher.store import DispatchStore, OperatorStore, Statements
+from outbox_dispatcher.store import DispatchStore, OperatorStore, Statements, db
 
 from .helpers import Services, check, consume, count, insert_sequenced, running, wait_until
 

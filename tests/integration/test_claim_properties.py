@@ -27,12 +27,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from outbox_dispatcher import db
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, OutboxRecord, Outcome, Result
-from outbox_dispatcher.store import DispatchStore, Statements
+from outbox_dispatcher.store import DispatchStore, Statements, db
 
 pytestmark = pytest.mark.integration
 

@@ -19,9 +19,9 @@ import httpx
 import orjson
 import pytest
 
-from outbox_dispatcher import migrations
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.console import create_app, history
+from outbox_dispatcher.store import migrations
 from tests.containers import free_port
 
 from .helpers import Services, cli, settings_env

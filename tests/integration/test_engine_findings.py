@@ -11,12 +11,11 @@ from typing import Any
 import asyncpg
 import pytest
 
-from outbox_dispatcher import db, migrations
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, Outcome, Result
-from outbox_dispatcher.store import DispatchStore, Statements
+from outbox_dispatcher.store import DispatchStore, Statements, db, migrations
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ import pytest
 from aiokafka import ConsumerRecord
 from aiokafka.admin import AIOKafkaAdminClient
 
-from outbox_dispatcher import cleanup, db, migrations
+from outbox_dispatcher import cleanup
 from outbox_dispatcher.cli import tables
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
@@ -29,7 +29,7 @@ from outbox_dispatcher.operate.actions import DeadDiscard, Replay, perform
 from outbox_dispatcher.operate.filters import Filters
 from outbox_dispatcher.operate.pauses import Pause
 from outbox_dispatcher.operate.session import Session
-from outbox_dispatcher.store import DispatchStore, Statements
+from outbox_dispatcher.store import DispatchStore, Statements, db, migrations
 from tests.unit.test_console_extra import SITECUSTOMIZE
 
 from .helpers import (

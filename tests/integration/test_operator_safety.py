@@ -18,8 +18,8 @@ import asyncpg
 import orjson
 import pytest
 
-from outbox_dispatcher import migrations
 from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.store import migrations
 
 from .helpers import Services, cli, interruptible, running, settings_env, wait_until
 from .test_observability import port_of, scrape

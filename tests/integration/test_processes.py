@@ -15,7 +15,7 @@ import asyncpg
 import orjson
 import pytest
 
-from outbox_dispatcher import migrations
+from outbox_dispatcher.store import migrations
 
 from .helpers import (
     LEASED,

@@ -11,8 +11,9 @@ import subprocess
 import asyncpg
 import pytest
 
-from outbox_dispatcher import errors, migrations
+from outbox_dispatcher import errors
 from outbox_dispatcher.dispatch.supervisor import Dispatcher
+from outbox_dispatcher.store import migrations
 
 pytestmark = pytest.mark.integration
 

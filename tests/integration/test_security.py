@@ -23,14 +23,14 @@ import asyncpg
 import orjson
 import pytest
 
-from outbox_dispatcher import db, errors, migrations
+from outbox_dispatcher import errors
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import Dispatcher, configs_of
 from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.operate import reads
 from outbox_dispatcher.operate.actions import ReleaseHeld, perform
 from outbox_dispatcher.operate.session import Session
-from outbox_dispatcher.store import DispatchStore, Statements
+from outbox_dispatcher.store import DispatchStore, Statements, db, migrations
 
 from .conftest import ROOT, _fresh_database
 from .helpers import (

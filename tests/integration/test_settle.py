@@ -12,12 +12,11 @@ from urllib.parse import urlsplit
 import asyncpg
 import pytest
 
-from outbox_dispatcher import db
 from outbox_dispatcher.dispatch import settler as settler_module
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, Outcome, Result
-from outbox_dispatcher.store import DispatchStore, Statements
+from outbox_dispatcher.store import DispatchStore, Statements, db
 from tests.faultproxy import FaultProxy
 
 from .helpers import count, wait_until

@@ -21,8 +21,8 @@ import asyncpg
 import orjson
 import pytest
 
-from outbox_dispatcher import migrations
 from outbox_dispatcher.config.settings import DeadLetterPolicy
+from outbox_dispatcher.store import migrations
 
 from .helpers import (
     Services,

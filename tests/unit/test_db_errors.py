@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncpg
 import pytest
 
-from outbox_dispatcher import db, errors
+from outbox_dispatcher import errors
+from outbox_dispatcher.store import db
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,9 @@ from pathlib import Path
 import asyncpg
 import structlog
 
-from outbox_dispatcher import db, errors
+from outbox_dispatcher import errors
 from outbox_dispatcher.config.names import quote_identifier, validate_identifier
+from outbox_dispatcher.store import db
 from outbox_dispatcher.store.base import StoreBase
 from outbox_dispatcher.store.statements import Statements
 
@@ -26,10 +27,11 @@ _MIGRATION_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
 def schema_dir() -> Path:
     """The packaged schema/ (in a wheel) or the source tree's schema/."""
-    packaged = Path(__file__).parent / "_schema"
+    package = Path(__file__).resolve().parent.parent
+    packaged = package / "_schema"
     if packaged.is_dir():
         return packaged
-    return Path(__file__).resolve().parent.parent / "schema"
+    return package.parent / "schema"
 
 
 @dataclass(frozen=True)

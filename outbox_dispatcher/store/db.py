@@ -47,6 +47,13 @@ RETRIABLE_ERRORS: tuple[type[BaseException], ...] = (
 
 # A connection of its own or one lent by the pool.
 Executor = asyncpg.Connection | PoolConnectionProxy
+# asyncpg's names the rest of the package uses, so that only store/ (and the inbox library)
+# import asyncpg.
+Pool = asyncpg.Pool
+Connection = asyncpg.Connection
+Transaction = asyncpg.transaction.Transaction
+PostgresError = asyncpg.PostgresError
+InsufficientPrivilegeError = asyncpg.InsufficientPrivilegeError
 
 
 async def fetch(
