@@ -118,6 +118,7 @@ class Metrics:
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         self._register_gauges(self.registry)
+        self._register_table_gauges(self.registry)
         self._register_counters(self.registry)
         self._register_durations(self.registry)
 
@@ -134,6 +135,14 @@ class Metrics:
             "1 when the database, the schema version and the broker are all fine (as /readyz).",
             registry=r,
         )
+        self.in_flight = Gauge(
+            "outbox_in_flight_rows",
+            "Rows this dispatcher has claimed and not yet settled.",
+            registry=r,
+        )
+
+    def _register_table_gauges(self, r: CollectorRegistry) -> None:
+        """What the sampler reads from the table every metrics interval."""
         self.pending = Gauge(
             "outbox_pending_rows", "Rows neither published nor dead-lettered.", registry=r
         )
@@ -167,11 +176,6 @@ class Metrics:
             "without a failure (`replay --release-held`), or behind a dead row under "
             "dead_letter_policy=block.",
             ["reason"],
-            registry=r,
-        )
-        self.in_flight = Gauge(
-            "outbox_in_flight_rows",
-            "Rows this dispatcher has claimed and not yet settled.",
             registry=r,
         )
         self.paused = Gauge(

@@ -7,6 +7,7 @@ from typing import Protocol
 
 from pydantic import SecretStr
 
+from outbox_dispatcher import routing
 from outbox_dispatcher.config.names import (
     PERCENT_ENCODE,
     RESERVED_SCHEMAS,
@@ -145,3 +146,15 @@ def kafka_security(s: Choices) -> None:
     if (s.kafka_ssl_keyfile or s.kafka_ssl_key_password) and not s.kafka_ssl_certfile:
         msg = "OUTBOX_KAFKA_SSL_KEYFILE and _KEY_PASSWORD need OUTBOX_KAFKA_SSL_CERTFILE"
         raise ValueError(msg)
+
+
+def topic_setting(value: str | None, *, template: bool) -> str | None:
+    """OUTBOX_DEFAULT_TOPIC must be a topic name; OUTBOX_TOPIC_TEMPLATE a template of one."""
+    if value is None:
+        return None
+    if template:
+        return routing.check_template(value)
+    if not routing.valid_topic(value):
+        msg = f"OUTBOX_DEFAULT_TOPIC {value!r} is not a valid Kafka topic name"
+        raise ValueError(msg)
+    return value

@@ -17,17 +17,10 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from outbox_dispatcher import routing
 from outbox_dispatcher.config import checks
-from outbox_dispatcher.config.names import (
-    validate_identifier,
-)
+from outbox_dispatcher.config.names import validate_identifier
 from outbox_dispatcher.config.sources import FileVariablesSource, SecretsDirSource
 
 CONSOLE_TOKEN_MIN_LENGTH = 16
@@ -414,18 +407,10 @@ class Settings(BaseSettings):
     def _check_table(cls, value: str) -> str:
         return validate_identifier(value, "OUTBOX_TABLE")
 
-    @field_validator("default_topic")
+    @field_validator("default_topic", "topic_template")
     @classmethod
-    def _check_default_topic(cls, value: str | None) -> str | None:
-        if value is not None and not routing.valid_topic(value):
-            msg = f"OUTBOX_DEFAULT_TOPIC {value!r} is not a valid Kafka topic name"
-            raise ValueError(msg)
-        return value
-
-    @field_validator("topic_template")
-    @classmethod
-    def _check_topic_template(cls, value: str | None) -> str | None:
-        return None if value is None else routing.check_template(value)
+    def _check_topics(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return checks.topic_setting(value, template=info.field_name == "topic_template")
 
     @field_validator("kafka_bootstrap_servers")
     @classmethod

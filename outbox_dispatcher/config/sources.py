@@ -27,16 +27,8 @@ def read_secret_file(path: Path, what: str) -> str:
     return text.rstrip("\r\n")
 
 
-class FileVariablesSource(PydanticBaseSettingsSource):
-    """OUTBOX_<SETTING>_FILE=<path>: the setting's value is the file's content (Docker and
-    Kubernetes secrets mounted as files, so that the secret is not in the environment)."""
-
-    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        variable = env_name(field_name) + "_FILE"
-        path = os.environ.get(variable)
-        if not path:
-            return None, field_name, False
-        return read_secret_file(Path(path), f"{variable}={path}"), field_name, False
+class _FileSource(PydanticBaseSettingsSource):
+    """A source whose values are files: every setting that has one, read by get_field_value."""
 
     def __call__(self) -> dict[str, Any]:
         values: dict[str, Any] = {}
@@ -47,7 +39,19 @@ class FileVariablesSource(PydanticBaseSettingsSource):
         return values
 
 
-class SecretsDirSource(PydanticBaseSettingsSource):
+class FileVariablesSource(_FileSource):
+    """OUTBOX_<SETTING>_FILE=<path>: the setting's value is the file's content (Docker and
+    Kubernetes secrets mounted as files, so that the secret is not in the environment)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        variable = env_name(field_name) + "_FILE"
+        path = os.environ.get(variable)
+        if not path:
+            return None, field_name, False
+        return read_secret_file(Path(path), f"{variable}={path}"), field_name, False
+
+
+class SecretsDirSource(_FileSource):
     """Files in the directory OUTBOX_SECRETS_DIR (e.g. a mounted Kubernetes Secret), each named
     like the setting's variable (OUTBOX_DATABASE_URL; case does not matter)."""
 
@@ -70,11 +74,3 @@ class SecretsDirSource(PydanticBaseSettingsSource):
         if path is None or not path.is_file():
             return None, field_name, False
         return read_secret_file(path, f"{name} in {SECRETS_DIR_VARIABLE}"), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        values: dict[str, Any] = {}
-        for name, field in self.settings_cls.model_fields.items():
-            value, key, _ = self.get_field_value(field, name)
-            if value is not None:
-                values[key] = value
-        return values

@@ -97,22 +97,10 @@ def chart(
             f"{_clock(at)}</text>"
         )
         at += tick
-    parts.append(
-        f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{TOP + inner_h}" y2="{TOP + inner_h}" '
-        f'class="axis"/><line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{TOP + inner_h}" '
-        'class="axis"/>'
-        f'<text x="{WIDTH - RIGHT}" y="{HEIGHT - 1}" class="tick" text-anchor="end">'
-        "time (UTC)</text>"
-    )
+    parts.append(_frame(inner_h))
     for s in series:
         parts.extend(_line(s, x, y))
-    legend_x = float(WIDTH - RIGHT)
-    for s in reversed(series):
-        parts.append(
-            f'<text x="{legend_x}" y="15" class="legend" fill="{s.colour}" '
-            f'text-anchor="end">■ {s.name}</text>'
-        )
-        legend_x -= 22 + 6.5 * len(s.name)
+    parts.extend(_legend(series))
     if not points:
         parts.append(
             f'<text x="{LEFT + inner_w / 2}" y="{TOP + inner_h / 2}" class="tick" '
@@ -122,6 +110,30 @@ def chart(
         parts.append(f"<desc>{summary}</desc>")
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _frame(inner_h: float) -> str:
+    """The two axes and the time axis's name."""
+    return (
+        f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{TOP + inner_h}" y2="{TOP + inner_h}" '
+        f'class="axis"/><line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{TOP + inner_h}" '
+        'class="axis"/>'
+        f'<text x="{WIDTH - RIGHT}" y="{HEIGHT - 1}" class="tick" text-anchor="end">'
+        "time (UTC)</text>"
+    )
+
+
+def _legend(series: list[Series]) -> list[str]:
+    """Each series' name in its colour, right-aligned along the top."""
+    parts = []
+    legend_x = float(WIDTH - RIGHT)
+    for s in reversed(series):
+        parts.append(
+            f'<text x="{legend_x}" y="15" class="legend" fill="{s.colour}" '
+            f'text-anchor="end">■ {s.name}</text>'
+        )
+        legend_x -= 22 + 6.5 * len(s.name)
+    return parts
 
 
 def _line(series: Series, x: Callable[[float], float], y: Callable[[float], float]) -> list[str]:
