@@ -27,8 +27,9 @@ from typing import Any
 import asyncpg
 import httpx
 
-from benchmarks.harness import RESULTS, Stack, drop_database, fresh, machine, make_template
-from benchmarks.harness import write_load as writer_load
+from benchmarks.harness import machine
+from benchmarks.load import write_load as writer_load
+from benchmarks.stack import RESULTS, Stack, drop_database, fresh, make_template
 
 TOKEN = "console-benchmark-token-0123456789"  # noqa: S105 - a test token
 AUTH = {"authorization": f"Bearer {TOKEN}"}

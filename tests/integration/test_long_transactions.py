@@ -16,9 +16,9 @@ from typing import Any
 import asyncpg
 import pytest
 
-from outbox_dispatcher.db import APPLICATION_NAME
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.models import Batch
+from outbox_dispatcher.store.db import APPLICATION_NAME
 
 from .helpers import Services, check, consume, count, event_ids, insert_sequenced, running
 
