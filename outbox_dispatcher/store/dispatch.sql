@@ -3,24 +3,26 @@
 -- validated, quoted identifiers; every value is a named parameter ($name), bound by name.
 
 -- claim --
--- Lease up to $limit rows of at most $max_keys keys under the token $token the dispatcher chose, looking at up
--- to $scan new rows (see the claim function in schema/); one round trip. Exactly OutboxRecord's
--- fields, in its order.
+-- Lease up to $limit rows of at most $max_keys keys under the token $token the dispatcher chose,
+-- looking at up to $scan new rows (see the claim function in schema/); one round trip. Exactly
+-- OutboxRecord's fields, in its order.
 SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts, reclaimed
-  FROM {claim_fn}($limit, $max_keys, $owner, $lease_seconds, $token, $block_on_dead, $max_attempts, $scan)
+  FROM {claim_fn}($limit, $max_keys, $owner, $lease_seconds, $token, $block_on_dead,
+                  $max_attempts, $scan)
 
 -- settle --
 -- Record the outcome of one published batch and release its keys, fenced by the batch's lease
 -- token: a dispatcher that lost its lease changes nothing. Returns the rows that were still ours.
-SELECT * FROM {settle_fn}($token, $owner, $ids, $keys, $outcomes, $errors, $delays, $counted, $delete_published, $block_on_dead)
+SELECT * FROM {settle_fn}($token, $owner, $ids, $keys, $outcomes, $errors, $delays, $counted,
+                          $delete_published, $block_on_dead)
 
 -- already_settled --
 -- After a settle whose first attempt went unanswered and whose retry changed fewer rows: how many
 -- of the rows $ids that attempt settled (it committed; its reply was lost). They show the outcome
--- $outcomes with no lease, last leased by this dispatcher ($owner), with the attempts that settle set ($attempts);
--- under delete-on-publish ($delete_published) a published row is gone. A row another dispatcher took over has
--- that dispatcher as its owner, or one attempt more (the takeover counts one); one the reclaimer
--- dead-lettered as a crash loop keeps its token.
+-- $outcomes with no lease, last leased by this dispatcher ($owner), with the attempts that settle
+-- set ($attempts); under delete-on-publish ($delete_published) a published row is gone. A row
+-- another dispatcher took over has that dispatcher as its owner, or one attempt more (the takeover
+-- counts one); one the reclaimer dead-lettered as a crash loop keeps its token.
 SELECT count(*)
   FROM unnest($ids::bigint[], $outcomes::text[], $attempts::integer[]) AS r(id, outcome, attempts)
   LEFT JOIN {table} o ON o.id = r.id
@@ -43,8 +45,8 @@ SELECT * FROM {extend_fn}($ids, $tokens, $seconds)
 SELECT {release_fn}($token)
 
 -- waiting_announce --
--- This dispatcher waits for a wake-up until $seconds seconds from now: writers' trigger notifies while
--- any dispatcher waits, and only then.
+-- This dispatcher waits for a wake-up until $seconds seconds from now: writers' trigger notifies
+-- while any dispatcher waits, and only then.
 INSERT INTO {waiting} AS w (owner, until) VALUES ($owner, now() + $seconds * interval '1 second')
 ON CONFLICT (owner) DO UPDATE SET until = EXCLUDED.until
 
@@ -53,11 +55,12 @@ DELETE FROM {waiting} WHERE owner = $owner
 
 -- dead_letter_crash_loops --
 -- Work whose every owner died or hung while publishing it (the claim that found its first row at
--- max_attempts $max_attempts left it to this): dead-letter those rows instead of taking them over again.
--- The token of the lease that ended stays on the row: an owner that was only slow may still
--- deliver the row, and its late mark then records the publication (see the settle function)
--- instead of leaving a dead row that is in Kafka. $block_on_dead: dead_letter_policy = block.
-SELECT id, event_id, topic, ordering_key, lease_owner FROM {reclaim_fn}($max_attempts, $block_on_dead)
+-- max_attempts $max_attempts left it to this): dead-letter those rows instead of taking them over
+-- again. The token of the lease that ended stays on the row: an owner that was only slow may still
+-- deliver the row, and its late mark then records the publication (see the settle function) instead
+-- of leaving a dead row that is in Kafka. $block_on_dead: dead_letter_policy = block.
+SELECT id, event_id, topic, ordering_key, lease_owner
+  FROM {reclaim_fn}($max_attempts, $block_on_dead)
 
 -- count_expired_leases --
 -- Work whose owner died and that no claim took over yet, from the index of leased work.
@@ -69,17 +72,17 @@ SELECT greatest((SELECT coalesce(max(version), 0) FROM {version_table}),
                 (SELECT coalesce(max(version), 0) FROM {steps_table}))
 
 -- gauges --
--- The table gauges behind /metrics, from what the engine knows, never a scan of the table: the
--- rows above the cursor (not looked at yet) and the pending rows of each piece of work, read from
--- its first row (its claim's first while leased) through the key index. Each is sorted by why it
--- waits: `paused` (its topic or the whole table is paused, or an earlier pending row's of its key
--- is), `held` (not due and never failed, or of a key waiting on such a row) and `due` (everything else:
+-- The table gauges behind /metrics, from what the engine knows, never a scan of the table: the rows
+-- above the cursor (not looked at yet) and the pending rows of each piece of work, read from its
+-- first row (its claim's first while leased) through the key index. Each is sorted by why it waits:
+-- `paused` (its topic or the whole table is paused, or an earlier pending row's of its key is),
+-- `held` (not due and never failed, or of a key waiting on such a row) and `due` (everything else:
 -- ready, in flight, in backoff, behind a dead row). The lag that pages is the age of the oldest
--- `due` row; parked rows (paused, held) have their own count and age. Ages run from {since_fn}
--- (a time the database sets, not the writer's created_at): of the lowest id never made pending
--- again, and of every row an operator made pending again. Then counts of keys by why their first
--- pending row waits (backoff, held; behind a dead row under $block_on_dead: dead_letter_policy = block), dead
--- rows (their own index), and the pauses operators set.
+-- `due` row; parked rows (paused, held) have their own count and age. Ages run from {since_fn} (a
+-- time the database sets, not the writer's created_at): of the lowest id never made pending again,
+-- and of every row an operator made pending again. Then counts of keys by why their first pending
+-- row waits (backoff, held; behind a dead row under $block_on_dead: dead_letter_policy = block),
+-- dead rows (their own index), and the pauses operators set.
 WITH c AS MATERIALIZED (SELECT position FROM {cursor} WHERE one),
 work AS MATERIALIZED (SELECT * FROM {work}),
 seen AS MATERIALIZED (
@@ -175,9 +178,9 @@ SELECT greatest((SELECT max(id) FROM {table}), (SELECT max(seq) FROM {clock}), 0
        statement_timestamp()
 
 -- clock_prune --
--- Forget entries that no pending row needs: those below the last entry under the lowest pending
--- id $first_pending_id (NULL: nothing pending), and only once a day old, so that a row of a long transaction
--- still uncommitted below that id keeps its bound.
+-- Forget entries that no pending row needs: those below the last entry under the lowest pending id
+-- $first_pending_id (NULL: nothing pending), and only once a day old, so that a row of a long
+-- transaction still uncommitted below that id keeps its bound.
 DELETE FROM {clock}
  WHERE at < now() - interval '1 day'
    AND seq < (SELECT max(c.seq) FROM {clock} c
@@ -188,7 +191,8 @@ DELETE FROM {clock}
 -- heartbeat (by the database clock) for `status` and `migrate` (which waits for older ones to go
 -- before the contract step of an upgrade). From version 10 on: a dispatcher beats with this one
 -- until the schema has the counters (version 12, dispatcher_beat_counted).
-INSERT INTO {dispatchers} AS d (owner, dead_letter_policy, version) VALUES ($owner, $dead_letter_policy, $version)
+INSERT INTO {dispatchers} AS d (owner, dead_letter_policy, version)
+VALUES ($owner, $dead_letter_policy, $version)
 ON CONFLICT (owner) DO UPDATE
    SET heartbeat_at = now(), dead_letter_policy = EXCLUDED.dead_letter_policy,
        version = EXCLUDED.version
@@ -204,10 +208,11 @@ ON CONFLICT (owner) DO UPDATE
        dead_total = EXCLUDED.dead_total
 
 -- cleanup_window --
--- One retention batch: of the next $limit rows by id after $after, delete those published more than $older_than_seconds
--- seconds ago (never pending or dead rows). Rows already locked (a concurrent retention run or an
--- operator command) are skipped. older_rows says whether the window held rows created before the
--- cutoff; a window without any means the rest of the table is younger, and the walk can stop.
+-- One retention batch: of the next $limit rows by id after $after, delete those published more than
+-- $older_than_seconds seconds ago (never pending or dead rows). Rows already locked (a concurrent
+-- retention run or an operator command) are skipped. older_rows says whether the window held rows
+-- created before the cutoff; a window without any means the rest of the table is younger, and the
+-- walk can stop.
 WITH win AS (
     SELECT id, created_at FROM {table} WHERE id > $after ORDER BY id LIMIT $limit
 ),
@@ -230,9 +235,9 @@ SELECT (SELECT max(id) FROM win) AS last_id,
 SELECT coalesce(max(version), 0) FROM {version_table}
 
 -- sweep --
--- The anti-entropy sweep: the next $rows rows from its place; returns how many pending rows it found
--- that no work covered (now registered; a row a live claim's range holds waits $hold_seconds seconds, a
--- lease) and whether it finished a pass.
+-- The anti-entropy sweep: the next $rows rows from its place; returns how many pending rows it
+-- found that no work covered (now registered; a row a live claim's range holds waits $hold_seconds
+-- seconds, a lease) and whether it finished a pass.
 SELECT repaired, wrapped FROM {sweep_fn}($rows, $hold_seconds)
 
 -- engine_drift --
@@ -253,8 +258,8 @@ SELECT count(*) AS rows, count(DISTINCT coalesce(o.ordering_key, o.id::text)) AS
           AND (w.head_id <= o.id OR (w.claim_token IS NOT NULL AND w.claim_first <= o.id)))
 
 -- live_older_dispatchers --
--- Dispatchers that beat within $seconds seconds and run a version older than $version (version 9 and older
--- record none).
+-- Dispatchers that beat within $seconds seconds and run a version older than $version (version 9
+-- and older record none).
 SELECT count(*) FROM {dispatchers}
  WHERE heartbeat_at > now() - $seconds * interval '1 second'
    AND (version IS NULL OR version < $version)

@@ -76,8 +76,8 @@ regexp_replace(left(coalesce(o.last_error, ''), 160), '[0-9A-Fa-f]*[0-9][0-9A-Fa
 
 -- _dead_filter --
 -- The dead rows (alias o) an operator's filter selects, in every statement that reads or changes
--- dead rows: $ids..$error the filters of `dead list|requeue|discard`, $cause a cause (as _cause writes it),
--- and the bound an action was confirmed for: ids up to $max_id, dead before $before.
+-- dead rows: $ids..$error the filters of `dead list|requeue|discard`, $cause a cause (as _cause
+-- writes it), and the bound an action was confirmed for: ids up to $max_id, dead before $before.
 o.dead_at IS NOT NULL
    AND ($ids::bigint[] IS NULL OR o.id = ANY ($ids))
    AND ($key::text IS NULL OR o.ordering_key = $key)
@@ -93,8 +93,8 @@ o.dead_at IS NOT NULL
    AND ($before::timestamptz IS NULL OR o.dead_at < $before)
 
 -- _replay_filter --
--- The published rows (alias o) a replay's filter selects: $from_id..$until the filters of `replay`, and
--- the bound it was confirmed for: ids up to $max_id, published before $before.
+-- The published rows (alias o) a replay's filter selects: $from_id..$until the filters of `replay`,
+-- and the bound it was confirmed for: ids up to $max_id, published before $before.
 o.published_at IS NOT NULL
    AND ($from_id::bigint IS NULL OR o.id >= $from_id)
    AND ($to_id::bigint IS NULL OR o.id <= $to_id)
@@ -110,10 +110,10 @@ o.id, o.event_id, o.topic, o.ordering_key, o.attempts, o.created_at, o.dead_at, 
        o.headers
 
 -- status_keys --
--- Per topic of a key's next row: keys waiting out a backoff after a failure, keys held (not
--- due, but never failed: what an interrupted replay of version 0.1 left), and keys held by a dead
--- row when $block_on_dead (dead_letter_policy = block). From the rows themselves (keys no claim has looked at
--- yet count too): an operator's command, one pass over the pending rows.
+-- Per topic of a key's next row: keys waiting out a backoff after a failure, keys held (not due,
+-- but never failed: what an interrupted replay of version 0.1 left), and keys held by a dead row
+-- when $block_on_dead (dead_letter_policy = block). From the rows themselves (keys no claim has
+-- looked at yet count too): an operator's command, one pass over the pending rows.
 WITH heads AS (
     SELECT DISTINCT ON (o.ordering_key) o.ordering_key, o.topic, o.next_attempt_at, o.attempts
       FROM {table} o
@@ -207,14 +207,16 @@ SELECT {_dead_columns}
 -- dead_page_dead_at --
 SELECT {_dead_columns}
   FROM {table} o
- WHERE {_dead_filter} AND ($after_dead_at::timestamptz IS NULL OR (o.dead_at, o.id) > ($after_dead_at, $after_id::bigint))
+ WHERE {_dead_filter}
+   AND ($after_dead_at::timestamptz IS NULL OR (o.dead_at, o.id) > ($after_dead_at, $after_id::bigint))
  ORDER BY o.dead_at, o.id
  LIMIT $limit
 
 -- dead_page_dead_at_desc --
 SELECT {_dead_columns}
   FROM {table} o
- WHERE {_dead_filter} AND ($after_dead_at::timestamptz IS NULL OR (o.dead_at, o.id) < ($after_dead_at, $after_id::bigint))
+ WHERE {_dead_filter}
+   AND ($after_dead_at::timestamptz IS NULL OR (o.dead_at, o.id) < ($after_dead_at, $after_id::bigint))
  ORDER BY o.dead_at DESC, o.id DESC
  LIMIT $limit
 
@@ -289,11 +291,11 @@ SELECT count(*) AS rows, max(o.id) AS max_id, statement_timestamp() AS before
  WHERE {_replay_filter} AND o.published_at < statement_timestamp()
 
 -- replay_batch --
--- One batch of a replay: matching published rows with ids after $after, up to $limit, become pending
--- again with their event id, due now, counted in `replays`. The whole replay runs in one
+-- One batch of a replay: matching published rows with ids after $after, up to $limit, become
+-- pending again with their event id, due now, counted in `replays`. The whole replay runs in one
 -- transaction (operate/actions.py), so dispatchers see all of its rows at once at commit, in id
--- order per key, or, if it is interrupted, none. Published rows are never leased, so no
--- dispatcher races this.
+-- order per key, or, if it is interrupted, none. Published rows are never leased, so no dispatcher
+-- races this.
 WITH batch AS (
     SELECT o.id FROM {table} o
      WHERE {_replay_filter} AND o.id > $after
@@ -353,12 +355,13 @@ a.id, a.at, a.db_role, a.session_role, host(a.client_addr) AS client_addr, a.com
 
 -- audit_open --
 -- An operator action is recorded before it changes anything (status running, rows 0), by the
--- database's who, where and when (the column defaults), and the connection that runs it takes
--- the advisory lock ($lock, id). A request key ($request_key) already recorded inserts nothing: the action
--- was started before (a second click, a retried request).
+-- database's who, where and when (the column defaults), and the connection that runs it takes the
+-- advisory lock ($lock, id). A request key ($request_key) already recorded inserts nothing: the
+-- action was started before (a second click, a retried request).
 INSERT INTO {audit} AS a (command, filter, rows, status, expected, bound, identity,
                           identity_source, request_key, updated_at)
-VALUES ($command, $filter_json::text::jsonb, 0, 'running', $expected, $bound_json::text::jsonb, $identity, $identity_source, $request_key, now())
+VALUES ($command, $filter_json::text::jsonb, 0, 'running', $expected, $bound_json::text::jsonb,
+        $identity, $identity_source, $request_key, now())
 ON CONFLICT (request_key) WHERE request_key IS NOT NULL DO NOTHING
 RETURNING a.id, pg_try_advisory_lock($lock, a.id::integer) AS locked
 
@@ -367,8 +370,8 @@ SELECT id FROM {audit} WHERE request_key = $request_key
 
 -- audit_progress --
 -- One batch done, in the batch's own transaction: the record's count is the rows changed so far
--- ($rows), among ids $first_id..$last_id. Answers whether an operator asked the action to stop; no row: the
--- record is no longer running (the batch must not commit).
+-- ($rows), among ids $first_id..$last_id. Answers whether an operator asked the action to stop; no
+-- row: the record is no longer running (the batch must not commit).
 UPDATE {audit}
    SET rows = $rows, updated_at = now(), first_id = coalesce(first_id, $first_id),
        last_id = greatest(last_id, $last_id)
@@ -379,9 +382,11 @@ RETURNING abort_requested_at IS NOT NULL AS aborting
 SELECT abort_requested_at IS NOT NULL FROM {audit} WHERE id = $id
 
 -- audit_close --
--- The action ended: how ($status), with the rows it changed ($rows) and the words its faces showed ($detail).
+-- The action ended: how ($status), with the rows it changed ($rows) and the words its faces showed
+-- ($detail).
 UPDATE {audit}
-   SET status = $status, rows = greatest(rows, $rows), detail = $detail, first_id = coalesce(first_id, $first_id),
+   SET status = $status, rows = greatest(rows, $rows), detail = $detail,
+       first_id = coalesce(first_id, $first_id),
        last_id = coalesce(greatest(last_id, $last_id), last_id, $last_id), updated_at = now(),
        finished_at = now()
  WHERE id = $id AND status = 'running'
@@ -408,8 +413,9 @@ UPDATE {audit} a
 RETURNING a.id
 
 -- audit_list --
--- Operator actions, newest first, before id $before_id (NULL: from the newest): of command $command, in status
--- $status (as read), by a person or database role $who, at or after $since and before $until; at most $limit.
+-- Operator actions, newest first, before id $before_id (NULL: from the newest): of command
+-- $command, in status $status (as read), by a person or database role $who, at or after $since and
+-- before $until; at most $limit.
 SELECT {_audit_columns}
   FROM {audit} a
  WHERE ($before_id::bigint IS NULL OR a.id < $before_id)
@@ -451,7 +457,8 @@ SELECT DISTINCT topic FROM {table}
 SELECT DISTINCT topic FROM {table} WHERE dead_at IS NOT NULL AND topic IS NOT NULL
 
 -- pending_routed_headers --
--- The oldest $limit pending rows the dispatcher routes itself (check routes them as the publisher would).
+-- The oldest $limit pending rows the dispatcher routes itself (check routes them as the publisher
+-- would).
 SELECT headers FROM {table}
  WHERE published_at IS NULL AND dead_at IS NULL AND topic IS NULL
  ORDER BY id
@@ -459,10 +466,11 @@ SELECT headers FROM {table}
 
 -- blocked_keys --
 -- Keys whose next row waits, for the console: in backoff after a failure, held without having
--- failed (an interrupted replay of version 0.1), or, when $block_on_dead (dead_letter_policy = block), behind
--- a dead row of the key, whose error is the reason. Filtered by that row's topic ($topic,
--- '(routed)': none) and the key ($key); the oldest first, at most $limit. From the engine's work and
--- the rows above its cursor (keys no claim has looked at yet): no scan of the table.
+-- failed (an interrupted replay of version 0.1), or, when $block_on_dead (dead_letter_policy =
+-- block), behind a dead row of the key, whose error is the reason. Filtered by that row's topic
+-- ($topic, '(routed)': none) and the key ($key); the oldest first, at most $limit. From the
+-- engine's work and the rows above its cursor (keys no claim has looked at yet): no scan of the
+-- table.
 WITH c AS MATERIALIZED (SELECT position FROM {cursor} WHERE one),
 heads AS (
     SELECT w.ordering_key, w.head_id AS id
@@ -518,12 +526,13 @@ SELECT o.id, o.event_id, o.topic, o.ordering_key, o.headers, o.attempts, o.creat
 SELECT id FROM {table} WHERE event_id = $event_id
 
 -- rows_window --
--- Rows in any state, newest first, from the id window [$before - $window, $before): a bounded scan of the primary
--- key whatever the filters, which the page continues window by window. In state $state (pending,
--- published, dead; NULL: any), of key $key, topic $topic ('(routed)': none), event id $event_id, with a header
--- whose "name=value" contains $header (any case), a payload containing the bytes $payload, created at or
--- after $since and before $until, ids from $from_id; at most $limit rows. `leased`: a live claim holds the row
--- (its key's work, by primary key, as in row_detail).
+-- Rows in any state, newest first, from the id window [$before - $window, $before): a bounded scan
+-- of the primary key whatever the filters, which the page continues window by window. In state
+-- $state (pending, published, dead; NULL: any), of key $key, topic $topic ('(routed)': none), event
+-- id $event_id, with a header whose "name=value" contains $header (any case), a payload containing
+-- the bytes $payload, created at or after $since and before $until, ids from $from_id; at most
+-- $limit rows. `leased`: a live claim holds the row (its key's work, by primary key, as in
+-- row_detail).
 SELECT o.id, o.event_id, o.topic, o.ordering_key, o.attempts, o.created_at, o.published_at,
        o.dead_at, o.replays,
        o.published_at IS NULL AND o.dead_at IS NULL AND EXISTS (
@@ -551,9 +560,9 @@ SELECT o.id, o.event_id, o.topic, o.ordering_key, o.attempts, o.created_at, o.pu
  LIMIT $limit
 
 -- routed_groups --
--- Rows without a topic, grouped by the values of the headers $header_names the topic template names (the
--- console routes each group as the dispatcher would): pending, dead and published rows of each;
--- at most $limit groups.
+-- Rows without a topic, grouped by the values of the headers $header_names the topic template names
+-- (the console routes each group as the dispatcher would): pending, dead and published rows of
+-- each; at most $limit groups.
 SELECT v.header_values,
        count(*) FILTER (WHERE o.published_at IS NULL AND o.dead_at IS NULL) AS pending,
        count(*) FILTER (WHERE o.dead_at IS NOT NULL) AS dead,
