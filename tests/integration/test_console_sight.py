@@ -13,9 +13,8 @@ import asyncpg
 import orjson
 import pytest
 
-from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.console import history
-from outbox_dispatcher.operate.session import Session
+from outbox_dispatcher.store import DispatchStore, Statements
 
 from .helpers import cli
 from .test_console import AUTH, TOKEN, client, csrf_of, dead_rows, log_in
@@ -27,7 +26,7 @@ OWNER = "worker-7.example:4242:ab12cd"
 
 async def beat(conn: asyncpg.Connection, published: int, dead: int) -> None:
     """A dispatcher's heartbeat, as registry.heartbeat writes it."""
-    store = Session.of(conn, Settings()).store
+    store = DispatchStore(conn, Statements.for_table("public", "outbox"))
     await store.dispatcher_beat(
         owner=OWNER,
         dead_letter_policy="block",
