@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast
+
+D = TypeVar("D")
+
+
+def picked(cls: type[D], source: object, /, *, prefix: str = "", **given: object) -> D:
+    """The dataclass `cls`, each field read from `source`'s attribute of the same name (after
+    `prefix`), except the fields `given`; a field `source` has no attribute for keeps its default
+    (none: a TypeError). One place copies same-named values from the settings into a component's
+    config, or from a request into a filter, instead of a list of `name=s.name` per config."""
+    values = dict(given)
+    for field in dataclasses.fields(cast(Any, cls)):
+        if field.init and field.name not in given and hasattr(source, prefix + field.name):
+            values[field.name] = getattr(source, prefix + field.name)
+    make: Callable[..., D] = cls
+    return make(**values)
 
 
 class Failure(enum.Enum):

@@ -598,8 +598,10 @@ $fn$;
 --    skipped, never waited for). Then, in a new snapshot (taken after those locks: what a
 --    previous owner settled is seen), each key's pending run from its head, cut at the first row
 --    not due, in a paused topic, held by a version 9 lease, or (after a takeover) one whose
---    owners kept dying: a run is a prefix, never with a gap. Each key gets its share of the
---    batch; the room that keys with fewer rows leave goes to the oldest heads. Each key is then
+--    owners kept dying: a run is a prefix, never with a gap. A key taken over sends its orphans
+--    (the rows its lost claim held) first, as far as the batch goes; then each key gets its
+--    share of the batch, and the room that keys with fewer rows leave goes to the oldest heads.
+--    The attempt a takeover counts is the orphans' only. Each key is then
 --    leased with one write, or, when it yielded nothing, given the state of the row it stopped at,
 --    or dropped when it has no pending row.
 CREATE FUNCTION ${schema}.${table}_claim_work(
@@ -623,11 +625,15 @@ DECLARE
     v_paused text[];
     v_gen bigint;
     c ${schema}.${table}_cursor;
+    -- The cursor locked for discovery: its own variable, since a SELECT INTO that finds no row
+    -- (another claim holds the cursor) sets its target to NULL, and c.compat must stay known.
+    v_locked ${schema}.${table}_cursor;
     v_taken integer := 0;
     v_keys text[];
     v_keyless boolean[];
     v_heads bigint[];
     v_old boolean[];
+    v_ends bigint[];
     v_held bigint[] := '{}';
 BEGIN
     -- The pauses and their generation, in one snapshot.
@@ -657,8 +663,9 @@ BEGIN
        OR (SELECT o.id FROM ${schema}.${table} o WHERE o.id > c.position ORDER BY o.id LIMIT 1)
           IS NOT NULL
        OR (SELECT x.seq FROM ${schema}.${table}_changed x ORDER BY x.seq LIMIT 1) IS NOT NULL THEN
-        SELECT * INTO c FROM ${schema}.${table}_cursor x WHERE x.one FOR UPDATE SKIP LOCKED;
+        SELECT * INTO v_locked FROM ${schema}.${table}_cursor x WHERE x.one FOR UPDATE SKIP LOCKED;
         IF FOUND THEN
+            c := v_locked;
             RETURN QUERY SELECT * FROM ${schema}.${table}_discover(
                 c, p_limit, p_owner, p_lease_seconds, p_token, p_scan, v_paused, 2.0,
                 p_block_on_dead);
@@ -683,27 +690,32 @@ BEGIN
     END IF;
 
     WITH expired AS (
-        SELECT w.keyless, w.ordering_key, least(w.claim_first, w.head_id) AS head_id, true AS old
+        -- (lost_end: the lost claim held the key's rows below it, its orphans)
+        SELECT w.keyless, w.ordering_key, least(w.claim_first, w.head_id) AS head_id, true AS old,
+               w.head_id AS lost_end
           FROM ${schema}.${table}_work w
          WHERE w.claim_token IS NOT NULL AND w.claim_expires_at <= now() AND w.state <> 'x'
          ORDER BY w.claim_expires_at LIMIT p_max_keys
            FOR UPDATE SKIP LOCKED
     ),
     due AS (
-        SELECT w.keyless, w.ordering_key, w.head_id, false FROM ${schema}.${table}_work w
+        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint
+          FROM ${schema}.${table}_work w
          WHERE w.claim_token IS NULL AND w.state = 'w' AND w.not_before <= now()
          ORDER BY w.not_before LIMIT p_max_keys
            FOR UPDATE SKIP LOCKED
     ),
     ready AS (
-        SELECT w.keyless, w.ordering_key, w.head_id, false FROM ${schema}.${table}_work w
+        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint
+          FROM ${schema}.${table}_work w
          WHERE w.claim_token IS NULL AND w.state = 'r'
          ORDER BY w.head_id LIMIT p_max_keys
            FOR UPDATE SKIP LOCKED
     ),
     resumed AS (
         -- Parked under older pauses, and its topic is not paused now.
-        SELECT w.keyless, w.ordering_key, w.head_id, false FROM ${schema}.${table}_work w
+        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint
+          FROM ${schema}.${table}_work w
          WHERE w.claim_token IS NULL AND w.state = 'p' AND w.paused_gen < v_gen
            AND (v_paused IS NULL OR w.head_topic <> ALL (v_paused))
          ORDER BY w.paused_gen LIMIT p_max_keys
@@ -711,7 +723,8 @@ BEGIN
     ),
     unblocked AS (
         -- Blocked by a dead row, and this dispatcher does not block.
-        SELECT w.keyless, w.ordering_key, w.head_id, false FROM ${schema}.${table}_work w
+        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint
+          FROM ${schema}.${table}_work w
          WHERE NOT p_block_on_dead AND w.claim_token IS NULL AND w.state = 'b'
          ORDER BY w.head_id LIMIT p_max_keys
            FOR UPDATE SKIP LOCKED
@@ -721,8 +734,9 @@ BEGIN
         UNION ALL SELECT * FROM resumed UNION ALL SELECT * FROM unblocked
     )
     SELECT array_agg(c.ordering_key ORDER BY c.head_id), array_agg(c.keyless ORDER BY c.head_id),
-           array_agg(c.head_id ORDER BY c.head_id), array_agg(c.old ORDER BY c.head_id)
-      INTO v_keys, v_keyless, v_heads, v_old
+           array_agg(c.head_id ORDER BY c.head_id), array_agg(c.old ORDER BY c.head_id),
+           array_agg(c.lost_end ORDER BY c.head_id)
+      INTO v_keys, v_keyless, v_heads, v_old, v_ends
       FROM cand c;
     IF v_keys IS NULL THEN
         RETURN;
@@ -730,12 +744,13 @@ BEGIN
 
     RETURN QUERY
     WITH work AS (
-        SELECT u.k, u.kl, u.h, u.old, u.n,
+        SELECT u.k, u.kl, u.h, u.old, u.n, u.e,
                -- dead_letter_policy = block: a dead row of the key holds its later rows.
                p_block_on_dead AND NOT u.kl AND EXISTS (
                    SELECT 1 FROM ${schema}.${table} d
                     WHERE d.ordering_key = u.k AND d.dead_at IS NOT NULL) AS blocked
-          FROM unnest(v_keys, v_keyless, v_heads, v_old) WITH ORDINALITY AS u(k, kl, h, old, n)
+          FROM unnest(v_keys, v_keyless, v_heads, v_old, v_ends) WITH ORDINALITY
+               AS u(k, kl, h, old, e, n)
     ),
     room AS (
         SELECT p_limit - v_taken AS rows, count(*) AS keys,
@@ -745,10 +760,11 @@ BEGIN
     -- Each key's run is read in two passes, so that a claim reads about the rows it takes: its
     -- share and one more (is there more?), then, for keys with more than their share, the room
     -- the other keys left. (One pass of the whole room per key read 50 rows per row taken in a
-    -- drain of 1,000 keys.)
+    -- drain of 1,000 keys.) A key taken over is read as far as the room goes at once: its
+    -- orphans (the rows its lost claim held) go first, before any other key's share.
     shares AS (
         SELECT w.k, w.kl, w.n, w.old, r.id, r.topic, r.next_attempt_at, r.looping,
-               r.ok AND NOT r.looping AS ok
+               r.ok AND NOT r.looping AS ok, w.e, r.orphan
           FROM work w CROSS JOIN LATERAL (
             SELECT o.id, o.topic, o.next_attempt_at,
                    o.next_attempt_at <= now()
@@ -756,18 +772,20 @@ BEGIN
                    AND NOT (c.compat AND o.lease_expires_at > now()
                             AND o.lease_token IS DISTINCT FROM p_token)
                    AND o.id <> ALL (v_held) AS ok,
-                   w.old AND o.attempts + 1 >= p_max_attempts AS looping
+                   w.old AND o.id < w.e AND o.attempts + 1 >= p_max_attempts AS looping,
+                   w.old AND o.id < w.e AS orphan
               FROM ${schema}.${table} o
              WHERE o.ordering_key >= w.k AND o.ordering_key <= w.k AND o.id >= w.h
                AND o.published_at IS NULL AND o.dead_at IS NULL
              ORDER BY o.ordering_key, o.id
-             LIMIT (SELECT share + 1 FROM room)
+             LIMIT (SELECT CASE WHEN w.old THEN greatest(rows, share + 1) ELSE share + 1 END
+                      FROM room)
           ) r
          WHERE NOT w.kl AND NOT w.blocked
     ),
     hungry AS (
-        SELECT s.k, s.kl, s.n, s.old, max(s.id) AS after FROM shares s
-         GROUP BY s.k, s.kl, s.n, s.old
+        SELECT s.k, s.kl, s.n, s.old, s.e, max(s.id) AS after FROM shares s
+         GROUP BY s.k, s.kl, s.n, s.old, s.e
         HAVING count(*) > (SELECT share FROM room) AND bool_and(s.ok)
     ),
     left_over AS (
@@ -777,7 +795,7 @@ BEGIN
     ),
     more AS (
         SELECT w.k, w.kl, w.n, w.old, r.id, r.topic, r.next_attempt_at, r.looping,
-               r.ok AND NOT r.looping AS ok
+               r.ok AND NOT r.looping AS ok, w.e, r.orphan
           FROM hungry w CROSS JOIN LATERAL (
             SELECT o.id, o.topic, o.next_attempt_at,
                    o.next_attempt_at <= now()
@@ -785,7 +803,8 @@ BEGIN
                    AND NOT (c.compat AND o.lease_expires_at > now()
                             AND o.lease_token IS DISTINCT FROM p_token)
                    AND o.id <> ALL (v_held) AS ok,
-                   w.old AND o.attempts + 1 >= p_max_attempts AS looping
+                   w.old AND o.id < w.e AND o.attempts + 1 >= p_max_attempts AS looping,
+                   w.old AND o.id < w.e AS orphan
               FROM ${schema}.${table} o
              WHERE o.ordering_key >= w.k AND o.ordering_key <= w.k AND o.id > w.after
                AND o.published_at IS NULL AND o.dead_at IS NULL
@@ -804,7 +823,8 @@ BEGIN
                AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
                AND NOT (c.compat AND o.lease_expires_at > now())
                AND NOT (w.old AND o.attempts + 1 >= p_max_attempts)
-               AND o.id <> ALL (v_held)
+               AND o.id <> ALL (v_held),
+               w.e, w.old
           FROM work w JOIN ${schema}.${table} o ON o.id = w.h
          -- (a row a writer gave a key since is its key's now)
          WHERE w.kl AND o.ordering_key IS NULL AND o.published_at IS NULL AND o.dead_at IS NULL
@@ -816,10 +836,11 @@ BEGIN
          WHERE r.prefix
     ),
     took AS (
-        -- A share each first, then the room left to the oldest heads, row by row.
+        -- Orphans first, then a share each, then the room left to the oldest heads, row by
+        -- row (each order keeps a key's rows in id order, so a key's take is a prefix).
         SELECT q.* FROM (
             SELECT r.*, row_number() OVER (
-                       ORDER BY r.i > (SELECT share FROM room), r.n, r.i) AS rn
+                       ORDER BY NOT r.orphan, r.i > (SELECT share FROM room), r.n, r.i) AS rn
               FROM ranked r) q
          WHERE q.rn <= (SELECT rows FROM room)
     ),
@@ -880,21 +901,22 @@ BEGIN
          WHERE x.ordering_key = s.k AND x.keyless = s.kl
     ),
     bumped AS (
-        -- A takeover: its rows' owner died or hung while publishing them (an attempt), and
-        -- under version 9 beside it the rows carry the lease too.
+        -- A takeover: its orphans' owner died or hung while publishing them (an attempt; not
+        -- the key's later rows, which it never held), and under version 9 beside it the rows
+        -- carry the lease too.
         UPDATE ${schema}.${table} o
-           SET attempts = o.attempts + CASE WHEN t.old THEN 1 ELSE 0 END,
+           SET attempts = o.attempts + CASE WHEN t.orphan THEN 1 ELSE 0 END,
                lease_owner = CASE WHEN c.compat THEN p_owner ELSE o.lease_owner END,
                lease_token = CASE WHEN c.compat THEN p_token ELSE o.lease_token END,
                lease_expires_at = CASE WHEN c.compat
                                        THEN now() + p_lease_seconds * interval '1 second'
                                        ELSE o.lease_expires_at END
           FROM took t
-         WHERE o.id = t.id AND (t.old OR c.compat)
+         WHERE o.id = t.id AND (t.orphan OR c.compat)
         RETURNING o.id, o.attempts
     )
     SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
-           coalesce(b.attempts, o.attempts), t.old
+           coalesce(b.attempts, o.attempts), t.orphan
       FROM took t
       JOIN ${schema}.${table} o ON o.id = t.id
       LEFT JOIN bumped b ON b.id = t.id

@@ -12,6 +12,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from outbox_dispatcher import routing
+from outbox_dispatcher.models import picked
 from outbox_dispatcher.operate.filters import FIELDS, ROUTED, Bound, Filters, refusal
 from outbox_dispatcher.operate.listings import RowsQuery
 
@@ -38,6 +39,13 @@ def _no_nul(value: str | None) -> str | None:
     # PostgreSQL text cannot hold NUL: refuse it here rather than as a driver error.
     if value is not None and "\x00" in value:
         msg = "must not contain a NUL character"
+        raise ValueError(msg)
+    return value
+
+
+def _kafka_topic(value: str | None) -> str | None:
+    if value is not None and not routing.valid_topic(value):
+        msg = "not a valid Kafka topic name"
         raise ValueError(msg)
     return value
 
@@ -94,18 +102,7 @@ class DeadFilter(_Input):
         return value
 
     def filters(self) -> Filters:
-        return Filters(
-            ids=self.ids,
-            key=self.key,
-            topic=self.topic,
-            since=self.since,
-            until=self.until,
-            keyless=True if self.keyless else None,
-            dead_since=self.dead_since,
-            dead_until=self.dead_until,
-            error=self.error,
-            cause=self.cause,
-        )
+        return picked(Filters, self, keyless=True if self.keyless else None)
 
     def checked(self, what: str) -> Filters:
         """The filters of an action; an empty filter without `all` is refused, as in the CLI."""
@@ -149,17 +146,8 @@ class RowsBrowse(_Input):
     _times = field_validator("since", "until")(_utc)
 
     def query(self) -> RowsQuery:
-        return RowsQuery(
-            state=self.state,
-            key=self.key,
-            topic=self.topic,
-            event_id=self.event_id,
-            header=self.header,
-            payload=None if self.payload is None else self.payload.encode(),
-            since=self.since,
-            until=self.until,
-            from_id=self.from_id,
-            to_id=self.to_id,
+        return picked(
+            RowsQuery, self, payload=None if self.payload is None else self.payload.encode()
         )
 
 
@@ -178,23 +166,10 @@ class ReplayFilter(_Input):
     _text = field_validator("key")(_no_nul)
     _times = field_validator("since", "until")(_utc)
 
-    @field_validator("topic")
-    @classmethod
-    def _topic(cls, value: str | None) -> str | None:
-        if value is not None and not routing.valid_topic(value):
-            msg = "not a valid Kafka topic name"
-            raise ValueError(msg)
-        return value
+    _topic = field_validator("topic")(_kafka_topic)
 
     def checked(self, what: str) -> Filters:
-        filters = Filters(
-            from_id=self.from_id,
-            to_id=self.to_id,
-            key=self.key,
-            topic=self.topic,
-            since=self.since,
-            until=self.until,
-        )
+        filters = picked(Filters, self)
         _refuse_unfiltered(filters, self.all, what, replay=True)
         return filters
 
@@ -205,13 +180,7 @@ class _Target(_Input):
     topic: str | None = None
     all: bool = False
 
-    @field_validator("topic")
-    @classmethod
-    def _topic(cls, value: str | None) -> str | None:
-        if value is not None and not routing.valid_topic(value):
-            msg = "not a valid Kafka topic name"
-            raise ValueError(msg)
-        return value
+    _topic = field_validator("topic")(_kafka_topic)
 
     def target(self) -> str | None:
         """The topic, or None for the whole table."""

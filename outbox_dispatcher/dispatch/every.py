@@ -1,9 +1,9 @@
 """every(): the one loop of all upkeep.
 
-The lease keeper, the reclaimer, retention, the heartbeat and the metrics and console samples
-are each a step run forever at an interval. A failure the step tolerates (the database away, a
-grant missing) is logged and the next step comes; any other error ends the task, and with it the
-supervisor's task group, as a bug should.
+The lease keeper, the reclaimer, retention, the heartbeat, the readiness refresh and the metrics
+and console samples are each a step run forever at an interval. A failure the step tolerates
+(the database away, a grant missing) is logged and the next step comes; any other error ends the
+task, and with it the supervisor's task group, as a bug should.
 """
 
 from __future__ import annotations

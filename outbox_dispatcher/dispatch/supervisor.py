@@ -35,6 +35,7 @@ from outbox_dispatcher.kafka.publisher import KafkaPublisher, PublisherConfig
 from outbox_dispatcher.kafka.records import RecordConfig
 from outbox_dispatcher.kafka.tls import ConnectionConfig
 from outbox_dispatcher.kafka.topics import TopicConfig
+from outbox_dispatcher.models import picked
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.store import DispatchStore, Statements, db, listen, migrations
 
@@ -245,18 +246,28 @@ class Dispatcher:
         self.metrics.ready.set(int(ready))
         return Readiness(ready, checks)
 
-    async def _refresh_readiness(self, readiness: ReadinessCache) -> None:
-        """Keep outbox_ready current even when nothing probes /readyz; log changes."""
-        was: bool | None = None
-        while True:
+    async def _refresh_readiness(self, readiness: ReadinessCache) -> NoReturn:
+        """Keep outbox_ready current even when nothing probes /readyz; log changes. (A check
+        that fails is a not-ready answer, not an error: nothing is tolerated.)"""
+        was: list[bool] = []
+
+        async def refresh() -> None:
             state = await readiness.get()
-            if state.ready != was:
+            if was[-1:] != [state.ready]:
                 if state.ready:
                     log.info("ready", checks=state.checks)
                 else:
                     log.warning("not_ready", checks=state.checks)
-                was = state.ready
-            await asyncio.sleep(min(self.settings.metrics_interval_seconds, 5.0))
+                was[:] = [state.ready]
+
+        await every(
+            min(self.settings.metrics_interval_seconds, 5.0),
+            refresh,
+            log=log,
+            failed="readiness_failed",
+            tolerated=(),
+            wait_first=False,
+        )
 
     async def _guard(self, loop: Coroutine[Any, Any, None], name: str) -> None:
         """A loop that returns while the dispatcher is not stopping is a dead loop."""
@@ -291,63 +302,27 @@ def configs_of(settings: Settings) -> Configs:
     s = settings
     return Configs(
         publisher=_publisher_config(s),
-        claim_loop=ClaimLoopConfig(
-            batch_size=s.batch_size,
-            backoff_initial_seconds=s.backoff_initial_seconds,
-            backoff_max_seconds=s.backoff_max_seconds,
-            poll_interval_seconds=s.poll_interval_seconds,
-            linger_seconds=s.linger_seconds,
-            linger_poll_seconds=s.linger_poll_seconds,
-        ),
+        claim_loop=picked(ClaimLoopConfig, s),
         # A settle retries as long as a lease lasts: past it, the rows may be another's.
-        settle=SettleConfig(
+        settle=picked(
+            SettleConfig,
+            s,
             retry_for_seconds=s.lease_seconds,
-            delete_on_publish=s.delete_on_publish,
             block_on_dead=s.dead_letter_policy is DeadLetterPolicy.BLOCK,
         ),
     )
 
 
 def _publisher_config(s: Settings) -> PublisherConfig:
-    connection = ConnectionConfig(
-        bootstrap_servers=s.kafka_bootstrap_servers,
-        client_id=s.kafka_client_id,
-        security_protocol=s.kafka_security_protocol,
-        sasl_mechanism=s.kafka_sasl_mechanism,
-        sasl_username=s.kafka_sasl_username,
-        sasl_password=s.kafka_sasl_password,
-        ssl_cafile=s.kafka_ssl_cafile,
-        ssl_certfile=s.kafka_ssl_certfile,
-        ssl_keyfile=s.kafka_ssl_keyfile,
-        ssl_key_password=s.kafka_ssl_key_password,
-        ssl_check_hostname=s.kafka_ssl_check_hostname,
-        request_timeout_seconds=s.publish_timeout_seconds,
+    """The Kafka side's configs: the connection's and the producer's settings are the kafka_*
+    ones of the same names."""
+    connection = picked(
+        ConnectionConfig, s, prefix="kafka_", request_timeout_seconds=s.publish_timeout_seconds
     )
     return PublisherConfig(
-        producer=ProducerConfig(
-            connection=connection,
-            linger_ms=s.kafka_linger_ms,
-            max_batch_bytes=s.kafka_max_batch_bytes,
-            max_request_bytes=s.kafka_max_request_bytes,
-            compression=s.kafka_compression,
-        ),
-        records=RecordConfig(
-            default_topic=s.default_topic,
-            topic_template=s.topic_template,
-            event_id_header=s.event_id_header,
-            cloudevents=s.cloudevents,
-            cloudevents_source=s.cloudevents_source,
-            cloudevents_type=s.cloudevents_type,
-            cloudevents_content_type=s.cloudevents_content_type,
-            max_request_bytes=s.kafka_max_request_bytes,
-        ),
-        topics=TopicConfig(
-            publish_timeout_seconds=s.publish_timeout_seconds,
-            allow_auto_create_topics=s.kafka_allow_auto_create_topics,
-        ),
-        delivery=DeliveryConfig(
-            publish_timeout_seconds=s.publish_timeout_seconds,
-            max_batch_bytes=s.kafka_max_batch_bytes,
-        ),
+        producer=picked(ProducerConfig, s, prefix="kafka_", connection=connection),
+        records=picked(RecordConfig, s, max_request_bytes=s.kafka_max_request_bytes),
+        topics=picked(TopicConfig, s, allow_auto_create_topics=s.kafka_allow_auto_create_topics),
+        delivery=picked(DeliveryConfig, s, max_batch_bytes=s.kafka_max_batch_bytes),
         tracing=s.tracing,
     )

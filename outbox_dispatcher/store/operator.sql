@@ -109,6 +109,36 @@ o.published_at IS NOT NULL
 o.id, o.event_id, o.topic, o.ordering_key, o.attempts, o.created_at, o.dead_at, o.last_error,
        o.headers
 
+-- _dead_batch --
+-- The next batch of an operator's bulk action on dead rows: matching ids after $after, up to
+-- $limit, in id order.
+batch AS (
+    SELECT o.id FROM {table} o
+     WHERE {_dead_filter} AND o.id > $after
+     ORDER BY o.id
+     LIMIT $limit
+)
+
+-- _replay_batch --
+-- The next batch of a replay: matching published ids after $after, up to $limit, in id order.
+batch AS (SELECT o.id FROM {table} o WHERE {_replay_filter} AND o.id > $after
+           ORDER BY o.id LIMIT $limit)
+
+-- _pending_again --
+-- What makes a dead or published row pending again (an operator's requeue or replay): due now,
+-- attempts reset, no lease, and lag counted from now.
+attempts = 0,
+           next_attempt_at = now(),
+           pending_since = now(),
+           lease_token = NULL,
+           lease_expires_at = NULL
+
+-- _batch_result --
+-- What one batch of an operator's bulk action returns (CTEs batch and done): the last id it
+-- looked at (where the next batch starts), and the rows it changed with the first of their ids.
+SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM done) AS rows,
+       (SELECT min(id) FROM done) AS first_id
+
 -- status_keys --
 -- Per topic of a key's next row: keys waiting out a backoff after a failure, keys held (not due,
 -- but never failed: what an interrupted replay of version 0.1 left), and keys held by a dead row
@@ -242,44 +272,28 @@ SELECT g.topic, g.cause, g.rows, g.oldest_dead_at, g.newest_dead_at, g.first_id,
 -- One batch: matching dead rows with ids after $after, up to $limit, become pending again (due now,
 -- attempts reset); last_error keeps a trace. Dead rows are never leased, so no dispatcher races
 -- this.
-WITH batch AS (
-    SELECT o.id FROM {table} o
-     WHERE {_dead_filter} AND o.id > $after
-     ORDER BY o.id
-     LIMIT $limit
-),
+WITH {_dead_batch},
 done AS (
     UPDATE {table} o
        SET dead_at = NULL,
-           attempts = 0,
-           next_attempt_at = now(),
-           pending_since = now(),
-           lease_token = NULL,
-           lease_expires_at = NULL,
+           {_pending_again},
            last_error = format('requeued by operator at %s (dead since %s: %s)',
                                now(), o.dead_at, coalesce(o.last_error, 'no error recorded'))
       FROM batch b
      WHERE o.id = b.id AND o.dead_at IS NOT NULL
     RETURNING o.id
 )
-SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM done) AS rows,
-       (SELECT min(id) FROM done) AS first_id
+{_batch_result}
 
 -- dead_discard --
 -- One batch: delete matching dead rows with ids after $after, up to $limit.
-WITH batch AS (
-    SELECT o.id FROM {table} o
-     WHERE {_dead_filter} AND o.id > $after
-     ORDER BY o.id
-     LIMIT $limit
-),
+WITH {_dead_batch},
 done AS (
     DELETE FROM {table} o USING batch b
      WHERE o.id = b.id AND o.dead_at IS NOT NULL
     RETURNING o.id
 )
-SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM done) AS rows,
-       (SELECT min(id) FROM done) AS first_id
+{_batch_result}
 
 -- replay_count --
 SELECT count(*) FROM {table} o WHERE {_replay_filter}
@@ -296,20 +310,11 @@ SELECT count(*) AS rows, max(o.id) AS max_id, statement_timestamp() AS before
 -- transaction (operate/actions.py), so dispatchers see all of its rows at once at commit, in id
 -- order per key, or, if it is interrupted, none. Published rows are never leased, so no dispatcher
 -- races this.
-WITH batch AS (
-    SELECT o.id FROM {table} o
-     WHERE {_replay_filter} AND o.id > $after
-     ORDER BY o.id
-     LIMIT $limit
-),
+WITH {_replay_batch},
 done AS (
     UPDATE {table} o
        SET published_at = NULL,
-           attempts = 0,
-           next_attempt_at = now(),
-           pending_since = now(),
-           lease_token = NULL,
-           lease_expires_at = NULL,
+           {_pending_again},
            replays = o.replays + 1,
            last_error = format('replayed by operator at %s (published before at %s)',
                                now(), o.published_at)
@@ -317,8 +322,7 @@ done AS (
      WHERE o.id = b.id AND o.published_at IS NOT NULL
     RETURNING o.id
 )
-SELECT (SELECT max(id) FROM batch) AS last_id, (SELECT count(*) FROM done) AS rows,
-       (SELECT min(id) FROM done) AS first_id
+{_batch_result}
 
 -- release_held --
 -- Rows that an interrupted replay of version 0.1 (which held rows pending but not due for ten

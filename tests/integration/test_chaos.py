@@ -784,8 +784,8 @@ async def test_stuck_owner_is_fenced_after_its_lease_expires(
         ),
     )
     assert_sound(verdict)
-    # Every held key was taken over from its first held row on (the rescuer's first claim of a
-    # key takes its share of the batch; the key's other held rows follow in its next claims).
+    # Every held key was taken over from its first held row on (a takeover sends the held rows
+    # first, as far as the rescuer's batch goes; any others follow in its next claims).
     key_of = {r["id"]: r["ordering_key"] for r in held}
     first_held = {key: min(i for i in ids if key_of[i] == key) for key in set(key_of.values())}
     taken = {t["id"] for t in takeovers}

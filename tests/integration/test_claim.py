@@ -354,14 +354,80 @@ async def test_an_expired_lease_the_batch_has_no_room_for_waits_for_a_takeover(
     await expire(conn)
     version = "SELECT xmin::text FROM outbox_work WHERE ordering_key = 'b'"
     before = await conn.fetchval(version)
-    # Two rows of room, three keys: x (the oldest head) and a; b has no room.
-    first = await claimer(pool, make_settings(batch_size=2), "rescuer").claim()
-    assert by_key(first) == {"x": [x], "a": [a]}
+    # One row of room, three keys: the orphans go first (a, then b), before x's older head;
+    # b has no room.
+    first = await claimer(pool, make_settings(batch_size=1), "rescuer").claim()
+    assert by_key(first) == {"a": [a]}
     assert await conn.fetchval(version) == before, "b was left as it was"
     assert await conn.fetchval("SELECT lease_owner FROM outbox_leases WHERE id = $1", b) == "dead"
-    second = await claimer(pool, make_settings(batch_size=2), "rescuer").claim()
+    second = await claimer(pool, make_settings(batch_size=1), "rescuer").claim()
     assert second is not None and [r.id for r in second.records] == [b]
     assert second.records[0].reclaimed and second.records[0].attempts == 1, "a takeover"
+    assert by_key(await claimer(pool, make_settings(batch_size=1), "rescuer").claim()) == {"x": [x]}
+
+
+async def test_a_claim_that_finds_the_cursor_taken_still_takes_over_expired_leases(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, database_url: str, make_settings: Any
+) -> None:
+    """Found by the stuck-owner scenario inside `make chaos` (0 takeovers of 200 held rows, and
+    the `kill -9` orphans' slow re-publication): while another claim held the discovery cursor
+    (new rows above it, two claim loops), a claim's `SELECT ... INTO c ... SKIP LOCKED` found no
+    row and set the cursor record to NULL. Every row it then looked at was "not ok" (NULL), and
+    every key it had locked, expired leases included, was written back as fresh work: no
+    takeover, no attempt counted, nothing claimed. Now the claim takes them over."""
+    a, b = await insert(conn, ["a", "b"])
+    dead = await claimer(pool, make_settings(batch_size=2), "dead").claim()
+    assert by_key(dead) == {"a": [a], "b": [b]}
+    await expire(conn)
+    [c] = await insert(conn, ["c"])  # above the cursor: a claim wants to discover it
+    other = await asyncpg.connect(database_url)
+    try:
+        # Another claim loop's discovery holds the cursor.
+        lock = other.transaction()
+        await lock.start()
+        await other.execute("SELECT 1 FROM outbox_cursor WHERE one FOR UPDATE")
+        taken = await claimer(pool, make_settings(batch_size=10), "rescuer").claim()
+        assert by_key(taken) == {"a": [a], "b": [b]}, "the expired leases are taken over"
+        assert taken is not None
+        assert all(r.reclaimed and r.attempts == 1 for r in taken.records), "a takeover each"
+        owners = await conn.fetch("SELECT DISTINCT lease_owner FROM outbox_leases")
+        assert [r["lease_owner"] for r in owners] == ["rescuer"]
+        await lock.rollback()
+    finally:
+        await other.close()
+    assert by_key(await claimer(pool, make_settings(batch_size=10), "rescuer").claim()) == {
+        "c": [c]
+    }
+
+
+async def test_a_takeover_sends_the_lost_claims_rows_first_and_counts_only_theirs(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
+) -> None:
+    """Found by the `kill -9` scenario inside `make chaos` (the last orphan re-published 8.55 s
+    after its kill, against 8.2 s, while every takeover came within 0.21 s of expiry): a
+    takeover took a share of the batch like any key (one row, with more keys than room), so a
+    key's orphans went out one batch at a time behind the write load. Now the orphans go first,
+    as far as the room goes, and the attempt is counted for them only, not for the key's rows
+    the dead owner never held."""
+    orphans = await insert(conn, ["k"] * 5)
+    dead = await claimer(pool, make_settings(batch_size=5), "dead").claim()
+    assert by_key(dead) == {"k": orphans}
+    [later] = await insert(conn, ["k"])
+    others = await insert(conn, [f"r{i}" for i in range(5)])
+    # r0..r4 become known work, ready (discovered, then given back).
+    found = await claimer(pool, make_settings(batch_size=5), "discover").claim()
+    assert found is not None and set(by_key(found)) == {f"r{i}" for i in range(5)}
+    await DispatchStore(pool, STATEMENTS).release_claim(token=found.token)
+    await expire(conn)
+    taken = await claimer(pool, make_settings(batch_size=5), "rescuer").claim()
+    assert by_key(taken) == {"k": orphans}, "the orphans before the other keys' shares"
+    assert taken is not None
+    assert all(r.reclaimed and r.attempts == 1 for r in taken.records)
+    await settle(pool, taken, [Result(Outcome.PUBLISHED)] * len(taken.records))
+    rest = await claimer(pool, make_settings(batch_size=10), "rescuer").claim()
+    assert by_key(rest) == {"k": [later], **{f"r{i}": [others[i]] for i in range(5)}}
+    assert rest is not None
+    assert not any(r.reclaimed or r.attempts for r in rest.records), "never held: no attempt"
 
 
 async def test_rows_whose_owners_keep_dying_are_dead_lettered(

@@ -166,6 +166,26 @@ async def test_a_settle_under_a_lost_lease_changes_nothing_and_the_takeover_coun
     assert {store.rows[i].lease_owner for i in rows} == {"b"}
 
 
+async def test_a_takeover_sends_the_orphans_first_and_counts_only_theirs() -> None:
+    """As the engine does (test_claim.py's test of the same name): the rows a dead owner held go
+    before every other key's share, each with an attempt; the key's later row, never held, gets
+    none."""
+    clock = ManualClock()
+    store = InMemoryDispatchStore(clock)
+    orphans = [store.add("k") for _ in range(3)]
+    await claimed(claimer(store, "dead", batch_size=3, lease_seconds=10))
+    later = store.add("k")
+    others = [store.add(f"r{i}") for i in range(3)]
+    clock.advance(11)
+    taken = await claimed(claimer(store, "b", batch_size=3, lease_seconds=10))
+    assert ids(taken) == orphans, "the orphans before the other keys' shares"
+    assert all(r.reclaimed and r.attempts == 1 for r in taken.records)
+    assert await settler(store, "b").settle(taken, [PUBLISHED] * 3) == 3
+    rest = await claimed(claimer(store, "b", batch_size=10, lease_seconds=10))
+    assert ids(rest) == [later, *others]
+    assert not any(r.reclaimed or r.attempts for r in rest.records)
+
+
 async def test_an_expired_lease_nobody_took_over_still_settles() -> None:
     """As in the engine, the fence is the token holding the key, not the clock: a slow owner
     whose lease expired settles its rows if no claim took the key over meanwhile."""
