@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import structlog
@@ -15,35 +16,28 @@ from outbox_dispatcher.store import DispatchStore, db
 log = structlog.get_logger(__name__)
 
 
+@dataclass
 class Settler:
-    def __init__(
-        self,
-        store: DispatchStore,
-        retry_for: float,
-        *,
-        delete_on_publish: bool = False,
-        owner: str | None = None,
-        block_on_dead: bool = False,
-    ) -> None:
-        self._store = store
-        self._retry_for = retry_for
-        self._delete = delete_on_publish
-        # dead_letter_policy = block: a key with a dead row stays blocked after this settle.
-        self._block = block_on_dead
-        # Who claims (lease_owner): tells a mark whose reply was lost from a lease another
-        # dispatcher took over. None: every shortfall is reported as a lost lease.
-        self._owner = owner
+    store: DispatchStore
+    retry_for: float  # how long a settle retries while the database is away
+    _: KW_ONLY
+    delete_on_publish: bool = False
+    # dead_letter_policy = block: a key with a dead row stays blocked after this settle.
+    block_on_dead: bool = False
+    # Who claims (lease_owner): tells a mark whose reply was lost from a lease another
+    # dispatcher took over. None: every shortfall is reported as a lost lease.
+    owner: str | None = None
 
     def arguments(self, batch: Batch, results: Sequence[Result]) -> dict[str, Any]:
         """The settle's keywords: each row's outcome and key (the work the batch holds)."""
         records = batch.records
         arguments: dict[str, Any] = {
             "token": batch.token,
-            "owner": self._owner or "",
+            "owner": self.owner or "",
             "ids": [r.id for r in records],
             "keys": [r.ordering_key for r in records],
-            "delete_published": self._delete,
-            "block_on_dead": self._block,
+            "delete_published": self.delete_on_publish,
+            "block_on_dead": self.block_on_dead,
         }
         if all(res is PUBLISHED for res in results):  # the common case: one pass, not four
             n = len(results)
@@ -73,8 +67,8 @@ class Settler:
             return 0  # settle_failed said what happens; the lease was not lost
         ids, retried = executed
         changed = len(ids)
-        if changed < rows and retried and self._owner is not None:
-            changed += await self._settled_before(batch, results, set(ids), self._owner)
+        if changed < rows and retried and self.owner is not None:
+            changed += await self._settled_before(batch, results, set(ids), self.owner)
         if changed < rows:
             log.warning(
                 "lease_lost",
@@ -97,12 +91,12 @@ class Settler:
             (r, res) for r, res in zip(batch.records, results, strict=True) if r.id not in changed
         ]
         try:
-            found = await self._store.already_settled(
+            found = await self.store.already_settled(
                 ids=[r.id for r, _ in missed],
                 owner=owner,
                 outcomes=[res.outcome.value for _, res in missed],
                 attempts=[r.attempts + int(res.counted) for r, res in missed],
-                delete_published=self._delete,
+                delete_published=self.delete_on_publish,
             )
         except db.RETRIABLE_ERRORS as exc:
             log.warning("settle_check_failed", rows=len(missed), error=repr(exc))
@@ -119,12 +113,12 @@ class Settler:
         """The ids changed, and whether an earlier try failed without an answer (it may have
         committed); None if the database stayed away past the retry window."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._retry_for
+        deadline = loop.time() + self.retry_for
         pause = 0.1
         retried = False
         while True:
             try:
-                return await self._store.settle(**arguments), retried
+                return await self.store.settle(**arguments), retried
             except db.RETRIABLE_ERRORS as exc:
                 if loop.time() + pause > deadline:
                     log.error(

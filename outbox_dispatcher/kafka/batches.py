@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, MutableSequence, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
@@ -28,30 +29,26 @@ Answer = asyncio.Future[object] | BaseException | None
 _Batches = dict[tuple[str, int], tuple[Any, list[int]]]
 
 
+@dataclass(eq=False)
 class Batches:
     """The batches of one claim, wave after wave, and the producers they went to."""
 
-    def __init__(
-        self,
-        records: Sequence[OutboxRecord],
-        topics: Sequence[str | BaseException],
-        *,
-        encoder: RecordEncoder,
-        producers: Producers,
-        lookup: TopicLookup,
-        tracer: Tracer,
-    ) -> None:
-        self._records = records
-        self._topics = topics
-        self._encoder = encoder
-        self._producers = producers
-        self._lookup = lookup
-        self._tracer = tracer
-        self._encoded: dict[int, KafkaRecord | BaseException | None] = {}
-        # The producers that hold the claim's answers: closing them settles every answer.
-        self.producers_used: list[AIOKafkaProducer] = []
-        # Each submission's producer and batch builder: what a withdrawal looks for.
-        self.submitted: dict[asyncio.Future[object], tuple[AIOKafkaProducer, Any]] = {}
+    records: Sequence[OutboxRecord]
+    topics: Sequence[str | BaseException]
+    _: KW_ONLY
+    encoder: RecordEncoder
+    producers: Producers
+    lookup: TopicLookup
+    tracer: Tracer
+    # The producers that hold the claim's answers: closing them settles every answer.
+    producers_used: list[AIOKafkaProducer] = field(default_factory=list, init=False)
+    # Each submission's producer and batch builder: what a withdrawal looks for.
+    submitted: dict[asyncio.Future[object], tuple[AIOKafkaProducer, Any]] = field(
+        default_factory=dict, init=False
+    )
+    _encoded: dict[int, KafkaRecord | BaseException | None] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     def encode(self, indices: Sequence[int]) -> list[int]:
         """Encode records[indices] as the producer will send them (or note why one cannot be
@@ -59,9 +56,9 @@ class Batches:
         sizes = []
         for i in indices:
             item: KafkaRecord | BaseException | None = None
-            if isinstance(self._topics[i], str):
+            if isinstance(self.topics[i], str):
                 try:
-                    item = self._encoder.encode(self._records[i])
+                    item = self.encoder.encode(self.records[i])
                 except (errors.UnpublishableRowError, kafka_errors.KafkaError) as exc:
                     item = exc
             self._encoded[i] = item
@@ -80,7 +77,7 @@ class Batches:
         (its key then fails). Returns the records that found their partition's batch full (an
         estimate fell short), with the later rows of their keys: they go out in a wave of their
         own, next."""
-        producer = self._producers.current()
+        producer = self.producers.current()
         batches, deferred = self._fill(producer, wave, answers, failed_keys, topic_errors)
         if batches and (not self.producers_used or self.producers_used[-1] is not producer):
             self.producers_used.append(producer)
@@ -88,16 +85,16 @@ class Batches:
             # Left open, the batch waits OUTBOX_KAFKA_LINGER_MS before it is sent, as the
             # producer's own batches did (closed, it would go at once; nothing else appends to
             # it: the dispatcher never uses send()).
-            spans = [self._tracer.start(self._records[i], topic) for i in members]
+            spans = [self.tracer.start(self.records[i], topic) for i in members]
             # Submitted concurrently: aiokafka's send_batch waits until the partition's previous
             # batch has left, and a partition that does not answer must not hold back the
             # submission (and so the acks and the early settle) of the wave's other partitions.
-            submission = self._producers.submit(producer, builder, topic, partition)
+            submission = self.producers.submit(producer, builder, topic, partition)
             self.submitted[submission] = (producer, builder)
             for i in members:
                 answers[i] = submission
             for span in spans:
-                self._tracer.end_on_ack(span, submission)
+                self.tracer.end_on_ack(span, submission)
         return deferred
 
     def _fill(
@@ -115,7 +112,7 @@ class Batches:
         deferred: list[int] = []
         deferred_keys: set[str] = set()
         for i in wave:
-            key = self._records[i].ordering_key
+            key = self.records[i].ordering_key
             if key is not None:
                 if key in failed_keys:
                     answers[i] = NotAttempted()
@@ -123,7 +120,7 @@ class Batches:
                 if key in deferred_keys:
                     deferred.append(i)
                     continue
-            target = self._target(self._topics[i], self._encoded[i], topic_errors, ordered)
+            target = self._target(self.topics[i], self._encoded[i], topic_errors, ordered)
             if isinstance(target, BaseException):
                 answers[i] = target
                 if key is not None:
@@ -135,7 +132,7 @@ class Batches:
             else:
                 partition = keyless.get(topic, -1)
                 if partition < 0:
-                    partition = keyless[topic] = self._lookup.keyless_partition(topic, partitions)
+                    partition = keyless[topic] = self.lookup.keyless_partition(topic, partitions)
             slot = batches.get((topic, partition))
             if slot is None:
                 slot = batches[(topic, partition)] = (producer.create_batch(), [])
@@ -170,7 +167,7 @@ class Batches:
         if topic in ordered:
             partitions = ordered[topic]
         else:
-            known = self._lookup.partitions(topic)
+            known = self.lookup.partitions(topic)
             partitions = ordered[topic] = sorted(known) if known else None
         if partitions is None:
             return errors.BrokerUnavailableError(
