@@ -32,9 +32,10 @@ from outbox_dispatcher.operate.filters import ROUTED, Filters, Names
 
 Handler = Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]
 
-# The settings of the commands that only connect, and of those that also work in batches.
+# The settings of the commands that only connect, and of those that also work in batches (the
+# operator's bulk actions: action_batch_size, which falls back to cleanup_batch_size).
 CONNECT = ("database_url", "db_schema", "table", "log_format", "log_level", "uvloop")
-BATCHED = (*CONNECT, "cleanup_batch_size")
+BATCHED = (*CONNECT, "cleanup_batch_size", "action_batch_size")
 EVERY = None  # run and check read every setting
 
 SECRETS_HELP = (

@@ -214,13 +214,13 @@ NO_DEAD_ROW = (
 
 async def _dead_requeue(settings: Settings, ns: argparse.Namespace) -> int:
     filters = filters_of(ns)
-    action = DeadRequeue(filters, settings.cleanup_batch_size, everything=ns.all, names=FLAGS)
+    action = DeadRequeue(filters, settings.actions_batch_size, everything=ns.all, names=FLAGS)
     return await _dead_change(settings, ns, action, "dead_requeued")
 
 
 async def _dead_discard(settings: Settings, ns: argparse.Namespace) -> int:
     filters = filters_of(ns)
-    action = DeadDiscard(filters, settings.cleanup_batch_size, everything=ns.all, names=FLAGS)
+    action = DeadDiscard(filters, settings.actions_batch_size, everything=ns.all, names=FLAGS)
     return await _dead_change(settings, ns, action, "dead_discarded")
 
 
@@ -266,7 +266,7 @@ async def _replay(settings: Settings, ns: argparse.Namespace) -> int:
         return await _release_held(settings, ns)
     action = Replay(
         filters_of(ns),
-        settings.cleanup_batch_size,
+        settings.actions_batch_size,
         everything=ns.all,
         deletes_on_publish=settings.delete_on_publish,
         names=FLAGS,
@@ -359,7 +359,7 @@ def configure_cleanup_parser(commands: Commands) -> None:
     sweep = command(
         commands,
         "cleanup",
-        settings=(*BATCHED, "retention_seconds"),
+        settings=(*CONNECT, "cleanup_batch_size", "retention_seconds"),
         handler=_cleanup,
         interrupted=BATCHED_INTERRUPTED,
         help="delete old published rows now",

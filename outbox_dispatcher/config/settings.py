@@ -255,6 +255,13 @@ class Settings(BaseSettings):
         le=100_000,
         description="Rows deleted per retention transaction (bounds lock time and WAL bursts).",
     )
+    action_batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=100_000,
+        description="Rows per batch of dead requeue/discard and replay (CLI and console); "
+        "unset: OUTBOX_CLEANUP_BATCH_SIZE.",
+    )
 
     # Observability
     http_host: str = Field(
@@ -397,10 +404,8 @@ class Settings(BaseSettings):
         checks.trusted_proxies(value)
         return value
 
-    @field_validator("db_schema")
-    @classmethod
-    def _check_schema(cls, value: str) -> str:
-        return checks.schema(value)
+    _check_schema = field_validator("db_schema")(checks.schema)
+    _check_bootstrap = field_validator("kafka_bootstrap_servers")(checks.bootstrap_servers)
 
     @field_validator("table")
     @classmethod
@@ -411,11 +416,6 @@ class Settings(BaseSettings):
     @classmethod
     def _check_topics(cls, value: str | None, info: ValidationInfo) -> str | None:
         return checks.topic_setting(value, template=info.field_name == "topic_template")
-
-    @field_validator("kafka_bootstrap_servers")
-    @classmethod
-    def _check_bootstrap(cls, value: str) -> str:
-        return checks.bootstrap_servers(value)
 
     @model_validator(mode="after")
     def _check_relations(self) -> Settings:
@@ -440,6 +440,10 @@ class Settings(BaseSettings):
             FileVariablesSource(settings_cls),
             SecretsDirSource(settings_cls),
         )
+
+    @property
+    def actions_batch_size(self) -> int:
+        return self.action_batch_size or self.cleanup_batch_size
 
     @property
     def effective_pool_size(self) -> int:

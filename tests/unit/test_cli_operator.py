@@ -91,3 +91,10 @@ def test_every_operator_command_has_the_setting_flags_it_uses() -> None:
     for args in (("dead", "requeue", "--all"), ("replay", "--all"), ("cleanup",), ("check",)):
         ns = parse(*args, "--cleanup-batch-size", "7")
         assert cli.load_settings(ns).cleanup_batch_size == 7
+    # The bulk actions' batch is its own setting, and the cleanup's when unset.
+    for args in (("dead", "requeue", "--all"), ("dead", "discard", "--all"), ("replay", "--all")):
+        assert cli.load_settings(parse(*args, "--action-batch-size", "9")).actions_batch_size == 9
+        fallback = cli.load_settings(parse(*args, "--cleanup-batch-size", "7"))
+        assert fallback.actions_batch_size == 7
+    with pytest.raises(SystemExit):
+        parse("cleanup", "--action-batch-size", "9")  # retention's batch is cleanup_batch_size

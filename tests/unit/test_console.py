@@ -208,3 +208,14 @@ def test_hidden_fields_carry_exact_values_without_raw_controls() -> None:
     text = 'k\x1b[2J"<\u202e'
     assert _ascii_json({"key": text}) == '{"key": "k\\u001b[2J\\"<\\u202e"}'
     assert str(_exact_attribute(text)) == "k&#x1b;[2J&#34;&lt;&#x202e;"
+
+
+@pytest.mark.parametrize("name", ["dead-requeue", "dead-discard", "replay"])
+def test_the_consoles_bulk_actions_are_sized_by_action_batch_size(name: str) -> None:
+    """Their own setting (OUTBOX_ACTION_BATCH_SIZE), and the retention's batch when unset."""
+    body_type, make = service.ACTIONS[name]
+    body = body_type.model_validate({"all": True})
+    url = "postgresql://u@h/d"
+    sized = make(Settings(database_url=url, action_batch_size=9, cleanup_batch_size=7), body, None)
+    fallback = make(Settings(database_url=url, cleanup_batch_size=7), body, None)
+    assert (getattr(sized, "batch_size", None), getattr(fallback, "batch_size", None)) == (9, 7)
