@@ -4,8 +4,8 @@ PostgreSQL (tests/unit/test_claim_loop_memory.py). Like tests/fakes.py it lives 
 
 It keeps what those components rely on: one owner per key at a time, a key's rows in id order,
 a run that stops at the first row not due, the takeover of an expired lease (the lost claim's
-rows first, an attempt each), the
-settle fenced by the lease token, the dead-letter policy. It keeps none of how the engine gets
+rows first; an attempt for each row it takes), the settle fenced by the lease token, the
+dead-letter policy. It keeps none of how the engine gets
 there (schema/schema.sql): no discovery cursor, holes or change log (a row added is visible at
 once), no pauses, no version 9 row leases, no transactions or snapshots. Every statement it does
 not model raises NotImplementedError rather than pretend. Its methods keep DispatchStore's
@@ -14,6 +14,7 @@ keyword-only signatures (a unit test pins them), so the seam cannot drift from i
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -165,7 +166,8 @@ class InMemoryDispatchStore(DispatchStore):
         there is no discovery cursor. A takeover whose first row is at its last attempt is left
         alone (the engine leaves it to the reclaimer, which is not modelled)."""
         now = self.clock()
-        runs: list[tuple[list[MemoryRow], set[int]]] = []  # each key's run, its orphans
+        # Each key's run, the rows its lost claim held (a takeover's orphans), whether a takeover.
+        runs: list[tuple[list[MemoryRow], set[int], bool]] = []
         for work, rows in self.pending().items():
             if len(runs) >= max_keys:
                 break
@@ -174,25 +176,25 @@ class InMemoryDispatchStore(DispatchStore):
                 block_on_dead and self._blocked(work)
             ):
                 continue
-            # Its owner died or hung: the rows it held are orphans, taking them is an attempt.
+            old = lease is not None  # its owner died or hung: taking it over is an attempt
             orphans = lease.held if lease is not None else set()
-            if run := _run(rows, now, max_attempts, orphans):
-                runs.append((run, orphans))
+            if run := _run(rows, now, max_attempts if old else math.inf):
+                runs.append((run, orphans, old))
         share = max(1, limit // len(runs)) if runs else 0
         ranked = [
             (run[i].id not in orphans, i >= share, n, i)
-            for n, (run, orphans) in enumerate(runs)
+            for n, (run, orphans, _) in enumerate(runs)
             for i in range(len(run))
         ]
         took: list[tuple[MemoryRow, bool]] = []
         fresh: dict[Work, Lease] = {}
         for *_, n, i in sorted(ranked)[:limit]:
-            run, orphans = runs[n]
+            run, _, old = runs[n]
             row = run[i]
             expires = now + timedelta(seconds=lease_seconds)
             fresh.setdefault(row.work, Lease(token, owner, expires)).held.add(row.id)
-            row.attempts += int(row.id in orphans)
-            took.append((row, row.id in orphans))
+            row.attempts += int(old)
+            took.append((row, old))
         self.leases.update(fresh)
         fields = OutboxRecord._fields[:-1]  # the claim's columns before `reclaimed`
         claimed = [
@@ -287,16 +289,10 @@ class InMemoryDispatchStore(DispatchStore):
         return sum(1 for lease in self.leases.values() if lease.expires_at <= self.clock())
 
 
-def _run(
-    rows: list[MemoryRow], now: datetime, max_attempts: int, orphans: set[int]
-) -> list[MemoryRow]:
-    """A key's run: its rows up to the first not due, or the first orphan at its last attempt
-    (the engine's crash loop); a prefix, never with a gap."""
-
-    def goes(r: MemoryRow) -> bool:
-        return r.next_attempt_at <= now and (r.id not in orphans or r.attempts + 1 < max_attempts)
-
-    return list(takewhile(goes, rows))
+def _run(rows: list[MemoryRow], now: datetime, last: float) -> list[MemoryRow]:
+    """A key's run: its rows up to the first not due, or the first at its `last` attempt (a
+    takeover's max_attempts: the engine's crash loop); a prefix, never with a gap."""
+    return list(takewhile(lambda r: r.next_attempt_at <= now and r.attempts + 1 < last, rows))
 
 
 def _shows(

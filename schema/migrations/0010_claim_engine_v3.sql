@@ -499,9 +499,9 @@ $fn$;
 --    previous owner settled is seen), each key's pending run from its head, cut at the first row
 --    not due, in a paused topic, held by a version 9 lease, or (after a takeover) one whose
 --    owners kept dying: a run is a prefix, never with a gap. A key taken over sends its orphans
---    (the rows its lost claim held) first, as far as the batch goes; then each key gets its
---    share of the batch, and the room that keys with fewer rows leave goes to the oldest heads.
---    The attempt a takeover counts is the orphans' only. Each key is then
+--    (the rows its lost claim held, below the key's head) first, as far as the batch goes; then
+--    each key gets its share of the batch, and the room that keys with fewer rows leave goes to
+--    the oldest heads. Each key is then
 --    leased with one write, or, when it yielded nothing, given the state of the row it stopped at,
 --    or dropped when it has no pending row.
 CREATE FUNCTION ${schema}.${table}_claim_work(
@@ -672,7 +672,7 @@ BEGIN
                    AND NOT (c.compat AND o.lease_expires_at > now()
                             AND o.lease_token IS DISTINCT FROM p_token)
                    AND o.id <> ALL (v_held) AS ok,
-                   w.old AND o.id < w.e AND o.attempts + 1 >= p_max_attempts AS looping,
+                   w.old AND o.attempts + 1 >= p_max_attempts AS looping,
                    w.old AND o.id < w.e AS orphan
               FROM ${schema}.${table} o
              WHERE o.ordering_key >= w.k AND o.ordering_key <= w.k AND o.id >= w.h
@@ -703,7 +703,7 @@ BEGIN
                    AND NOT (c.compat AND o.lease_expires_at > now()
                             AND o.lease_token IS DISTINCT FROM p_token)
                    AND o.id <> ALL (v_held) AS ok,
-                   w.old AND o.id < w.e AND o.attempts + 1 >= p_max_attempts AS looping,
+                   w.old AND o.attempts + 1 >= p_max_attempts AS looping,
                    w.old AND o.id < w.e AS orphan
               FROM ${schema}.${table} o
              WHERE o.ordering_key >= w.k AND o.ordering_key <= w.k AND o.id > w.after
@@ -801,22 +801,21 @@ BEGIN
          WHERE x.ordering_key = s.k AND x.keyless = s.kl
     ),
     bumped AS (
-        -- A takeover: its orphans' owner died or hung while publishing them (an attempt; not
-        -- the key's later rows, which it never held), and under version 9 beside it the rows
-        -- carry the lease too.
+        -- A takeover: its rows' owner died or hung while publishing them (an attempt), and
+        -- under version 9 beside it the rows carry the lease too.
         UPDATE ${schema}.${table} o
-           SET attempts = o.attempts + CASE WHEN t.orphan THEN 1 ELSE 0 END,
+           SET attempts = o.attempts + CASE WHEN t.old THEN 1 ELSE 0 END,
                lease_owner = CASE WHEN c.compat THEN p_owner ELSE o.lease_owner END,
                lease_token = CASE WHEN c.compat THEN p_token ELSE o.lease_token END,
                lease_expires_at = CASE WHEN c.compat
                                        THEN now() + p_lease_seconds * interval '1 second'
                                        ELSE o.lease_expires_at END
           FROM took t
-         WHERE o.id = t.id AND (t.orphan OR c.compat)
+         WHERE o.id = t.id AND (t.old OR c.compat)
         RETURNING o.id, o.attempts
     )
     SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
-           coalesce(b.attempts, o.attempts), t.orphan
+           coalesce(b.attempts, o.attempts), t.old
       FROM took t
       JOIN ${schema}.${table} o ON o.id = t.id
       LEFT JOIN bumped b ON b.id = t.id

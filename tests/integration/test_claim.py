@@ -400,15 +400,15 @@ async def test_a_claim_that_finds_the_cursor_taken_still_takes_over_expired_leas
     }
 
 
-async def test_a_takeover_sends_the_lost_claims_rows_first_and_counts_only_theirs(
+async def test_a_takeover_sends_the_lost_claims_rows_first(
     pool: asyncpg.Pool, conn: asyncpg.Connection, make_settings: Any
 ) -> None:
     """Found by the `kill -9` scenario inside `make chaos` (the last orphan re-published 8.55 s
     after its kill, against 8.2 s, while every takeover came within 0.21 s of expiry): a
     takeover took a share of the batch like any key (one row, with more keys than room), so a
     key's orphans went out one batch at a time behind the write load. Now the orphans go first,
-    as far as the room goes, and the attempt is counted for them only, not for the key's rows
-    the dead owner never held."""
+    as far as the room goes (each with its attempt); the key's later row, which the dead owner
+    never held, follows in a claim that is no takeover."""
     orphans = await insert(conn, ["k"] * 5)
     dead = await claimer(pool, make_settings(batch_size=5), "dead").claim()
     assert by_key(dead) == {"k": orphans}

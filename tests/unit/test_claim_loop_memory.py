@@ -166,10 +166,10 @@ async def test_a_settle_under_a_lost_lease_changes_nothing_and_the_takeover_coun
     assert {store.rows[i].lease_owner for i in rows} == {"b"}
 
 
-async def test_a_takeover_sends_the_orphans_first_and_counts_only_theirs() -> None:
+async def test_a_takeover_sends_the_orphans_first() -> None:
     """As the engine does (test_claim.py's test of the same name): the rows a dead owner held go
-    before every other key's share, each with an attempt; the key's later row, never held, gets
-    none."""
+    before every other key's share, each with an attempt; the key's later row, never held,
+    follows in a claim that is no takeover."""
     clock = ManualClock()
     store = InMemoryDispatchStore(clock)
     orphans = [store.add("k") for _ in range(3)]
