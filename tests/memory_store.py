@@ -5,9 +5,9 @@ PostgreSQL (tests/unit/test_claim_loop_memory.py). Like tests/fakes.py it lives 
 It keeps what those components rely on: one owner per key at a time, a key's rows in id order,
 a run that stops at the first row not due, the takeover of an expired lease (the lost claim's
 rows first; an attempt for each row it takes), the settle fenced by the lease token, the
-dead-letter policy. It keeps none of how the engine gets
-there (schema/schema.sql): no discovery cursor, holes or change log (a row added is visible at
-once), no pauses, no version 9 row leases, no transactions or snapshots. Every statement it does
+dead-letter policy. It keeps none of how the engine gets there (schema/schema.sql): no discovery
+cursor, holes or change log (a row added is visible at once), no pauses, no version 9 row
+leases, no transactions or snapshots. Every statement it does
 not model raises NotImplementedError rather than pretend. Its methods keep DispatchStore's
 keyword-only signatures (a unit test pins them), so the seam cannot drift from its stand-in.
 """
@@ -161,8 +161,8 @@ class InMemoryDispatchStore(DispatchStore):
     ) -> list[Row]:
         """Up to `limit` rows of at most `max_keys` keys that can go, oldest head first; each
         key its share of the batch, the room left to the oldest heads, a takeover's orphans before
-        all (the engine's sharing,
-        minus its candidate queues and discovery, which can lease more keys). `scan` is unused:
+        all (the engine's sharing, minus its candidate queues and discovery, which can lease more
+        keys). `scan` is unused:
         there is no discovery cursor. A takeover whose first row is at its last attempt is left
         alone (the engine leaves it to the reclaimer, which is not modelled)."""
         now = self.clock()

@@ -214,13 +214,17 @@ NO_DEAD_ROW = (
 
 async def _dead_requeue(settings: Settings, ns: argparse.Namespace) -> int:
     filters = filters_of(ns)
-    action = DeadRequeue(filters, settings.actions_batch_size, everything=ns.all, names=FLAGS)
+    action = DeadRequeue(
+        filters, settings.effective_action_batch_size, everything=ns.all, names=FLAGS
+    )
     return await _dead_change(settings, ns, action, "dead_requeued")
 
 
 async def _dead_discard(settings: Settings, ns: argparse.Namespace) -> int:
     filters = filters_of(ns)
-    action = DeadDiscard(filters, settings.actions_batch_size, everything=ns.all, names=FLAGS)
+    action = DeadDiscard(
+        filters, settings.effective_action_batch_size, everything=ns.all, names=FLAGS
+    )
     return await _dead_change(settings, ns, action, "dead_discarded")
 
 
@@ -266,7 +270,7 @@ async def _replay(settings: Settings, ns: argparse.Namespace) -> int:
         return await _release_held(settings, ns)
     action = Replay(
         filters_of(ns),
-        settings.actions_batch_size,
+        settings.effective_action_batch_size,
         everything=ns.all,
         deletes_on_publish=settings.delete_on_publish,
         names=FLAGS,

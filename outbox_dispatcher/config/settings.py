@@ -442,7 +442,7 @@ class Settings(BaseSettings):
         )
 
     @property
-    def actions_batch_size(self) -> int:
+    def effective_action_batch_size(self) -> int:
         return self.action_batch_size or self.cleanup_batch_size
 
     @property

@@ -240,7 +240,7 @@ def _dead(kind: type[DeadRequeue | DeadDiscard]) -> Callable[[Settings, Any, Any
     def action(settings: Settings, body: DeadFilter, by: str | None) -> Action:
         filters = body.checked(f"{kind.verb} dead rows")
         bound = body.bound.bound() if body.bound else None
-        return kind(filters, settings.actions_batch_size, everything=body.all, bound=bound)
+        return kind(filters, settings.effective_action_batch_size, everything=body.all, bound=bound)
 
     return action
 
@@ -249,7 +249,7 @@ def _replay(settings: Settings, body: ReplayFilter, by: str | None) -> Action:
     filters = body.checked("replay published rows")
     return Replay(
         filters,
-        settings.actions_batch_size,
+        settings.effective_action_batch_size,
         everything=body.all,
         bound=body.bound.bound() if body.bound else None,
         deletes_on_publish=settings.delete_on_publish,

@@ -16,7 +16,7 @@ from outbox_dispatcher.store import DispatchStore, db
 log = structlog.get_logger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)
 class Settler:
     store: DispatchStore
     retry_for: float  # how long a settle retries while the database is away

@@ -249,16 +249,17 @@ class Dispatcher:
     async def _refresh_readiness(self, readiness: ReadinessCache) -> NoReturn:
         """Keep outbox_ready current even when nothing probes /readyz; log changes. (A check
         that fails is a not-ready answer, not an error: nothing is tolerated.)"""
-        was: list[bool] = []
+        was: bool | None = None
 
         async def refresh() -> None:
+            nonlocal was
             state = await readiness.get()
-            if was[-1:] != [state.ready]:
+            if state.ready != was:
                 if state.ready:
                     log.info("ready", checks=state.checks)
                 else:
                     log.warning("not_ready", checks=state.checks)
-                was[:] = [state.ready]
+                was = state.ready
 
         await every(
             min(self.settings.metrics_interval_seconds, 5.0),

@@ -93,8 +93,11 @@ def test_every_operator_command_has_the_setting_flags_it_uses() -> None:
         assert cli.load_settings(ns).cleanup_batch_size == 7
     # The bulk actions' batch is its own setting, and the cleanup's when unset.
     for args in (("dead", "requeue", "--all"), ("dead", "discard", "--all"), ("replay", "--all")):
-        assert cli.load_settings(parse(*args, "--action-batch-size", "9")).actions_batch_size == 9
+        assert (
+            cli.load_settings(parse(*args, "--action-batch-size", "9")).effective_action_batch_size
+            == 9
+        )
         fallback = cli.load_settings(parse(*args, "--cleanup-batch-size", "7"))
-        assert fallback.actions_batch_size == 7
+        assert fallback.effective_action_batch_size == 7
     with pytest.raises(SystemExit):
         parse("cleanup", "--action-batch-size", "9")  # retention's batch is cleanup_batch_size
