@@ -12,7 +12,7 @@ import asyncio
 import errno
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 import orjson
 import structlog
@@ -70,31 +70,26 @@ class ReadinessCache:
             return self._last[1]
 
 
+@dataclass(eq=False)
 class HealthServer:
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        *,
-        live: Callable[[], dict[str, object]],
-        ready: ReadinessCache,
-        metrics: Callable[[], bytes],
-    ) -> None:
-        self._host = host
-        self._port = port
-        self._live = live
-        self._ready = ready
-        self._metrics = metrics
-        self._server: asyncio.Server | None = None
-        self.port: int | None = None
+    """/metrics, /livez and /readyz on `host`:`wanted_port` (0: a free one, then in `port`)."""
+
+    host: str
+    wanted_port: int
+    _: KW_ONLY
+    live: Callable[[], dict[str, object]]
+    ready: ReadinessCache
+    metrics: Callable[[], bytes]
+    port: int | None = field(default=None, init=False)  # where it listens, once started
+    _server: asyncio.Server | None = field(default=None, init=False, repr=False)
 
     async def start(self) -> None:
         try:
             self._server = await asyncio.start_server(
-                self._handle, self._host, self._port, limit=MAX_REQUEST_BYTES
+                self._handle, self.host, self.wanted_port, limit=MAX_REQUEST_BYTES
             )
         except OSError as exc:
-            where = f"{self._host}:{self._port}"
+            where = f"{self.host}:{self.wanted_port}"
             if exc.errno == errno.EADDRINUSE:
                 msg = (
                     f"OUTBOX_HTTP_PORT: {where} is already in use (another dispatcher on this "
@@ -108,7 +103,7 @@ class HealthServer:
                 )
             raise errors.ConfigurationError(msg) from None
         self.port = self._server.sockets[0].getsockname()[1]
-        log.info("http_listening", host=self._host, port=self.port)
+        log.info("http_listening", host=self.host, port=self.port)
 
     async def close(self) -> None:
         if self._server is not None:
@@ -151,13 +146,13 @@ class HealthServer:
             return "405 Method Not Allowed", "text/plain", b"GET only\n"
         route = path.split("?", 1)[0]
         if route == "/metrics":
-            return "200 OK", CONTENT_TYPE_LATEST, self._metrics()
+            return "200 OK", CONTENT_TYPE_LATEST, self.metrics()
         if route == "/livez":
-            live = self._live()
+            live = self.live()
             status = "200 OK" if live["live"] else "503 Service Unavailable"
             return status, "application/json", orjson.dumps(live)
         if route == "/readyz":
-            readiness = await self._ready.get()
+            readiness = await self.ready.get()
             status = "200 OK" if readiness.ready else "503 Service Unavailable"
             body = orjson.dumps({"ready": readiness.ready, "checks": readiness.checks})
             return status, "application/json", body

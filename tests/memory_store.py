@@ -20,9 +20,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from itertools import takewhile
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Literal, Unpack, cast
 
 from outbox_dispatcher.models import OutboxRecord, Outcome
+from outbox_dispatcher.store.arguments import ClaimArguments, SettleArguments
 from outbox_dispatcher.store.dispatch import DispatchStore
 
 if TYPE_CHECKING:
@@ -147,24 +148,16 @@ class InMemoryDispatchStore(DispatchStore):
             r.ordering_key == work and r.state == "dead" for r in self.rows.values()
         )
 
-    async def claim(
-        self,
-        *,
-        limit: int,
-        max_keys: int,
-        owner: str,
-        lease_seconds: float,
-        token: uuid.UUID,
-        block_on_dead: bool,
-        max_attempts: int,
-        scan: int,
-    ) -> list[Row]:
+    async def claim(self, **arguments: Unpack[ClaimArguments]) -> list[Row]:
         """Up to `limit` rows of at most `max_keys` keys that can go, oldest head first; each
         key its share of the batch, the room left to the oldest heads, a takeover's orphans before
         all (the engine's sharing, minus its candidate queues and discovery, which can lease more
         keys). `scan` is unused:
         there is no discovery cursor. A takeover whose first row is at its last attempt is left
         alone (the engine leaves it to the reclaimer, which is not modelled)."""
+        limit, max_keys, owner = arguments["limit"], arguments["max_keys"], arguments["owner"]
+        token, max_attempts = arguments["token"], arguments["max_attempts"]
+        lease_seconds, block_on_dead = arguments["lease_seconds"], arguments["block_on_dead"]
         now = self.clock()
         # Each key's run, the rows its lost claim held (a takeover's orphans), whether a takeover.
         runs: list[tuple[list[MemoryRow], set[int], bool]] = []
@@ -210,23 +203,14 @@ class InMemoryDispatchStore(DispatchStore):
             del self.leases[work]
         return len(mine)
 
-    async def settle(
-        self,
-        *,
-        token: uuid.UUID,
-        owner: str,
-        ids: Sequence[int],
-        keys: Sequence[str | None],
-        outcomes: Sequence[str],
-        errors: Sequence[str | None],
-        delays: Sequence[float],
-        counted: Sequence[int],
-        delete_published: bool,
-        block_on_dead: bool,
-    ) -> list[int]:
+    async def settle(self, **arguments: Unpack[SettleArguments]) -> list[int]:
         """Only rows whose key `token` still holds change (an expired lease nobody took over
         still counts as held, as in the engine); those keys are released. `block_on_dead` is
         unused: the block is read from the key's dead rows at each claim."""
+        token, owner, ids = arguments["token"], arguments["owner"], arguments["ids"]
+        keys = arguments["keys"]
+        outcomes, errors, delays = arguments["outcomes"], arguments["errors"], arguments["delays"]
+        counted, delete_published = arguments["counted"], arguments["delete_published"]
         now = self.clock()
         works: list[Work] = [i if k is None else k for i, k in zip(ids, keys, strict=True)]
         held = {w for w in works if (lease := self.leases.get(w)) and lease.token == token}

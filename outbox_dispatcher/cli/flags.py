@@ -1,6 +1,6 @@
 """The command line's flags. Each setting a command reads is a flag of that command, generated
 from the settings model (its variable, default and choices in the help); which settings a command
-reads is declared where it is configured (`command(..., settings=...)`), and every OUTBOX_*
+reads is declared where it is configured (`command(..., settings)`), and every OUTBOX_*
 variable is still validated. Also the value types of the commands' own flags, and the filter and
 safety flags the operator commands share, with the Filters they give.
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import inspect
 import os
 import re
 import types
@@ -72,15 +73,16 @@ Commands: TypeAlias = "argparse._SubParsersAction[_Parser]"
 def command(
     commands: Commands,
     name: str,
-    *,
-    settings: tuple[str, ...] | None,
     handler: Handler,
+    settings: tuple[str, ...] | None,
+    *,
     interrupted: str = "interrupted",
-    **kwargs: Any,
 ) -> _Parser:
-    """A command (`name` as typed: "dead requeue") with the flags of the `settings` it reads
-    (None: all) and its handler; `interrupted` is what Ctrl-C says."""
-    parser = commands.add_parser(name.split()[-1], **kwargs)
+    """A command (`name` as typed: "dead requeue") with its handler and the flags of the
+    `settings` it reads (None: all); `interrupted` is what Ctrl-C says. The handler's docstring
+    is its help, as in click: the first line in the list of commands, the rest its description."""
+    summary, _, rest = (inspect.getdoc(handler) or "").partition("\n\n")
+    parser = commands.add_parser(name.split()[-1], help=summary, description=" ".join(rest.split()))
     parser.usage = f"outbox-dispatcher {name} [options]"  # a short synopsis, not every flag
     add_setting_flags(parser, settings)
     parser.set_defaults(handler=handler, interrupted=interrupted)
@@ -292,17 +294,20 @@ def filter_flags(parser: argparse.ArgumentParser, *, ids: bool, everything: bool
             "--error", help="rows whose last_error contains this text (in any case)"
         )
     if everything:
-        parser.add_argument("--all", action="store_true", help="every row (no filter)")
+        switch(parser, "--all", "every row (no filter)")
+
+
+def switch(parser: argparse.ArgumentParser, name: str, help: str) -> None:
+    """A flag of the command's own that is off unless given."""
+    parser.add_argument(name, action="store_true", help=help)
 
 
 def safety_flags(parser: argparse.ArgumentParser, *, confirms: bool) -> None:
-    parser.add_argument(
-        "--dry-run", action="store_true", help="say what would change, change nothing"
-    )
+    switch(parser, "--dry-run", "say what would change, change nothing")
     if confirms:
-        parser.add_argument(
+        switch(
+            parser,
             "--yes",
-            action="store_true",
-            help="do not ask for confirmation on a terminal (--all, the whole table, "
+            "do not ask for confirmation on a terminal (--all, the whole table, "
             "--older-than 0 ask)",
         )

@@ -23,6 +23,7 @@ from outbox_dispatcher.cli.flags import (
     positive,
     safety_flags,
     seconds,
+    switch,
     topic_name,
 )
 from outbox_dispatcher.cli.terminal import EXIT_FAILED, EXIT_OK, err, out
@@ -117,18 +118,14 @@ def _unchanged(result: ActionResult, nothing: str | None = None) -> int:
 
 
 def configure_status_parser(commands: Commands) -> None:
-    show = command(
-        commands,
-        "status",
-        settings=(*CONNECT, "dead_letter_policy"),
-        handler=_status,
-        help="pending, in-flight and dead rows per topic",
-        description="Pending, in-flight, dead and published rows per topic, oldest pending age.",
-    )
-    show.add_argument("--json", action="store_true", help="print JSON")
+    show = command(commands, "status", _status, (*CONNECT, "dead_letter_policy"))
+    switch(show, "--json", "print JSON")
 
 
 async def _status(settings: Settings, ns: argparse.Namespace) -> int:
+    """pending, in-flight and dead rows per topic
+
+    Pending, in-flight, dead and published rows per topic, oldest pending age."""
     async with connected(settings) as session:
         now = await reads.snapshot(session, settings.dead_letter_policy.value)
     if ns.json:
@@ -149,46 +146,27 @@ def configure_dead_parser(commands: Commands) -> None:
         "(deleted). Requeue and discard refuse to run without a filter or --all.",
     )
     actions = dead.add_subparsers(dest="dead_command", required=True, metavar="ACTION")
-    listing = command(
-        actions,
-        "dead list",
-        settings=CONNECT,
-        handler=_dead_list,
-        help="show dead rows",
-        description="Dead rows.",
-    )
+    listing = command(actions, "dead list", _dead_list, CONNECT)
     filter_flags(listing, ids=True, everything=False)
     listing.add_argument("--limit", type=positive, default=100, help="at most this many (100)")
-    listing.add_argument("--json", action="store_true", help="print JSON")
-    listing.add_argument(
-        "--full", action="store_true", help="do not cut long keys and errors in the table"
-    )
+    switch(listing, "--json", "print JSON")
+    switch(listing, "--full", "do not cut long keys and errors in the table")
     requeue = command(
-        actions,
-        "dead requeue",
-        settings=BATCHED,
-        handler=_dead_requeue,
-        interrupted=BATCHED_INTERRUPTED,
-        help="make dead rows pending again",
-        description="Make matching dead rows pending again: attempts 0, due now; last_error keeps "
-        "a trace. They go out before newer rows of their key.",
+        actions, "dead requeue", _dead_requeue, BATCHED, interrupted=BATCHED_INTERRUPTED
     )
     filter_flags(requeue, ids=True, everything=True)
     safety_flags(requeue, confirms=False)
     discard = command(
-        actions,
-        "dead discard",
-        settings=BATCHED,
-        handler=_dead_discard,
-        interrupted=BATCHED_INTERRUPTED,
-        help="delete dead rows",
-        description="Delete matching dead rows for good.",
+        actions, "dead discard", _dead_discard, BATCHED, interrupted=BATCHED_INTERRUPTED
     )
     filter_flags(discard, ids=True, everything=True)
     safety_flags(discard, confirms=True)
 
 
 async def _dead_list(settings: Settings, ns: argparse.Namespace) -> int:
+    """show dead rows
+
+    Dead rows."""
     filters = filters_of(ns)
     async with connected(settings) as session:
         found = await listings.dead_list(session, filters, ns.limit)
@@ -213,6 +191,10 @@ NO_DEAD_ROW = (
 
 
 async def _dead_requeue(settings: Settings, ns: argparse.Namespace) -> int:
+    """make dead rows pending again
+
+    Make matching dead rows pending again: attempts 0, due now; last_error keeps a trace. They
+    go out before newer rows of their key."""
     filters = filters_of(ns)
     action = DeadRequeue(
         filters, settings.effective_action_batch_size, everything=ns.all, names=FLAGS
@@ -221,6 +203,9 @@ async def _dead_requeue(settings: Settings, ns: argparse.Namespace) -> int:
 
 
 async def _dead_discard(settings: Settings, ns: argparse.Namespace) -> int:
+    """delete dead rows
+
+    Delete matching dead rows for good."""
     filters = filters_of(ns)
     action = DeadDiscard(
         filters, settings.effective_action_batch_size, everything=ns.all, names=FLAGS
@@ -246,26 +231,27 @@ def configure_replay_parser(commands: Commands) -> None:
     again = command(
         commands,
         "replay",
-        settings=(*BATCHED, "delete_on_publish"),
-        handler=_replay,
+        _replay,
+        (*BATCHED, "delete_on_publish"),
         interrupted="interrupted: nothing was replayed (a replay is one transaction)",
-        help="publish already published rows again",
-        description="Publish matching published rows again, with their original event ids, in "
-        "id order per key and before newer rows of their keys.",
     )
     again.add_argument("--from-id", type=int, help="rows with id >= this")
     again.add_argument("--to-id", type=int, help="rows with id <= this")
     filter_flags(again, ids=False, everything=True)
-    again.add_argument(
+    switch(
+        again,
         "--release-held",
-        action="store_true",
-        help="instead of replaying: let go the rows an interrupted replay of version 0.1 left "
+        "instead of replaying: let go the rows an interrupted replay of version 0.1 left "
         "held (pending, not due for 10 minutes); with --topic, of that topic only",
     )
     safety_flags(again, confirms=True)
 
 
 async def _replay(settings: Settings, ns: argparse.Namespace) -> int:
+    """publish already published rows again
+
+    Publish matching published rows again, with their original event ids, in id order per key
+    and before newer rows of their keys."""
     if ns.release_held:
         return await _release_held(settings, ns)
     action = Replay(
@@ -296,21 +282,17 @@ async def _release_held(settings: Settings, ns: argparse.Namespace) -> int:
 
 
 def configure_pause_parser(commands: Commands) -> None:
-    hold = command(
-        commands,
-        "pause",
-        settings=CONNECT,
-        handler=_pause,
-        help="stop claiming rows of a topic, or of the whole table",
-        description="Stop claiming rows of a topic (or, without --topic, of the whole table, "
-        "routed rows included). Rows already claimed are still published.",
-    )
+    hold = command(commands, "pause", _pause, CONNECT)
     hold.add_argument("--topic", type=topic_name, help="the topic (default: the whole table)")
     hold.add_argument("--reason", help="why, for status and for whoever resumes")
     safety_flags(hold, confirms=True)
 
 
 async def _pause(settings: Settings, ns: argparse.Namespace) -> int:
+    """stop claiming rows of a topic, or of the whole table
+
+    Stop claiming rows of a topic (or, without --topic, of the whole table, routed rows
+    included). Rows already claimed are still published."""
     action = Pause(ns.topic, reason=ns.reason)
     async with connected(settings) as session:
         asking = _asking(ns, unless_none=False)
@@ -330,18 +312,14 @@ async def _pause(settings: Settings, ns: argparse.Namespace) -> int:
 
 
 def configure_resume_parser(commands: Commands) -> None:
-    go = command(
-        commands,
-        "resume",
-        settings=CONNECT,
-        handler=_resume,
-        help="lift a pause",
-        description="Lift the pause of a topic (or, without --topic, of the whole table).",
-    )
+    go = command(commands, "resume", _resume, CONNECT)
     go.add_argument("--topic", type=topic_name, help="the topic (default: the whole table)")
 
 
 async def _resume(settings: Settings, ns: argparse.Namespace) -> int:
+    """lift a pause
+
+    Lift the pause of a topic (or, without --topic, of the whole table)."""
     action = Resume(ns.topic)
     async with connected(settings) as session:
         result = await perform(action, session)
@@ -363,18 +341,19 @@ def configure_cleanup_parser(commands: Commands) -> None:
     sweep = command(
         commands,
         "cleanup",
-        settings=(*CONNECT, "cleanup_batch_size", "retention_seconds"),
-        handler=_cleanup,
+        _cleanup,
+        (*CONNECT, "cleanup_batch_size", "retention_seconds"),
         interrupted=BATCHED_INTERRUPTED,
-        help="delete old published rows now",
-        description="Delete published rows older than OUTBOX_RETENTION_SECONDS (or --older-than) "
-        "in batches of OUTBOX_CLEANUP_BATCH_SIZE; pending and dead rows are kept.",
     )
     sweep.add_argument("--older-than", type=seconds, metavar="SECONDS", help="instead of retention")
     safety_flags(sweep, confirms=True)
 
 
 async def _cleanup(settings: Settings, ns: argparse.Namespace) -> int:
+    """delete old published rows now
+
+    Delete published rows older than OUTBOX_RETENTION_SECONDS (or --older-than) in batches of
+    OUTBOX_CLEANUP_BATCH_SIZE; pending and dead rows are kept."""
     if ns.older_than is None and settings.retention_seconds == 0:
         out(
             "OUTBOX_RETENTION_SECONDS is 0 (keep published rows): nothing deleted; "
@@ -391,28 +370,23 @@ async def _cleanup(settings: Settings, ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+REPAIR = (
+    "first run the anti-entropy sweep over the whole table: pending rows written around the "
+    "claim engine's bookkeeping (ids below its cursor, triggers off) are handed to the claims "
+    "now instead of within a sweep pass"
+)
+
+
 def configure_check_parser(commands: Commands) -> None:
-    parser = command(
-        commands,
-        "check",
-        settings=EVERY,
-        handler=_check,
-        help="check configuration, database, schema, broker and topics",
-        description="Check the settings, the database and its schema version, that every "
-        "pending row is where a claim will look for it, the broker, and that the topics of "
-        "pending rows and OUTBOX_DEFAULT_TOPIC exist. One line per problem on stderr; exit 1 if "
-        "there is any.",
-    )
-    parser.add_argument(
-        "--repair",
-        action="store_true",
-        help="first run the anti-entropy sweep over the whole table: pending rows written "
-        "around the claim engine's bookkeeping (ids below its cursor, triggers off) are handed "
-        "to the claims now instead of within a sweep pass",
-    )
+    switch(command(commands, "check", _check, EVERY), "--repair", REPAIR)
 
 
 async def _check(settings: Settings, args: argparse.Namespace) -> int:
+    """check configuration, database, schema, broker and topics
+
+    Check the settings, the database and its schema version, that every pending row is where a
+    claim will look for it, the broker, and that the topics of pending rows and
+    OUTBOX_DEFAULT_TOPIC exist. One line per problem on stderr; exit 1 if there is any."""
     problems = 0
     for finding in await check(settings, repair=args.repair):
         line = f"{finding.level}: {display.inert(finding.text)}"

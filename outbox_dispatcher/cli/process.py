@@ -12,7 +12,7 @@ import sys
 import structlog
 
 from outbox_dispatcher import errors, tracing
-from outbox_dispatcher.cli.flags import BATCHED, CONNECT, EVERY, Commands, command
+from outbox_dispatcher.cli.flags import BATCHED, CONNECT, EVERY, Commands, command, switch
 from outbox_dispatcher.cli.terminal import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import Dispatcher
@@ -32,17 +32,13 @@ NO_WEB_STACK = (
 
 
 def configure_run_parser(commands: Commands) -> None:
-    command(
-        commands,
-        "run",
-        settings=EVERY,
-        handler=_run,
-        help="dispatch until SIGTERM/SIGINT",
-        description="Dispatch until SIGTERM/SIGINT.",
-    )
+    command(commands, "run", _run, EVERY)
 
 
 async def _run(settings: Settings, _: argparse.Namespace) -> int:
+    """dispatch until SIGTERM/SIGINT
+
+    Dispatch until SIGTERM/SIGINT."""
     if settings.tracing:
         try:
             tracing.configure_sdk()
@@ -96,26 +92,20 @@ async def _dispatch(dispatcher: Dispatcher) -> int:
 
 
 def configure_migrate_parser(commands: Commands) -> None:
-    parser = command(
-        commands,
-        "migrate",
-        settings=CONNECT,
-        handler=_migrate,
-        help="create or upgrade the outbox schema (idempotent)",
-        description=(
-            "Create or upgrade the outbox schema; safe to run concurrently. A step that "
-            "dispatchers of an older version cannot run beside waits until none of them runs "
-            "(run migrate again after the rollout)."
-        ),
-    )
-    parser.add_argument(
+    parser = command(commands, "migrate", _migrate, CONNECT)
+    switch(
+        parser,
         "--contract-now",
-        action="store_true",
-        help="apply such a step even while older dispatchers run (they stop with a message)",
+        "apply such a step even while older dispatchers run (they stop with a message)",
     )
 
 
 async def _migrate(settings: Settings, ns: argparse.Namespace) -> int:
+    """create or upgrade the outbox schema (idempotent)
+
+    Create or upgrade the outbox schema; safe to run concurrently. A step that dispatchers of
+    an older version cannot run beside waits until none of them runs (run migrate again after
+    the rollout)."""
     done = await schema.migrate(settings, contract=ns.contract_now)
     applied, version = done.applied, done.version
     log.info("schema_ready", version=version, applied=applied)
@@ -151,22 +141,17 @@ CONSOLE_SETTINGS = (
 
 
 def configure_console_parser(commands: Commands) -> None:
-    command(
-        commands,
-        "console",
-        settings=CONSOLE_SETTINGS,
-        handler=_console,
-        help="serve the operator console (pages and a JSON API) until SIGTERM/SIGINT",
-        description="Serve the operator console on OUTBOX_CONSOLE_HOST:OUTBOX_CONSOLE_PORT: the "
-        "backlog, dead rows, blocked keys and the audit as pages and under /api/v1/, to people "
-        "logged in with OUTBOX_CONSOLE_TOKEN or named by a trusted proxy "
-        "(OUTBOX_CONSOLE_TRUSTED_PROXIES), who may also requeue, discard, replay, pause and "
-        "resume; with OUTBOX_CONSOLE_ANONYMOUS_READ=true anyone may read. Needs the install "
-        "extra outbox-dispatcher[console].",
-    )
+    command(commands, "console", _console, CONSOLE_SETTINGS)
 
 
 async def _console(settings: Settings, _: argparse.Namespace) -> int:
+    """serve the operator console (pages and a JSON API) until SIGTERM/SIGINT
+
+    Serve the operator console on OUTBOX_CONSOLE_HOST:OUTBOX_CONSOLE_PORT: the backlog, dead
+    rows, blocked keys and the audit as pages and under /api/v1/, to people logged in with
+    OUTBOX_CONSOLE_TOKEN or named by a trusted proxy (OUTBOX_CONSOLE_TRUSTED_PROXIES), who may
+    also requeue, discard, replay, pause and resume; with OUTBOX_CONSOLE_ANONYMOUS_READ=true
+    anyone may read. Needs the install extra outbox-dispatcher[console]."""
     # Imported here: the web stack is an install extra, loaded only by the command that serves it.
     try:
         from outbox_dispatcher import console

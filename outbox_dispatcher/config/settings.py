@@ -46,343 +46,202 @@ class Settings(BaseSettings):
         extra="ignore",
         validate_default=True,
         frozen=True,
+        use_attribute_docstrings=True,  # each field's docstring is its --help
     )
 
     # Where
-    database_url: SecretStr = Field(
-        default=SecretStr("postgresql://outbox:outbox@127.0.0.1:5432/outbox"),
-        description=(
-            "PostgreSQL URL of the database that holds the outbox table (a secret: use "
-            "OUTBOX_DATABASE_URL_FILE or OUTBOX_SECRETS_DIR; percent-encode the password)."
-        ),
-    )
+    database_url: SecretStr = SecretStr("postgresql://outbox:outbox@127.0.0.1:5432/outbox")
+    """PostgreSQL URL of the database that holds the outbox table (a secret: use
+    OUTBOX_DATABASE_URL_FILE or OUTBOX_SECRETS_DIR; percent-encode the password)."""
     db_schema: str = Field(
-        default="public",
-        validation_alias=AliasChoices("OUTBOX_SCHEMA", "db_schema"),
-        description="Schema of the outbox table.",
+        default="public", validation_alias=AliasChoices("OUTBOX_SCHEMA", "db_schema")
     )
-    table: str = Field(default="outbox", description="Name of the outbox table.")
-    kafka_bootstrap_servers: str = Field(
-        default="127.0.0.1:9092", description="Comma-separated Kafka bootstrap servers."
-    )
-    kafka_client_id: str = Field(default="outbox-dispatcher", description="Kafka client id.")
+    """Schema of the outbox table."""
+    table: str = "outbox"
+    """Name of the outbox table."""
+    kafka_bootstrap_servers: str = "127.0.0.1:9092"
+    """Comma-separated Kafka bootstrap servers."""
+    kafka_client_id: str = "outbox-dispatcher"
+    """Kafka client id."""
 
     # How much at once
-    claim_tasks: int = Field(default=2, ge=1, le=64, description="Concurrent claim tasks.")
-    batch_size: int = Field(default=500, ge=1, le=10_000, description="Rows per claim.")
-    scan_factor: int = Field(
-        default=2,
-        ge=1,
-        le=100,
-        description=(
-            "Unused since the claim engine of schema version 6 (claims pick ready keys, not a "
-            "window of the oldest rows); accepted so that existing configurations still start."
-        ),
-    )
-    pool_size: int = Field(
-        default=0,
-        ge=0,
-        description="Database pool size; 0 means claim_tasks + 2.",
-    )
+    claim_tasks: int = Field(default=2, ge=1, le=64)
+    """Concurrent claim tasks."""
+    batch_size: int = Field(default=500, ge=1, le=10_000)
+    """Rows per claim."""
+    scan_factor: int = Field(default=2, ge=1, le=100)
+    """Unused since the claim engine of schema version 6 (claims pick ready keys, not a window
+    of the oldest rows); accepted so that existing configurations still start."""
+    pool_size: int = Field(default=0, ge=0)
+    """Database pool size; 0 means claim_tasks + 2."""
 
     # Timing
-    lease_seconds: PositiveSeconds = Field(
-        default=30.0, description="Lease length; extended every lease/3 while in flight."
-    )
-    poll_interval_seconds: PositiveSeconds = Field(
-        default=0.5, description="Polling fallback when no notification arrives."
-    )
-    publish_timeout_seconds: PositiveSeconds = Field(
-        default=20.0, description="Longest wait for the broker's acknowledgement of a batch."
-    )
-    shutdown_grace_seconds: PositiveSeconds = Field(
-        default=20.0, description="On SIGTERM, time to finish in-flight batches before cancelling."
-    )
-    linger_seconds: Seconds = Field(
-        default=1.0,
-        description=(
-            "Without LISTEN (listen=false): after a batch, keep polling every "
-            "linger_poll_seconds this long, so that a steady flow does not wait for "
-            "poll_interval. With LISTEN the dispatcher waits for writers' notifications instead."
-        ),
-    )
-    linger_poll_seconds: PositiveSeconds = Field(
-        default=0.01, description="Polling interval while lingering after a batch."
-    )
-    reclaim_interval_seconds: PositiveSeconds = Field(
-        default=10.0, description="How often expired leases of crashed dispatchers are swept."
-    )
-    sweep_rows: int = Field(
-        default=10_000,
-        ge=0,
-        description=(
-            "Ids the anti-entropy sweep walks every reclaim interval (0: off). It finds pending "
-            "rows that reached the table around the claim engine's bookkeeping (ids written "
-            "below its cursor, a restore with triggers off) and hands them to the claims; a "
-            "whole pass takes table rows / sweep_rows reclaim intervals."
-        ),
-    )
+    lease_seconds: PositiveSeconds = 30.0
+    """Lease length; extended every lease/3 while in flight."""
+    poll_interval_seconds: PositiveSeconds = 0.5
+    """Polling fallback when no notification arrives."""
+    publish_timeout_seconds: PositiveSeconds = 20.0
+    """Longest wait for the broker's acknowledgement of a batch."""
+    shutdown_grace_seconds: PositiveSeconds = 20.0
+    """On SIGTERM, time to finish in-flight batches before cancelling."""
+    linger_seconds: Seconds = 1.0
+    """Without LISTEN (listen=false): after a batch, keep polling every linger_poll_seconds this
+    long, so that a steady flow does not wait for poll_interval. With LISTEN the dispatcher
+    waits for writers' notifications instead."""
+    linger_poll_seconds: PositiveSeconds = 0.01
+    """Polling interval while lingering after a batch."""
+    reclaim_interval_seconds: PositiveSeconds = 10.0
+    """How often expired leases of crashed dispatchers are swept."""
+    sweep_rows: int = Field(default=10_000, ge=0)
+    """Ids the anti-entropy sweep walks every reclaim interval (0: off). It finds pending rows
+    that reached the table around the claim engine's bookkeeping (ids written below its cursor,
+    a restore with triggers off) and hands them to the claims; a whole pass takes table rows /
+    sweep_rows reclaim intervals."""
 
     # Failures
-    max_attempts: int = Field(
-        default=10, ge=1, description="Failed attempts after which a row is dead-lettered."
-    )
-    backoff_initial_seconds: PositiveSeconds = Field(
-        default=0.5, description="First retry delay; doubles per failed attempt, with jitter."
-    )
-    backoff_max_seconds: PositiveSeconds = Field(
-        default=30.0, description="Longest retry delay (also the longest pause in an outage)."
-    )
-    dead_letter_policy: DeadLetterPolicy = Field(
-        default=DeadLetterPolicy.SKIP,
-        description=(
-            "After a row of a key is dead-lettered: 'skip' publishes the key's later rows, "
-            "'block' holds them until an operator requeues or discards the dead row."
-        ),
-    )
+    max_attempts: int = Field(default=10, ge=1)
+    """Failed attempts after which a row is dead-lettered."""
+    backoff_initial_seconds: PositiveSeconds = 0.5
+    """First retry delay; doubles per failed attempt, with jitter."""
+    backoff_max_seconds: PositiveSeconds = 30.0
+    """Longest retry delay (also the longest pause in an outage)."""
+    dead_letter_policy: DeadLetterPolicy = DeadLetterPolicy.SKIP
+    """After a row of a key is dead-lettered: 'skip' publishes the key's later rows, 'block'
+    holds them until an operator requeues or discards the dead row."""
 
     # Kafka record shape and producer
-    default_topic: str | None = Field(
-        default=None, description="Topic for rows whose topic is NULL and no template applies."
-    )
-    topic_template: str | None = Field(
-        default=None,
-        description=(
-            "Topic for rows whose topic is NULL, from their headers: e.g. 'events.{aggregate}' "
-            "uses the row's 'aggregate' header."
-        ),
-    )
-    event_id_header: str = Field(
-        default="event-id", min_length=1, description="Kafka header that carries the event id."
-    )
-    kafka_linger_ms: int = Field(
-        default=2, ge=0, description="Producer linger: how long a batch waits for more records."
-    )
-    kafka_max_batch_bytes: int = Field(
-        default=262_144, ge=1024, description="Producer batch size per partition, in bytes."
-    )
-    kafka_max_request_bytes: int = Field(
-        default=1_048_576,
-        ge=1024,
-        description="Largest record the producer sends; larger rows are dead-lettered.",
-    )
-    kafka_compression: Literal["none", "gzip", "lz4", "zstd", "snappy"] = Field(
-        default="none", description="Producer compression."
-    )
-    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
-        default="PLAINTEXT", description="Kafka security protocol."
-    )
-    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
-        default=None, description="SASL mechanism, with username and password."
-    )
-    kafka_sasl_username: str | None = Field(default=None, description="SASL username.")
-    kafka_sasl_password: SecretStr | None = Field(
-        default=None, description="SASL password (a secret: use OUTBOX_KAFKA_SASL_PASSWORD_FILE)."
-    )
-    kafka_ssl_cafile: str | None = Field(
-        default=None, description="CA bundle that verifies the broker's certificate."
-    )
-    kafka_ssl_certfile: str | None = Field(
-        default=None, description="Client certificate (PEM) for brokers that require one."
-    )
-    kafka_ssl_keyfile: str | None = Field(
-        default=None, description="Private key (PEM) of the client certificate."
-    )
-    kafka_ssl_key_password: SecretStr | None = Field(
-        default=None,
-        description="Password of the client certificate's private key, if any (a secret: use "
-        "OUTBOX_KAFKA_SSL_KEY_PASSWORD_FILE).",
-    )
-    kafka_ssl_check_hostname: bool = Field(
-        default=True, description="Verify that the broker's certificate names its host."
-    )
-    kafka_allow_auto_create_topics: bool = Field(
-        default=True,
-        description=(
-            "Let the broker auto-create a missing topic (if it is configured to). When false, "
-            "the dispatcher looks topics up without auto-creation, and a row for a missing topic "
-            "is retried, then dead-lettered, with a message saying to create it."
-        ),
-    )
+    default_topic: str | None = None
+    """Topic for rows whose topic is NULL and no template applies."""
+    topic_template: str | None = None
+    """Topic for rows whose topic is NULL, from their headers: e.g. 'events.{aggregate}' uses
+    the row's 'aggregate' header."""
+    event_id_header: str = Field(default="event-id", min_length=1)
+    """Kafka header that carries the event id."""
+    kafka_linger_ms: int = Field(default=2, ge=0)
+    """Producer linger: how long a batch waits for more records."""
+    kafka_max_batch_bytes: int = Field(default=262_144, ge=1024)
+    """Producer batch size per partition, in bytes."""
+    kafka_max_request_bytes: int = Field(default=1_048_576, ge=1024)
+    """Largest record the producer sends; larger rows are dead-lettered."""
+    kafka_compression: Literal["none", "gzip", "lz4", "zstd", "snappy"] = "none"
+    """Producer compression."""
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """Kafka security protocol."""
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    """SASL mechanism, with username and password."""
+    kafka_sasl_username: str | None = None
+    """SASL username."""
+    kafka_sasl_password: SecretStr | None = None
+    """SASL password (a secret: use OUTBOX_KAFKA_SASL_PASSWORD_FILE)."""
+    kafka_ssl_cafile: str | None = None
+    """CA bundle that verifies the broker's certificate."""
+    kafka_ssl_certfile: str | None = None
+    """Client certificate (PEM) for brokers that require one."""
+    kafka_ssl_keyfile: str | None = None
+    """Private key (PEM) of the client certificate."""
+    kafka_ssl_key_password: SecretStr | None = None
+    """Password of the client certificate's private key, if any (a secret: use
+    OUTBOX_KAFKA_SSL_KEY_PASSWORD_FILE)."""
+    kafka_ssl_check_hostname: bool = True
+    """Verify that the broker's certificate names its host."""
+    kafka_allow_auto_create_topics: bool = True
+    """Let the broker auto-create a missing topic (if it is configured to). When false, the
+    dispatcher looks topics up without auto-creation, and a row for a missing topic is retried,
+    then dead-lettered, with a message saying to create it."""
 
     # Database session
-    listen: bool = Field(default=True, description="Use LISTEN/NOTIFY as a wake-up hint.")
-    listen_database_url: SecretStr | None = Field(
-        default=None,
-        description=(
-            "Direct URL for LISTEN when database_url goes through a transaction pooler (a "
-            "secret: use OUTBOX_LISTEN_DATABASE_URL_FILE)."
-        ),
-    )
-    synchronous_commit: Literal["on", "off", "local"] = Field(
-        default="off",
-        description=(
-            "synchronous_commit for the dispatcher's own transactions; a lost mark after a "
-            "database crash only means a re-publish, which at-least-once delivery allows."
-        ),
-    )
+    listen: bool = True
+    """Use LISTEN/NOTIFY as a wake-up hint."""
+    listen_database_url: SecretStr | None = None
+    """Direct URL for LISTEN when database_url goes through a transaction pooler (a secret: use
+    OUTBOX_LISTEN_DATABASE_URL_FILE)."""
+    synchronous_commit: Literal["on", "off", "local"] = "off"
+    """synchronous_commit for the dispatcher's own transactions; a lost mark after a database
+    crash only means a re-publish, which at-least-once delivery allows."""
 
-    delete_on_publish: bool = Field(
-        default=False,
-        description=(
-            "Delete rows once the broker acknowledged them instead of marking them published: "
-            "less write amplification, but no record of what was published (nothing to replay)."
-        ),
-    )
-    statement_cache_size: int = Field(
-        default=100,
-        ge=0,
-        description=(
-            "asyncpg's prepared-statement cache per connection; 0 behind a transaction pooler "
-            "without prepared-statement support."
-        ),
-    )
+    delete_on_publish: bool = False
+    """Delete rows once the broker acknowledged them instead of marking them published: less
+    write amplification, but no record of what was published (nothing to replay)."""
+    statement_cache_size: int = Field(default=100, ge=0)
+    """asyncpg's prepared-statement cache per connection; 0 behind a transaction pooler without
+    prepared-statement support."""
 
     # Table hygiene
-    retention_seconds: Seconds = Field(
-        default=7 * 24 * 3600,
-        description=(
-            "Delete published rows older than this (dead rows are kept for operators); "
-            "0 keeps them forever."
-        ),
-    )
-    cleanup_interval_seconds: PositiveSeconds = Field(
-        default=60.0, description="How often the retention loop looks for old published rows."
-    )
-    cleanup_batch_size: int = Field(
-        default=1000,
-        ge=1,
-        le=100_000,
-        description="Rows deleted per retention transaction (bounds lock time and WAL bursts).",
-    )
-    action_batch_size: int | None = Field(
-        default=None,
-        ge=1,
-        le=100_000,
-        description="Rows per batch of dead requeue/discard and replay (CLI and console); "
-        "unset: OUTBOX_CLEANUP_BATCH_SIZE.",
-    )
+    retention_seconds: Seconds = 7 * 24 * 3600
+    """Delete published rows older than this (dead rows are kept for operators); 0 keeps them
+    forever."""
+    cleanup_interval_seconds: PositiveSeconds = 60.0
+    """How often the retention loop looks for old published rows."""
+    cleanup_batch_size: int = Field(default=1000, ge=1, le=100_000)
+    """Rows deleted per retention transaction (bounds lock time and WAL bursts)."""
+    action_batch_size: int | None = Field(default=None, ge=1, le=100_000)
+    """Rows per batch of dead requeue/discard and replay (CLI and console); unset:
+    OUTBOX_CLEANUP_BATCH_SIZE."""
 
     # Observability
-    http_host: str = Field(
-        default="0.0.0.0",  # noqa: S104 - probes and scrapes come from outside the pod
-        description=(
-            "Address of the /metrics, /livez and /readyz endpoint. The default, every IPv4 "
-            "interface, is what Kubernetes probes and Prometheus need (they reach the pod's "
-            "address); the endpoint serves no secrets, but on a shared host or without a "
-            "NetworkPolicy set 127.0.0.1 (or '::' for IPv6)."
-        ),
-    )
-    http_port: int = Field(
-        default=9646,
-        ge=0,
-        le=65535,
-        description="Port of the /metrics, /livez and /readyz endpoint; 0 picks a free port.",
-    )
-    http_enabled: bool = Field(default=True, description="Serve /metrics, /livez and /readyz.")
-    liveness_timeout_seconds: PositiveSeconds = Field(
-        default=120.0,
-        description="/livez fails when a loop has not made progress for this long.",
-    )
-    metrics_interval_seconds: PositiveSeconds = Field(
-        default=15.0,
-        description="How often the outbox's pending/dead/blocked gauges are read from the table.",
-    )
-    cloudevents: bool = Field(
-        default=False,
-        description=(
-            "Add CloudEvents binary-mode headers (ce_id = event id, ce_source, ce_type, "
-            "ce_specversion, ce_time, content-type); a row's own ce_* headers win."
-        ),
-    )
-    cloudevents_source: str = Field(
-        default="outbox-dispatcher", min_length=1, description="ce_source when the row has none."
-    )
-    cloudevents_type: str = Field(
-        default="outbox.event", min_length=1, description="ce_type when the row has none."
-    )
-    cloudevents_content_type: str = Field(
-        default="application/json",
-        min_length=1,
-        description="content-type when the row has none.",
-    )
-    tracing: bool = Field(
-        default=False,
-        description=(
-            "Record an OpenTelemetry producer span per record, linked to the row's traceparent "
-            "(needs the 'otel' extra and an OTEL_* configured SDK)."
-        ),
-    )
+    http_host: str = "0.0.0.0"  # noqa: S104 - probes and scrapes come from outside the pod
+    """Address of the /metrics, /livez and /readyz endpoint. The default, every IPv4 interface,
+    is what Kubernetes probes and Prometheus need (they reach the pod's address); the endpoint
+    serves no secrets, but on a shared host or without a NetworkPolicy set 127.0.0.1 (or '::'
+    for IPv6)."""
+    http_port: int = Field(default=9646, ge=0, le=65535)
+    """Port of the /metrics, /livez and /readyz endpoint; 0 picks a free port."""
+    http_enabled: bool = True
+    """Serve /metrics, /livez and /readyz."""
+    liveness_timeout_seconds: PositiveSeconds = 120.0
+    """/livez fails when a loop has not made progress for this long."""
+    metrics_interval_seconds: PositiveSeconds = 15.0
+    """How often the outbox's pending/dead/blocked gauges are read from the table."""
+    cloudevents: bool = False
+    """Add CloudEvents binary-mode headers (ce_id = event id, ce_source, ce_type,
+    ce_specversion, ce_time, content-type); a row's own ce_* headers win."""
+    cloudevents_source: str = Field(default="outbox-dispatcher", min_length=1)
+    """ce_source when the row has none."""
+    cloudevents_type: str = Field(default="outbox.event", min_length=1)
+    """ce_type when the row has none."""
+    cloudevents_content_type: str = Field(default="application/json", min_length=1)
+    """content-type when the row has none."""
+    tracing: bool = False
+    """Record an OpenTelemetry producer span per record, linked to the row's traceparent (needs
+    the 'otel' extra and an OTEL_* configured SDK)."""
 
     # The operator console (`outbox-dispatcher console`)
-    console_host: str = Field(
-        default="127.0.0.1",
-        description=(
-            "Address of the operator console (`outbox-dispatcher console`). The default serves "
-            "this machine only; to reach it from elsewhere, put it behind a TLS proxy."
-        ),
-    )
-    console_port: int = Field(
-        default=9647, ge=0, le=65535, description="Port of the operator console."
-    )
-    console_token: SecretStr | None = Field(
-        default=None,
-        description=(
-            "Token of the console's people: the password of its login form and the Bearer "
-            "token of its API, which let them read and act (requeue, discard, replay, pause, "
-            "resume). A secret: use OUTBOX_CONSOLE_TOKEN_FILE or OUTBOX_SECRETS_DIR; random, "
-            "at least 16 characters (e.g. `openssl rand -hex 32`)."
-        ),
-    )
-    console_anonymous_read: bool = Field(
-        default=False,
-        description=(
-            "Let anyone who reaches the console read it without logging in (counts, keys, "
-            "errors, headers; never payloads or actions): a read-only anonymous console."
-        ),
-    )
-    console_allowed_hosts: str | None = Field(
-        default=None,
-        description=(
-            "Host names (comma-separated) the console answers to, in the Host header (against "
-            "DNS rebinding); default: OUTBOX_CONSOLE_HOST, 127.0.0.1, localhost and ::1. Add "
-            "the name a proxy or browser uses to reach it."
-        ),
-    )
-    console_trusted_proxies: str | None = Field(
-        default=None,
-        description=(
-            "Addresses or networks (comma-separated) of proxies whose X-Forwarded-User header "
-            "names the person (logged in as them, recorded in the audit) and whose "
-            "X-Forwarded-For names the client; the header from anyone else is ignored."
-        ),
-    )
-    console_show_payload: bool = Field(
-        default=False,
-        description="Show row payloads in the console (off: a payload never leaves the database).",
-    )
-    console_payload_max_bytes: int = Field(
-        default=16_384,
-        ge=1,
-        le=1_048_576,
-        description="With console_show_payload, the most bytes of a payload the console shows.",
-    )
-    console_sample_seconds: PositiveSeconds = Field(
-        default=10.0,
-        description=(
-            "How often the console samples the backlog for its last-hour chart (kept in the "
-            "console's memory only)."
-        ),
-    )
+    console_host: str = "127.0.0.1"
+    """Address of the operator console (`outbox-dispatcher console`). The default serves this
+    machine only; to reach it from elsewhere, put it behind a TLS proxy."""
+    console_port: int = Field(default=9647, ge=0, le=65535)
+    """Port of the operator console."""
+    console_token: SecretStr | None = None
+    """Token of the console's people: the password of its login form and the Bearer token of its
+    API, which let them read and act (requeue, discard, replay, pause, resume). A secret: use
+    OUTBOX_CONSOLE_TOKEN_FILE or OUTBOX_SECRETS_DIR; random, at least 16 characters (e.g.
+    `openssl rand -hex 32`)."""
+    console_anonymous_read: bool = False
+    """Let anyone who reaches the console read it without logging in (counts, keys, errors,
+    headers; never payloads or actions): a read-only anonymous console."""
+    console_allowed_hosts: str | None = None
+    """Host names (comma-separated) the console answers to, in the Host header (against DNS
+    rebinding); default: OUTBOX_CONSOLE_HOST, 127.0.0.1, localhost and ::1. Add the name a proxy
+    or browser uses to reach it."""
+    console_trusted_proxies: str | None = None
+    """Addresses or networks (comma-separated) of proxies whose X-Forwarded-User header names
+    the person (logged in as them, recorded in the audit) and whose X-Forwarded-For names the
+    client; the header from anyone else is ignored."""
+    console_show_payload: bool = False
+    """Show row payloads in the console (off: a payload never leaves the database)."""
+    console_payload_max_bytes: int = Field(default=16_384, ge=1, le=1_048_576)
+    """With console_show_payload, the most bytes of a payload the console shows."""
+    console_sample_seconds: PositiveSeconds = 10.0
+    """How often the console samples the backlog for its last-hour chart (kept in the console's
+    memory only)."""
 
     # Process
-    uvloop: bool = Field(default=True, description="Run on uvloop where it is installed.")
-    log_format: Literal["json", "console"] = Field(
-        default="json", description="Log lines as JSON objects, or for a terminal."
-    )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        default="INFO", description="Log level."
-    )
+    uvloop: bool = True
+    """Run on uvloop where it is installed."""
+    log_format: Literal["json", "console"] = "json"
+    """Log lines as JSON objects, or for a terminal."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level."""
 
     @field_validator("database_url", "listen_database_url")
     @classmethod

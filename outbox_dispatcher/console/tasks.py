@@ -61,14 +61,7 @@ class Jobs:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
-        log.info(
-            "console_action",
-            command=result.command,
-            rows=result.rows,
-            status=result.status,
-            record=result.record,
-            identity=origin.identity,
-        )
+        log.info("console_action", **result.logged(), identity=origin.identity)
 
     def running(self, record: int) -> bool:
         return record in self._tasks

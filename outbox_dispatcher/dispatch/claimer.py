@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
 
 import structlog
 
 from outbox_dispatcher.config.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.models import Batch, OutboxRecord
 from outbox_dispatcher.store import DispatchStore, OutOfMemoryError, Row, db
+from outbox_dispatcher.store.arguments import ClaimArguments
 
 log = structlog.get_logger(__name__)
 
@@ -60,18 +60,18 @@ class Claimer:
         self._fit(rows)
         return Batch(token, list(map(OutboxRecord.from_row, rows)))
 
-    def arguments(self, token: uuid.UUID) -> dict[str, Any]:
-        """The claim's parameters for a claim under `token` (DispatchStore.claim's keywords)."""
-        return {
-            "limit": self._limit,
-            "max_keys": self._max_keys,
-            "owner": self._owner,
-            "lease_seconds": self._lease,
-            "token": token,
-            "block_on_dead": self._block,
-            "max_attempts": self._max_attempts,
-            "scan": self._scan,
-        }
+    def arguments(self, token: uuid.UUID) -> ClaimArguments:
+        """The claim's parameters for a claim under `token`."""
+        return ClaimArguments(
+            limit=self._limit,
+            max_keys=self._max_keys,
+            owner=self._owner,
+            lease_seconds=self._lease,
+            token=token,
+            block_on_dead=self._block,
+            max_attempts=self._max_attempts,
+            scan=self._scan,
+        )
 
     def _fit(self, rows: list[Row]) -> None:
         """Keys for the next claim. A full batch means its keys had at least their share of the

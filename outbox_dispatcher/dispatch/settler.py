@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any
 
 import structlog
 
 from outbox_dispatcher.models import PUBLISHED, Batch, Result
 from outbox_dispatcher.store import DispatchStore, db
+from outbox_dispatcher.store.arguments import SettleArguments
 
 log = structlog.get_logger(__name__)
 
@@ -28,33 +28,22 @@ class Settler:
     # dispatcher took over. None: every shortfall is reported as a lost lease.
     owner: str | None = None
 
-    def arguments(self, batch: Batch, results: Sequence[Result]) -> dict[str, Any]:
-        """The settle's keywords: each row's outcome and key (the work the batch holds)."""
+    def arguments(self, batch: Batch, results: Sequence[Result]) -> SettleArguments:
+        """The settle's parameters: each row's outcome and key (the work the batch holds)."""
         records = batch.records
-        arguments: dict[str, Any] = {
-            "token": batch.token,
-            "owner": self.owner or "",
-            "ids": [r.id for r in records],
-            "keys": [r.ordering_key for r in records],
-            "delete_published": self.delete_on_publish,
-            "block_on_dead": self.block_on_dead,
-        }
-        if all(res is PUBLISHED for res in results):  # the common case: one pass, not four
-            n = len(results)
-            arguments |= {
-                "outcomes": [PUBLISHED.outcome.value] * n,
-                "errors": [None] * n,
-                "delays": [0.0] * n,
-                "counted": [0] * n,
-            }
-        else:
-            arguments |= {
-                "outcomes": [res.outcome.value for res in results],
-                "errors": [res.error for res in results],
-                "delays": [res.delay for res in results],
-                "counted": [int(res.counted) for res in results],
-            }
-        return arguments
+        outcomes, errors, delays, counted = _columns(results)
+        return SettleArguments(
+            token=batch.token,
+            owner=self.owner or "",
+            ids=[r.id for r in records],
+            keys=[r.ordering_key for r in records],
+            outcomes=outcomes,
+            errors=errors,
+            delays=delays,
+            counted=counted,
+            delete_published=self.delete_on_publish,
+            block_on_dead=self.block_on_dead,
+        )
 
     async def settle(self, batch: Batch, results: Sequence[Result]) -> int:
         """Write every result in one statement; returns how many rows were still ours. Retries
@@ -109,7 +98,9 @@ class Settler:
             )
         return found
 
-    async def _execute(self, arguments: dict[str, Any], rows: int) -> tuple[list[int], bool] | None:
+    async def _execute(
+        self, arguments: SettleArguments, rows: int
+    ) -> tuple[list[int], bool] | None:
         """The ids changed, and whether an earlier try failed without an answer (it may have
         committed); None if the database stayed away past the retry window."""
         loop = asyncio.get_running_loop()
@@ -141,3 +132,18 @@ class Settler:
         except asyncio.CancelledError:
             await task
             raise
+
+
+def _columns(
+    results: Sequence[Result],
+) -> tuple[list[str], list[str | None], list[float], list[int]]:
+    """The results as the settle's four columns: outcome, error, retry delay, counted."""
+    n = len(results)
+    if all(res is PUBLISHED for res in results):  # the common case: one pass, not four
+        return [PUBLISHED.outcome.value] * n, [None] * n, [0.0] * n, [0] * n
+    return (
+        [res.outcome.value for res in results],
+        [res.error for res in results],
+        [res.delay for res in results],
+        [int(res.counted) for res in results],
+    )

@@ -110,6 +110,15 @@ class ActionResult:
             found.update(record=self.record, status=self.status)
         return found
 
+    def logged(self) -> dict[str, object]:
+        """The fields of its log line."""
+        return {
+            "command": self.command,
+            "rows": self.rows,
+            "status": self.status,
+            "record": self.record,
+        }
+
 
 def refuse(action: Action) -> None:
     """Raise the action's refusal, if any: callers check before they connect, perform again."""
@@ -214,6 +223,7 @@ class _Filtered:
     everything: bool = False  # every such row, on purpose (--all, "all": true)
     names: Names = FIELDS
     bound: Bound | None = None
+    command = ""  # as typed: "dead requeue"
     verb = ""  # requeue, discard, replay
     noun = ""  # the rows it changes: "dead row"
     asks = False  # whether it asks before changing every such row
@@ -275,7 +285,8 @@ class _Filtered:
         )
 
     def _step(self, store: OperatorStore) -> Callable[..., Any]:
-        raise NotImplementedError
+        """The store's statement of one batch, named like the command ("dead requeue")."""
+        return getattr(store, self.command.replace(" ", "_"))  # type: ignore[no-any-return]
 
     def audited(self) -> dict[str, object]:
         return {**self.filters.as_json(), **({"all": True} if self.everything else {})}
@@ -284,30 +295,24 @@ class _Filtered:
         return text.changed(self.verb, rows, self.noun, dry_run=dry_run)
 
 
-@dataclass
-class DeadRequeue(_Filtered):
+class _DeadChange(_Filtered):
+    noun = "dead row"
+
+
+class DeadRequeue(_DeadChange):
     """Make matching dead rows pending again (attempts 0, due now)."""
 
     command = "dead requeue"
     verb = "requeue"
-    noun = "dead row"
     wakes = True
 
-    def _step(self, store: OperatorStore) -> Callable[..., Any]:
-        return store.dead_requeue
 
-
-@dataclass
-class DeadDiscard(_Filtered):
+class DeadDiscard(_DeadChange):
     """Delete matching dead rows; every dead row only after asking."""
 
     command = "dead discard"
     verb = "discard"
-    noun = "dead row"
     asks = True
-
-    def _step(self, store: OperatorStore) -> Callable[..., Any]:
-        return store.dead_discard
 
 
 @dataclass

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from typing import Unpack
 
 import asyncpg
 
+from outbox_dispatcher.store.arguments import ClaimArguments, SettleArguments
 from outbox_dispatcher.store.base import Row, StoreBase
 
 # Raised by a claim when the server's lock table or memory is short (SQLSTATE 53200).
@@ -22,66 +24,18 @@ OutOfMemoryError = asyncpg.OutOfMemoryError
 class DispatchStore(StoreBase):
     """The hot path and the upkeep of one outbox table."""
 
-    async def claim(
-        self,
-        *,
-        limit: int,
-        max_keys: int,
-        owner: str,
-        lease_seconds: float,
-        token: uuid.UUID,
-        block_on_dead: bool,
-        max_attempts: int,
-        scan: int,
-    ) -> list[Row]:
-        """Lease up to `limit` rows of at most `max_keys` keys under `token`, looking at up to
-        `scan` new rows."""
-        return await self._fetch(
-            "claim",
-            limit=limit,
-            max_keys=max_keys,
-            owner=owner,
-            lease_seconds=lease_seconds,
-            token=token,
-            block_on_dead=block_on_dead,
-            max_attempts=max_attempts,
-            scan=scan,
-        )
+    async def claim(self, **arguments: Unpack[ClaimArguments]) -> list[Row]:
+        """The rows leased (ClaimArguments says what is asked)."""
+        return await self._fetch("claim", **arguments)
 
     async def release_claim(self, *, token: uuid.UUID) -> int:
         """Give back what a claim under `token` leased; keys (and rows without one) released."""
         return int(await self._value("release_claim", token=token))
 
-    async def settle(
-        self,
-        *,
-        token: uuid.UUID,
-        owner: str,
-        ids: Sequence[int],
-        keys: Sequence[str | None],
-        outcomes: Sequence[str],
-        errors: Sequence[str | None],
-        delays: Sequence[float],
-        counted: Sequence[int],
-        delete_published: bool,
-        block_on_dead: bool,
-    ) -> list[int]:
-        """Record one batch's outcomes and release its keys (`keys`: each row's key, aligned
-        with `ids`); the ids of the rows that were still ours."""
-        rows = await self._fetch(
-            "settle",
-            token=token,
-            owner=owner,
-            ids=list(ids),
-            keys=list(keys),
-            outcomes=list(outcomes),
-            errors=list(errors),
-            delays=list(delays),
-            counted=list(counted),
-            delete_published=delete_published,
-            block_on_dead=block_on_dead,
-        )
-        return [int(row[0]) for row in rows]
+    async def settle(self, **arguments: Unpack[SettleArguments]) -> list[int]:
+        """Record one batch's outcomes and release its keys; the ids of the rows that were still
+        ours."""
+        return [int(row[0]) for row in await self._fetch("settle", **arguments)]
 
     async def already_settled(
         self,

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
+from typing import Unpack
 
 import asyncpg
 
+from outbox_dispatcher.store.arguments import AuditCloseArguments, AuditOpenArguments
 from outbox_dispatcher.store.base import Row, StoreBase
 
 Values = Mapping[str, object]
@@ -120,30 +122,9 @@ class OperatorStore(StoreBase):
     # The audit record of an action while it runs (operate/jobs.py). `lock` is the table's
     # advisory-lock key of running actions.
 
-    async def audit_open(
-        self,
-        *,
-        lock: int,
-        command: str,
-        filter_json: str,
-        expected: int | None,
-        bound_json: str | None,
-        identity: str | None,
-        identity_source: str | None,
-        request_key: str | None,
-    ) -> Row | None:
+    async def audit_open(self, **arguments: Unpack[AuditOpenArguments]) -> Row | None:
         """The new record's id (None: `request_key` was recorded before)."""
-        return await self._one(
-            "audit_open",
-            lock=lock,
-            command=command,
-            filter_json=filter_json,
-            expected=expected,
-            bound_json=bound_json,
-            identity=identity,
-            identity_source=identity_source,
-            request_key=request_key,
-        )
+        return await self._one("audit_open", **arguments)
 
     async def audit_by_request(self, *, request_key: str) -> int | None:
         row = await self._one("audit_by_request", request_key=request_key)
@@ -161,26 +142,8 @@ class OperatorStore(StoreBase):
     async def audit_aborting(self, *, id: int) -> bool:
         return bool(await self._value("audit_aborting", id=id))
 
-    async def audit_close(
-        self,
-        *,
-        id: int,
-        status: str,
-        rows: int,
-        detail: str,
-        first_id: int | None,
-        last_id: int | None,
-    ) -> bool:
-        row = await self._one(
-            "audit_close",
-            id=id,
-            status=status,
-            rows=rows,
-            detail=detail,
-            first_id=first_id,
-            last_id=last_id,
-        )
-        return row is not None
+    async def audit_close(self, **arguments: Unpack[AuditCloseArguments]) -> bool:
+        return await self._one("audit_close", **arguments) is not None
 
     async def audit_release(self, *, lock: int, id: int) -> None:
         await self._fetch("audit_release", lock=lock, id=id)

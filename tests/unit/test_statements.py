@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,9 @@ def _calls(name: str, method: Any) -> list[dict[str, object]]:
             statement = "dead_count" if name.startswith("dead_") else name
             statement = "replay_count" if name.startswith("replay_") else statement
             keywords["filters"] = _filters(statement if statement in STATEMENTS else name, own)
+        elif parameter.kind is inspect.Parameter.VAR_KEYWORD:  # **arguments: Unpack[...]
+            (typed,) = typing.get_args(typing.get_type_hints(method)[parameter.name])
+            keywords |= {key: [key] for key in typed.__annotations__}
         elif parameter.name != "self":
             keywords[parameter.name] = [parameter.name]
     return [keywords]
