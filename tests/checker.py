@@ -277,16 +277,18 @@ async def consume(
     expected: int,
     timeout: float = 60.0,
     quiet: float = 1.0,
+    isolation: str = "read_committed",
 ) -> list[Record]:
-    """Read the topics from the start (read_committed) until `expected` records arrived (or
-    fail), then until `quiet` seconds pass without a record, to catch extra copies."""
+    """Read the topics from the start (read_committed, or `isolation`) until `expected` records
+    arrived (or fail), then until `quiet` seconds pass without a record, to catch extra
+    copies."""
     topics = [topic] if isinstance(topic, str) else list(topic)
     consumer = AIOKafkaConsumer(
         *topics,
         bootstrap_servers=bootstrap,
         auto_offset_reset="earliest",
         enable_auto_commit=False,
-        isolation_level="read_committed",
+        isolation_level=isolation,
         group_id=None,
     )
     await consumer.start()
@@ -323,8 +325,10 @@ async def verdict_for(
     table: str = "outbox",
     timeout: float = 60.0,
     event_id_header: str = EVENT_ID_HEADER,
+    isolation: str = "read_committed",
 ) -> Verdict:
-    """Record the committed rows of `topics`, consume the topics, and judge."""
+    """Record the committed rows of `topics`, consume the topics (as a consumer of `isolation`
+    does), and judge."""
     conn = await asyncpg.connect(database_url)
     try:
         written = await written_rows(conn, topics, table)
@@ -332,9 +336,9 @@ async def verdict_for(
         await conn.close()
     expected = sum(1 for w in written.values() if not w.dead)
     try:
-        records = await consume(bootstrap, topics, expected, timeout)
+        records = await consume(bootstrap, topics, expected, timeout, isolation=isolation)
     except AssertionError:
-        records = await consume(bootstrap, topics, 0, quiet=5.0)
+        records = await consume(bootstrap, topics, 0, quiet=5.0, isolation=isolation)
     verdict = check(records, written, event_id_header)
     if verdict.lost:
         conn = await asyncpg.connect(database_url)

@@ -26,6 +26,12 @@ class Choices(Protocol):
     @property
     def backoff_max_seconds(self) -> float: ...
     @property
+    def delivery(self) -> str: ...
+    @property
+    def lease_seconds(self) -> float: ...
+    @property
+    def transaction_timeout_seconds(self) -> float: ...
+    @property
     def kafka_security_protocol(self) -> str: ...
     @property
     def kafka_sasl_mechanism(self) -> str | None: ...
@@ -100,6 +106,12 @@ def bootstrap_servers(value: str) -> str:
 def relations(s: Choices) -> None:
     if s.backoff_max_seconds < s.backoff_initial_seconds:
         msg = "OUTBOX_BACKOFF_MAX_SECONDS must be >= OUTBOX_BACKOFF_INITIAL_SECONDS"
+        raise ValueError(msg)
+    if s.delivery == "exactly-once" and s.transaction_timeout_seconds >= s.lease_seconds:
+        msg = (
+            "OUTBOX_TRANSACTION_TIMEOUT_SECONDS must be < OUTBOX_LEASE_SECONDS: a batch's "
+            "transaction has to end before its lease"
+        )
         raise ValueError(msg)
     if s.kafka_sasl_mechanism and not (s.kafka_sasl_username and s.kafka_sasl_password):
         msg = "OUTBOX_KAFKA_SASL_MECHANISM needs OUTBOX_KAFKA_SASL_USERNAME and _PASSWORD"

@@ -26,6 +26,13 @@ from outbox_dispatcher.config.sources import FileVariablesSource, SecretsDirSour
 CONSOLE_TOKEN_MIN_LENGTH = 16
 
 
+class DeliveryMode(enum.StrEnum):
+    """What a consumer sees of a row (docs/design/exactly-once.md)."""
+
+    AT_LEAST_ONCE = "at-least-once"  # a crash or a takeover can publish a row again
+    EXACTLY_ONCE = "exactly-once"  # Kafka transactions: once to read_committed consumers
+
+
 class DeadLetterPolicy(enum.StrEnum):
     """What a dead-lettered row means for the later rows of its ordering key."""
 
@@ -125,6 +132,22 @@ class Settings(BaseSettings):
     """Largest record the producer sends; larger rows are dead-lettered."""
     kafka_compression: Literal["none", "gzip", "lz4", "zstd", "snappy"] = "none"
     """Producer compression."""
+
+    # Delivery (docs/design/exactly-once.md)
+    delivery: DeliveryMode = DeliveryMode.AT_LEAST_ONCE
+    """'at-least-once': a crash between the broker's acknowledgement and the mark, or a lease
+    taken over, publishes a row again (consumers deduplicate by the event id). 'exactly-once':
+    each batch is one Kafka transaction with a progress record, and a takeover fences the other
+    dispatchers' transactions and reads the progress first: no row reaches a read_committed
+    consumer twice."""
+    progress_topic: str = Field(default="outbox-dispatcher.progress", min_length=1)
+    """exactly-once: the compacted topic of progress records (created at start if missing)."""
+    transactional_id_prefix: str = Field(default="outbox-dispatcher.", min_length=1)
+    """exactly-once: each dispatcher's transactional id is this prefix and its owner id (a
+    Kafka ACL on this prefix grants them)."""
+    transaction_timeout_seconds: PositiveSeconds = 10.0
+    """exactly-once: the broker aborts a transaction open longer than this (it must end
+    before the lease, OUTBOX_LEASE_SECONDS)."""
     kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     """Kafka security protocol."""
     kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None

@@ -13,16 +13,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.dispatch.leases import InFlight
-from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.metrics import Metrics
 from outbox_dispatcher.models import Batch, Failure, OutboxRecord, Outcome, Part, Result
 from outbox_dispatcher.retries import RetryPolicy
@@ -49,6 +48,30 @@ class Settles(Protocol):
     async def settle_shielded(self, batch: Batch, results: Sequence[Result]) -> int: ...
 
 
+class Deliveries(Protocol):
+    """One claim on its way (kafka/delivery.py, kafka/transactions.py): its parts as the
+    broker answers, the final one last."""
+
+    records: Sequence[OutboxRecord]
+    settled: set[int]
+
+    @property
+    def parked(self) -> bool: ...
+    def __aiter__(self) -> AsyncGenerator[Part, None]: ...
+    def outcomes(self, *, stopped: BaseException) -> list[BaseException | None]: ...
+    def unsettled(self) -> list[int]: ...
+
+
+class Publishing(Protocol):
+    """What a batch run publishes through: KafkaPublisher (at-least-once) or
+    TransactionalPublisher (exactly-once)."""
+
+    def publish(self, records: Sequence[OutboxRecord], heartbeat: Callable[[], None]) -> Any: ...
+    async def abandon(self, delivery: Any, reason: str) -> None: ...
+    async def reachable(self, seconds: float = 5.0) -> bool: ...
+    def marked(self, delivery: Any, *, every_row: bool) -> None: ...
+
+
 class Settling:
     """What every batch of a dispatcher settles through: its retry policy (the outage streak is
     the dispatcher's), its settler, its metrics and logs, and its count of published rows."""
@@ -67,8 +90,9 @@ class Settling:
         acked_at: float,
         *,
         early: bool = False,
-    ) -> list[Result]:
-        """Settle (part of) a batch, then its metrics and logs."""
+    ) -> tuple[list[Result], int]:
+        """Settle (part of) a batch, then its metrics and logs; its results, and how many of its
+        rows the settle changed (the others were no longer ours)."""
         m = self.metrics
         records = batch.records
         loop = asyncio.get_running_loop()
@@ -93,7 +117,7 @@ class Settling:
             first_id=records[0].id,
             last_id=records[-1].id,
         )
-        return results
+        return results, settled
 
     async def settle_stopped(self, batch: Batch, outcomes: Sequence[BaseException | None]) -> None:
         """The rows of a run cancelled at shutdown: marked or given back, nothing else."""
@@ -106,14 +130,14 @@ class BatchRun:
     def __init__(
         self,
         batch: Batch,
-        publisher: KafkaPublisher,
+        publisher: Publishing,
         settling: Settling,
         in_flight: InFlight,
         heartbeat: Callable[[], None] = lambda: None,
         stalled: asyncio.Event | None = None,
     ) -> None:
         self.batch = batch
-        self.delivery = publisher.publish(batch.records, heartbeat)
+        self.delivery: Deliveries = publisher.publish(batch.records, heartbeat)
         self._publisher = publisher
         self._settling = settling
         self._in_flight = in_flight
@@ -138,11 +162,12 @@ class BatchRun:
                 await self._stopped()
                 raise
             rest = self._rows(final)
-            results = (
-                await self._settling.settle(rest, final.outcomes, self._claimed_at, time.time())
-                if rest.records
-                else []
-            )
+            results: list[Result] = []
+            if rest.records:
+                results, changed = await self._settling.settle(
+                    rest, final.outcomes, self._claimed_at, time.time()
+                )
+                self._publisher.marked(self.delivery, every_row=changed == len(rest.records))
         finally:
             self._in_flight.discard(batch.token)
         if self._transient or any(res.failure is Failure.TRANSIENT for res in results):
@@ -164,7 +189,7 @@ class BatchRun:
     async def _settle_early(self, part: Part) -> None:
         batch = self.batch
         if part.indices:
-            results = await self._settling.settle(
+            results, _ = await self._settling.settle(
                 self._rows(part), part.outcomes, self._claimed_at, time.time(), early=True
             )
             self._transient = self._transient or any(

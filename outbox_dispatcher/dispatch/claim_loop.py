@@ -11,12 +11,11 @@ from dataclasses import dataclass
 
 import structlog
 
-from outbox_dispatcher.dispatch.batch import BatchRun, Settling
+from outbox_dispatcher.dispatch.batch import BatchRun, Publishing, Settling
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.leases import InFlight
 from outbox_dispatcher.dispatch.wakeup import Waiting, Wakeup, pause
 from outbox_dispatcher.health import Heartbeats
-from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.metrics import Metrics
 from outbox_dispatcher.models import Batch
 from outbox_dispatcher.store import db
@@ -60,7 +59,7 @@ class ClaimLoop:
         config: ClaimLoopConfig,
         *,
         claimer: Claimer,
-        publisher: KafkaPublisher,
+        publisher: Publishing,
         settling: Settling,
         in_flight: InFlight,
         metrics: Metrics,

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 import structlog
 
 from outbox_dispatcher import cleanup, errors, metrics, registry
-from outbox_dispatcher.config.settings import DeadLetterPolicy, Settings
+from outbox_dispatcher.config.settings import DeadLetterPolicy, DeliveryMode, Settings
 from outbox_dispatcher.dispatch import leases
 from outbox_dispatcher.dispatch.batch import SettleConfig, Settling
 from outbox_dispatcher.dispatch.claim_loop import ClaimLoop, ClaimLoopConfig, Shared
@@ -31,15 +31,22 @@ from outbox_dispatcher.dispatch.wakeup import Waiting, Wakeup
 from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
 from outbox_dispatcher.kafka.delivery import DeliveryConfig
 from outbox_dispatcher.kafka.producers import ProducerConfig
+from outbox_dispatcher.kafka.progress import ProgressConfig
 from outbox_dispatcher.kafka.publisher import KafkaPublisher, PublisherConfig
 from outbox_dispatcher.kafka.records import RecordConfig
 from outbox_dispatcher.kafka.tls import ConnectionConfig
 from outbox_dispatcher.kafka.topics import TopicConfig
+from outbox_dispatcher.kafka.transactions import TransactionalPublisher
 from outbox_dispatcher.models import picked
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.store import DispatchStore, Statements, db, listen, migrations
 
 log = structlog.get_logger(__name__)
+
+# exactly-once: a takeover fences the dispatchers with a heartbeat this recent (an older one's
+# transactions ended long ago: the broker aborts one at OUTBOX_TRANSACTION_TIMEOUT_SECONDS).
+FENCE_WINDOW_SECONDS = 3600.0
+Publisher = KafkaPublisher | TransactionalPublisher
 
 READINESS_ERRORS: tuple[type[BaseException], ...] = (
     TimeoutError,
@@ -103,20 +110,39 @@ class Dispatcher:
             async with pool.acquire() as conn:
                 await migrations.check_version(conn, s.db_schema, s.table)
                 await db.require_read_committed(conn)
-            publisher = KafkaPublisher(self.configs.publisher)
+            store = DispatchStore(pool, self.statements)  # the one store every component is handed
+            publisher = self._publisher(store)
             await publisher.start()
             try:
-                await self._supervise(pool, publisher)
+                await self._supervise(store, publisher)
             finally:
                 await publisher.stop()
         finally:
             await pool.close()
         log.info("stopped", published=self.published)
 
-    async def _supervise(self, pool: db.Pool, publisher: KafkaPublisher) -> None:
+    def _publisher(self, store: DispatchStore) -> Publisher:
+        """The delivery mode's publisher; exactly-once's fences the table's other dispatchers
+        (those with a heartbeat within FENCE_WINDOW_SECONDS) before a takeover publishes."""
+        s = self.settings
+        if s.delivery is DeliveryMode.AT_LEAST_ONCE:
+            return KafkaPublisher(self.configs.publisher)
+
+        async def others() -> list[str]:
+            live = await store.dispatchers_live(live_seconds=FENCE_WINDOW_SECONDS)
+            return [str(row["owner"]) for row in live]
+
+        return TransactionalPublisher(
+            self.configs.publisher, self.configs.progress, self.owner, others
+        )
+
+    async def _supervise(self, store: DispatchStore, publisher: Publisher) -> None:
         s = self.settings
         configs = self.configs
-        store = DispatchStore(pool, self.statements)  # the one store every component is handed
+        if s.delivery is DeliveryMode.EXACTLY_ONCE:
+            # Registered before the first transaction: a takeover fences the dispatchers it
+            # finds registered (kafka/transactions.py).
+            await registry.Heartbeat(store, s, self.owner).beat()
         claimer = Claimer(store, s, self.owner)
         settler = Settler(
             store,
@@ -221,7 +247,7 @@ class Dispatcher:
             context=lambda: {"hint": registry.Heartbeat.HINT},
         )
 
-    async def _readiness(self, store: DispatchStore, publisher: KafkaPublisher) -> Readiness:
+    async def _readiness(self, store: DispatchStore, publisher: Publisher) -> Readiness:
         checks: dict[str, str] = {}
         if self.stopping.is_set():
             checks["dispatcher"] = "shutting down"
@@ -297,6 +323,7 @@ class Configs:
     publisher: PublisherConfig
     claim_loop: ClaimLoopConfig
     settle: SettleConfig
+    progress: ProgressConfig  # exactly-once's
 
 
 def configs_of(settings: Settings) -> Configs:
@@ -310,6 +337,12 @@ def configs_of(settings: Settings) -> Configs:
             s,
             retry_for_seconds=s.lease_seconds,
             block_on_dead=s.dead_letter_policy is DeadLetterPolicy.BLOCK,
+        ),
+        progress=ProgressConfig(
+            topic=s.progress_topic,
+            outbox=f"{s.db_schema}.{s.table}",
+            transactional_id_prefix=s.transactional_id_prefix,
+            timeout_seconds=s.transaction_timeout_seconds,
         ),
     )
 

@@ -46,6 +46,9 @@ class ProducerConfig:
     max_batch_bytes: int
     max_request_bytes: int
     compression: str  # "none", or aiokafka's compression_type
+    # exactly-once (kafka/transactions.py): the producers' transactional id and timeout.
+    transactional_id: str | None = None
+    transaction_timeout_seconds: float = 60.0
 
 
 class Producers:
@@ -64,7 +67,14 @@ class Producers:
 
     def _aiokafka(self, context: ssl.SSLContext | None) -> AIOKafkaProducer:
         c, s = self._config, self._config.connection
+        transactions: dict[str, Any] = {}
+        if c.transactional_id is not None:
+            transactions = {
+                "transactional_id": c.transactional_id,
+                "transaction_timeout_ms": int(c.transaction_timeout_seconds * 1000),
+            }
         return AIOKafkaProducer(
+            **transactions,
             bootstrap_servers=s.bootstrap_servers.split(","),
             client_id=s.client_id,
             acks="all",

@@ -468,6 +468,72 @@ async def test_crashes_kill_9_under_load(
     assert max(since_kill, default=0) <= lease + poll + 5.0, sorted(since_kill)[-5:]
 
 
+async def test_exactly_once_kill_9_under_load(
+    conn: asyncpg.Connection,
+    database_url: str,
+    services: Services,
+    topic: str,
+    chaos_settings: Callable[..., Settings],
+    tmp_path: Path,
+    record_property: Any,
+) -> None:
+    """The crash scenario above in OUTBOX_DELIVERY=exactly-once: no row reaches a
+    read_committed consumer twice; a read_uncommitted one sees the killed processes' aborted
+    copies (the same checker finds them: the check can fail)."""
+    lease, poll = 3.0, 0.2
+    settings = chaos_settings(
+        delivery="exactly-once",
+        progress_topic=f"progress-{topic}",
+        transaction_timeout_seconds=2.0,
+        claim_tasks=2,
+        batch_size=50,
+        lease_seconds=lease,
+        poll_interval_seconds=poll,
+        kafka_linger_ms=200,
+    )
+    duration = scale(30, 180)
+    rng = random.Random(os.getpid())
+    writer = Writer(database_url, topic, [f"key-{k}" for k in range(100)], rate=scale(300, 500))
+    kills = 0
+    async with fleet(settings, tmp_path, 3) as f, writing(writer):
+        end = time.monotonic() + duration
+        while time.monotonic() < end:
+            await asyncio.sleep(rng.uniform(2.0, 4.0))
+            slot = await busy_slot(conn, f, rng)
+            await asyncio.to_thread(kill9, f.slots[slot])
+            kills += 1
+            f.start(slot)
+        await writer.finish()
+        await wait_all_settled(conn, scale(120, 300))
+    verdict = await verdict_for(
+        database_url, services.kafka_bootstrap_servers, [topic], timeout=scale(120, 600)
+    )
+    uncommitted = await verdict_for(
+        database_url,
+        services.kafka_bootstrap_servers,
+        [topic],
+        timeout=scale(120, 600),
+        isolation="read_uncommitted",
+    )
+    logs = await asyncio.to_thread(lambda: sorted(tmp_path.glob("d*.log")))
+    found_committed = sum(len(log_events(path, "takeover_found_committed")) for path in logs)
+    report(
+        "exactly_once_crashes",
+        verdict,
+        record_property,
+        events=verdict.delivered,
+        seconds=duration,
+        kills=kills,
+        read_uncommitted_copies=uncommitted.duplicates,
+        takeovers_that_found_committed_batches=found_committed,
+        writer_rows=writer.attempted,
+    )
+    assert_sound(verdict)
+    assert kills >= 5
+    assert verdict.duplicates == 0, verdict.summary()
+    assert await count(conn, "dead_at IS NOT NULL") == 0
+
+
 async def busy_slot(conn: asyncpg.Connection, f: Fleet, rng: random.Random) -> int:
     """A random slot, preferring (for up to a second) one whose process holds leases."""
     for _ in range(50):

@@ -1,0 +1,177 @@
+"""Exactly-once's records of progress (docs/design/exactly-once.md): the progress topic, what a
+dispatcher's progress record says, fencing another dispatcher's transactions and reading what
+the dispatchers committed.
+
+Every transaction of a dispatcher ends with one progress record, keyed by its transactional id,
+that lists every batch it committed and has not yet seen marked in the database, this one
+included. So the last committed record of an id is all a takeover needs (the topic is
+compacted: older records of an id may go), once the id is fenced: its open transaction aborted
+or its commit in progress finished, and no later one can start under the old producer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import structlog
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import errors as kafka_errors
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from outbox_dispatcher import errors
+from outbox_dispatcher.kafka import tls
+from outbox_dispatcher.kafka.producers import ProducerConfig, Producers
+from outbox_dispatcher.kafka.tls import ConnectionConfig
+
+log = structlog.get_logger(__name__)
+
+# Compacted: the last record of each transactional id is kept for ever; small segments, so that
+# what a takeover reads past the compacted part stays short.
+TOPIC_CONFIG = {
+    "cleanup.policy": "compact",
+    "segment.ms": "600000",
+    "min.cleanable.dirty.ratio": "0.1",
+}
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class ProgressConfig:
+    """Where progress goes and whose it is."""
+
+    topic: str  # OUTBOX_PROGRESS_TOPIC
+    outbox: str  # "<schema>.<table>": records of another outbox on the topic are not ours
+    transactional_id_prefix: str  # OUTBOX_TRANSACTIONAL_ID_PREFIX
+    timeout_seconds: float  # OUTBOX_TRANSACTION_TIMEOUT_SECONDS
+
+    def transactional_id(self, owner: str) -> str:
+        return f"{self.transactional_id_prefix}{self.outbox}.{owner}"
+
+
+def record_value(config: ProgressConfig, owner: str, batches: Mapping[str, Sequence[int]]) -> bytes:
+    """A progress record: the ids of each batch (by its tag) committed and not seen marked."""
+    body = {"v": VERSION, "outbox": config.outbox, "owner": owner, "batches": batches}
+    return orjson.dumps(body)
+
+
+def last_batches(
+    config: ProgressConfig, values: Iterable[bytes | None]
+) -> dict[str, dict[str, list[int]]]:
+    """Per owner, the batches (tag: ids) its last progress record lists (`values`: records in
+    log order; the last of each owner wins; another outbox's, or an unreadable one, is skipped)."""
+    last: dict[str, dict[str, list[int]]] = {}
+    for value in values:
+        try:
+            body = orjson.loads(value or b"null")
+        except orjson.JSONDecodeError:
+            continue
+        if not isinstance(body, dict) or body.get("outbox") != config.outbox:
+            continue
+        batches = body.get("batches")
+        if isinstance(batches, dict):
+            last[str(body.get("owner"))] = {
+                str(t): [int(i) for i in ids] for t, ids in batches.items()
+            }
+    return last
+
+
+def committed_ids(config: ProgressConfig, values: Iterable[bytes | None]) -> set[int]:
+    """The ids in any owner's last progress record: committed, not seen marked."""
+    return {
+        i
+        for batches in last_batches(config, values).values()
+        for ids in batches.values()
+        for i in ids
+    }
+
+
+async def ensure_topic(connection: ConnectionConfig, topic: str) -> None:
+    """Create the progress topic, compacted and replicated like the cluster allows (up to 3
+    copies, 2 in sync), unless it exists."""
+    admin = AIOKafkaAdminClient(**client_options(connection))
+    await admin.start()
+    try:
+        if topic in await admin.list_topics():
+            return
+        brokers = len((await admin.describe_cluster())["brokers"])
+        replicas = min(3, brokers)
+        config = TOPIC_CONFIG | {"min.insync.replicas": "2" if replicas >= 3 else "1"}
+        with contextlib.suppress(kafka_errors.TopicAlreadyExistsError):
+            await admin.create_topics([NewTopic(topic, 1, replicas, topic_configs=config)])
+            log.info("progress_topic_created", topic=topic, replicas=replicas)
+    finally:
+        await admin.close()
+
+
+async def fence(producer_config: ProducerConfig, transactional_id: str) -> None:
+    """Fence `transactional_id`: a producer under it initialises (the broker aborts the id's open
+    transaction, or first finishes its commit in progress, and refuses the old producer from
+    now on) and closes."""
+    producers = Producers(dataclasses.replace(producer_config, transactional_id=transactional_id))
+    await producers.start()
+    try:
+        producer = producers.current()
+        await producer.begin_transaction()  # waits for the producer id: the fence
+        await producer.abort_transaction()  # nothing was sent: ends at once
+    finally:
+        await producers.stop()
+
+
+async def read_committed(
+    connection: ConnectionConfig, topic: str, partitions: Iterable[int], seconds: float
+) -> list[bytes | None]:
+    """Every committed record of the progress topic (of its `partitions`), in log order per
+    partition, up to its end as a read_committed consumer sees it (the last stable offset) when
+    the read starts."""
+    consumer = AIOKafkaConsumer(
+        **client_options(connection),
+        isolation_level="read_committed",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
+    await consumer.start()
+    try:
+        async with asyncio.timeout(seconds):
+            return await _read_to_end(consumer, [TopicPartition(topic, p) for p in partitions])
+    finally:
+        await consumer.stop()
+
+
+async def _read_to_end(consumer: AIOKafkaConsumer, tps: list[TopicPartition]) -> list[bytes | None]:
+    consumer.assign(tps)
+    await consumer.seek_to_beginning(*tps)
+    ends = await consumer.end_offsets(tps)
+    values: list[bytes | None] = []
+    waiting = {tp for tp in tps if ends[tp] > 0}
+    while waiting:
+        batches = await consumer.getmany(*waiting, timeout_ms=500)
+        for messages in batches.values():
+            values.extend(m.value for m in messages)
+        waiting = {tp for tp in waiting if await consumer.position(tp) < ends[tp]}
+    return values
+
+
+def client_options(connection: ConnectionConfig) -> dict[str, Any]:
+    """The connection's settings as an aiokafka consumer or admin client takes them."""
+    c = connection
+    return {
+        "bootstrap_servers": c.bootstrap_servers.split(","),
+        "client_id": c.client_id,
+        "request_timeout_ms": int(max(c.request_timeout_seconds, 10.0) * 1000),
+        "security_protocol": c.security_protocol,
+        "ssl_context": tls.ssl_context(c),
+        "sasl_mechanism": c.sasl_mechanism or "PLAIN",
+        "sasl_plain_username": c.sasl_username,
+        "sasl_plain_password": c.sasl_password.get_secret_value() if c.sasl_password else None,
+    }
+
+
+class ProgressUnavailableError(errors.BrokerUnavailableError):
+    """The progress of the other dispatchers could not be read (the broker is away): the rows a
+    takeover found wait, leased, for the next try."""

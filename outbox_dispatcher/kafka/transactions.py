@@ -1,0 +1,378 @@
+"""Exactly-once publication (OUTBOX_DELIVERY=exactly-once; docs/design/exactly-once.md).
+
+A claim's records go out in one Kafka transaction, ended by the dispatcher's progress record
+(kafka/progress.py), under the dispatcher's own transactional id; its rows are marked only once
+the transaction committed. A claim that took rows over from a lost claim first fences every
+other dispatcher's transactional id and reads the committed progress: its rows that a lost
+claim committed are marked, not sent again. A commit whose outcome is unknown is settled by the
+progress once the producer is replaced (its successor's start ends the transaction), and if
+that cannot be read the rows stay leased, unsettled, for the next takeover to decide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+
+import structlog
+from aiokafka import errors as kafka_errors
+
+from outbox_dispatcher import errors
+from outbox_dispatcher.kafka import progress
+from outbox_dispatcher.kafka.producers import Producers
+from outbox_dispatcher.kafka.progress import ProgressConfig, ProgressUnavailableError
+from outbox_dispatcher.kafka.publisher import PublisherConfig
+from outbox_dispatcher.kafka.records import KafkaRecord, RecordEncoder, partition_in
+from outbox_dispatcher.kafka.topics import TopicLookup
+from outbox_dispatcher.kafka.waves import plan_waves
+from outbox_dispatcher.models import OutboxRecord, Part
+
+log = structlog.get_logger(__name__)
+
+KAFKA_TROUBLE = (kafka_errors.KafkaError, OSError, TimeoutError)
+FENCES_AT_ONCE = 8
+UNKNOWN: BaseException = errors.BrokerUnavailableError("the transaction's outcome is unknown")
+_AnyOwners = Callable[[], Awaitable[Sequence[str]]]
+
+
+class TransactionAbortedError(errors.OutboxDispatcherError):
+    """The batch's Kafka transaction was aborted (a record of it failed, or a takeover fenced
+    this dispatcher): read_committed consumers saw none of it; retried, not counted."""
+
+    retriable = True
+    failure = errors.BrokerUnavailableError.failure
+
+
+class TransactionalDelivery:
+    """One claim in one transaction: one part, the final one, once the transaction ended. If
+    its outcome is unknown no row is in it (a partial settle would release their keys): the
+    claim stays leased, and the takeover that follows its expiry reads the progress."""
+
+    def __init__(self, publisher: TransactionalPublisher, records: Sequence[OutboxRecord]) -> None:
+        self.records = records
+        self.parked = False
+        self.settled: set[int] = set()
+        self.tag = uuid.uuid4().hex  # this batch in progress records
+        self.sent: list[int] = []  # ids in the transaction, for the progress record
+        self.begun = False  # a transaction of it was begun: unknown rows may be in Kafka
+        self.committed = False
+        self._publisher = publisher
+        self._outcomes: list[BaseException | None] = [UNKNOWN] * len(records)
+
+    def __aiter__(self) -> AsyncGenerator[Part, None]:
+        return self._parts()
+
+    async def _parts(self) -> AsyncGenerator[Part, None]:
+        await self._publisher.transact(self)
+        yield self.final_part()
+
+    def final_part(self) -> Part:
+        known = [] if self.undecided() else list(range(len(self.records)))
+        self.settled.update(known)
+        return Part(known, [self._outcomes[i] for i in known], final=True)
+
+    def decide(self, indices: Sequence[int], outcome: BaseException | None) -> None:
+        for i in indices:
+            self._outcomes[i] = outcome
+
+    def undecided(self) -> list[int]:
+        return [i for i, o in enumerate(self._outcomes) if o is UNKNOWN]
+
+    def outcomes(self, *, stopped: BaseException) -> list[BaseException | None]:
+        """At a shutdown cancel: what is decided; the rest `stopped` (see unsettled)."""
+        return [stopped if o is UNKNOWN else o for o in self._outcomes]
+
+    def unsettled(self) -> list[int]:
+        """The rows a shutdown cancel may settle: none while a begun transaction's outcome is
+        unknown (they stay leased), else every row not settled yet."""
+        if self.begun and self.undecided():
+            return []
+        return [i for i in range(len(self.records)) if i not in self.settled]
+
+
+class TransactionalPublisher:
+    """KafkaPublisher's face for exactly-once: one transactional producer, one transaction at a
+    time; `others` names the dispatchers a takeover fences (the live ones of the table)."""
+
+    def __init__(
+        self,
+        config: PublisherConfig,
+        progress_config: ProgressConfig,
+        owner: str,
+        others: _AnyOwners,
+    ) -> None:
+        self.owner = owner
+        self.transactional_id = progress_config.transactional_id(owner)
+        self._progress = progress_config
+        producer = dataclasses.replace(
+            config.producer,
+            transactional_id=self.transactional_id,
+            transaction_timeout_seconds=progress_config.timeout_seconds,
+        )
+        self._producer_config = producer
+        self._connection = producer.connection
+        self.producers = Producers(producer)
+        self.topics = TopicLookup(self.producers, config.topics)
+        self._encoder = RecordEncoder(config.records)
+        self._batch_bytes = config.delivery.max_batch_bytes
+        self._ack_seconds = producer.connection.request_timeout_seconds
+        self._others = others
+        self._turn = asyncio.Lock()  # one transaction at a time: one producer
+        self.unmarked: dict[str, list[int]] = {}  # tag: ids committed, not seen marked
+
+    async def start(self) -> None:
+        """Start the producer (its first transaction fences an earlier one of this id) and
+        create the progress topic if it is missing."""
+        await self.producers.start()
+        try:
+            await progress.ensure_topic(self._connection, self._progress.topic)
+        except KAFKA_TROUBLE as exc:
+            await self.producers.stop()
+            raise errors.BrokerUnavailableError(errors.describe(exc)) from exc
+
+    async def stop(self) -> None:
+        await self.producers.stop()
+
+    def publish(
+        self, records: Sequence[OutboxRecord], heartbeat: Callable[[], None] = lambda: None
+    ) -> TransactionalDelivery:
+        return TransactionalDelivery(self, records)
+
+    async def abandon(self, delivery: TransactionalDelivery, reason: str) -> None:
+        """A shutdown past its grace: close the producer within the bound; an open transaction
+        is then aborted by the broker (never committed), its rows stay leased."""
+        await self.producers.close_bounded([self.producers.current()], reason)
+
+    async def reachable(self, seconds: float = 5.0) -> bool:
+        return await self.topics.reachable(seconds)
+
+    def marked(self, delivery: TransactionalDelivery, *, every_row: bool) -> None:
+        """The batch's mark is in the database: later progress records leave it out (only when
+        it changed every row: a row another claim took over may be that claim's to reconcile)."""
+        if every_row:
+            self.unmarked.pop(delivery.tag, None)
+
+    async def transact(self, d: TransactionalDelivery) -> None:
+        """Decide every row of the delivery: published (in its transaction, or by a lost claim),
+        failed, or unknown."""
+        async with self._turn:
+            try:
+                await self._reconcile(d)
+            except ProgressUnavailableError as exc:
+                log.warning("takeover_waits_for_progress", rows=len(d.records), error=str(exc))
+                return  # every row unknown: leased until a takeover can read the progress
+            await self._send_and_commit(d)
+
+    async def _reconcile(self, d: TransactionalDelivery) -> None:
+        """Rows taken over from a lost claim: those it committed are published already."""
+        reclaimed = {r.id for r in d.records if r.reclaimed}
+        if not reclaimed:
+            return
+        done = await self.committed_elsewhere(reclaimed)
+        d.decide([i for i, r in enumerate(d.records) if r.id in done], None)
+        if done:
+            log.info("takeover_found_committed", rows=len(done), reclaimed=len(reclaimed))
+
+    async def committed_elsewhere(self, ids: set[int]) -> set[int]:
+        """Of `ids`, those in a committed transaction not marked yet: every other dispatcher's
+        id fenced first, then the progress read to its end."""
+        try:
+            listed = await self._others()
+        except Exception as exc:  # the database is away: the rows wait
+            raise ProgressUnavailableError(errors.describe(exc)) from exc
+        try:
+            owners = [o for o in listed if o != self.owner]
+            limit = asyncio.Semaphore(FENCES_AT_ONCE)
+
+            async def fence(owner: str) -> None:
+                async with limit:
+                    await progress.fence(
+                        self._producer_config, self._progress.transactional_id(owner)
+                    )
+
+            await asyncio.gather(*(fence(o) for o in owners))
+            values = await self.read_progress()
+        except KAFKA_TROUBLE as exc:
+            raise ProgressUnavailableError(errors.describe(exc)) from exc
+        mine = {i for ids in self.unmarked.values() for i in ids}
+        return ids & (mine | progress.committed_ids(self._progress, values))
+
+    async def read_progress(self) -> list[bytes | None]:
+        """The progress topic's committed records (its partitions as the producer knows them)."""
+        topic = self._progress.topic
+        partitions = await self.producers.current().partitions_for(topic)
+        return await progress.read_committed(
+            self._connection, topic, partitions, max(self._ack_seconds, 10.0)
+        )
+
+    async def _send_and_commit(self, d: TransactionalDelivery) -> None:
+        try:
+            await self.producers.replace_if_broken()  # first: a fresh producer knows no topic
+        except errors.BrokerUnavailableError as exc:
+            d.decide(d.undecided(), TransactionAbortedError(errors.describe(exc)))
+            return
+        to_send = await self._encoded(d)
+        if not to_send:
+            return
+        producer = self.producers.current()
+        indices = list(to_send)
+        try:
+            d.begun = True
+            await producer.begin_transaction()
+        except KAFKA_TROUBLE as exc:
+            self.producers.condemn(exc)
+            d.decide(indices, TransactionAbortedError(errors.describe(exc)))
+            return
+        failed = await self._send_waves(d, to_send)
+        if failed is not None:
+            await self._abort(d, indices, *failed)
+            return
+        await self._commit(d, indices)
+
+    async def _encoded(self, d: TransactionalDelivery) -> dict[int, tuple[str, KafkaRecord]]:
+        """The rows to send, by index; the rows that cannot be are decided (their error: no
+        topic, a topic missing or refused, a record too large), and so are the later rows of
+        their key (not attempted: the key's order)."""
+        undecided = d.undecided()
+        topics = {i: self._encoder.topic(d.records[i]) for i in undecided}
+        named = {t for t in topics.values() if isinstance(t, str)}
+        problems: dict[str, BaseException] = await self.topics.errors_for(named) if named else {}
+        held: set[str] = set()
+        found: dict[int, tuple[str, KafkaRecord]] = {}
+        for i in undecided:
+            record = d.records[i]
+            key = record.ordering_key
+            if key is not None and key in held:
+                d.decide([i], errors.NotAttempted())
+                continue
+            topic = topics[i]
+            try:
+                if isinstance(topic, BaseException):
+                    raise topic
+                if topic in problems:
+                    raise problems[topic]
+                found[i] = (topic, self._encoder.encode(record))
+            except (errors.OutboxDispatcherError, kafka_errors.KafkaError) as exc:
+                d.decide([i], exc)
+                if key is not None:
+                    held.add(key)
+        return found
+
+    async def _send_waves(
+        self, d: TransactionalDelivery, to_send: dict[int, tuple[str, KafkaRecord]]
+    ) -> tuple[int | None, BaseException] | None:
+        """Send wave after wave (a key's change of topic waits for its earlier rows' acks), then
+        the progress record; the first failure (the row's index, None for the progress record;
+        the error), or None."""
+        producer = self.producers.current()
+        order = list(to_send)
+        records = [d.records[i] for i in order]
+        topics = [to_send[i][0] for i in order]
+        for wave in plan_waves(records, topics, self._batch_bytes, self.topics.partitions):
+            futures = []
+            for at in wave:
+                i = order[at]
+                topic, kafka = to_send[i]
+                futures.append(
+                    await producer.send(
+                        topic,
+                        kafka.value,
+                        key=kafka.key,
+                        partition=await self._partition(topic, d.records[i]),
+                        headers=kafka.headers,
+                    )
+                )
+            answers = await asyncio.gather(*futures, return_exceptions=True)
+            for at, answer in zip(wave, answers, strict=True):
+                if isinstance(answer, BaseException):
+                    return order[at], answer
+            d.sent.extend(d.records[order[at]].id for at in wave)
+        value = progress.record_value(self._progress, self.owner, {**self.unmarked, d.tag: d.sent})
+        answer = await asyncio.gather(
+            await producer.send(self._progress.topic, value, key=self.transactional_id.encode()),
+            return_exceptions=True,
+        )
+        if isinstance(answer[0], BaseException):
+            return None, answer[0]
+        return None
+
+    async def _partition(self, topic: str, record: OutboxRecord) -> int:
+        """The partition at-least-once sends the row to (the key's, by the same hash)."""
+        partitions = sorted(await self.producers.current().partitions_for(topic))
+        if record.ordering_key is None:
+            return self.topics.keyless_partition(topic, partitions)
+        return partition_in(partitions, record.ordering_key)
+
+    async def _abort(
+        self,
+        d: TransactionalDelivery,
+        indices: list[int],
+        failed_at: int | None,
+        cause: BaseException,
+    ) -> None:
+        """Nothing of the transaction is committed (it never asked to be): the failed row gets
+        its error, the others are retried uncounted. A fenced producer is past aborting (the
+        fence aborted it): it is replaced."""
+        if _is_fencing(cause):
+            self.producers.condemn(cause)
+        else:
+            try:
+                async with asyncio.timeout(self._progress.timeout_seconds):
+                    await self.producers.current().abort_transaction()
+            except KAFKA_TROUBLE as exc:
+                # The broker is away: the successor's start aborts it (or the broker's timeout).
+                self.producers.condemn(exc)
+        d.sent.clear()
+        d.decide(indices, TransactionAbortedError(errors.describe(cause)))
+        if failed_at is not None and not _is_fencing(cause):
+            d.decide([failed_at], cause)  # its own error: classified as any publish failure
+
+    async def _commit(self, d: TransactionalDelivery, indices: list[int]) -> None:
+        try:
+            async with asyncio.timeout(self._progress.timeout_seconds):
+                await self.producers.current().commit_transaction()
+        except (*KAFKA_TROUBLE, asyncio.CancelledError) as exc:
+            self.producers.condemn(exc if isinstance(exc, Exception) else UNKNOWN)
+            log.warning("commit_unknown", rows=len(d.sent), error=errors.describe(exc))
+            if isinstance(exc, asyncio.CancelledError):
+                raise  # left unknown, leased: the next takeover reads the progress
+            await self._resolve(d, indices)
+            return
+        self.unmarked[d.tag] = list(d.sent)
+        d.committed = True
+        d.decide(indices, None)
+
+    async def _resolve(self, d: TransactionalDelivery, indices: list[int]) -> None:
+        """A commit without an answer: a fresh producer under the id ends the transaction (its
+        start waits for the commit in progress), then the progress says which way it went."""
+        try:
+            await self.producers.replace_if_broken()
+            async with asyncio.timeout(self._progress.timeout_seconds):
+                producer = self.producers.current()
+                await producer.begin_transaction()
+                await producer.abort_transaction()
+            values = await self.read_progress()
+        except (*KAFKA_TROUBLE, errors.BrokerUnavailableError) as exc:
+            log.warning("commit_outcome_unread", rows=len(d.sent), error=errors.describe(exc))
+            return  # unknown: the rows stay leased for a takeover to decide
+        mine = progress.last_batches(self._progress, values).get(self.owner, {})
+        if d.tag in mine:
+            self.unmarked[d.tag] = list(d.sent)
+            d.committed = True
+            d.decide(indices, None)
+        else:
+            d.decide(indices, TransactionAbortedError("the commit did not take"))
+
+
+def _is_fencing(exc: BaseException) -> bool:
+    return isinstance(
+        exc,
+        (
+            kafka_errors.ProducerFenced,
+            kafka_errors.InvalidProducerEpoch,
+            kafka_errors.OutOfOrderSequenceNumber,
+            kafka_errors.UnknownProducerId,
+        ),
+    )

@@ -1,0 +1,255 @@
+"""OUTBOX_DELIVERY=exactly-once against real PostgreSQL and Kafka: each interleaving that would
+give a read_committed consumer a second copy, staged step by step with two publishers of two
+owners (docs/design/exactly-once.md), and a dispatcher end to end. The fault scenarios with real
+processes are in test_chaos.py (test_exactly_once_*)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import asyncpg
+import pytest
+from aiokafka import AIOKafkaConsumer
+from aiokafka import errors as kafka_errors
+
+from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.dispatch.claimer import Claimer
+from outbox_dispatcher.dispatch.supervisor import configs_of
+from outbox_dispatcher.kafka import progress
+from outbox_dispatcher.kafka.transactions import (
+    TransactionAbortedError,
+    TransactionalDelivery,
+    TransactionalPublisher,
+)
+from outbox_dispatcher.models import Batch, Part
+from outbox_dispatcher.store import DispatchStore, Statements, db
+from tests.checker import verdict_for
+
+from .helpers import Services, count, insert_sequenced, running, wait_all_settled
+
+pytestmark = pytest.mark.integration
+
+STATEMENTS = Statements.for_table("public", "outbox")
+
+
+@pytest.fixture
+async def pool(database_url: str) -> AsyncIterator[Any]:
+    p = await asyncpg.create_pool(database_url, min_size=1, max_size=4, init=db.init_connection)
+    try:
+        yield p
+    finally:
+        await p.close()
+
+
+@pytest.fixture
+def eos_settings(make_settings: Any) -> Callable[..., Settings]:
+    progress_topic = f"progress-{uuid.uuid4().hex[:10]}"
+
+    def make(**overrides: Any) -> Settings:
+        values: dict[str, Any] = {
+            "delivery": "exactly-once",
+            "progress_topic": progress_topic,
+            "lease_seconds": 3.0,
+            "transaction_timeout_seconds": 2.0,
+        }
+        values.update(overrides)
+        settings: Settings = make_settings(**values)
+        return settings
+
+    return make
+
+
+class Owners:
+    """Publishers of named owners over one table, each fencing the others on a takeover."""
+
+    def __init__(self, settings: Settings, pool: Any) -> None:
+        self.settings = settings
+        self.store = DispatchStore(pool, STATEMENTS)
+        self.publishers: dict[str, TransactionalPublisher] = {}
+
+    async def publisher(self, owner: str) -> TransactionalPublisher:
+        async def others() -> list[str]:
+            return [o for o in self.publishers if o != owner]
+
+        configs = configs_of(self.settings)
+        made = TransactionalPublisher(configs.publisher, configs.progress, owner, others)
+        await made.start()
+        self.publishers[owner] = made
+        return made
+
+    async def claim(self, owner: str) -> Batch:
+        batch = await Claimer(self.store, self.settings, owner).claim()
+        assert batch is not None, f"{owner} claimed nothing"
+        return batch
+
+    async def stop(self) -> None:
+        for p in self.publishers.values():
+            await p.stop()
+
+
+@pytest.fixture
+async def owners(eos_settings: Callable[..., Settings], pool: Any) -> AsyncIterator[Owners]:
+    made = Owners(eos_settings(), pool)
+    try:
+        yield made
+    finally:
+        await made.stop()
+
+
+async def run(delivery: TransactionalDelivery) -> Part:
+    parts = [part async for part in delivery]
+    assert len(parts) == 1 and parts[0].final
+    return parts[0]
+
+
+async def expire(conn: asyncpg.Connection) -> None:
+    """Every lease expires now (as when its owner died or hung)."""
+    await conn.execute(
+        "UPDATE outbox_work SET claim_expires_at = now() - interval '1 second'"
+        " WHERE claim_token IS NOT NULL"
+    )
+
+
+async def read_all(bootstrap: str, topic: str, isolation: str) -> list[bytes | None]:
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        isolation_level=isolation,
+    )
+    await consumer.start()
+    got: list[bytes | None] = []
+    try:
+        quiet = 0
+        while quiet < 4:
+            batch = await consumer.getmany(timeout_ms=500)
+            found = [r.value for rs in batch.values() for r in rs]
+            got.extend(found)
+            quiet = 0 if found else quiet + 1
+    finally:
+        await consumer.stop()
+    return got
+
+
+async def test_a_batch_is_one_transaction_with_its_progress_record(
+    conn: asyncpg.Connection, owners: Owners, topic: str, services: Services
+) -> None:
+    await insert_sequenced(conn, topic, keys=5, per_key=4)
+    a = await owners.publisher("owner-a")
+    batch = await owners.claim("owner-a")
+    delivery = a.publish(batch.records)
+    part = await run(delivery)
+    assert part.outcomes == [None] * 20 and delivery.committed
+    assert sorted(delivery.sent) == sorted(r.id for r in batch.records)
+    values = await a.read_progress()
+    batches = progress.last_batches(configs_of(owners.settings).progress, values)
+    assert batches["owner-a"] == {delivery.tag: delivery.sent}
+    a.marked(delivery, every_row=True)
+    assert a.unmarked == {}
+    assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 20
+
+
+async def test_a_takeover_marks_what_the_lost_claim_committed_and_sends_none_of_it(
+    conn: asyncpg.Connection, owners: Owners, topic: str, services: Services
+) -> None:
+    """The lost claim's owner died between the commit and the mark: the taker fences it, finds
+    the batch in its progress record, and decides those rows published without a copy."""
+    await insert_sequenced(conn, topic, keys=4, per_key=5)
+    a = await owners.publisher("owner-a")
+    b = await owners.publisher("owner-b")
+    lost = await owners.claim("owner-a")
+    assert (await run(a.publish(lost.records))).outcomes == [None] * 20  # committed, not marked
+    await expire(conn)
+    taken = await owners.claim("owner-b")
+    assert {r.id for r in taken.records} == {r.id for r in lost.records}
+    assert all(r.reclaimed for r in taken.records)
+    delivery = b.publish(taken.records)
+    part = await run(delivery)
+    assert part.outcomes == [None] * 20, "decided published"
+    assert delivery.sent == [] and not delivery.begun, "nothing sent again"
+    assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 20
+    # The fenced owner's next transaction is refused; it replaces its producer and goes on.
+    await conn.execute(
+        "INSERT INTO outbox (topic, ordering_key, payload) VALUES ($1, 'fresh', '{}')", topic
+    )
+    fresh = await owners.claim("owner-a")
+    refused = await run(a.publish(fresh.records))
+    assert all(isinstance(o, TransactionAbortedError) for o in refused.outcomes), refused
+    again = await run(a.publish(fresh.records))
+    assert again.outcomes == [None], "a fresh producer under the same id"
+    assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 21
+
+
+async def test_a_hung_owners_open_transaction_is_aborted_by_the_takeover(
+    conn: asyncpg.Connection, owners: Owners, topic: str, services: Services
+) -> None:
+    """The owner hung with its transaction open (sent, not committed) past its lease: the
+    taker's fence aborts it, so its late commit fails and only the taker's copy is committed.
+    A read_uncommitted consumer sees both copies (docs/design/exactly-once.md says so)."""
+    await insert_sequenced(conn, topic, keys=3, per_key=2)
+    a = await owners.publisher("owner-a")
+    b = await owners.publisher("owner-b")
+    lost = await owners.claim("owner-a")
+    producer = a.producers.current()
+    await producer.begin_transaction()
+    for r in lost.records:
+        await (await producer.send(topic, r.payload, key=(r.ordering_key or "").encode()))
+    await expire(conn)
+    taken = await owners.claim("owner-b")
+    delivery = b.publish(taken.records)
+    assert (await run(delivery)).outcomes == [None] * 6
+    assert len(delivery.sent) == 6, "the hung owner committed nothing: everything is sent"
+    with pytest.raises((kafka_errors.ProducerFenced, kafka_errors.KafkaError)):
+        await asyncio.wait_for(producer.commit_transaction(), 10)
+    committed = await read_all(services.kafka_bootstrap_servers, topic, "read_committed")
+    uncommitted = await read_all(services.kafka_bootstrap_servers, topic, "read_uncommitted")
+    assert len(committed) == 6
+    assert len(uncommitted) == 12, "the aborted copies are in the log"
+
+
+async def test_a_takeover_that_cannot_read_the_progress_leaves_the_rows_leased(
+    conn: asyncpg.Connection, eos_settings: Callable[..., Settings], pool: Any, topic: str
+) -> None:
+    """The broker is away for the taker: nothing is decided, nothing settled (a settle would
+    release the key and a claim that is not a takeover would send the rows again)."""
+    await insert_sequenced(conn, topic, keys=2, per_key=2)
+    good = Owners(eos_settings(), pool)
+    a = await good.publisher("owner-a")
+    lost = await good.claim("owner-a")
+    await run(a.publish(lost.records))
+    await expire(conn)
+
+    async def unreachable() -> list[str]:
+        raise kafka_errors.KafkaConnectionError("the broker is away")
+
+    configs = configs_of(good.settings)
+    b = TransactionalPublisher(configs.publisher, configs.progress, "owner-b", unreachable)
+    await b.start()
+    try:
+        taken = await good.claim("owner-b")
+        delivery = b.publish(taken.records)
+        part = await run(delivery)
+        assert part.indices == [] and delivery.unsettled() == list(range(4))
+        assert not delivery.begun
+    finally:
+        await b.stop()
+        await good.stop()
+
+
+async def test_a_dispatcher_in_exactly_once_mode_publishes_every_row_once(
+    conn: asyncpg.Connection,
+    eos_settings: Callable[..., Settings],
+    topic: str,
+    services: Services,
+    database_url: str,
+) -> None:
+    await insert_sequenced(conn, topic, keys=20, per_key=25)
+    async with running(eos_settings(batch_size=100, claim_tasks=2)):
+        await wait_all_settled(conn, 60)
+    assert await count(conn, "published_at IS NULL") == 0
+    verdict = await verdict_for(database_url, services.kafka_bootstrap_servers, [topic])
+    assert (verdict.lost, verdict.reordered, verdict.duplicates) == ([], [], 0), verdict.summary()
