@@ -66,6 +66,25 @@ def report(name: str, verdict: Verdict, record_property: Any, **figures: Any) ->
             out.write(text + "\n")
 
 
+DELIVERIES = ["at-least-once", "exactly-once"]
+
+
+def delivery_settings(delivery: str, topic: str) -> dict[str, Any]:
+    """The settings of a delivery mode for a scenario that runs in both."""
+    if delivery == "at-least-once":
+        return {}
+    return {
+        "delivery": delivery,
+        "progress_topic": f"progress-{topic}",
+        "transaction_timeout_seconds": 2.0,
+    }
+
+
+def assert_no_copy_in_exactly_once(delivery: str, verdict: Verdict) -> None:
+    if delivery == "exactly-once":
+        assert verdict.duplicates == 0, verdict.summary()
+
+
 def assert_sound(verdict: Verdict) -> None:
     summary = verdict.summary()
     assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], []), summary
@@ -560,7 +579,9 @@ async def count_early_takeovers(conn: asyncpg.Connection) -> int:
 # --- 3. broker restart -----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("delivery", DELIVERIES)
 async def test_broker_restart_under_load(
+    delivery: str,
     conn: asyncpg.Connection,
     database_url: str,
     services: Services,
@@ -570,7 +591,12 @@ async def test_broker_restart_under_load(
     record_property: Any,
 ) -> None:
     settings = chaos_settings(
-        claim_tasks=2, batch_size=100, lease_seconds=5, publish_timeout_seconds=5, max_attempts=2
+        claim_tasks=2,
+        batch_size=100,
+        lease_seconds=5,
+        publish_timeout_seconds=5,
+        max_attempts=2,
+        **delivery_settings(delivery, topic),
     )
     outage = scale(10, 60)
     writer = Writer(database_url, topic, [f"key-{k}" for k in range(50)], rate=200)
@@ -631,7 +657,7 @@ async def test_broker_restart_under_load(
     )
     resume_s = (resumed_at - back).total_seconds()
     report(
-        "broker_restart",
+        f"broker_restart_{delivery}" if delivery != "at-least-once" else "broker_restart",
         verdict,
         record_property,
         events=verdict.delivered,
@@ -642,6 +668,7 @@ async def test_broker_restart_under_load(
         dead_reasons=[dict(r) for r in dead_reasons],
     )
     assert_sound(verdict)
+    assert_no_copy_in_exactly_once(delivery, verdict)
     assert dead == 0, "an outage dead-letters nothing"
     assert same, "no dispatcher exited"
     assert resume_s <= 30
@@ -663,7 +690,9 @@ async def diagnose(conn: asyncpg.Connection, f: Fleet) -> str:
 # --- 4. database restart ---------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("delivery", DELIVERIES)
 async def test_database_restart_under_load(
+    delivery: str,
     database_url: str,
     services: Services,
     topic: str,
@@ -671,7 +700,9 @@ async def test_database_restart_under_load(
     tmp_path: Path,
     record_property: Any,
 ) -> None:
-    settings = chaos_settings(claim_tasks=2, batch_size=100, lease_seconds=5)
+    settings = chaos_settings(
+        claim_tasks=2, batch_size=100, lease_seconds=5, **delivery_settings(delivery, topic)
+    )
     outage = scale(8, 30)
     writer = Writer(database_url, topic, [f"key-{k}" for k in range(50)], rate=200)
     readiness: dict[str, Any] = {}
@@ -733,7 +764,7 @@ async def test_database_restart_under_load(
         database_url, services.kafka_bootstrap_servers, [topic], timeout=120
     )
     report(
-        "database_restart",
+        f"database_restart_{delivery}" if delivery != "at-least-once" else "database_restart",
         verdict,
         record_property,
         events=verdict.delivered,
@@ -743,6 +774,7 @@ async def test_database_restart_under_load(
         **readiness,
     )
     assert_sound(verdict)
+    assert_no_copy_in_exactly_once(delivery, verdict)
     assert crashes == [] and same_pids, "no crash loop: the same processes stay up"
     assert recovered_s <= 10
     assert readiness["ready_again_after_db_back_s"] <= 10
@@ -867,6 +899,85 @@ async def test_stuck_owner_is_fenced_after_its_lease_expires(
     assert lost_rows == len(held)
     assert verdict.max_copies <= 2, "at most one extra copy per affected row"
     assert verdict.duplicates <= len(held)
+
+
+async def test_exactly_once_stuck_owner_cannot_commit_late(
+    conn: asyncpg.Connection,
+    database_url: str,
+    services: Services,
+    topic: str,
+    chaos_settings: Callable[..., Settings],
+    tmp_path: Path,
+    record_property: Any,
+) -> None:
+    """exactly-once: the owner is stopped (SIGSTOP) with its transaction open, past its lease;
+    the rescuer's takeover fences it, so what the owner sends or commits when it is continued
+    never reaches a read_committed consumer."""
+    lease = 3.0
+    keys, per_key = int(scale(20, 100)), int(scale(50, 200))
+    rows = [
+        (topic, f"key-{k}", orjson.dumps({"key": f"key-{k}", "seq": s}))
+        for s in range(per_key)
+        for k in range(keys)
+    ]
+    await conn.executemany(
+        "INSERT INTO outbox (topic, ordering_key, payload) VALUES ($1, $2, $3)", rows
+    )
+    eos = {
+        "delivery": "exactly-once",
+        "progress_topic": f"progress-{topic}",
+        "transaction_timeout_seconds": 2.0,
+        "lease_seconds": lease,
+        "claim_tasks": 2,
+        "batch_size": 100,
+    }
+    # Each of the victim's batches waits 50 ms in the producer, so that it is stopped with
+    # records sent (in the log, uncommitted) or about to be.
+    f = Fleet(chaos_settings(kafka_linger_ms=50, **eos), tmp_path)
+    victim = f.start(0)
+    try:
+
+        async def holding() -> bool:
+            return bool(
+                await conn.fetchval(
+                    "SELECT count(*) FROM outbox_leases WHERE split_part(lease_owner, ':', 2) = $1",
+                    str(victim.pid),
+                )
+            )
+
+        await wait_until(holding, 60, "the victim to hold leases", interval=0.02)
+        os.killpg(victim.pid, signal.SIGSTOP)
+        await asyncio.sleep(0.5)
+        f.start(1, chaos_settings(**eos))
+        await wait_all_settled(conn, scale(120, 300))
+        os.killpg(victim.pid, signal.SIGCONT)
+        await asyncio.sleep(5)  # its late sends and commit, refused
+    finally:
+        for p in f.slots.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGCONT)
+        codes = f.stop()
+    assert codes == [0, 0], f.tails()
+    verdict = await verdict_for(
+        database_url, services.kafka_bootstrap_servers, [topic], timeout=120
+    )
+    uncommitted = await verdict_for(
+        database_url,
+        services.kafka_bootstrap_servers,
+        [topic],
+        timeout=120,
+        isolation="read_uncommitted",
+    )
+    report(
+        "exactly_once_stuck_owner",
+        verdict,
+        record_property,
+        events=verdict.delivered,
+        read_uncommitted_copies=uncommitted.duplicates,
+        lease_seconds=lease,
+    )
+    assert_sound(verdict)
+    assert verdict.duplicates == 0, verdict.summary()
 
 
 # --- 7. poison rows --------------------------------------------------------------------------
