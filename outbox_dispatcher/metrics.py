@@ -46,6 +46,7 @@ LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 
 # and alerts are tested against this list.
 NAMES = (
     "outbox_build_info",
+    "outbox_delivery_mode",
     "outbox_ready",
     "outbox_pending_rows",
     "outbox_oldest_pending_age_seconds",
@@ -130,6 +131,12 @@ class Metrics:
             registry=r,
         )
         self.build_info.labels(__version__, platform.python_version()).set(1)
+        self.delivery = Gauge(
+            "outbox_delivery_mode",
+            "1 for the delivery mode in force (OUTBOX_DELIVERY): at-least-once or exactly-once.",
+            ["mode"],
+            registry=r,
+        )
         self.ready = Gauge(
             "outbox_ready",
             "1 when the database, the schema version and the broker are all fine (as /readyz).",

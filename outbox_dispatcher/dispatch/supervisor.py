@@ -72,6 +72,7 @@ class Dispatcher:
         self._settling: Settling | None = None  # made with the pool (see _supervise)
         self.wakeup = Wakeup()
         self.metrics = metrics.Metrics()
+        self.metrics.delivery.labels(settings.delivery.value).set(1)
         self.metrics.in_flight.set_function(lambda: len(self.in_flight))
         # A claim loop beats at least once per poll interval (also while it waits out a broker
         # outage), the lease keeper once per lease/3.
@@ -164,6 +165,7 @@ class Dispatcher:
             claim_tasks=s.claim_tasks,
             batch_size=s.batch_size,
             bootstrap_servers=s.kafka_bootstrap_servers,
+            delivery=s.delivery.value,
         )
         async with asyncio.TaskGroup() as tg:
             claim_tasks = []
@@ -354,7 +356,13 @@ def _publisher_config(s: Settings) -> PublisherConfig:
         ConnectionConfig, s, prefix="kafka_", request_timeout_seconds=s.publish_timeout_seconds
     )
     return PublisherConfig(
-        producer=picked(ProducerConfig, s, prefix="kafka_", connection=connection),
+        producer=picked(
+            ProducerConfig,
+            s,
+            prefix="kafka_",
+            connection=connection,
+            transaction_timeout_seconds=s.transaction_timeout_seconds,
+        ),
         records=picked(RecordConfig, s, max_request_bytes=s.kafka_max_request_bytes),
         topics=picked(TopicConfig, s, allow_auto_create_topics=s.kafka_allow_auto_create_topics),
         delivery=picked(DeliveryConfig, s, max_batch_bytes=s.kafka_max_batch_bytes),

@@ -71,6 +71,11 @@ def test_every_config_field_carries_the_setting_of_its_name() -> None:
         ("delivery", "max_batch_bytes"): s.kafka_max_batch_bytes,
         ("settle", "retry_for_seconds"): s.lease_seconds,
         ("settle", "block_on_dead"): True,
+        ("producer", "transactional_id"): None,  # the owner's, set by TransactionalPublisher
+        ("producer", "transaction_timeout_seconds"): s.transaction_timeout_seconds,
+        ("progress", "topic"): s.progress_topic,
+        ("progress", "outbox"): f"{s.db_schema}.{s.table}",
+        ("progress", "timeout_seconds"): s.transaction_timeout_seconds,
     }
     configs = {
         "connection": (c.publisher.producer.connection, "kafka_"),
@@ -80,6 +85,7 @@ def test_every_config_field_carries_the_setting_of_its_name() -> None:
         "delivery": (c.publisher.delivery, ""),
         "claim_loop": (c.claim_loop, ""),
         "settle": (c.settle, ""),
+        "progress": (c.progress, ""),
     }
     checked = 0
     for part, (config, prefix) in configs.items():

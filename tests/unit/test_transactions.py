@@ -1,0 +1,81 @@
+"""Exactly-once's pieces that need no broker: progress records, the delivery's all-or-nothing
+final part, the settings it refuses."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import orjson
+import pytest
+from pydantic import ValidationError
+
+from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.kafka import progress
+from outbox_dispatcher.kafka.progress import ProgressConfig
+from outbox_dispatcher.kafka.transactions import TransactionalDelivery
+from outbox_dispatcher.models import OutboxRecord
+
+CONFIG = ProgressConfig(
+    topic="p", outbox="public.outbox", transactional_id_prefix="x.", timeout_seconds=2.0
+)
+
+
+def record(i: int, key: str | None = "k") -> OutboxRecord:
+    from datetime import UTC, datetime
+
+    return OutboxRecord(i, "t", key, b"{}", None, uuid.uuid4(), datetime.now(UTC), 0, False)
+
+
+def test_the_last_record_of_each_owner_is_what_counts() -> None:
+    values = [
+        progress.record_value(CONFIG, "a", {"t1": [1, 2]}),
+        progress.record_value(CONFIG, "b", {"t2": [5]}),
+        progress.record_value(CONFIG, "a", {"t3": [3]}),  # t1 was marked meanwhile
+        None,  # a tombstone
+        b"not json",
+        orjson.dumps({"v": 1, "outbox": "other.outbox", "owner": "c", "batches": {"t": [9]}}),
+    ]
+    assert progress.last_batches(CONFIG, values) == {"a": {"t3": [3]}, "b": {"t2": [5]}}
+    assert progress.committed_ids(CONFIG, values) == {3, 5}, "another outbox's ids are not ours"
+
+
+def test_the_transactional_id_names_the_outbox_and_the_owner() -> None:
+    assert CONFIG.transactional_id("host:1:abc") == "x.public.outbox.host:1:abc"
+
+
+def delivery(n: int) -> TransactionalDelivery:
+    return TransactionalDelivery(Any, [record(i) for i in range(n)])  # type: ignore[arg-type]
+
+
+def test_a_partly_decided_batch_settles_nothing() -> None:
+    """A settle of some rows of a key releases the key: the rows whose transaction's outcome is
+    unknown would go to a claim that is no takeover, and out again."""
+    d = delivery(3)
+    d.decide([0], None)  # a lost claim committed it
+    assert d.final_part().indices == []
+    d.decide([1, 2], None)
+    part = d.final_part()
+    assert part.indices == [0, 1, 2] and part.outcomes == [None, None, None] and part.final
+
+
+def test_a_shutdown_gives_back_only_what_no_open_transaction_holds() -> None:
+    stopped = RuntimeError("stopped")
+    waiting = delivery(2)  # cancelled while waiting for its turn: never sent
+    assert waiting.unsettled() == [0, 1]
+    assert waiting.outcomes(stopped=stopped) == [stopped, stopped]
+    sending = delivery(2)
+    sending.begun = True  # its transaction may commit: the rows stay leased
+    assert sending.unsettled() == []
+
+
+@pytest.mark.parametrize(
+    ("delivery_mode", "ok"), [("at-least-once", True), ("exactly-once", False)]
+)
+def test_a_transaction_must_end_before_the_lease(delivery_mode: str, ok: bool) -> None:
+    values = {"delivery": delivery_mode, "lease_seconds": 5.0, "transaction_timeout_seconds": 10.0}
+    if ok:
+        Settings(**values)
+    else:
+        with pytest.raises(ValidationError, match="OUTBOX_TRANSACTION_TIMEOUT_SECONDS must be <"):
+            Settings(**values)
