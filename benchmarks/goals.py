@@ -1,5 +1,5 @@
-"""The goal table of issue 21 ("Claim engine v3"), and issue 10's ("Publisher v2") that its
-scenarios still measure, judged from one run's results.
+"""The goal table of issue 21 ("Claim engine v3"), issue 23's (exactly-once), and issue 10's
+("Publisher v2") that its scenarios still measure, judged from one run's results.
 
 Each goal names the scenario figure (or the same-run ratio) it is judged on, so the printed table
 and the JSON say target, measured, measured/target and met or missed without anyone copying
@@ -151,6 +151,30 @@ def _goals() -> list[Goal]:
             1.0,
             "ratio.kafka_batch_api_vs_send",
             also=("baseline_kafka_batch_api.events_per_second",),
+        ),
+    ]
+    goals += [
+        Goal(
+            "exactly-once: drain of the drain's rows vs at-least-once (issue 23)",
+            True,
+            0.8,
+            "ratio.drain_exactly_once_vs_at_least_once",
+            also=("drain_exactly_once.events_per_second", "drain.events_per_second"),
+        ),
+        Goal(
+            "exactly-once: p99 commit to read_committed consume at 1k/s, 10 rows/tx (issue 23)",
+            False,
+            50,
+            "sustained_1000_per_s_10_per_tx_exactly_once.p99_ms",
+            "ms",
+            also=("sustained_1000_per_s_10_per_tx.p99_ms",),
+        ),
+        Goal(
+            "exactly-once: PostgreSQL backend CPU per 1k events vs at-least-once, drain (issue 23)",
+            False,
+            1.1,
+            "ratio.drain_exactly_once_postgres_cpu_vs_at_least_once",
+            also=("ratio.sustained_1k_exactly_once_postgres_cpu_vs_at_least_once",),
         ),
     ]
     return goals

@@ -176,6 +176,12 @@ def plan(stack: Stack, sizes: Sizes) -> dict[str, Scenario]:
     scenarios["technique_defaults"] = lambda: drain(stack, s.drain // 4, KEYS)
     for name, opts in techniques.items():
         scenarios[f"technique_{name}"] = functools.partial(drain, stack, s.drain // 4, KEYS, **opts)
+    # Exactly-once beside the same scenarios at-least-once (issue 23's goals).
+    eos = {"delivery": "exactly-once"}
+    scenarios["drain_exactly_once"] = functools.partial(drain, stack, s.drain, KEYS, **eos)
+    scenarios["sustained_1000_per_s_10_per_tx_exactly_once"] = functools.partial(
+        sustained, stack, 1_000, 10, s.sustained_seconds, **eos
+    )
     scenarios["sustained_100_per_s_1_per_tx"] = lambda: sustained(stack, 100, 1, s.slow_seconds)
     for rate in (1_000, 2_000, 5_000, 15_000, None):
         for per_tx in (10, 1):
@@ -208,6 +214,15 @@ def ratios(results: dict[str, dict[str, float]]) -> dict[str, float]:
         / fig("scaling_processes_latency_1"),
         "processes_latency_4_vs_1": fig("scaling_processes_latency_4")
         / fig("scaling_processes_latency_1"),
+        "drain_exactly_once_vs_at_least_once": fig("drain_exactly_once") / fig("drain"),
+        "drain_exactly_once_postgres_cpu_vs_at_least_once": fig(
+            "drain_exactly_once", "postgres_cpu_ms_per_1k"
+        )
+        / fig("drain", "postgres_cpu_ms_per_1k"),
+        "sustained_1k_exactly_once_postgres_cpu_vs_at_least_once": fig(
+            "sustained_1000_per_s_10_per_tx_exactly_once", "postgres_cpu_ms_per_1k"
+        )
+        / fig("sustained_1000_per_s_10_per_tx", "postgres_cpu_ms_per_1k"),
     }
     for kind in STUCK_WORK_KINDS:
         for claim in ("empty", "full"):
@@ -254,7 +269,7 @@ def table(
         lines.append(f"| ratio {name} | {value:.2f} |")
     return (
         "\n".join(lines)
-        + "\n\n### Goals (issue 21; issue 10's still measured)\n\n"
+        + "\n\n### Goals (issues 21 and 23; issue 10's still measured)\n\n"
         + goals_table(verdicts)
     )
 

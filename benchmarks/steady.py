@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer
 
@@ -21,14 +22,17 @@ async def sustained(
     *,
     stuck: str | None = None,
     stuck_rows: int = 0,
+    **opts: Any,
 ) -> dict[str, float]:
     """Writers commit at a fixed offered rate (None: as fast as they can) while the dispatcher
     runs; latency from each writer's COMMIT returning to the record reaching a consumer, both
     taken with this process's monotonic clock (an upper bound of commit-to-ack by one fetch).
     CPU of the dispatcher and of its backends from its start-up to the last record consumed.
-    With `stuck`, STUCK_KEY's rows that cannot move are in the table first."""
+    With `stuck`, STUCK_KEY's rows that cannot move are in the table first; `opts` are settings
+    (in exactly-once the consumer reads read_committed, as such a consumer must)."""
     async with fresh(stack) as (url, topic):
-        opts = await make_stuck(url, topic, stuck, stuck_rows) if stuck else {}
+        if stuck:
+            opts |= await make_stuck(url, topic, stuck, stuck_rows)
         settings = settings_for(url, stack, **opts)
         async with connection(url) as conn, dispatchers(settings) as group:
             await wait_ready(url, group)
@@ -42,6 +46,7 @@ async def sustained(
                 auto_offset_reset="earliest",
                 group_id=None,
                 fetch_max_wait_ms=5,
+                isolation_level="read_committed",
             )
             await consumer.start()
             stop = asyncio.Event()

@@ -9,6 +9,7 @@ This is where the settings are read: each component takes a config of its own (c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
 import socket
@@ -112,7 +113,7 @@ class Dispatcher:
                 await migrations.check_version(conn, s.db_schema, s.table)
                 await db.require_read_committed(conn)
             store = DispatchStore(pool, self.statements)  # the one store every component is handed
-            publisher = self._publisher(store)
+            publisher = await self._publisher(store)
             await publisher.start()
             try:
                 await self._supervise(store, publisher)
@@ -122,7 +123,7 @@ class Dispatcher:
             await pool.close()
         log.info("stopped", published=self.published)
 
-    def _publisher(self, store: DispatchStore) -> Publisher:
+    async def _publisher(self, store: DispatchStore) -> Publisher:
         """The delivery mode's publisher; exactly-once's fences the table's other dispatchers
         (those with a heartbeat within FENCE_WINDOW_SECONDS) before a takeover publishes."""
         s = self.settings
@@ -133,9 +134,10 @@ class Dispatcher:
             live = await store.dispatchers_live(live_seconds=FENCE_WINDOW_SECONDS)
             return [str(row["owner"]) for row in live]
 
-        return TransactionalPublisher(
-            self.configs.publisher, self.configs.progress, self.owner, others
-        )
+        # The table's identity in its progress records (store.outbox_identity).
+        outbox = f"{self.configs.progress.outbox}@{await store.outbox_identity()}"
+        progress = dataclasses.replace(self.configs.progress, outbox=outbox)
+        return TransactionalPublisher(self.configs.publisher, progress, self.owner, others)
 
     async def _supervise(self, store: DispatchStore, publisher: Publisher) -> None:
         s = self.settings

@@ -28,6 +28,10 @@ class DispatchStore(StoreBase):
         """The rows leased (ClaimArguments says what is asked)."""
         return await self._fetch("claim", **arguments)
 
+    async def outbox_identity(self) -> str:
+        """The database and the table's oid (exactly-once's progress records name it)."""
+        return str(await self._value("outbox_identity"))
+
     async def release_claim(self, *, token: uuid.UUID) -> int:
         """Give back what a claim under `token` leased; keys (and rows without one) released."""
         return int(await self._value("release_claim", token=token))

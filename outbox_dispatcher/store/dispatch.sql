@@ -67,6 +67,12 @@ SELECT id, event_id, topic, ordering_key, lease_owner
 SELECT count(*) FROM {work} w
  WHERE w.claim_token IS NOT NULL AND w.claim_expires_at <= now() AND w.state <> 'x'
 
+-- outbox_identity --
+-- Who this outbox is in exactly-once's progress records (kafka/progress.py): the database and
+-- the table's oid, so that the records of a table dropped and made again (its ids start over)
+-- are never taken for this one's.
+SELECT current_database() || '/' || '{table}'::regclass::oid::text
+
 -- schema_version --
 SELECT greatest((SELECT coalesce(max(version), 0) FROM {version_table}),
                 (SELECT coalesce(max(version), 0) FROM {steps_table}))
