@@ -21,10 +21,22 @@ from aiokafka.client import ConnectionGroup
 from aiokafka.cluster import ClusterMetadata
 from aiokafka.conn import AIOKafkaConnection, create_conn
 from aiokafka.errors import KafkaError
+from aiokafka.producer import sender as aiokafka_sender
 from aiokafka.protocol.metadata import MetadataRequest
 
 # How many brokers a metadata lookup asks at once (see _first_answer).
 ASKED_AT_ONCE = 3
+
+# aiokafka retries an AddPartitionsToTxn refused with CONCURRENT_TRANSACTIONS (the previous
+# transaction's markers not written yet, KAFKA-5477) after sender.BACKOFF_OVERRIDE, 20 ms, which
+# every transaction begun right after another paid: 24 ms a transaction, back to back, on one
+# local broker; 5.7 ms with 2 ms (exactly-once, kafka/transactions.py).
+TRANSACTION_RETRY_SECONDS = 0.002
+
+
+def quicken_transaction_retries() -> None:
+    """Retry a partition's addition to a transaction after 2 ms, not 20 (process-wide)."""
+    aiokafka_sender.BACKOFF_OVERRIDE = TRANSACTION_RETRY_SECONDS
 
 
 def fail_buffered(producer: AIOKafkaProducer, exception: BaseException) -> None:

@@ -20,20 +20,22 @@ import structlog
 from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import progress
-from outbox_dispatcher.kafka.producers import Producers
+from outbox_dispatcher.kafka import internals, progress
+from outbox_dispatcher.kafka.batches import Answer, Batches
+from outbox_dispatcher.kafka.producers import NotSubmitted, Producers
 from outbox_dispatcher.kafka.progress import ProgressConfig, ProgressUnavailableError
 from outbox_dispatcher.kafka.publisher import PublisherConfig
-from outbox_dispatcher.kafka.records import KafkaRecord, RecordEncoder, partition_in
+from outbox_dispatcher.kafka.records import RecordEncoder
 from outbox_dispatcher.kafka.topics import TopicLookup
-from outbox_dispatcher.kafka.waves import plan_waves
 from outbox_dispatcher.models import OutboxRecord, Part
+from outbox_dispatcher.tracing import Tracer
 
 log = structlog.get_logger(__name__)
 
 KAFKA_TROUBLE = (kafka_errors.KafkaError, OSError, TimeoutError)
 FENCES_AT_ONCE = 8
 UNKNOWN: BaseException = errors.BrokerUnavailableError("the transaction's outcome is unknown")
+NOTHING_SENT = errors.NotAttempted("nothing of the batch could be sent")
 _AnyOwners = Callable[[], Awaitable[Sequence[str]]]
 
 
@@ -116,7 +118,7 @@ class TransactionalPublisher:
         self.producers = Producers(producer)
         self.topics = TopicLookup(self.producers, config.topics)
         self._encoder = RecordEncoder(config.records)
-        self._batch_bytes = config.delivery.max_batch_bytes
+        self._tracer = Tracer(config.tracing)
         self._ack_seconds = producer.connection.request_timeout_seconds
         self._others = others
         self._turn = asyncio.Lock()  # one transaction at a time: one producer
@@ -125,6 +127,7 @@ class TransactionalPublisher:
     async def start(self) -> None:
         """Start the producer (its first transaction fences an earlier one of this id) and
         create the progress topic if it is missing."""
+        internals.quicken_transaction_retries()
         await self.producers.start()
         try:
             await progress.ensure_topic(self._connection, self._progress.topic)
@@ -213,11 +216,21 @@ class TransactionalPublisher:
         except errors.BrokerUnavailableError as exc:
             d.decide(d.undecided(), TransactionAbortedError(errors.describe(exc)))
             return
-        to_send = await self._encoded(d)
-        if not to_send:
+        indices = d.undecided()
+        if not indices:
             return
+        topics = [self._encoder.topic(r) for r in d.records]
+        named = {t for i in indices if isinstance(t := topics[i], str)}
+        problems = await self.topics.errors_for(named) if named else {}
+        batches = Batches(
+            d.records,
+            topics,
+            encoder=self._encoder,
+            producers=self.producers,
+            lookup=self.topics,
+            tracer=self._tracer,
+        )
         producer = self.producers.current()
-        indices = list(to_send)
         try:
             d.begun = True
             await producer.begin_transaction()
@@ -225,85 +238,61 @@ class TransactionalPublisher:
             self.producers.condemn(exc)
             d.decide(indices, TransactionAbortedError(errors.describe(exc)))
             return
-        failed = await self._send_waves(d, to_send)
-        if failed is not None:
-            await self._abort(d, indices, *failed)
+        answers: list[Answer] = [None] * len(d.records)
+        failure = await self._send_all(d, batches, indices, answers, problems)
+        # Refused before sending (no topic, a topic missing, too large; the later rows of
+        # their keys not attempted): decided with their error, never in the transaction.
+        refused = {i: a for i in indices if isinstance(a := answers[i], BaseException)}
+        for i, refusal in refused.items():
+            d.decide([i], refusal)
+        sent = [i for i in indices if i not in refused]
+        if failure is not None or not sent:
+            failed_at, cause = failure or (None, NOTHING_SENT)
+            await self._abort(d, sent, failed_at, cause)
             return
-        await self._commit(d, indices)
+        await self._commit(d, sent)
 
-    async def _encoded(self, d: TransactionalDelivery) -> dict[int, tuple[str, KafkaRecord]]:
-        """The rows to send, by index; the rows that cannot be are decided (their error: no
-        topic, a topic missing or refused, a record too large), and so are the later rows of
-        their key (not attempted: the key's order)."""
-        undecided = d.undecided()
-        topics = {i: self._encoder.topic(d.records[i]) for i in undecided}
-        named = {t for t in topics.values() if isinstance(t, str)}
-        problems: dict[str, BaseException] = await self.topics.errors_for(named) if named else {}
-        held: set[str] = set()
-        found: dict[int, tuple[str, KafkaRecord]] = {}
-        for i in undecided:
-            record = d.records[i]
-            key = record.ordering_key
-            if key is not None and key in held:
-                d.decide([i], errors.NotAttempted())
-                continue
-            topic = topics[i]
-            try:
-                if isinstance(topic, BaseException):
-                    raise topic
-                if topic in problems:
-                    raise problems[topic]
-                found[i] = (topic, self._encoder.encode(record))
-            except (errors.OutboxDispatcherError, kafka_errors.KafkaError) as exc:
-                d.decide([i], exc)
-                if key is not None:
-                    held.add(key)
-        return found
-
-    async def _send_waves(
-        self, d: TransactionalDelivery, to_send: dict[int, tuple[str, KafkaRecord]]
+    async def _send_all(
+        self,
+        d: TransactionalDelivery,
+        batches: Batches,
+        indices: list[int],
+        answers: list[Answer],
+        problems: dict[str, BaseException],
     ) -> tuple[int | None, BaseException] | None:
-        """Send wave after wave (a key's change of topic waits for its earlier rows' acks), then
-        the progress record; the first failure (the row's index, None for the progress record;
-        the error), or None."""
-        producer = self.producers.current()
-        order = list(to_send)
-        records = [d.records[i] for i in order]
-        topics = [to_send[i][0] for i in order]
-        for wave in plan_waves(records, topics, self._batch_bytes, self.topics.partitions):
-            futures = []
-            for at in wave:
-                i = order[at]
-                topic, kafka = to_send[i]
-                futures.append(
-                    await producer.send(
-                        topic,
-                        kafka.value,
-                        key=kafka.key,
-                        partition=await self._partition(topic, d.records[i]),
-                        headers=kafka.headers,
-                    )
-                )
-            answers = await asyncio.gather(*futures, return_exceptions=True)
-            for at, answer in zip(wave, answers, strict=True):
-                if isinstance(answer, BaseException):
-                    return order[at], answer
-            d.sent.extend(d.records[order[at]].id for at in wave)
+        """Hand every record to the producer as batches (kafka/batches.py) and the progress
+        record after them, then wait for all the acks at once: the first failure (the row's
+        index, None for the progress record; the error), or None. No waves: nothing of the
+        transaction is visible before its commit, so a key's change of topic needs no ack first,
+        and a failed batch aborts the whole transaction (no gap can follow it)."""
+        batches.encode(indices)
+        failed_keys: set[str] = set()
+        pending = indices
+        while pending:
+            deferred = set(batches.send(pending, answers, failed_keys, problems))
+            if len(deferred) == len(pending):  # not one fits an empty batch: never happens
+                return pending[0], errors.UnpublishableRowError("no producer batch takes it")
+            pending = [i for i in pending if i in deferred]
+        handed = [i for i in indices if isinstance(answers[i], asyncio.Future)]
+        d.sent = [d.records[i].id for i in handed]
         value = progress.record_value(self._progress, self.owner, {**self.unmarked, d.tag: d.sent})
-        answer = await asyncio.gather(
-            await producer.send(self._progress.topic, value, key=self.transactional_id.encode()),
-            return_exceptions=True,
-        )
-        if isinstance(answer[0], BaseException):
-            return None, answer[0]
+        try:
+            acked = await self.producers.current().send(
+                self._progress.topic, value, key=self.transactional_id.encode()
+            )
+        except KAFKA_TROUBLE as exc:
+            return None, exc
+        submissions: list[asyncio.Future[object]] = [
+            a for a in dict.fromkeys(answers[i] for i in handed) if isinstance(a, asyncio.Future)
+        ]
+        results: list[object] = await asyncio.gather(acked, *submissions, return_exceptions=True)
+        if isinstance(results[0], BaseException):
+            return None, results[0]
+        for submission, result in zip(submissions, results[1:], strict=True):
+            if isinstance(result, BaseException):
+                cause = result.cause if isinstance(result, NotSubmitted) else result
+                return next(i for i in handed if answers[i] is submission), cause
         return None
-
-    async def _partition(self, topic: str, record: OutboxRecord) -> int:
-        """The partition at-least-once sends the row to (the key's, by the same hash)."""
-        partitions = sorted(await self.producers.current().partitions_for(topic))
-        if record.ordering_key is None:
-            return self.topics.keyless_partition(topic, partitions)
-        return partition_in(partitions, record.ordering_key)
 
     async def _abort(
         self,

@@ -325,12 +325,23 @@ def test_create_conn_takes_the_options_the_diagnosis_passes() -> None:
         assert name in params, f"aiokafka.conn.create_conn lost {name!r}: internals.open_connection"
 
 
+def test_the_transaction_retry_backoff_is_aiokafka_sender_backoff_override() -> None:
+    """internals.quicken_transaction_retries sets aiokafka.producer.sender.BACKOFF_OVERRIDE, the
+    wait before an AddPartitionsToTxn retried after CONCURRENT_TRANSACTIONS."""
+    from aiokafka.producer import sender
+
+    assert isinstance(sender.BACKOFF_OVERRIDE, float), "aiokafka renamed BACKOFF_OVERRIDE"
+    assert "BACKOFF_OVERRIDE" in inspect.getsource(sender.AddPartitionsToTxnHandler)
+    internals.quicken_transaction_retries()
+    assert sender.BACKOFF_OVERRIDE == internals.TRANSACTION_RETRY_SECONDS
+
+
 def test_only_kafka_internals_reaches_below_the_public_api() -> None:
     """Every module of the package, those of its subpackages included, but kafka/internals.py."""
     # A logger's name in quotes ("aiokafka.cluster" in logs.py) is not a reach into the module,
     # nor is an HTTP request's client (the console's `request.client.host`).
     below = re.compile(
-        r"_message_accumulator|aiokafka\.(?:conn|protocol|cluster)\b(?![\"'])"
+        r"_message_accumulator|BACKOFF_OVERRIDE|aiokafka\.(?:conn|protocol|cluster)\b(?![\"'])"
         r"|(?<!request)\.client\.\w"
     )
     internals_path = Path(internals.__file__)
