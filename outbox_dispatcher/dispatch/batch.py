@@ -217,7 +217,10 @@ class BatchRun:
             )
 
     def _rows(self, part: Part) -> Batch:
-        return Batch(self.batch.token, [self.batch.records[i] for i in part.indices])
+        # The delivery's records: the batch's, and in exactly-once the rows a lost claim
+        # committed beyond a takeover's batch (kafka/transactions.py adopts them).
+        records = self.delivery.records
+        return Batch(self.batch.token, [records[i] for i in part.indices])
 
 
 def log_failures(records: list[OutboxRecord], results: list[Result]) -> None:

@@ -38,7 +38,7 @@ from outbox_dispatcher.kafka.records import RecordConfig
 from outbox_dispatcher.kafka.tls import ConnectionConfig
 from outbox_dispatcher.kafka.topics import TopicConfig
 from outbox_dispatcher.kafka.transactions import TransactionalPublisher
-from outbox_dispatcher.models import picked
+from outbox_dispatcher.models import OutboxRecord, picked
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.store import DispatchStore, Statements, db, listen, migrations
 
@@ -134,10 +134,13 @@ class Dispatcher:
             live = await store.dispatchers_live(live_seconds=FENCE_WINDOW_SECONDS)
             return [str(row["owner"]) for row in live]
 
+        async def pending(ids: list[int]) -> list[OutboxRecord]:
+            return [OutboxRecord.from_row(row) for row in await store.pending_rows(ids=ids)]
+
         # The table's identity in its progress records (store.outbox_identity).
         outbox = f"{self.configs.progress.outbox}@{await store.outbox_identity()}"
         progress = dataclasses.replace(self.configs.progress, outbox=outbox)
-        return TransactionalPublisher(self.configs.publisher, progress, self.owner, others)
+        return TransactionalPublisher(self.configs.publisher, progress, self.owner, others, pending)
 
     async def _supervise(self, store: DispatchStore, publisher: Publisher) -> None:
         s = self.settings

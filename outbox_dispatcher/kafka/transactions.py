@@ -37,6 +37,7 @@ FENCES_AT_ONCE = 8
 UNKNOWN: BaseException = errors.BrokerUnavailableError("the transaction's outcome is unknown")
 NOTHING_SENT = errors.NotAttempted("nothing of the batch could be sent")
 _AnyOwners = Callable[[], Awaitable[Sequence[str]]]
+_PendingRows = Callable[[list[int]], Awaitable[Sequence[OutboxRecord]]]
 
 
 class TransactionAbortedError(errors.OutboxDispatcherError):
@@ -53,7 +54,7 @@ class TransactionalDelivery:
     claim stays leased, and the takeover that follows its expiry reads the progress."""
 
     def __init__(self, publisher: TransactionalPublisher, records: Sequence[OutboxRecord]) -> None:
-        self.records = records
+        self.records = list(records)  # grows by the rows a takeover adopts (see adopt)
         self.parked = False
         self.settled: set[int] = set()
         self.tag = uuid.uuid4().hex  # this batch in progress records
@@ -78,6 +79,12 @@ class TransactionalDelivery:
     def decide(self, indices: Sequence[int], outcome: BaseException | None) -> None:
         for i in indices:
             self._outcomes[i] = outcome
+
+    def adopt(self, rows: Sequence[OutboxRecord]) -> None:
+        """Rows of this claim's keys that a lost claim committed beyond its batch: settled with
+        it, published (its settle marks any row of a key its lease holds)."""
+        self.records.extend(rows)
+        self._outcomes.extend([None] * len(rows))
 
     def undecided(self) -> list[int]:
         return [i for i, o in enumerate(self._outcomes) if o is UNKNOWN]
@@ -104,6 +111,7 @@ class TransactionalPublisher:
         progress_config: ProgressConfig,
         owner: str,
         others: _AnyOwners,
+        pending: _PendingRows,
     ) -> None:
         self.owner = owner
         self.transactional_id = progress_config.transactional_id(owner)
@@ -121,6 +129,7 @@ class TransactionalPublisher:
         self._tracer = Tracer(config.tracing)
         self._ack_seconds = producer.connection.request_timeout_seconds
         self._others = others
+        self._pending = pending
         self._turn = asyncio.Lock()  # one transaction at a time: one producer
         self.unmarked: dict[str, list[int]] = {}  # tag: ids committed, not seen marked
 
@@ -169,18 +178,30 @@ class TransactionalPublisher:
             await self._send_and_commit(d)
 
     async def _reconcile(self, d: TransactionalDelivery) -> None:
-        """Rows taken over from a lost claim: those it committed are published already."""
+        """Rows taken over from a lost claim: those it committed are published already, and so
+        are its committed rows of the same keys that did not fit in this batch (the takeover's
+        room is its batch size): adopted, so that the key is not released with them pending."""
         reclaimed = {r.id for r in d.records if r.reclaimed}
         if not reclaimed:
             return
-        done = await self.committed_elsewhere(reclaimed)
+        committed = await self.committed_elsewhere()
+        done = reclaimed & committed
         d.decide([i for i, r in enumerate(d.records) if r.id in done], None)
+        keys = {r.ordering_key for r in d.records if r.reclaimed and r.ordering_key is not None}
+        beyond = sorted(committed - {r.id for r in d.records})
+        if keys and beyond:
+            try:
+                rows = [r for r in await self._pending(beyond) if r.ordering_key in keys]
+            except Exception as exc:  # the database is away: the rows wait
+                raise ProgressUnavailableError(errors.describe(exc)) from exc
+            d.adopt(rows)
+            done |= {r.id for r in rows}
         if done:
             log.info("takeover_found_committed", rows=len(done), reclaimed=len(reclaimed))
 
-    async def committed_elsewhere(self, ids: set[int]) -> set[int]:
-        """Of `ids`, those in a committed transaction not marked yet: every other dispatcher's
-        id fenced first, then the progress read to its end."""
+    async def committed_elsewhere(self) -> set[int]:
+        """The ids of every committed transaction not seen marked: every other dispatcher's id
+        fenced first, then the progress read to its end (this dispatcher's own from memory)."""
         try:
             listed = await self._others()
         except Exception as exc:  # the database is away: the rows wait
@@ -191,16 +212,15 @@ class TransactionalPublisher:
 
             async def fence(owner: str) -> None:
                 async with limit:
-                    await progress.fence(
-                        self._producer_config, self._progress.transactional_id(owner)
-                    )
+                    tid = self._progress.transactional_id(owner)
+                    await progress.fence(self._producer_config, tid)
 
             await asyncio.gather(*(fence(o) for o in owners))
             values = await self.read_progress()
         except KAFKA_TROUBLE as exc:
             raise ProgressUnavailableError(errors.describe(exc)) from exc
         mine = {i for ids in self.unmarked.values() for i in ids}
-        return ids & (mine | progress.committed_ids(self._progress, values))
+        return mine | progress.committed_ids(self._progress, values)
 
     async def read_progress(self) -> list[bytes | None]:
         """The progress topic's committed records (its partitions as the producer knows them)."""

@@ -32,6 +32,10 @@ class DispatchStore(StoreBase):
         """The database and the table's oid (exactly-once's progress records name it)."""
         return str(await self._value("outbox_identity"))
 
+    async def pending_rows(self, *, ids: Sequence[int]) -> list[Row]:
+        """Those of `ids` still pending, in a claim's columns (OutboxRecord's fields)."""
+        return await self._fetch("pending_rows", ids=list(ids))
+
     async def release_claim(self, *, token: uuid.UUID) -> int:
         """Give back what a claim under `token` leased; keys (and rows without one) released."""
         return int(await self._value("release_claim", token=token))

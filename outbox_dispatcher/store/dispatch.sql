@@ -73,6 +73,14 @@ SELECT count(*) FROM {work} w
 -- are never taken for this one's.
 SELECT current_database() || '/' || '{table}'::regclass::oid::text
 
+-- pending_rows --
+-- exactly-once: the rows among $ids still pending, as a claim returns them (OutboxRecord's
+-- fields): those a lost claim committed in Kafka beyond a takeover's batch (kafka/transactions.py).
+SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts, true AS reclaimed
+  FROM {table}
+ WHERE id = ANY($ids::bigint[]) AND published_at IS NULL AND dead_at IS NULL
+ ORDER BY id
+
 -- schema_version --
 SELECT greatest((SELECT coalesce(max(version), 0) FROM {version_table}),
                 (SELECT coalesce(max(version), 0) FROM {steps_table}))

@@ -17,6 +17,7 @@ from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
+from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka import progress
 from outbox_dispatcher.kafka.transactions import (
@@ -24,7 +25,7 @@ from outbox_dispatcher.kafka.transactions import (
     TransactionalDelivery,
     TransactionalPublisher,
 )
-from outbox_dispatcher.models import Batch, Part
+from outbox_dispatcher.models import PUBLISHED, Batch, OutboxRecord, Part
 from outbox_dispatcher.store import DispatchStore, Statements, db
 from tests.checker import verdict_for
 
@@ -75,13 +76,18 @@ class Owners:
             return [o for o in self.publishers if o != owner]
 
         configs = configs_of(self.settings)
-        made = TransactionalPublisher(configs.publisher, configs.progress, owner, others)
+        made = TransactionalPublisher(
+            configs.publisher, configs.progress, owner, others, self.pending
+        )
         await made.start()
         self.publishers[owner] = made
         return made
 
-    async def claim(self, owner: str) -> Batch:
-        batch = await Claimer(self.store, self.settings, owner).claim()
+    async def pending(self, ids: list[int]) -> list[OutboxRecord]:
+        return [OutboxRecord.from_row(r) for r in await self.store.pending_rows(ids=ids)]
+
+    async def claim(self, owner: str, settings: Settings | None = None) -> Batch:
+        batch = await Claimer(self.store, settings or self.settings, owner).claim()
         assert batch is not None, f"{owner} claimed nothing"
         return batch
 
@@ -184,6 +190,39 @@ async def test_a_takeover_marks_what_the_lost_claim_committed_and_sends_none_of_
     assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 21
 
 
+async def test_a_takeover_adopts_the_committed_rows_beyond_its_batch(
+    conn: asyncpg.Connection,
+    owners: Owners,
+    eos_settings: Callable[..., Settings],
+    topic: str,
+    services: Services,
+) -> None:
+    """The lost claim committed 10 rows of a key; the taker's batch holds 4 (its batch size):
+    the 6 others are published too, settled with the 4, so that the key is not released with
+    them pending (a claim that is no takeover would send them again)."""
+    await insert_sequenced(conn, topic, keys=1, per_key=10)
+    a = await owners.publisher("owner-a")
+    b = await owners.publisher("owner-b")
+    lost = await owners.claim("owner-a")
+    assert len(lost.records) == 10
+    await run(a.publish(lost.records))
+    await expire(conn)
+    taken = await owners.claim("owner-b", eos_settings(batch_size=4))
+    assert len(taken.records) == 4 and all(r.reclaimed for r in taken.records)
+    delivery = b.publish(taken.records)
+    part = await run(delivery)
+    assert delivery.sent == []
+    assert [delivery.records[i].id for i in part.indices] == [r.id for r in lost.records]
+    assert part.outcomes == [None] * 10
+    settled = await Settler(owners.store, retry_for=1.0, owner="owner-b").settle(
+        Batch(taken.token, [delivery.records[i] for i in part.indices]),
+        [PUBLISHED] * 10,
+    )
+    assert settled == 10
+    assert await count(conn, "published_at IS NULL") == 0
+    assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 10
+
+
 async def test_a_hung_owners_open_transaction_is_aborted_by_the_takeover(
     conn: asyncpg.Connection, owners: Owners, topic: str, services: Services
 ) -> None:
@@ -227,7 +266,9 @@ async def test_a_takeover_that_cannot_read_the_progress_leaves_the_rows_leased(
         raise kafka_errors.KafkaConnectionError("the broker is away")
 
     configs = configs_of(good.settings)
-    b = TransactionalPublisher(configs.publisher, configs.progress, "owner-b", unreachable)
+    b = TransactionalPublisher(
+        configs.publisher, configs.progress, "owner-b", unreachable, good.pending
+    )
     await b.start()
     try:
         taken = await good.claim("owner-b")
