@@ -34,6 +34,18 @@ ASKED_AT_ONCE = 3
 TRANSACTION_RETRY_SECONDS = 0.002
 
 
+def read_fatal_error(producer: AIOKafkaProducer) -> BaseException | None:
+    """The error that ended a transactional producer's transaction (a fence), read from its
+    transaction manager's waiter, which nothing awaits once the producer is replaced (asyncio
+    would log it as never retrieved); None when there is none."""
+    manager = producer._txn_manager
+    waiter = None if manager is None else manager._transaction_waiter
+    if waiter is None or not waiter.done() or waiter.cancelled():
+        return None
+    found: BaseException | None = waiter.exception()
+    return found
+
+
 def quicken_transaction_retries() -> None:
     """Retry a partition's addition to a transaction after 2 ms, not 20 (process-wide)."""
     aiokafka_sender.BACKOFF_OVERRIDE = TRANSACTION_RETRY_SECONDS

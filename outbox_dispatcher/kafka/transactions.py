@@ -12,6 +12,7 @@ that cannot be read the rows stay leased, unsettled, for the next takeover to de
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -32,10 +33,13 @@ from outbox_dispatcher.tracing import Tracer
 
 log = structlog.get_logger(__name__)
 
-KAFKA_TROUBLE = (kafka_errors.KafkaError, OSError, TimeoutError)
+# IllegalOperation: aiokafka refuses a send or a commit of a producer whose transaction a fatal
+# error (a fence) ended.
+KAFKA_TROUBLE = (kafka_errors.KafkaError, kafka_errors.IllegalOperation, OSError, TimeoutError)
 FENCES_AT_ONCE = 8
 UNKNOWN: BaseException = errors.BrokerUnavailableError("the transaction's outcome is unknown")
 NOTHING_SENT = errors.NotAttempted("nothing of the batch could be sent")
+REPLACED = "the producer was replaced after the claim: its rows are given back, not sent"
 _AnyOwners = Callable[[], Awaitable[Sequence[str]]]
 _PendingRows = Callable[[list[int]], Awaitable[Sequence[OutboxRecord]]]
 
@@ -61,6 +65,9 @@ class TransactionalDelivery:
         self.sent: list[int] = []  # ids in the transaction, for the progress record
         self.begun = False  # a transaction of it was begun: unknown rows may be in Kafka
         self.committed = False
+        # The producer when the claim was made: one that replaced it (this dispatcher was
+        # fenced, as by a takeover of a hung owner) never sends the claim (see _send_and_commit).
+        self.producer = publisher.producers.current()
         self._publisher = publisher
         self._outcomes: list[BaseException | None] = [UNKNOWN] * len(records)
 
@@ -239,6 +246,11 @@ class TransactionalPublisher:
         indices = d.undecided()
         if not indices:
             return
+        if self.producers.current() is not d.producer:
+            # Replaced since the claim (fenced, or its state lost): the lease may have expired
+            # meanwhile and another claim sent the rows; given back, never sent by this one.
+            d.decide(indices, TransactionAbortedError(REPLACED))
+            return
         topics = [self._encoder.topic(r) for r in d.records]
         named = {t for i in indices if isinstance(t := topics[i], str)}
         problems = await self.topics.errors_for(named) if named else {}
@@ -295,16 +307,17 @@ class TransactionalPublisher:
             pending = [i for i in pending if i in deferred]
         handed = [i for i in indices if isinstance(answers[i], asyncio.Future)]
         d.sent = [d.records[i].id for i in handed]
+        submissions: list[asyncio.Future[object]] = [
+            a for a in dict.fromkeys(answers[i] for i in handed) if isinstance(a, asyncio.Future)
+        ]
         value = progress.record_value(self._progress, self.owner, {**self.unmarked, d.tag: d.sent})
         try:
             acked = await self.producers.current().send(
                 self._progress.topic, value, key=self.transactional_id.encode()
             )
         except KAFKA_TROUBLE as exc:
+            await asyncio.gather(*submissions, return_exceptions=True)  # their answers, read
             return None, exc
-        submissions: list[asyncio.Future[object]] = [
-            a for a in dict.fromkeys(answers[i] for i in handed) if isinstance(a, asyncio.Future)
-        ]
         results: list[object] = await asyncio.gather(acked, *submissions, return_exceptions=True)
         if isinstance(results[0], BaseException):
             return None, results[0]
@@ -325,7 +338,11 @@ class TransactionalPublisher:
         its error, the others are retried uncounted. A fenced producer is past aborting (the
         fence aborted it): it is replaced."""
         if _is_fencing(cause):
+            internals.read_fatal_error(self.producers.current())
             self.producers.condemn(cause)
+            # Now, not at the next batch: claims made from here on are the fresh producer's.
+            with contextlib.suppress(errors.BrokerUnavailableError):
+                await self.producers.replace_if_broken()
         else:
             try:
                 async with asyncio.timeout(self._progress.timeout_seconds):
@@ -380,6 +397,7 @@ def _is_fencing(exc: BaseException) -> bool:
         exc,
         (
             kafka_errors.ProducerFenced,
+            kafka_errors.IllegalOperation,
             kafka_errors.InvalidProducerEpoch,
             kafka_errors.OutOfOrderSequenceNumber,
             kafka_errors.UnknownProducerId,

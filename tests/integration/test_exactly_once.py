@@ -186,7 +186,7 @@ async def test_a_takeover_marks_what_the_lost_claim_committed_and_sends_none_of_
     refused = await run(a.publish(fresh.records))
     assert all(isinstance(o, TransactionAbortedError) for o in refused.outcomes), refused
     again = await run(a.publish(fresh.records))
-    assert again.outcomes == [None], "a fresh producer under the same id"
+    assert again.outcomes == [None], "a fresh producer under the same id, for a new claim"
     assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 21
 
 
@@ -221,6 +221,29 @@ async def test_a_takeover_adopts_the_committed_rows_beyond_its_batch(
     assert settled == 10
     assert await count(conn, "published_at IS NULL") == 0
     assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 10
+
+
+async def test_a_claim_made_before_the_producer_was_replaced_is_never_sent(
+    conn: asyncpg.Connection, owners: Owners, topic: str, services: Services
+) -> None:
+    """A hung owner resumes with two claims whose leases were taken over: the first meets the
+    fence and is aborted, its producer replaced; the second, claimed under the old producer,
+    must not go out under the new one (the taker sent its rows)."""
+    await insert_sequenced(conn, topic, keys=2, per_key=1)
+    a = await owners.publisher("owner-a")
+    b = await owners.publisher("owner-b")
+    settings = owners.settings.model_copy(update={"batch_size": 1})
+    first, second = await owners.claim("owner-a", settings), await owners.claim("owner-a", settings)
+    stale = [a.publish(first.records), a.publish(second.records)]  # claimed, then it hung
+    await expire(conn)
+    taken = await owners.claim("owner-b")
+    assert len(taken.records) == 2
+    assert (await run(b.publish(taken.records))).outcomes == [None, None]  # fences owner-a
+    for delivery in stale:
+        part = await run(delivery)
+        assert all(isinstance(o, TransactionAbortedError) for o in part.outcomes), part
+        assert delivery.sent == [] or not delivery.committed
+    assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 2
 
 
 async def test_a_hung_owners_open_transaction_is_aborted_by_the_takeover(

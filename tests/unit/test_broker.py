@@ -336,12 +336,23 @@ def test_the_transaction_retry_backoff_is_aiokafka_sender_backoff_override() -> 
     assert sender.BACKOFF_OVERRIDE == internals.TRANSACTION_RETRY_SECONDS
 
 
+def test_a_transactional_producer_keeps_its_ending_error_in__txn_manager__transaction_waiter() -> (
+    None
+):
+    """internals.read_fatal_error reads AIOKafkaProducer._txn_manager._transaction_waiter."""
+    from aiokafka.producer import transaction_manager
+
+    source = inspect.getsource(transaction_manager.TransactionManager)
+    assert "self._transaction_waiter.set_exception(exc)" in source
+    assert "_txn_manager" in inspect.getsource(aiokafka.AIOKafkaProducer.__init__)
+
+
 def test_only_kafka_internals_reaches_below_the_public_api() -> None:
     """Every module of the package, those of its subpackages included, but kafka/internals.py."""
     # A logger's name in quotes ("aiokafka.cluster" in logs.py) is not a reach into the module,
     # nor is an HTTP request's client (the console's `request.client.host`).
     below = re.compile(
-        r"_message_accumulator|BACKOFF_OVERRIDE|aiokafka\.(?:conn|protocol|cluster)\b(?![\"'])"
+        r"_message_accumulator|_txn_manager|BACKOFF_OVERRIDE|aiokafka\.(?:conn|protocol|cluster)\b(?![\"'])"
         r"|(?<!request)\.client\.\w"
     )
     internals_path = Path(internals.__file__)
