@@ -4,7 +4,6 @@ final part, the settings it refuses."""
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 import orjson
 import pytest
@@ -44,8 +43,17 @@ def test_the_transactional_id_names_the_outbox_and_the_owner() -> None:
     assert CONFIG.transactional_id("host:1:abc") == "x.public.outbox.host:1:abc"
 
 
+class _Publisher:
+    """What a delivery reads of its publisher when it is made: the current producer."""
+
+    class producers:  # noqa: N801 - stands for Producers
+        @staticmethod
+        def current() -> object:
+            return "the producer"
+
+
 def delivery(n: int) -> TransactionalDelivery:
-    return TransactionalDelivery(Any, [record(i) for i in range(n)])  # type: ignore[arg-type]
+    return TransactionalDelivery(_Publisher, [record(i) for i in range(n)])  # type: ignore[arg-type]
 
 
 def test_a_partly_decided_batch_settles_nothing() -> None:
