@@ -21,7 +21,7 @@ import structlog
 from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import internals, progress
+from outbox_dispatcher.kafka import failures, internals, progress
 from outbox_dispatcher.kafka.batches import Answer, Batches
 from outbox_dispatcher.kafka.producers import NotSubmitted, Producers
 from outbox_dispatcher.kafka.progress import ProgressConfig, ProgressUnavailableError
@@ -393,13 +393,6 @@ class TransactionalPublisher:
 
 
 def _is_fencing(exc: BaseException) -> bool:
-    return isinstance(
-        exc,
-        (
-            kafka_errors.ProducerFenced,
-            kafka_errors.IllegalOperation,
-            kafka_errors.InvalidProducerEpoch,
-            kafka_errors.OutOfOrderSequenceNumber,
-            kafka_errors.UnknownProducerId,
-        ),
-    )
+    """The producer is past its transaction: its state lost (failures.PRODUCER_STATE, a fence
+    among them), or aiokafka refusing a producer a fatal error ended."""
+    return failures.is_producer_state(exc) or isinstance(exc, kafka_errors.IllegalOperation)
