@@ -1,4 +1,4 @@
--- outbox-dispatcher: the full current schema (version 12). Equivalent to applying every file in
+-- outbox-dispatcher: the full current schema (version 13). Equivalent to applying every file in
 -- migrations/ in order; tests/integration/test_schema.py proves it. Placeholders as in the migrations.
 
 CREATE TABLE IF NOT EXISTS ${schema}.${table}_schema_version (
@@ -347,8 +347,12 @@ CREATE FUNCTION ${schema}.${table}_discover(
 AS $fn$
 #variable_conflict use_column
 DECLARE
-    v_xmin xid8 := pg_snapshot_xmin(pg_current_snapshot());
-    v_xmax xid8 := pg_snapshot_xmax(pg_current_snapshot());
+    -- The read's own snapshot (taken in the read below): a hole it finds is closed only once
+    -- every transaction running then has ended (a later snapshot's xmin beyond this xmax). An
+    -- xmax from before the read (this function's start) forgot a writer that began in between
+    -- (version 13; tests/integration/test_holes.py).
+    v_xmin xid8;
+    v_xmax xid8;
     v_ids bigint[];
     v_keys text[];
     v_ok boolean[];
@@ -413,8 +417,9 @@ BEGIN
     SELECT array_agg(s.id ORDER BY s.id), array_agg(s.ordering_key ORDER BY s.id),
            array_agg(s.ok ORDER BY s.id), array_agg(s.fresh ORDER BY s.id),
            array_agg(s.pending ORDER BY s.id), array_agg(s.touched ORDER BY s.id),
-           max(s.id) FILTER (WHERE s.fresh)
-      INTO v_ids, v_keys, v_ok, v_fresh, v_pending, v_touched, v_top
+           max(s.id) FILTER (WHERE s.fresh),
+           pg_snapshot_xmin(pg_current_snapshot()), pg_snapshot_xmax(pg_current_snapshot())
+      INTO v_ids, v_keys, v_ok, v_fresh, v_pending, v_touched, v_top, v_xmin, v_xmax
       FROM ((SELECT o.id, o.ordering_key, o.published_at IS NULL AND o.dead_at IS NULL AS pending,
                     o.next_attempt_at <= now()
                     AND (p_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (p_paused))
@@ -472,7 +477,9 @@ BEGIN
                          WHERE NOT (old.x <= v_xmin
                                     AND old.at < now() - p_hole_margin * interval '1 second')
                         UNION ALL
-                        SELECT v_xmax, now(), int8range(g.prev + 1, g.id - 1, '[]')
+                        -- (found now, not at the claim's start: a claim that waited for a
+                        -- lock must not find its holes already past the margin)
+                        SELECT v_xmax, clock_timestamp(), int8range(g.prev + 1, g.id - 1, '[]')
                           FROM (SELECT u.id, lag(u.id, 1, c.position) OVER (ORDER BY u.id) AS prev
                                   FROM unnest(v_ids, v_fresh) AS u(id, fresh) WHERE u.fresh) g
                          WHERE g.id > g.prev + 1) h)
@@ -635,6 +642,8 @@ DECLARE
     v_old boolean[];
     v_ends bigint[];
     v_held bigint[] := '{}';
+    v_known bigint;
+    v_holes int8multirange;
 BEGIN
     -- The pauses and their generation, in one snapshot.
     SELECT (SELECT array_agg(p.topic) FROM ${schema}.${table}_paused p), x.pause_gen
@@ -688,6 +697,18 @@ BEGIN
                   AND w.claim_token IS NOT NULL AND w.claim_expires_at > now()
                   AND (w.keyless OR (y.id >= w.claim_first AND y.id < w.head_id)));
     END IF;
+
+    -- What discoveries have taken in: ids up to the cursor, but not its holes. A run takes no
+    -- row beyond that: a row a writer committed below its key's head (a late commit), then the
+    -- same writer's next row of the key, are both seen by the run's snapshot before a discovery
+    -- lowered the head (another claim's, or this claim's own, whose read came before that
+    -- commit); the run from the head would send the next row first. Read before the keys are
+    -- locked, so that what a discovery did by then is in the work rows they lock (version 13;
+    -- tests/integration/test_holes.py).
+    SELECT x.position, coalesce((SELECT range_agg(int8range(h.lo, h.hi, '[]'))
+                                   FROM unnest(x.hole_lo, x.hole_hi) AS h(lo, hi)), '{}')
+      INTO v_known, v_holes
+      FROM ${schema}.${table}_cursor x WHERE x.one;
 
     WITH expired AS (
         -- (lost_end: the lost claim held the key's rows below it, its orphans)
@@ -771,7 +792,8 @@ BEGIN
                    AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
                    AND NOT (c.compat AND o.lease_expires_at > now()
                             AND o.lease_token IS DISTINCT FROM p_token)
-                   AND o.id <> ALL (v_held) AS ok,
+                   AND o.id <> ALL (v_held)
+                   AND o.id <= v_known AND NOT v_holes @> o.id AS ok,
                    w.old AND o.attempts + 1 >= p_max_attempts AS looping,
                    w.old AND o.id < w.e AS orphan
               FROM ${schema}.${table} o
@@ -802,7 +824,8 @@ BEGIN
                    AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
                    AND NOT (c.compat AND o.lease_expires_at > now()
                             AND o.lease_token IS DISTINCT FROM p_token)
-                   AND o.id <> ALL (v_held) AS ok,
+                   AND o.id <> ALL (v_held)
+                   AND o.id <= v_known AND NOT v_holes @> o.id AS ok,
                    w.old AND o.attempts + 1 >= p_max_attempts AS looping,
                    w.old AND o.id < w.e AS orphan
               FROM ${schema}.${table} o
@@ -1654,8 +1677,8 @@ CREATE INDEX ${table}_dead_at_idx ON ${schema}.${table} (dead_at, id) WHERE dead
 INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (1, 'initial'), (2, 'routed_topic'),
     (3, 'operations'), (4, 'stricter_writer_checks'), (5, 'operator_safety'),
     (6, 'claim_engine'), (7, 'lag'), (8, 'lighter_writes_and_settles'), (9, 'late_marks'),
-    (11, 'claim_engine_v3_contract'), (12, 'console')
+    (11, 'claim_engine_v3_contract'), (12, 'console'), (13, 'late_rows')
     ON CONFLICT (version) DO NOTHING;
 INSERT INTO ${schema}.${table}_schema_steps (version, name) VALUES (10, 'claim_engine_v3'),
-    (11, 'claim_engine_v3_contract'), (12, 'console')
+    (11, 'claim_engine_v3_contract'), (12, 'console'), (13, 'late_rows')
     ON CONFLICT (version) DO NOTHING;

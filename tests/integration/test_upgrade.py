@@ -289,7 +289,8 @@ async def test_a_version_9_release_keeps_serving_and_restarting_through_the_upgr
     repository's history) running as users run it: `migrate` applies the expand step and leaves
     the contract step while the old dispatcher beats; the old one stays ready, is killed and
     restarts on the expanded schema; the new release runs (and beats) beside it; once the old one
-    stopped, `migrate` again contracts and adds the console's version 12. Writers write
+    stopped, `migrate` again contracts and adds versions 12 and 13 (the console's, the late-row
+    fixes). Writers write
     throughout: nothing is lost or reordered."""
     old_code = previous_release(tmp_path, PREVIOUS_V9)
     url = empty_database_url
@@ -365,7 +366,7 @@ async def test_a_version_9_release_keeps_serving_and_restarting_through_the_upgr
         applied = await migrate(url)
         assert (list(applied), applied.waiting, applied.older) == ([], 11, 2)
         applied = await migrate(url, contract=True)
-        assert applied == [11, 12]
+        assert applied == [11, 12, 13]
         answer = await wait_ready(port_of_new, "the new release, after the contract step")
         assert answer["checks"]["schema"] == "ok"
         await write(20)

@@ -105,6 +105,15 @@ node_launch() {
   echo $! >"$dir/kafka.pid"
 }
 
+# node_launching DIR: the pid node_launch wrote is alive but not the JVM yet (the subshell is still
+# on its way to exec java through setsid and nohup; on a loaded machine that takes a while, and a
+# wait that took it for a dead broker failed a CI run's outage test).
+node_launching() {
+  local pid
+  [[ -f $1/kafka.pid ]] && pid=$(<"$1/kafka.pid") && pid_alive "$pid" \
+    && [[ $(pid_comm "$pid") != java ]]
+}
+
 # node_wait DIR PORT NAME: until the node logged "Kafka Server started" (it does so only after it
 # has caught up with the metadata log, been unfenced and enabled request processing) and its port
 # accepts connections. A bare open port is not enough: the socket is bound before the broker can
@@ -112,7 +121,7 @@ node_launch() {
 node_wait() {
   local dir=$1 port=$2 name=$3 deadline=$((SECONDS + KAFKA_START_TIMEOUT))
   while :; do
-    if ! node_pid "$dir" >/dev/null; then
+    if ! node_pid "$dir" >/dev/null && ! node_launching "$dir"; then
       tail -n 40 "$dir/logs/kafka.log" >&2 || true
       rm -f "$dir/kafka.pid"
       die "$name exited during startup; see $dir/logs/kafka.log"
