@@ -25,7 +25,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from outbox_dispatcher.config.settings import Settings
-from outbox_dispatcher.store import migrations
+from outbox_dispatcher.store import db, migrations
 from tests.containers import Engine, find_engine, free_port, fresh_clone
 
 from .cluster import Cluster
@@ -261,6 +261,16 @@ async def empty_database_url(services: Services) -> AsyncIterator[str]:
     """A database without the outbox schema."""
     async with _fresh_database(services, None) as url:
         yield url
+
+
+@pytest.fixture
+async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool]:
+    """A pool on the test's database, set up as the dispatcher sets up its connections."""
+    p = await asyncpg.create_pool(database_url, min_size=1, max_size=8, init=db.init_connection)
+    try:
+        yield p
+    finally:
+        await p.close()
 
 
 @pytest.fixture

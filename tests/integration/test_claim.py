@@ -26,15 +26,6 @@ pytestmark = pytest.mark.integration
 STATEMENTS = Statements.for_table("public", "outbox")
 
 
-@pytest.fixture
-async def pool(database_url: str) -> Any:
-    p = await asyncpg.create_pool(database_url, min_size=1, max_size=4, init=db.init_connection)
-    try:
-        yield p
-    finally:
-        await p.close()
-
-
 def claimer(pool: asyncpg.Pool, settings: Settings, owner: str = "test") -> Claimer:
     return Claimer(DispatchStore(pool, STATEMENTS), settings, owner)
 

@@ -176,15 +176,6 @@ async def test_a_stuck_key_with_thousands_of_rows_does_not_hold_back_other_keys(
 # --- claims side by side (no Kafka) -----------------------------------------------------------
 
 
-@pytest.fixture
-async def pool(database_url: str) -> Any:
-    p = await asyncpg.create_pool(database_url, min_size=1, max_size=8, init=db.init_connection)
-    try:
-        yield p
-    finally:
-        await p.close()
-
-
 def claimer(pool: asyncpg.Pool, settings: Settings, owner: str) -> Claimer:
     return Claimer(DispatchStore(pool, STATEMENTS), settings, owner)
 

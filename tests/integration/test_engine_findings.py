@@ -15,21 +15,12 @@ from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, Outcome, Result
-from outbox_dispatcher.store import DispatchStore, Statements, db, migrations
+from outbox_dispatcher.store import DispatchStore, Statements, migrations
 
 pytestmark = pytest.mark.integration
 
 STATEMENTS = Statements.for_table("public", "outbox")
 PUBLISHED = Result(Outcome.PUBLISHED)
-
-
-@pytest.fixture
-async def pool(database_url: str) -> Any:
-    p = await asyncpg.create_pool(database_url, min_size=1, max_size=4, init=db.init_connection)
-    try:
-        yield p
-    finally:
-        await p.close()
 
 
 async def insert(conn: asyncpg.Connection, keys: list[str | None], topic: str = "t") -> list[int]:

@@ -26,7 +26,7 @@ from outbox_dispatcher.kafka.transactions import (
     TransactionalPublisher,
 )
 from outbox_dispatcher.models import PUBLISHED, Batch, OutboxRecord, Part
-from outbox_dispatcher.store import DispatchStore, Statements, db
+from outbox_dispatcher.store import DispatchStore, Statements
 from tests.checker import verdict_for
 
 from .helpers import Services, count, insert_sequenced, running, wait_all_settled
@@ -34,15 +34,6 @@ from .helpers import Services, count, insert_sequenced, running, wait_all_settle
 pytestmark = pytest.mark.integration
 
 STATEMENTS = Statements.for_table("public", "outbox")
-
-
-@pytest.fixture
-async def pool(database_url: str) -> AsyncIterator[Any]:
-    p = await asyncpg.create_pool(database_url, min_size=1, max_size=4, init=db.init_connection)
-    try:
-        yield p
-    finally:
-        await p.close()
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ test_writers.py (a writer's row first-delivered after its next one)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import asyncpg
 import pytest
@@ -18,7 +17,7 @@ from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.models import Batch, Outcome, Result
-from outbox_dispatcher.store import DispatchStore, Statements, db
+from outbox_dispatcher.store import DispatchStore, Statements
 
 from .helpers import wait_until
 
@@ -26,15 +25,6 @@ pytestmark = pytest.mark.integration
 
 STATEMENTS = Statements.for_table("public", "outbox")
 HOLE_MARGIN_SECONDS = 2.0  # the margin claim_work gives discover: a hole is never closed sooner
-
-
-@pytest.fixture
-async def pool(database_url: str) -> Any:
-    p = await asyncpg.create_pool(database_url, min_size=1, max_size=4, init=db.init_connection)
-    try:
-        yield p
-    finally:
-        await p.close()
 
 
 def claimer(pool: asyncpg.Pool, batch_size: int = 100) -> Claimer:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -48,15 +47,6 @@ def events(monkeypatch: pytest.MonkeyPatch) -> Events:
     recorded = Events()
     monkeypatch.setattr(settler_module, "log", recorded)
     return recorded
-
-
-@pytest.fixture
-async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool]:
-    p = await asyncpg.create_pool(database_url, min_size=1, max_size=4, init=db.init_connection)
-    try:
-        yield p
-    finally:
-        await p.close()
 
 
 async def insert(conn: asyncpg.Connection, keys: list[str]) -> list[int]:
