@@ -133,7 +133,7 @@ tools:
 bench: install services
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
-# The fault scenarios of tests/integration/test_chaos.py at full scale (CI runs a short version);
+# The fault scenarios of tests/integration/test_chaos.py and its neighbours at full scale (CI runs a short version);
 # one JSON line of figures per scenario in .chaos/results.jsonl (quoted in docs/guarantees.md).
 chaos: install services
 	mkdir -p .chaos
@@ -143,5 +143,5 @@ chaos: install services
 		$(BIN)/pytest tests/integration/test_chaos.py tests/integration/test_network_faults.py \
 		tests/integration/test_pgbouncer.py tests/integration/test_long_transactions.py \
 		tests/integration/test_visibility.py tests/integration/test_bad_input.py \
-		tests/integration/test_cluster.py \
+		tests/integration/test_cluster.py tests/integration/test_exactly_once_faults.py \
 		-v -s -rxX $(PYTEST_ARGS)
