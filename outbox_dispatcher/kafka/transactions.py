@@ -52,6 +52,12 @@ class TransactionAbortedError(errors.OutboxDispatcherError):
     failure = errors.BrokerUnavailableError.failure
 
 
+class TransactionFencedError(TransactionAbortedError, errors.NotAttempted):
+    """The batch's transaction was ended by a fence (another dispatcher's takeover, or the
+    broker's transaction timeout), or its producer was replaced since the claim: nothing of it
+    is visible; the broker answers, so its rows are retried at once, without the outage pause."""
+
+
 class TransactionalDelivery:
     """One claim in one transaction: one part, the final one, once the transaction ended. If
     its outcome is unknown no row is in it (a partial settle would release their keys): the
@@ -249,7 +255,7 @@ class TransactionalPublisher:
         if self.producers.current() is not d.producer:
             # Replaced since the claim (fenced, or its state lost): the lease may have expired
             # meanwhile and another claim sent the rows; given back, never sent by this one.
-            d.decide(indices, TransactionAbortedError(REPLACED))
+            d.decide(indices, TransactionFencedError(REPLACED))
             return
         topics = [self._encoder.topic(r) for r in d.records]
         named = {t for i in indices if isinstance(t := topics[i], str)}
@@ -351,7 +357,8 @@ class TransactionalPublisher:
                 # The broker is away: the successor's start aborts it (or the broker's timeout).
                 self.producers.condemn(exc)
         d.sent.clear()
-        d.decide(indices, TransactionAbortedError(errors.describe(cause)))
+        aborted = TransactionFencedError if _is_fencing(cause) else TransactionAbortedError
+        d.decide(indices, aborted(errors.describe(cause)))
         if failed_at is not None and not _is_fencing(cause):
             d.decide([failed_at], cause)  # its own error: classified as any publish failure
 

@@ -21,9 +21,9 @@ from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka import progress
 from outbox_dispatcher.kafka.transactions import (
-    TransactionAbortedError,
     TransactionalDelivery,
     TransactionalPublisher,
+    TransactionFencedError,
 )
 from outbox_dispatcher.models import PUBLISHED, Batch, OutboxRecord, Part
 from outbox_dispatcher.store import DispatchStore, Statements
@@ -175,7 +175,8 @@ async def test_a_takeover_marks_what_the_lost_claim_committed_and_sends_none_of_
     )
     fresh = await owners.claim("owner-a")
     refused = await run(a.publish(fresh.records))
-    assert all(isinstance(o, TransactionAbortedError) for o in refused.outcomes), refused
+    # Fenced, not an outage: retried at once (TransactionFencedError is a NotAttempted).
+    assert all(isinstance(o, TransactionFencedError) for o in refused.outcomes), refused
     again = await run(a.publish(fresh.records))
     assert again.outcomes == [None], "a fresh producer under the same id, for a new claim"
     assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 21
@@ -232,7 +233,7 @@ async def test_a_claim_made_before_the_producer_was_replaced_is_never_sent(
     assert (await run(b.publish(taken.records))).outcomes == [None, None]  # fences owner-a
     for delivery in stale:
         part = await run(delivery)
-        assert all(isinstance(o, TransactionAbortedError) for o in part.outcomes), part
+        assert all(isinstance(o, TransactionFencedError) for o in part.outcomes), part
         assert delivery.sent == [] or not delivery.committed
     assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 2
 

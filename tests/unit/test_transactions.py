@@ -3,6 +3,7 @@ final part, the settings it refuses."""
 
 from __future__ import annotations
 
+import random
 import uuid
 
 import orjson
@@ -12,8 +13,13 @@ from pydantic import ValidationError
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.kafka import progress
 from outbox_dispatcher.kafka.progress import ProgressConfig
-from outbox_dispatcher.kafka.transactions import TransactionalDelivery
-from outbox_dispatcher.models import OutboxRecord
+from outbox_dispatcher.kafka.transactions import (
+    TransactionAbortedError,
+    TransactionalDelivery,
+    TransactionFencedError,
+)
+from outbox_dispatcher.models import Failure, OutboxRecord, Outcome, Result
+from outbox_dispatcher.retries import RetryPolicy
 
 CONFIG = ProgressConfig(
     topic="p", outbox="public.outbox", transactional_id_prefix="x.", timeout_seconds=2.0
@@ -87,3 +93,18 @@ def test_a_transaction_must_end_before_the_lease(delivery_mode: str, ok: bool) -
     else:
         with pytest.raises(ValidationError, match="OUTBOX_TRANSACTION_TIMEOUT_SECONDS must be <"):
             Settings(**values)
+
+
+def test_a_fenced_transaction_is_retried_at_once_and_an_aborted_one_after_the_pause() -> None:
+    """A fence (a takeover's, or the broker's transaction timeout) is no outage: the broker
+    answers, so the fenced batch's rows go again at once and the claim loop does not pause; an
+    abort for a broker error waits like any outage."""
+    policy = RetryPolicy(Settings(), random.Random(7))
+    rows = [record(1), record(2)]
+    fenced = policy.results(rows, [TransactionFencedError("ProducerFenced")] * 2)
+    assert fenced == [Result(Outcome.RETRY)] * 2
+    assert policy.outage_streak == 0
+    aborted = policy.results(rows, [TransactionAbortedError("KafkaConnectionError")] * 2)
+    assert all(r.outcome is Outcome.RETRY and r.failure is Failure.TRANSIENT for r in aborted)
+    assert all(r.delay > 0 and not r.counted for r in aborted)
+    assert policy.outage_streak == 1
