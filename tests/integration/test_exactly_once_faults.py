@@ -164,23 +164,26 @@ async def test_a_transaction_outliving_its_timeout_under_load_is_never_marked(
         batch_size=50,
         kafka_linger_ms=200,  # a transaction is open most of the time
     )
-    stops = int(scale(3, 8))
+    least, most = int(scale(3, 8)), int(scale(10, 16))
     rng = random.Random(os.getpid())
     writer = Writer(database_url, topic, [f"key-{k}" for k in range(60)], rate=scale(200, 400))
+    stops = 0
     async with fleet(settings, tmp_path, 2) as f, writing(writer):
-        for _ in range(stops):
+        # A stop between two transactions holds none open: stop again (up to `most` times)
+        # until one did, so that the scenario cannot pass without the fault it is about.
+        while stops < least or (stops < most and not timed_out_in(f)):
             await asyncio.sleep(rng.uniform(1.0, 3.0))
             slot = await busy_slot(conn, f, rng)
             pause(f, slot, stop=True)
             await asyncio.sleep(timeout + sweep + 2.0)
             pause(f, slot, stop=False)
+            stops += 1
+            await asyncio.sleep(1.0)  # its resumed transaction meets the fence
         await asyncio.sleep(3)
         await writer.finish()
         await wait_all_settled(conn, scale(120, 300))
         codes = [p.poll() for p in f.slots.values()]
-    # The coordinator aborted it and bumped the producer's epoch: the process, resumed, meets
-    # ProducerFenced, replaces its producer and gives the rows back.
-    timed_out = [e for e in events(f, "producer_replaced") if "ProducerFenced" in e["reason"]]
+    timed_out = timed_out_in(f)
     verdict = await verdict_for(
         database_url, services.kafka_bootstrap_servers, [topic], timeout=scale(120, 300)
     )
@@ -209,6 +212,12 @@ async def test_a_transaction_outliving_its_timeout_under_load_is_never_marked(
     assert verdict.duplicates == 0, verdict.summary()
     assert timed_out, "some stop held a transaction open past its timeout"
     assert await count(conn, "dead_at IS NOT NULL") == 0
+
+
+def timed_out_in(f: Fleet) -> list[dict[str, Any]]:
+    """Transactions the coordinator aborted for their timeout, bumping the producer's epoch:
+    the process, resumed, met ProducerFenced and replaced its producer."""
+    return [e for e in events(f, "producer_replaced") if "ProducerFenced" in e["reason"]]
 
 
 # --- the number of processes changing mid-stream -----------------------------------------------
