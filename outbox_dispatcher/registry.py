@@ -30,8 +30,9 @@ Counters = Callable[[], tuple[int, int]]
 
 class Heartbeat:
     """One beat: upsert this dispatcher's row, with the schema version it runs and, once the
-    schema keeps them (version 12), its counters. The supervisor beats every HEARTBEAT_SECONDS;
-    a failure is logged once, never fatal: the registry only informs operators."""
+    schema keeps them, its counters (version 12) and its delivery mode (version 14). The
+    supervisor beats every HEARTBEAT_SECONDS; a failure is logged once, never fatal: the registry
+    only informs operators."""
 
     TOLERATED = _TOLERATED
     HINT = (
@@ -49,18 +50,21 @@ class Heartbeat:
         self._store = store
         self._owner = owner
         self._policy = settings.dead_letter_policy.value
+        self._delivery = settings.delivery.value
         self._counters = counters
-        self._counted = False
+        self._schema = 0  # the schema version last seen, until it is DELIVERY_VERSION
 
     async def beat(self) -> None:
-        # A rolling upgrade runs this release on version 10 and 11 too: no counters there
-        # until `migrate` applies version 12, looked for at each beat until then.
-        self._counted = (
-            self._counted or await self._store.schema_version() >= migrations.CONSOLE_VERSION
-        )
+        # A rolling upgrade runs this release on versions 10 to 13 too: no counters before
+        # `migrate` applies version 12, no delivery mode before 14; looked for at each beat until
+        # the schema has both.
+        if self._schema < migrations.DELIVERY_VERSION:
+            self._schema = await self._store.schema_version()
+        counted = self._schema >= migrations.CONSOLE_VERSION
         await self._store.dispatcher_beat(
             owner=self._owner,
             dead_letter_policy=self._policy,
             version=migrations.latest_version(),
-            totals=self._counters() if self._counted else None,
+            totals=self._counters() if counted else None,
+            delivery=self._delivery if self._schema >= migrations.DELIVERY_VERSION else None,
         )

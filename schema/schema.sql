@@ -1,4 +1,4 @@
--- outbox-dispatcher: the full current schema (version 13). Equivalent to applying every file in
+-- outbox-dispatcher: the full current schema (version 14). Equivalent to applying every file in
 -- migrations/ in order; tests/integration/test_schema.py proves it. Placeholders as in the migrations.
 
 CREATE TABLE IF NOT EXISTS ${schema}.${table}_schema_version (
@@ -1674,11 +1674,19 @@ COMMENT ON COLUMN ${schema}.${table}.replays IS
 CREATE INDEX ${table}_dead_id_idx ON ${schema}.${table} (id) WHERE dead_at IS NOT NULL;
 CREATE INDEX ${table}_dead_at_idx ON ${schema}.${table} (dead_at, id) WHERE dead_at IS NOT NULL;
 
+-- Each dispatcher's delivery mode (version 14): see schema/migrations/0014_delivery_mode.sql.
+-- NULL: not reported (a release older than version 14, during a rolling upgrade).
+ALTER TABLE ${schema}.${table}_dispatchers ADD COLUMN delivery text;
+
+COMMENT ON COLUMN ${schema}.${table}_dispatchers.delivery IS
+    'The delivery mode the dispatcher runs (OUTBOX_DELIVERY: at-least-once, exactly-once), reported with each heartbeat; NULL: not reported (a release older than schema version 14).';
+
 INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (1, 'initial'), (2, 'routed_topic'),
     (3, 'operations'), (4, 'stricter_writer_checks'), (5, 'operator_safety'),
     (6, 'claim_engine'), (7, 'lag'), (8, 'lighter_writes_and_settles'), (9, 'late_marks'),
-    (11, 'claim_engine_v3_contract'), (12, 'console'), (13, 'late_rows')
+    (11, 'claim_engine_v3_contract'), (12, 'console'), (13, 'late_rows'), (14, 'delivery_mode')
     ON CONFLICT (version) DO NOTHING;
 INSERT INTO ${schema}.${table}_schema_steps (version, name) VALUES (10, 'claim_engine_v3'),
-    (11, 'claim_engine_v3_contract'), (12, 'console'), (13, 'late_rows')
+    (11, 'claim_engine_v3_contract'), (12, 'console'), (13, 'late_rows'),
+    (14, 'delivery_mode')
     ON CONFLICT (version) DO NOTHING;

@@ -7,6 +7,7 @@ from typing import Any
 
 from outbox_dispatcher import display, registry
 from outbox_dispatcher.display import age_text, columns, inert
+from outbox_dispatcher.operate import reads
 from outbox_dispatcher.operate.filters import NO_KEY, ROUTED
 from outbox_dispatcher.operate.reads import WHOLE_TABLE, Dispatcher, Pause, TopicStatus, totals
 
@@ -79,6 +80,8 @@ def as_table(
     lines = columns(STATUS_HEADER, rows)
     if dispatchers is not None:
         lines.append(_dispatchers_line(dispatchers, policy))
+        if reads.delivery_in_force(dispatchers) == reads.MIXED:
+            lines.append(MIXED_DELIVERY)
     for p in pauses or []:
         what = "the whole table" if p.topic == WHOLE_TABLE else f"topic {inert(p.topic)}"
         lines.append(
@@ -117,7 +120,29 @@ def _dispatchers_line(dispatchers: list[Dispatcher], policy: str | None) -> str:
     )
     if len(policies) > 1:
         line += f" (they differ: blocked keys counted under {policy})"
-    return line
+    return f"{line}, delivery {inert(_delivery(dispatchers))}"
+
+
+MIXED_DELIVERY = (
+    "warning: the live dispatchers run different delivery modes: exactly-once's fence relies on "
+    "every dispatcher of the table being transactional; set OUTBOX_DELIVERY alike on all of them"
+)
+OLDER = "older release"
+
+
+def _delivery(dispatchers: list[Dispatcher]) -> str:
+    """'exactly-once', 'mixed (1 at-least-once, 1 exactly-once)', 'not reported (older
+    release)', 'exactly-once (1 not reported: older release)'."""
+    mode = reads.delivery_in_force(dispatchers)
+    modes = reads.delivery_modes(dispatchers)
+    unreported = modes.pop(reads.NOT_REPORTED, 0)
+    if mode == reads.NOT_REPORTED:
+        return f"{mode} ({OLDER})"
+    if mode == reads.MIXED:
+        counts = [f"{n} {m}" for m, n in modes.items()]
+        counts += [f"{unreported} {reads.NOT_REPORTED}"] if unreported else []
+        return f"{mode} ({', '.join(counts)})"
+    return f"{mode} ({unreported} {reads.NOT_REPORTED}: {OLDER})" if unreported else str(mode)
 
 
 def _parked(rows: int, age: float | None) -> str:

@@ -7,15 +7,21 @@ Each read takes a Session and returns data; the faces print or render it.
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from typing import Any
 
 from outbox_dispatcher import registry
 from outbox_dispatcher.operate.session import Session
-from outbox_dispatcher.store import Row
+from outbox_dispatcher.store import Row, migrations
 
 WHOLE_TABLE = "*"  # the topic of a whole-table pause (never a valid Kafka topic name)
+# The delivery summary besides one mode (Settings.delivery's values): the live dispatchers report
+# different modes (exactly-once's fence relies on every dispatcher of a table being
+# transactional), or none reports one (releases older than schema version 14 do not).
+MIXED = "mixed"
+NOT_REPORTED = "not reported"
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,7 @@ class TopicStatus:
 @dataclass(frozen=True)
 class Dispatcher:
     """A running dispatcher, from its heartbeat row: what it reported (the schema version it
-    runs, counters since it started) and the rows it has in flight now."""
+    runs, counters since it started, its delivery mode) and the rows it has in flight now."""
 
     owner: str  # host:pid:suffix
     dead_letter_policy: str
@@ -54,6 +60,7 @@ class Dispatcher:
     version: int | None = None
     published_total: int | None = None  # None: older than 12, which count nothing here
     dead_total: int | None = None
+    delivery: str | None = None  # None: not reported (older than 14, or a schema before 14)
     in_flight: int = 0
 
     @property
@@ -118,9 +125,31 @@ def counting_policy(dispatchers: list[Dispatcher], default: str) -> str:
     return default
 
 
+def delivery_modes(dispatchers: list[Dispatcher]) -> dict[str, int]:
+    """How many live dispatchers run each delivery mode (NOT_REPORTED: an older release's)."""
+    return dict(sorted(Counter(d.delivery or NOT_REPORTED for d in dispatchers).items()))
+
+
+def delivery_in_force(dispatchers: list[Dispatcher]) -> str | None:
+    """The mode the table is published in: the one its live dispatchers report, MIXED when they
+    report different ones, NOT_REPORTED when none reports one; None with none alive. One that
+    reports nothing beside others that do is left out here (delivery_modes counts it)."""
+    if not dispatchers:
+        return None
+    reported = {d.delivery for d in dispatchers if d.delivery is not None}
+    if not reported:
+        return NOT_REPORTED
+    return reported.pop() if len(reported) == 1 else MIXED
+
+
 async def read_dispatchers(session: Session, live_seconds: float) -> list[Dispatcher]:
-    """Dispatchers that beat within `live_seconds`, each with its rows in flight."""
-    rows = await session.store.dispatchers_live(live_seconds=live_seconds)
+    """Dispatchers that beat within `live_seconds`, each with its rows in flight and, on a
+    schema that keeps it (an operator command runs on 12 and 13 too), its delivery mode."""
+    store = session.store
+    if await store.schema_version() >= migrations.DELIVERY_VERSION:
+        rows = await store.dispatchers_live_moded(live_seconds=live_seconds)
+    else:
+        rows = await store.dispatchers_live(live_seconds=live_seconds)
     if not rows:
         return []
     leased = await in_flight_by_owner(session)
@@ -186,16 +215,20 @@ def as_json(
     dispatchers: list[Dispatcher] | None = None,
     policy: str | None = None,
 ) -> dict[str, object]:
-    """`pending` includes `in_flight`; `waiting` is pending and not in flight."""
+    """`pending` includes `in_flight`; `waiting` is pending and not in flight; `delivery` is
+    the live dispatchers' mode (delivery_in_force), `delivery_modes` how many run each."""
     pauses = pauses or []
+    dispatchers = dispatchers or []
     table_pause = next((p for p in pauses if p.topic == WHOLE_TABLE), None)
     return {
         "totals": totals(topics),
         "topics": [{**asdict(t), "waiting": t.pending - t.in_flight} for t in topics],
         "table_paused": table_pause is not None,
         "pauses": [p.as_json() for p in pauses],
-        "dispatchers": [d.as_json() for d in dispatchers or []],
+        "dispatchers": [d.as_json() for d in dispatchers],
         "dead_letter_policy": policy,
+        "delivery": delivery_in_force(dispatchers),
+        "delivery_modes": delivery_modes(dispatchers),
     }
 
 

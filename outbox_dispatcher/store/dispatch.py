@@ -104,12 +104,19 @@ class DispatchStore(StoreBase):
         dead_letter_policy: str,
         version: int,
         totals: tuple[int, int] | None = None,
+        delivery: str | None = None,
     ) -> None:
         """A heartbeat; `totals` (rows published, dead-lettered since the start) only on a
-        schema that keeps them (migrations.CONSOLE_VERSION)."""
+        schema that keeps them (migrations.CONSOLE_VERSION), and with them the `delivery` mode
+        only on one that keeps it too (migrations.DELIVERY_VERSION)."""
         beat = {"owner": owner, "dead_letter_policy": dead_letter_policy, "version": version}
         if totals is None:
             await self._fetch("dispatcher_beat", **beat)
             return
         published, dead = totals
-        await self._fetch("dispatcher_beat_counted", **beat, published=published, dead=dead)
+        if delivery is None:
+            await self._fetch("dispatcher_beat_counted", **beat, published=published, dead=dead)
+            return
+        await self._fetch(
+            "dispatcher_beat_moded", **beat, published=published, dead=dead, delivery=delivery
+        )

@@ -213,13 +213,25 @@ ON CONFLICT (owner) DO UPDATE
 
 -- dispatcher_beat_counted --
 -- dispatcher_beat with the dispatcher's counters of rows published and dead-lettered since it
--- started (version 12: the console charts their rates).
+-- started (version 12: the console charts their rates), until the schema has the delivery mode
+-- (version 14, dispatcher_beat_moded).
 INSERT INTO {dispatchers} AS d (owner, dead_letter_policy, version, published_total, dead_total)
 VALUES ($owner, $dead_letter_policy, $version, $published, $dead)
 ON CONFLICT (owner) DO UPDATE
    SET heartbeat_at = now(), dead_letter_policy = EXCLUDED.dead_letter_policy,
        version = EXCLUDED.version, published_total = EXCLUDED.published_total,
        dead_total = EXCLUDED.dead_total
+
+-- dispatcher_beat_moded --
+-- dispatcher_beat_counted with the dispatcher's delivery mode (version 14: `status` and the
+-- console name it, and say when the live dispatchers differ).
+INSERT INTO {dispatchers} AS d (owner, dead_letter_policy, version, published_total, dead_total,
+                                delivery)
+VALUES ($owner, $dead_letter_policy, $version, $published, $dead, $delivery)
+ON CONFLICT (owner) DO UPDATE
+   SET heartbeat_at = now(), dead_letter_policy = EXCLUDED.dead_letter_policy,
+       version = EXCLUDED.version, published_total = EXCLUDED.published_total,
+       dead_total = EXCLUDED.dead_total, delivery = EXCLUDED.delivery
 
 -- cleanup_window --
 -- One retention batch: of the next $limit rows by id after $after, delete those published more than

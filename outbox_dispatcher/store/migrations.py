@@ -92,6 +92,9 @@ OLDEST_SUPPORTED = 10
 # heartbeat's counters, which a dispatcher writes only from here on (it runs from
 # OLDEST_SUPPORTED on). The operator commands and the console need it.
 CONSOLE_VERSION = 12
+# The delivery mode's version (14): the heartbeat's `delivery` column, which a dispatcher writes
+# only from here on (a new release may beat on 10 to 13 during a rolling upgrade).
+DELIVERY_VERSION = 14
 # Steps that a dispatcher older than 10 cannot run beside: `migrate` applies them only once no
 # such dispatcher beats (docs/operations.md, "Upgrading").
 CONTRACT_STEPS = frozenset({11})

@@ -43,6 +43,10 @@ class OperatorStore(StoreBase):
     async def paused_list(self) -> list[Row]:
         return await self._fetch("paused_list")
 
+    async def dispatchers_live_moded(self, *, live_seconds: float) -> list[Row]:
+        """dispatchers_live with each one's delivery mode (a schema at DELIVERY_VERSION)."""
+        return await self._fetch("dispatchers_live_moded", live_seconds=live_seconds)
+
     async def in_flight_by_owner(self) -> list[Row]:
         return await self._fetch("in_flight_by_owner")
 

@@ -444,6 +444,15 @@ SELECT owner, dead_letter_policy, started_at, heartbeat_at,
  WHERE heartbeat_at > now() - $live_seconds * interval '1 second'
  ORDER BY owner
 
+-- dispatchers_live_moded --
+-- dispatchers_live with the delivery mode each reported (version 14; NULL: an older release).
+SELECT owner, dead_letter_policy, started_at, heartbeat_at,
+       extract(epoch FROM now() - heartbeat_at)::float8 AS heartbeat_age_seconds,
+       version, published_total, dead_total, delivery
+  FROM {dispatchers}
+ WHERE heartbeat_at > now() - $live_seconds * interval '1 second'
+ ORDER BY owner
+
 -- in_flight_by_owner --
 -- Rows held by a live claim, per owner (what each dispatcher is publishing right now): from the
 -- claimed work (its index) and the rows of each claim.

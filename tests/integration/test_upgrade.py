@@ -289,9 +289,9 @@ async def test_a_version_9_release_keeps_serving_and_restarting_through_the_upgr
     repository's history) running as users run it: `migrate` applies the expand step and leaves
     the contract step while the old dispatcher beats; the old one stays ready, is killed and
     restarts on the expanded schema; the new release runs (and beats) beside it; once the old one
-    stopped, `migrate` again contracts and adds versions 12 and 13 (the console's, the late-row
-    fixes). Writers write
-    throughout: nothing is lost or reordered."""
+    stopped, `migrate` again contracts and adds versions 12, 13 and 14 (the console's, the
+    late-row fixes, the delivery mode), after which the new release reports its mode. Writers
+    write throughout: nothing is lost or reordered."""
     old_code = previous_release(tmp_path, PREVIOUS_V9)
     url = empty_database_url
     settings = make_settings(
@@ -366,7 +366,7 @@ async def test_a_version_9_release_keeps_serving_and_restarting_through_the_upgr
         applied = await migrate(url)
         assert (list(applied), applied.waiting, applied.older) == ([], 11, 2)
         applied = await migrate(url, contract=True)
-        assert applied == [11, 12, 13]
+        assert applied == [11, 12, 13, 14]
         answer = await wait_ready(port_of_new, "the new release, after the contract step")
         assert answer["checks"]["schema"] == "ok"
         await write(20)
@@ -376,6 +376,14 @@ async def test_a_version_9_release_keeps_serving_and_restarting_through_the_upgr
         assert (len(verdict.lost), verdict.reordered, verdict.unexpected) == (0, [], [])
         assert await count(conn, "dead_at IS NOT NULL") == 0
         await wait_until(lambda: beats_at(latest, True), 30, "the new release's counters")
+
+        async def reports_its_mode() -> bool:
+            mode = await conn.fetchval(
+                "SELECT delivery FROM outbox_dispatchers WHERE version = $1", latest
+            )
+            return bool(mode == "at-least-once")
+
+        await wait_until(reports_its_mode, 30, "the new release's delivery mode")
         assert "Traceback" not in (tmp_path / "new.log").read_text()
     finally:
         stop_all(processes)

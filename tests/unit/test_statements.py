@@ -120,6 +120,13 @@ SPECIAL: dict[str, list[dict[str, object]]] = {
             "version": ["version"],
             "totals": (["published"], ["dead"]),
         },
+        {
+            "owner": ["owner"],
+            "dead_letter_policy": ["dead_letter_policy"],
+            "version": ["version"],
+            "totals": (["published"], ["dead"]),
+            "delivery": ["delivery"],
+        },
     ],
 }
 
