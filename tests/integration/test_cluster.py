@@ -111,7 +111,8 @@ def once(
         name = f"{run.__name__}[{delivery}]"
         if name not in _RUNS:
             try:
-                _RUNS[name] = await run(*args, delivery=delivery)
+                given = {} if delivery == "at-least-once" else {"delivery": delivery}
+                _RUNS[name] = await run(*args, **given)
             except Exception as exc:
                 _RUNS[name] = exc
                 raise
@@ -133,7 +134,7 @@ async def failover_run(
     tmp_path: Path,
     record_property: Any,
     *,
-    delivery: str,
+    delivery: str = "at-least-once",
 ) -> dict[str, Any]:
     """One run shared by the tests below: the leader of partition 0 of a busy topic is killed
     (SIGKILL: it is fenced after the session timeout, 6 s, longer than publish_timeout, 4 s, and
@@ -270,7 +271,7 @@ async def not_enough_replicas_run(
     tmp_path: Path,
     record_property: Any,
     *,
-    delivery: str,
+    delivery: str = "at-least-once",
 ) -> dict[str, Any]:
     """One run shared by the tests below (each judges one property of it): topic `strict`
     (RF=3, min.insync.replicas=3) loses a replica for a while, topic `other` (min ISR 2) does
