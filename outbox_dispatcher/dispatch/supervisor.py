@@ -140,7 +140,9 @@ class Dispatcher:
         # The table's identity in its progress records (store.outbox_identity).
         outbox = f"{self.configs.progress.outbox}@{await store.outbox_identity()}"
         progress = dataclasses.replace(self.configs.progress, outbox=outbox)
-        return TransactionalPublisher(self.configs.publisher, progress, self.owner, others, pending)
+        return TransactionalPublisher(
+            self.configs.publisher, progress, self.owner, others, pending, lane_count=s.claim_tasks
+        )
 
     async def _supervise(self, store: DispatchStore, publisher: Publisher) -> None:
         s = self.settings

@@ -21,13 +21,13 @@ import structlog
 from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import failures, internals, progress
+from outbox_dispatcher.kafka import failures, internals, lanes, progress
 from outbox_dispatcher.kafka.batches import Answer, Batches
-from outbox_dispatcher.kafka.producers import NotSubmitted, Producers
+from outbox_dispatcher.kafka.lanes import Lane
+from outbox_dispatcher.kafka.producers import NotSubmitted
 from outbox_dispatcher.kafka.progress import ProgressConfig, ProgressUnavailableError
 from outbox_dispatcher.kafka.publisher import PublisherConfig
 from outbox_dispatcher.kafka.records import RecordEncoder
-from outbox_dispatcher.kafka.topics import TopicLookup
 from outbox_dispatcher.models import OutboxRecord, Part
 from outbox_dispatcher.tracing import Tracer
 
@@ -63,7 +63,11 @@ class TransactionalDelivery:
     its outcome is unknown no row is in it (a partial settle would release their keys): the
     claim stays leased, and the takeover that follows its expiry reads the progress."""
 
-    def __init__(self, publisher: TransactionalPublisher, records: Sequence[OutboxRecord]) -> None:
+    def __init__(
+        self, publisher: TransactionalPublisher, lane: Lane, records: Sequence[OutboxRecord]
+    ) -> None:
+        self.lane = lane  # its producer, chosen at the claim (kafka/lanes.py)
+        lane.given.add(self)
         self.records = list(records)  # grows by the rows a takeover adopts (see adopt)
         self.parked = False
         self.settled: set[int] = set()
@@ -73,7 +77,7 @@ class TransactionalDelivery:
         self.committed = False
         # The producer when the claim was made: one that replaced it (this dispatcher was
         # fenced, as by a takeover of a hung owner) never sends the claim (see _send_and_commit).
-        self.producer = publisher.producers.current()
+        self.producer = lane.producers.current()
         self._publisher = publisher
         self._outcomes: list[BaseException | None] = [UNKNOWN] * len(records)
 
@@ -115,8 +119,9 @@ class TransactionalDelivery:
 
 
 class TransactionalPublisher:
-    """KafkaPublisher's face for exactly-once: one transactional producer, one transaction at a
-    time; `others` names the dispatchers a takeover fences (the live ones of the table)."""
+    """KafkaPublisher's face for exactly-once: a transactional producer per lane (up to one per
+    claim loop), one transaction at a time on each; `others` names the dispatchers a takeover
+    fences (the live ones of the table)."""
 
     def __init__(
         self,
@@ -125,50 +130,67 @@ class TransactionalPublisher:
         owner: str,
         others: _AnyOwners,
         pending: _PendingRows,
+        lane_count: int = lanes.LANES,
     ) -> None:
         self.owner = owner
-        self.transactional_id = progress_config.transactional_id(owner)
         self._progress = progress_config
+        # No linger: a transaction's records are all handed at once and its commit waits for
+        # them; only the progress record (send(), not a closed batch) would linger.
         producer = dataclasses.replace(
             config.producer,
-            transactional_id=self.transactional_id,
             transaction_timeout_seconds=progress_config.timeout_seconds,
+            linger_ms=0,
         )
         self._producer_config = producer
         self._connection = producer.connection
-        self.producers = Producers(producer)
-        self.topics = TopicLookup(self.producers, config.topics)
+        self.lanes = lanes.lanes_for(owner, lane_count, producer, progress_config, config.topics)
+        # The first lane's: its id is the owner's own (as before lanes), its topics answer
+        # reachable() and the operator's check.
+        self.transactional_id = self.lanes[0].transactional_id
+        self.producers = self.lanes[0].producers
+        self.topics = self.lanes[0].topics
         self._encoder = RecordEncoder(config.records)
         self._tracer = Tracer(config.tracing)
         self._ack_seconds = producer.connection.request_timeout_seconds
         self._others = others
         self._pending = pending
-        self._turn = asyncio.Lock()  # one transaction at a time: one producer
-        self.unmarked: dict[str, list[int]] = {}  # tag: ids committed, not seen marked
+
+    @property
+    def unmarked(self) -> dict[str, list[int]]:
+        """Every lane's batches committed and not seen marked (tag: ids)."""
+        return {tag: ids for lane in self.lanes for tag, ids in lane.unmarked.items()}
 
     async def start(self) -> None:
-        """Start the producer (its first transaction fences an earlier one of this id) and
-        create the progress topic if it is missing."""
+        """Start the lanes' producers (the first transaction of each fences an earlier one of
+        its id) and create the progress topic if it is missing."""
         internals.quicken_transaction_retries()
-        await self.producers.start()
+        started: list[Lane] = []
         try:
+            for lane in self.lanes:
+                await lane.producers.start()
+                started.append(lane)
             await progress.ensure_topic(self._connection, self._progress.topic)
-        except KAFKA_TROUBLE as exc:
-            await self.producers.stop()
-            raise errors.BrokerUnavailableError(errors.describe(exc)) from exc
+        except BaseException as exc:
+            for lane in started:
+                await lane.producers.stop()
+            if isinstance(exc, KAFKA_TROUBLE):
+                raise errors.BrokerUnavailableError(errors.describe(exc)) from exc
+            raise
 
     async def stop(self) -> None:
-        await self.producers.stop()
+        for lane in self.lanes:
+            await lane.producers.stop()
 
     def publish(
         self, records: Sequence[OutboxRecord], heartbeat: Callable[[], None] = lambda: None
     ) -> TransactionalDelivery:
-        return TransactionalDelivery(self, records)
+        return TransactionalDelivery(self, lanes.least_busy(self.lanes), records)
 
     async def abandon(self, delivery: TransactionalDelivery, reason: str) -> None:
-        """A shutdown past its grace: close the producer within the bound; an open transaction
-        is then aborted by the broker (never committed), its rows stay leased."""
-        await self.producers.close_bounded([self.producers.current()], reason)
+        """A shutdown past its grace: close the lane's producer within the bound; an open
+        transaction is then aborted by the broker (never committed), its rows stay leased."""
+        producers = delivery.lane.producers
+        await producers.close_bounded([producers.current()], reason)
 
     async def reachable(self, seconds: float = 5.0) -> bool:
         return await self.topics.reachable(seconds)
@@ -177,18 +199,26 @@ class TransactionalPublisher:
         """The batch's mark is in the database: later progress records leave it out (only when
         it changed every row: a row another claim took over may be that claim's to reconcile)."""
         if every_row:
-            self.unmarked.pop(delivery.tag, None)
+            delivery.lane.unmarked.pop(delivery.tag, None)
 
     async def transact(self, d: TransactionalDelivery) -> None:
         """Decide every row of the delivery: published (in its transaction, or by a lost claim),
-        failed, or unknown."""
-        async with self._turn:
-            try:
-                await self._reconcile(d)
-            except ProgressUnavailableError as exc:
-                log.warning("takeover_waits_for_progress", rows=len(d.records), error=str(exc))
-                return  # every row unknown: leased until a takeover can read the progress
-            await self._send_and_commit(d)
+        failed, or unknown. A takeover holds every lane's turn (in lane order: no deadlock), so
+        that no transaction of this dispatcher is open while it reads what was committed."""
+        takeover = any(r.reclaimed for r in d.records)
+        try:
+            async with contextlib.AsyncExitStack() as turns:
+                for lane in self.lanes if takeover else [d.lane]:
+                    await turns.enter_async_context(lane.turn)
+                d.lane.given.discard(d)
+                try:
+                    await self._reconcile(d)
+                except ProgressUnavailableError as exc:
+                    log.warning("takeover_waits_for_progress", rows=len(d.records), error=str(exc))
+                    return  # every row unknown: leased until a takeover can read the progress
+                await self._send_and_commit(d)
+        finally:
+            d.lane.given.discard(d)
 
     async def _reconcile(self, d: TransactionalDelivery) -> None:
         """Rows taken over from a lost claim: those it committed are published already, and so
@@ -213,24 +243,27 @@ class TransactionalPublisher:
             log.info("takeover_found_committed", rows=len(done), reclaimed=len(reclaimed))
 
     async def committed_elsewhere(self) -> set[int]:
-        """The ids of every committed transaction not seen marked: every other dispatcher's id
-        fenced first, then the progress read to its end (this dispatcher's own from memory)."""
+        """The ids of every committed transaction not seen marked: every lane id of every other
+        dispatcher fenced first, and this one's lanes whose commit went unanswered replaced (a
+        fresh producer ends it), then the progress read to its end (the rest of this one's from
+        memory). Called holding every lane's turn."""
         try:
             listed = await self._others()
         except Exception as exc:  # the database is away: the rows wait
             raise ProgressUnavailableError(errors.describe(exc)) from exc
         try:
-            owners = [o for o in listed if o != self.owner]
+            tids = lanes.fence_ids(self._progress, [o for o in listed if o != self.owner])
             limit = asyncio.Semaphore(FENCES_AT_ONCE)
 
-            async def fence(owner: str) -> None:
+            async def fence(tid: str) -> None:
                 async with limit:
-                    tid = self._progress.transactional_id(owner)
                     await progress.fence(self._producer_config, tid)
 
-            await asyncio.gather(*(fence(o) for o in owners))
+            await asyncio.gather(*(fence(t) for t in tids))
+            for lane in self.lanes:
+                await lane.producers.replace_if_broken()
             values = await self.read_progress()
-        except KAFKA_TROUBLE as exc:
+        except (*KAFKA_TROUBLE, errors.BrokerUnavailableError) as exc:
             raise ProgressUnavailableError(errors.describe(exc)) from exc
         mine = {i for ids in self.unmarked.values() for i in ids}
         return mine | progress.committed_ids(self._progress, values)
@@ -245,35 +278,35 @@ class TransactionalPublisher:
 
     async def _send_and_commit(self, d: TransactionalDelivery) -> None:
         try:
-            await self.producers.replace_if_broken()  # first: a fresh producer knows no topic
+            await d.lane.producers.replace_if_broken()  # first: a fresh producer knows no topic
         except errors.BrokerUnavailableError as exc:
             d.decide(d.undecided(), TransactionAbortedError(errors.describe(exc)))
             return
         indices = d.undecided()
         if not indices:
             return
-        if self.producers.current() is not d.producer:
+        if d.lane.producers.current() is not d.producer:
             # Replaced since the claim (fenced, or its state lost): the lease may have expired
             # meanwhile and another claim sent the rows; given back, never sent by this one.
             d.decide(indices, TransactionFencedError(REPLACED))
             return
         topics = [self._encoder.topic(r) for r in d.records]
         named = {t for i in indices if isinstance(t := topics[i], str)}
-        problems = await self.topics.errors_for(named) if named else {}
+        problems = await d.lane.topics.errors_for(named) if named else {}
         batches = Batches(
             d.records,
             topics,
             encoder=self._encoder,
-            producers=self.producers,
-            lookup=self.topics,
+            producers=d.lane.producers,
+            lookup=d.lane.topics,
             tracer=self._tracer,
         )
-        producer = self.producers.current()
+        producer = d.lane.producers.current()
         try:
             d.begun = True
             await producer.begin_transaction()
         except KAFKA_TROUBLE as exc:
-            self.producers.condemn(exc)
+            d.lane.producers.condemn(exc)
             d.decide(indices, TransactionAbortedError(errors.describe(exc)))
             return
         answers: list[Answer] = [None] * len(d.records)
@@ -316,10 +349,11 @@ class TransactionalPublisher:
         submissions: list[asyncio.Future[object]] = [
             a for a in dict.fromkeys(answers[i] for i in handed) if isinstance(a, asyncio.Future)
         ]
-        value = progress.record_value(self._progress, self.owner, {**self.unmarked, d.tag: d.sent})
+        listed = {**d.lane.unmarked, d.tag: d.sent}  # the lane's own: its record is keyed by its id
+        value = progress.record_value(self._progress, d.lane.name, listed)
         try:
-            acked = await self.producers.current().send(
-                self._progress.topic, value, key=self.transactional_id.encode()
+            acked = await d.lane.producers.current().send(
+                self._progress.topic, value, key=d.lane.transactional_id.encode()
             )
         except KAFKA_TROUBLE as exc:
             await asyncio.gather(*submissions, return_exceptions=True)  # their answers, read
@@ -343,37 +377,39 @@ class TransactionalPublisher:
         """Nothing of the transaction is committed (it never asked to be): the failed row gets
         its error, the others are retried uncounted. A fenced producer is past aborting (the
         fence aborted it): it is replaced."""
-        if _is_fencing(cause):
-            internals.read_fatal_error(self.producers.current())
-            self.producers.condemn(cause)
+        producers = d.lane.producers
+        fenced = _is_fencing(cause)
+        if fenced:
+            internals.read_fatal_error(producers.current())
+            producers.condemn(cause)
             # Now, not at the next batch: claims made from here on are the fresh producer's.
             with contextlib.suppress(errors.BrokerUnavailableError):
-                await self.producers.replace_if_broken()
+                await producers.replace_if_broken()
         else:
             try:
                 async with asyncio.timeout(self._progress.timeout_seconds):
-                    await self.producers.current().abort_transaction()
+                    await producers.current().abort_transaction()
             except KAFKA_TROUBLE as exc:
                 # The broker is away: the successor's start aborts it (or the broker's timeout).
-                self.producers.condemn(exc)
+                producers.condemn(exc)
         d.sent.clear()
-        aborted = TransactionFencedError if _is_fencing(cause) else TransactionAbortedError
+        aborted = TransactionFencedError if fenced else TransactionAbortedError
         d.decide(indices, aborted(errors.describe(cause)))
-        if failed_at is not None and not _is_fencing(cause):
+        if failed_at is not None and not fenced:
             d.decide([failed_at], cause)  # its own error: classified as any publish failure
 
     async def _commit(self, d: TransactionalDelivery, indices: list[int]) -> None:
         try:
             async with asyncio.timeout(self._progress.timeout_seconds):
-                await self.producers.current().commit_transaction()
+                await d.lane.producers.current().commit_transaction()
         except (*KAFKA_TROUBLE, asyncio.CancelledError) as exc:
-            self.producers.condemn(exc if isinstance(exc, Exception) else UNKNOWN)
+            d.lane.producers.condemn(exc if isinstance(exc, Exception) else UNKNOWN)
             log.warning("commit_unknown", rows=len(d.sent), error=errors.describe(exc))
             if isinstance(exc, asyncio.CancelledError):
                 raise  # left unknown, leased: the next takeover reads the progress
             await self._resolve(d, indices)
             return
-        self.unmarked[d.tag] = list(d.sent)
+        d.lane.unmarked[d.tag] = list(d.sent)
         d.committed = True
         d.decide(indices, None)
 
@@ -381,18 +417,18 @@ class TransactionalPublisher:
         """A commit without an answer: a fresh producer under the id ends the transaction (its
         start waits for the commit in progress), then the progress says which way it went."""
         try:
-            await self.producers.replace_if_broken()
+            await d.lane.producers.replace_if_broken()
             async with asyncio.timeout(self._progress.timeout_seconds):
-                producer = self.producers.current()
+                producer = d.lane.producers.current()
                 await producer.begin_transaction()
                 await producer.abort_transaction()
             values = await self.read_progress()
         except (*KAFKA_TROUBLE, errors.BrokerUnavailableError) as exc:
             log.warning("commit_outcome_unread", rows=len(d.sent), error=errors.describe(exc))
             return  # unknown: the rows stay leased for a takeover to decide
-        mine = progress.last_batches(self._progress, values).get(self.owner, {})
+        mine = progress.last_batches(self._progress, values).get(d.lane.name, {})
         if d.tag in mine:
-            self.unmarked[d.tag] = list(d.sent)
+            d.lane.unmarked[d.tag] = list(d.sent)
             d.committed = True
             d.decide(indices, None)
         else:

@@ -20,6 +20,7 @@ from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka import progress
+from outbox_dispatcher.kafka.lanes import LANES
 from outbox_dispatcher.kafka.transactions import (
     TransactionalDelivery,
     TransactionalPublisher,
@@ -62,13 +63,13 @@ class Owners:
         self.store = DispatchStore(pool, STATEMENTS)
         self.publishers: dict[str, TransactionalPublisher] = {}
 
-    async def publisher(self, owner: str) -> TransactionalPublisher:
+    async def publisher(self, owner: str, lanes: int = LANES) -> TransactionalPublisher:
         async def others() -> list[str]:
             return [o for o in self.publishers if o != owner]
 
         configs = configs_of(self.settings)
         made = TransactionalPublisher(
-            configs.publisher, configs.progress, owner, others, self.pending
+            configs.publisher, configs.progress, owner, others, self.pending, lane_count=lanes
         )
         await made.start()
         self.publishers[owner] = made
@@ -220,9 +221,10 @@ async def test_a_claim_made_before_the_producer_was_replaced_is_never_sent(
 ) -> None:
     """A hung owner resumes with two claims whose leases were taken over: the first meets the
     fence and is aborted, its producer replaced; the second, claimed under the old producer,
-    must not go out under the new one (the taker sent its rows)."""
+    must not go out under the new one (the taker sent its rows). One lane, so that both claims
+    are the same producer's."""
     await insert_sequenced(conn, topic, keys=2, per_key=1)
-    a = await owners.publisher("owner-a")
+    a = await owners.publisher("owner-a", lanes=1)
     b = await owners.publisher("owner-b")
     settings = owners.settings.model_copy(update={"batch_size": 1})
     first, second = await owners.claim("owner-a", settings), await owners.claim("owner-a", settings)
@@ -238,17 +240,18 @@ async def test_a_claim_made_before_the_producer_was_replaced_is_never_sent(
     assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 2
 
 
+@pytest.mark.parametrize("lane", [0, 1])
 async def test_a_hung_owners_open_transaction_is_aborted_by_the_takeover(
-    conn: asyncpg.Connection, owners: Owners, topic: str, services: Services
+    conn: asyncpg.Connection, owners: Owners, topic: str, services: Services, lane: int
 ) -> None:
-    """The owner hung with its transaction open (sent, not committed) past its lease: the
-    taker's fence aborts it, so its late commit fails and only the taker's copy is committed.
-    A read_uncommitted consumer sees both copies (docs/design/exactly-once.md says so)."""
+    """The owner hung with its transaction open (sent, not committed) past its lease, on either
+    of its lanes: the taker's fence aborts it, so its late commit fails and only the taker's
+    copy is committed. A read_uncommitted consumer sees both copies (the design note says so)."""
     await insert_sequenced(conn, topic, keys=3, per_key=2)
     a = await owners.publisher("owner-a")
     b = await owners.publisher("owner-b")
     lost = await owners.claim("owner-a")
-    producer = a.producers.current()
+    producer = a.lanes[lane].producers.current()
     await producer.begin_transaction()
     for r in lost.records:
         await (await producer.send(topic, r.payload, key=(r.ordering_key or "").encode()))
@@ -263,6 +266,50 @@ async def test_a_hung_owners_open_transaction_is_aborted_by_the_takeover(
     uncommitted = await read_all(services.kafka_bootstrap_servers, topic, "read_uncommitted")
     assert len(committed) == 6
     assert len(uncommitted) == 12, "the aborted copies are in the log"
+
+
+async def test_two_claims_of_a_dispatcher_are_in_transactions_at_once(
+    conn: asyncpg.Connection, owners: Owners, topic: str, services: Services
+) -> None:
+    """A claim is not held behind another claim loop's transaction: it goes to the free lane
+    (with one producer it waited for the whole of the other's transaction)."""
+    await insert_sequenced(conn, topic, keys=2, per_key=3)
+    a = await owners.publisher("owner-a")
+    settings = owners.settings.model_copy(update={"batch_size": 3})
+    first, second = await owners.claim("owner-a", settings), await owners.claim("owner-a", settings)
+    one = a.publish(first.records)
+    assert one.lane is a.lanes[0]
+    async with a.lanes[0].turn:  # the first lane's transaction is open, for as long as it takes
+        other = a.publish(second.records)
+        assert other.lane is a.lanes[1]
+        assert (await asyncio.wait_for(run(other), 20)).outcomes == [None] * 3
+    assert (await run(one)).outcomes == [None] * 3
+    values = await a.read_progress()
+    batches = progress.last_batches(configs_of(owners.settings).progress, values)
+    assert batches["owner-a"] == {one.tag: one.sent}, "each lane's record lists its own"
+    assert batches["owner-a.1"] == {other.tag: other.sent}
+    assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 6
+
+
+async def test_a_takeover_waits_for_every_transaction_of_its_dispatcher(
+    conn: asyncpg.Connection, owners: Owners, topic: str, services: Services
+) -> None:
+    """A takeover reads what was committed with none of its own dispatcher's transactions open
+    (one could commit the rows it is about to send): it holds every lane's turn."""
+    await insert_sequenced(conn, topic, keys=2, per_key=2)
+    a = await owners.publisher("owner-a")
+    lost = await owners.claim("owner-a")
+    await expire(conn)
+    taken = await owners.claim("owner-a")
+    assert all(r.reclaimed for r in taken.records)
+    async with a.lanes[0].turn:
+        takeover = a.publish(taken.records)
+        assert takeover.lane is a.lanes[1]
+        running_takeover = asyncio.ensure_future(run(takeover))
+        await asyncio.sleep(2)
+        assert not running_takeover.done(), "it waits for the other lane's transaction"
+    assert (await asyncio.wait_for(running_takeover, 20)).outcomes == [None] * len(lost.records)
+    assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 4
 
 
 async def test_a_takeover_that_cannot_read_the_progress_leaves_the_rows_leased(

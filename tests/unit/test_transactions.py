@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import uuid
+import weakref
 
 import orjson
 import pytest
@@ -49,8 +50,12 @@ def test_the_transactional_id_names_the_outbox_and_the_owner() -> None:
     assert CONFIG.transactional_id("host:1:abc") == "x.public.outbox.host:1:abc"
 
 
-class _Publisher:
-    """What a delivery reads of its publisher when it is made: the current producer."""
+class _Lane:
+    """What a delivery reads of its lane when it is made: the current producer; and where it
+    is counted until it is transacted."""
+
+    def __init__(self) -> None:
+        self.given: weakref.WeakSet[object] = weakref.WeakSet()
 
     class producers:  # noqa: N801 - stands for Producers
         @staticmethod
@@ -59,7 +64,7 @@ class _Publisher:
 
 
 def delivery(n: int) -> TransactionalDelivery:
-    return TransactionalDelivery(_Publisher, [record(i) for i in range(n)])  # type: ignore[arg-type]
+    return TransactionalDelivery(None, _Lane(), [record(i) for i in range(n)])  # type: ignore[arg-type]
 
 
 def test_a_partly_decided_batch_settles_nothing() -> None:
