@@ -144,11 +144,7 @@ class TransactionalPublisher:
         self._producer_config = producer
         self._connection = producer.connection
         self.lanes = lanes.lanes_for(owner, lane_count, producer, progress_config, config.topics)
-        # The first lane's: its id is the owner's own (as before lanes), its topics answer
-        # reachable() and the operator's check.
-        self.transactional_id = self.lanes[0].transactional_id
-        self.producers = self.lanes[0].producers
-        self.topics = self.lanes[0].topics
+        self.topics = self.lanes[0].topics  # for reachable() and the operator's check
         self._encoder = RecordEncoder(config.records)
         self._tracer = Tracer(config.tracing)
         self._ack_seconds = producer.connection.request_timeout_seconds
@@ -271,7 +267,7 @@ class TransactionalPublisher:
     async def read_progress(self) -> list[bytes | None]:
         """The progress topic's committed records (its partitions as the producer knows them)."""
         topic = self._progress.topic
-        partitions = await self.producers.current().partitions_for(topic)
+        partitions = await self.lanes[0].producers.current().partitions_for(topic)
         return await progress.read_committed(
             self._connection, topic, partitions, max(self._ack_seconds, 10.0)
         )
