@@ -67,6 +67,9 @@ class NotAttempted(OutboxDispatcherError):  # noqa: N818 - an outcome, not an er
     the dispatcher stopped; it keeps its place and is retried, not counted."""
 
     retriable = True
+    # How long the row waits before it is retried (0: at once); with a delay, the reason is
+    # recorded in last_error.
+    delay: float = 0.0
 
 
 class LoopDiedError(OutboxDispatcherError):

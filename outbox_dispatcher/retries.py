@@ -55,6 +55,8 @@ class RetryPolicy:
             return PUBLISHED
         reason = failures.describe(outcome)
         if isinstance(outcome, errors.NotAttempted):
+            if outcome.delay > 0:  # it waits: say why
+                return Result(Outcome.RETRY, reason, delay=outcome.delay)
             return Result(Outcome.RETRY)
         if isinstance(outcome, errors.TopicMissingError):
             failure = Failure.ROW

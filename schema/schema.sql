@@ -1681,12 +1681,20 @@ ALTER TABLE ${schema}.${table}_dispatchers ADD COLUMN delivery text;
 COMMENT ON COLUMN ${schema}.${table}_dispatchers.delivery IS
     'The delivery mode the dispatcher runs (OUTBOX_DELIVERY: at-least-once, exactly-once), reported with each heartbeat; NULL: not reported (a release older than schema version 14).';
 
+-- Each exactly-once dispatcher's transactional ids (version 15): see
+-- schema/migrations/0015_transactional_ids.sql.
+ALTER TABLE ${schema}.${table}_dispatchers ADD COLUMN transactional_ids text[];
+
+COMMENT ON COLUMN ${schema}.${table}_dispatchers.transactional_ids IS
+    'Exactly-once: the Kafka transactional ids the dispatcher may have a transaction open under, recorded before each is first used (a takeover fences them); NULL: none recorded (at-least-once, or a release older than schema version 15).';
+
 INSERT INTO ${schema}.${table}_schema_version (version, name) VALUES (1, 'initial'), (2, 'routed_topic'),
     (3, 'operations'), (4, 'stricter_writer_checks'), (5, 'operator_safety'),
     (6, 'claim_engine'), (7, 'lag'), (8, 'lighter_writes_and_settles'), (9, 'late_marks'),
-    (11, 'claim_engine_v3_contract'), (12, 'console'), (13, 'late_rows'), (14, 'delivery_mode')
+    (11, 'claim_engine_v3_contract'), (12, 'console'), (13, 'late_rows'), (14, 'delivery_mode'),
+    (15, 'transactional_ids')
     ON CONFLICT (version) DO NOTHING;
 INSERT INTO ${schema}.${table}_schema_steps (version, name) VALUES (10, 'claim_engine_v3'),
     (11, 'claim_engine_v3_contract'), (12, 'console'), (13, 'late_rows'),
-    (14, 'delivery_mode')
+    (14, 'delivery_mode'), (15, 'transactional_ids')
     ON CONFLICT (version) DO NOTHING;

@@ -88,7 +88,8 @@ class Settings(BaseSettings):
     poll_interval_seconds: PositiveSeconds = 0.5
     """Polling fallback when no notification arrives."""
     publish_timeout_seconds: PositiveSeconds = 20.0
-    """Longest wait for the broker's acknowledgement of a batch."""
+    """Longest wait for the broker's acknowledgement of a batch (exactly-once: and no longer
+    than 0.8 x transaction_timeout)."""
     shutdown_grace_seconds: PositiveSeconds = 20.0
     """On SIGTERM, time to finish in-flight batches before cancelling."""
     linger_seconds: Seconds = 1.0
@@ -143,11 +144,12 @@ class Settings(BaseSettings):
     progress_topic: str = Field(default="outbox-dispatcher.progress", min_length=1)
     """exactly-once: the compacted topic of progress records (created at start if missing)."""
     transactional_id_prefix: str = Field(default="outbox-dispatcher.", min_length=1)
-    """exactly-once: each dispatcher's transactional id is this prefix and its owner id (a
-    Kafka ACL on this prefix grants them)."""
+    """exactly-once: each dispatcher's transactional ids are this prefix, the table and its lane
+    names (a Kafka ACL on this prefix grants them)."""
     transaction_timeout_seconds: PositiveSeconds = 10.0
     """exactly-once: the broker aborts a transaction open longer than this (it must end
-    before the lease, OUTBOX_LEASE_SECONDS)."""
+    before the lease, OUTBOX_LEASE_SECONDS); a transaction's acks are waited for 0.8 x this at
+    most (and publish_timeout at most) before it is given up."""
     kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     """Kafka security protocol."""
     kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None

@@ -66,7 +66,12 @@ class Publishing(Protocol):
     """What a batch run publishes through: KafkaPublisher (at-least-once) or
     TransactionalPublisher (exactly-once)."""
 
-    def publish(self, records: Sequence[OutboxRecord], heartbeat: Callable[[], None]) -> Any: ...
+    def publish(
+        self,
+        records: Sequence[OutboxRecord],
+        heartbeat: Callable[[], None],
+        claimed_at: float | None = None,
+    ) -> Any: ...
     async def abandon(self, delivery: Any, reason: str) -> None: ...
     async def reachable(self, seconds: float = 5.0) -> bool: ...
     def marked(self, delivery: Any, *, every_row: bool) -> None: ...
@@ -135,9 +140,12 @@ class BatchRun:
         in_flight: InFlight,
         heartbeat: Callable[[], None] = lambda: None,
         stalled: asyncio.Event | None = None,
+        claimed_at: float | None = None,
     ) -> None:
         self.batch = batch
-        self.delivery: Deliveries = publisher.publish(batch.records, heartbeat)
+        # claimed_at: when the claim began (the loop's clock; exactly-once sends it only with a
+        # producer that served before then: kafka/transactions.py).
+        self.delivery: Deliveries = publisher.publish(batch.records, heartbeat, claimed_at)
         self._publisher = publisher
         self._settling = settling
         self._in_flight = in_flight

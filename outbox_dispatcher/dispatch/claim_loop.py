@@ -113,7 +113,7 @@ class ClaimLoop:
         if batch is None:
             await self._wait_for_rows()
         else:
-            await self._run(batch)
+            await self._run(batch, started)
 
     async def _wait_for_rows(self) -> None:
         c, shared = self._config, self._shared
@@ -129,7 +129,7 @@ class ClaimLoop:
             poll = c.linger_poll_seconds if lingering else c.poll_interval_seconds
         await shared.wakeup.wait(shared.stopping, poll)
 
-    async def _run(self, batch: Batch) -> None:
+    async def _run(self, batch: Batch, claimed_at: float) -> None:
         """Run the batch until it ends, or until it waits only for partitions that do not
         acknowledge (its other keys settled): then claim on, up to MAX_STALLED_BATCHES."""
         c, shared, m = self._config, self._shared, self._metrics
@@ -153,6 +153,7 @@ class ClaimLoop:
             self._in_flight,
             lambda: shared.heartbeats.beat(self.name),
             stalled,
+            claimed_at,
         )
         task = asyncio.ensure_future(run.run())
         self._runs[task] = run

@@ -14,7 +14,7 @@ import functools
 import os
 import socket
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -31,6 +31,7 @@ from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.wakeup import Waiting, Wakeup
 from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
 from outbox_dispatcher.kafka.delivery import DeliveryConfig
+from outbox_dispatcher.kafka.lanes import Registered, Registry
 from outbox_dispatcher.kafka.producers import ProducerConfig
 from outbox_dispatcher.kafka.progress import ProgressConfig
 from outbox_dispatcher.kafka.publisher import KafkaPublisher, PublisherConfig
@@ -110,7 +111,16 @@ class Dispatcher:
         pool = await db.create_pool(s)
         try:
             async with pool.acquire() as conn:
-                await migrations.check_version(conn, s.db_schema, s.table)
+                if s.delivery is DeliveryMode.EXACTLY_ONCE:
+                    await migrations.check_version(
+                        conn,
+                        s.db_schema,
+                        s.table,
+                        oldest=migrations.TRANSACTIONAL_IDS_VERSION,
+                        who_needs="exactly-once delivery (OUTBOX_DELIVERY) needs",
+                    )
+                else:
+                    await migrations.check_version(conn, s.db_schema, s.table)
                 await db.require_read_committed(conn)
             store = DispatchStore(pool, self.statements)  # the one store every component is handed
             publisher = await self._publisher(store)
@@ -130,27 +140,36 @@ class Dispatcher:
         if s.delivery is DeliveryMode.AT_LEAST_ONCE:
             return KafkaPublisher(self.configs.publisher)
 
-        async def others() -> list[str]:
-            live = await store.dispatchers_live(live_seconds=FENCE_WINDOW_SECONDS)
-            return [str(row["owner"]) for row in live]
+        async def live() -> list[Registered]:
+            rows = await store.transactional_ids_live(live_seconds=FENCE_WINDOW_SECONDS)
+            return [(str(r["owner"]), r["delivery"], r["transactional_ids"]) for r in rows]
+
+        async def record(ids: Sequence[str]) -> None:
+            if not await store.transactional_ids_record(owner=self.owner, ids=ids):
+                msg = "this dispatcher's registry row is gone (its next heartbeat writes it)"
+                raise errors.DatabaseUnavailableError(msg)
 
         async def pending(ids: list[int]) -> list[OutboxRecord]:
             return [OutboxRecord.from_row(row) for row in await store.pending_rows(ids=ids)]
 
+        # Registered before its ids are recorded in its row, and those before the first
+        # transaction of each: a takeover fences what it finds there (kafka/takeover.py).
+        await registry.Heartbeat(store, s, self.owner).beat()
         # The table's identity in its progress records (store.outbox_identity).
         outbox = f"{self.configs.progress.outbox}@{await store.outbox_identity()}"
         progress = dataclasses.replace(self.configs.progress, outbox=outbox)
         return TransactionalPublisher(
-            self.configs.publisher, progress, self.owner, others, pending, lane_count=s.claim_tasks
+            self.configs.publisher,
+            progress,
+            self.owner,
+            Registry(live, record),
+            pending,
+            lane_count=s.claim_tasks,
         )
 
     async def _supervise(self, store: DispatchStore, publisher: Publisher) -> None:
         s = self.settings
         configs = self.configs
-        if s.delivery is DeliveryMode.EXACTLY_ONCE:
-            # Registered before the first transaction: a takeover fences the dispatchers it
-            # finds registered (kafka/transactions.py).
-            await registry.Heartbeat(store, s, self.owner).beat()
         claimer = Claimer(store, s, self.owner)
         settler = Settler(
             store,

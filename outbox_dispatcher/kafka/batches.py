@@ -5,7 +5,7 @@ share a produce request and the producer does no work per record."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, MutableSequence, Sequence
+from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
@@ -40,12 +40,16 @@ class Batches:
     producers: Producers
     lookup: TopicLookup
     tracer: Tracer
+    # Exactly-once: why a row of a (topic, partition) must wait (kafka/stalls.py), if it must.
+    held: Callable[[tuple[str, int]], BaseException | None] | None = None
     # The producers that hold the claim's answers: closing them settles every answer.
     producers_used: list[AIOKafkaProducer] = field(default_factory=list, init=False)
     # Each submission's producer and batch builder: what a withdrawal looks for.
     submitted: dict[asyncio.Future[object], tuple[AIOKafkaProducer, Any]] = field(
         default_factory=dict, init=False
     )
+    # Each submission's (topic, partition).
+    where: dict[asyncio.Future[object], tuple[str, int]] = field(default_factory=dict, init=False)
     _encoded: dict[int, KafkaRecord | BaseException | None] = field(
         default_factory=dict, init=False, repr=False
     )
@@ -91,6 +95,7 @@ class Batches:
             # submission (and so the acks and the early settle) of the wave's other partitions.
             submission = self.producers.submit(producer, builder, topic, partition)
             self.submitted[submission] = (producer, builder)
+            self.where[submission] = (topic, partition)
             for i in members:
                 answers[i] = submission
             for span in spans:
@@ -133,6 +138,11 @@ class Batches:
                 partition = keyless.get(topic, -1)
                 if partition < 0:
                     partition = keyless[topic] = self.lookup.keyless_partition(topic, partitions)
+            if self.held is not None and (wait := self.held((topic, partition))) is not None:
+                answers[i] = wait
+                if key is not None:
+                    failed_keys.add(key)
+                continue
             slot = batches.get((topic, partition))
             if slot is None:
                 slot = batches[(topic, partition)] = (producer.create_batch(), [])

@@ -1,67 +1,223 @@
 """Exactly-once's lanes (docs/design/exactly-once.md): a dispatcher's transactional producers.
 
 A producer has one transaction open at a time; with one per process, its claim loops took
-turns and a row waited for the other loop's whole transaction. A dispatcher has LANES
-transactional ids (as many as it runs claim loops, up to LANES), each its own producer, so
-that two claim loops' transactions are open at once. The number is fixed, not configured: a
-takeover fences every lane id of every other dispatcher without knowing how it is set up.
+turns and a row waited for the other loop's whole transaction. A dispatcher has up to LANES
+lanes (one per claim loop), each its own producer under its own transactional id, so that two
+claim loops' transactions are open at once.
+
+A lane's id changes when its transaction stalls on a partition that does not acknowledge: that
+id cannot begin another transaction until the partition takes the stalled one's markers
+(kafka/stalls.py), so the lane goes on under the id of its next generation. Every id a
+dispatcher may have a transaction open under is recorded in its registry row before its first
+transaction (schema version 15), and a takeover fences what is recorded there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import weakref
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
+import structlog
+
+from outbox_dispatcher import errors
+from outbox_dispatcher.kafka import internals, progress
 from outbox_dispatcher.kafka.producers import ProducerConfig, Producers
 from outbox_dispatcher.kafka.progress import ProgressConfig
 from outbox_dispatcher.kafka.topics import TopicConfig, TopicLookup
 
+log = structlog.get_logger(__name__)
+
 LANES = 2
 
-
-def lane_names(owner: str) -> list[str]:
-    """The names a dispatcher's lanes write progress under (and their transactional ids end
-    with): the owner for the first, as before lanes; "<owner>.<n>" for the others."""
-    return [owner] + [f"{owner}.{n}" for n in range(1, LANES)]
+# A dispatcher in the registry: its owner id, its delivery mode, the transactional ids it
+# recorded (None: none recorded; a release older than schema version 15).
+Registered = tuple[str, str | None, Sequence[str] | None]
 
 
-def fence_ids(progress: ProgressConfig, owners: Sequence[str]) -> list[str]:
-    """Every transactional id the dispatchers `owners` may have used."""
-    return [progress.transactional_id(name) for o in owners for name in lane_names(o)]
+@dataclass(frozen=True)
+class Registry:
+    """The dispatchers' registry as exactly-once uses it (dispatch/supervisor.py builds it)."""
+
+    # Every dispatcher of the table that beat lately, with the ids it recorded.
+    live: Callable[[], Awaitable[Sequence[Registered]]]
+    # Record this dispatcher's transactional ids (before the first transaction of each).
+    record: Callable[[Sequence[str]], Awaitable[None]]
+
+
+def lane_name(owner: str, number: int, generation: int = 0) -> str:
+    """What a lane writes progress under (and its transactional id ends with): the owner for
+    the first lane, "<owner>.<n>" for the others (as before generations), and
+    "<owner>.<n>.<generation>" once a lane gave an id up."""
+    if generation:
+        return f"{owner}.{number}.{generation}"
+    return owner if number == 0 else f"{owner}.{number}"
+
+
+def fence_ids(progress: ProgressConfig, registered: Sequence[Registered], me: str) -> list[str]:
+    """Every transactional id another dispatcher may have a transaction open under: those it
+    recorded; for an exactly-once dispatcher of a release that records none, the ids that
+    release used (its LANES lanes' first generation)."""
+    ids: list[str] = []
+    for owner, delivery, recorded in registered:
+        if owner == me:
+            continue
+        if recorded is not None:
+            ids.extend(recorded)
+        elif delivery in (None, "exactly-once"):
+            ids.extend(progress.transactional_id(lane_name(owner, n)) for n in range(LANES))
+    return ids
 
 
 @dataclass
 class Lane:
     """One transactional producer: its transactions one at a time, the batches it committed
-    that are not seen marked yet (its progress records list them), the deliveries it was given."""
+    that are not seen marked yet (its progress records list them), the deliveries it was given.
+    Its generation, name, id and producers change when it gives its id up (renew)."""
 
-    name: str
-    transactional_id: str
-    producers: Producers
-    topics: TopicLookup
+    owner: str
+    number: int
+    producer: ProducerConfig
+    progress: ProgressConfig
+    topic_config: TopicConfig
+    generation: int = 0
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     unmarked: dict[str, list[int]] = field(default_factory=dict)  # tag: ids
     given: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # not yet transacted
 
-    @classmethod
-    def make(
-        cls, name: str, producer: ProducerConfig, progress: ProgressConfig, topics: TopicConfig
-    ) -> Lane:
-        tid = progress.transactional_id(name)
-        producers = Producers(dataclasses.replace(producer, transactional_id=tid))
-        return cls(name, tid, producers, TopicLookup(producers, topics))
+    def __post_init__(self) -> None:
+        self.producers, self.topics = self._producers(self.generation)
+
+    @property
+    def name(self) -> str:
+        return lane_name(self.owner, self.number, self.generation)
+
+    @property
+    def transactional_id(self) -> str:
+        return self.progress.transactional_id(self.name)
+
+    def renew(self) -> Producers:
+        """Go on under the next generation's id with new producers (not started); returns the
+        given-up generation's producers."""
+        old = self.producers
+        self.generation += 1
+        self.producers, self.topics = self._producers(self.generation)
+        return old
+
+    def _producers(self, generation: int) -> tuple[Producers, TopicLookup]:
+        tid = self.progress.transactional_id(lane_name(self.owner, self.number, generation))
+        producers = Producers(dataclasses.replace(self.producer, transactional_id=tid))
+        return producers, TopicLookup(producers, self.topic_config)
 
 
-def lanes_for(
-    owner: str, count: int, producer: ProducerConfig, progress: ProgressConfig, topics: TopicConfig
-) -> list[Lane]:
-    """The first `count` lanes of `owner` (1..LANES: one per claim loop)."""
-    names = lane_names(owner)[: max(1, min(count, LANES))]
-    return [Lane.make(name, producer, progress, topics) for name in names]
+class Lanes(Sequence[Lane]):
+    """A dispatcher's lanes: their ids recorded before their first transaction, their
+    producers started and stopped together, and a lane's id given up for its next generation's
+    (renew)."""
+
+    def __init__(
+        self,
+        owner: str,
+        count: int,
+        producer: ProducerConfig,
+        progress_config: ProgressConfig,
+        topics: TopicConfig,
+        registry: Registry,
+    ) -> None:
+        numbers = range(max(1, min(count, LANES)))
+        self._lanes = [Lane(owner, n, producer, progress_config, topics) for n in numbers]
+        self._registry = registry
+        self._progress = progress_config
+        self._producer = producer
+        self._unready: set[int] = set()  # lanes whose new id is not recorded and started yet
+        self._fences: set[asyncio.Future[None]] = set()  # given-up ids being fenced
+
+    @overload
+    def __getitem__(self, index: int) -> Lane: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Lane]: ...
+    def __getitem__(self, index: int | slice) -> Lane | Sequence[Lane]:
+        return self._lanes[index]
+
+    def __len__(self) -> int:
+        return len(self._lanes)
+
+    def __iter__(self) -> Iterator[Lane]:
+        return iter(self._lanes)
+
+    def ids(self) -> list[str]:
+        return [lane.transactional_id for lane in self._lanes]
+
+    async def start(self) -> None:
+        """Record the ids, then start every lane's producer (stopped again if one fails)."""
+        await self._registry.record(self.ids())
+        started: list[Lane] = []
+        try:
+            for lane in self._lanes:
+                await lane.producers.start()
+                started.append(lane)
+        except BaseException:
+            for lane in started:
+                await lane.producers.stop()
+            raise
+
+    async def stop(self) -> None:
+        for fencing in self._fences:
+            fencing.cancel()
+        for lane in self._lanes:
+            await lane.producers.stop()
+
+    def least_busy(self) -> Lane:
+        return least_busy(self._lanes)
+
+    async def renew(self, lane: Lane, reason: str) -> None:
+        """Give the lane's id up, never to commit under it again: its producer is closed (what
+        it buffers failed: nothing of its transaction is visible), the id fenced in the
+        background (its open transaction aborted now rather than at its timeout, so that the
+        partitions that did answer are readable again), and the lane goes on under its next
+        generation's id, recorded before the first transaction under it (ready)."""
+        given_up = lane.transactional_id
+        self._unready.add(lane.number)  # first: its new producers do not serve yet
+        old = lane.renew()
+        with contextlib.suppress(errors.OutboxDispatcherError):  # never started
+            producer = old.current()
+            internals.fail_buffered(producer, errors.BrokerUnavailableError("given up"))
+            await old.close_bounded([producer], "the transaction was given up")
+        fencing = asyncio.ensure_future(self._fence(given_up))
+        self._fences.add(fencing)
+        fencing.add_done_callback(self._fences.discard)
+        log.warning(
+            "lane_renewed",
+            lane=lane.name,
+            given_up=given_up,
+            now=lane.transactional_id,
+            reason=reason,
+        )
+        with contextlib.suppress(errors.BrokerUnavailableError, errors.DatabaseUnavailableError):
+            await self.ready(lane)  # else before its next transaction
+
+    async def ready(self, lane: Lane) -> None:
+        """A lane that took a new id: the ids recorded (every lane's, in one row), then its
+        producer started; until both are done it sends nothing."""
+        if lane.number not in self._unready:
+            return
+        try:
+            await self._registry.record(self.ids())
+        except Exception as exc:
+            raise errors.DatabaseUnavailableError(errors.describe(exc)) from exc
+        await lane.producers.start(max(self._progress.timeout_seconds, 10.0))
+        self._unready.discard(lane.number)
+
+    async def _fence(self, transactional_id: str) -> None:
+        """At most for the transaction timeout: past it the broker aborted the transaction."""
+        try:
+            await progress.fence(self._producer, transactional_id, self._progress.timeout_seconds)
+        except Exception as exc:  # noqa: BLE001 - a speed-up only: the timeout aborts it anyway
+            log.info("given_up_id_not_fenced", transactional_id=transactional_id, error=repr(exc))
 
 
 def least_busy(lanes: Sequence[Lane]) -> Lane:

@@ -64,6 +64,9 @@ class Producers:
         self._retiring: dict[int, tuple[AIOKafkaProducer, asyncio.Future[None]]] = {}
         # Submissions not yet handed to their producer (waiting in send_batch, see submit).
         self._submitting: dict[asyncio.Future[object], AIOKafkaProducer] = {}
+        # The loop's time when the current producer began to serve (exactly-once sends a claim
+        # only with a producer that served before the claim began: kafka/transactions.py).
+        self.since = float("inf")
 
     def _aiokafka(self, context: ssl.SSLContext | None) -> AIOKafkaProducer:
         c, s = self._config, self._config.connection
@@ -97,6 +100,11 @@ class Producers:
             raise errors.OutboxDispatcherError(msg)
         return self._current
 
+    @property
+    def serving(self) -> bool:
+        """A producer is started and not stopped."""
+        return self._current is not None
+
     def use(self, producer: AIOKafkaProducer | None) -> None:
         """Serve with `producer`, already started (tests); None: serve with none."""
         self._current = producer
@@ -106,9 +114,10 @@ class Producers:
         """Replaced producers not closed yet (they wait for their requests in flight)."""
         return [producer for producer, _ in self._retiring.values()]
 
-    async def start(self) -> None:
-        """Diagnose the connection, then start the first producer; a refused login or
-        certificate is one configuration error, an unreachable broker a retriable one."""
+    async def start(self, seconds: float | None = None) -> None:
+        """Diagnose the connection, then start the first producer (within `seconds`; None:
+        aiokafka's own bound); a refused login or certificate is one configuration error, an
+        unreachable broker a retriable one."""
         connection = self._config.connection
         context = tls.ssl_context(connection)
         problem = await tls.diagnose(connection, context)
@@ -116,13 +125,14 @@ class Producers:
             raise problem
         self._context = context
         try:
-            self._current = await self._start_fresh(None)
+            self._current = await self._start_fresh(seconds)
+            self.since = asyncio.get_running_loop().time()
         except (
             kafka_errors.SaslAuthenticationFailed,
             kafka_errors.AuthenticationFailedError,
         ) as exc:
             raise errors.ConfigurationError(tls.SASL_REJECTED.format(errors.describe(exc))) from exc
-        except (kafka_errors.KafkaError, OSError) as exc:
+        except (kafka_errors.KafkaError, OSError, TimeoutError) as exc:
             msg = (
                 f"cannot reach Kafka at {connection.bootstrap_servers} "
                 f"({errors.describe(exc)}): check OUTBOX_KAFKA_BOOTSTRAP_SERVERS and the broker"
@@ -191,6 +201,7 @@ class Producers:
             except (kafka_errors.KafkaError, OSError, TimeoutError) as exc:
                 raise errors.BrokerUnavailableError(errors.describe(exc)) from exc
             old, self._current = self._current, fresh
+            self.since = asyncio.get_running_loop().time()
             self._broken = None
             log.warning(
                 "producer_replaced",

@@ -109,16 +109,19 @@ async def ensure_topic(connection: ConnectionConfig, topic: str) -> None:
         await admin.close()
 
 
-async def fence(producer_config: ProducerConfig, transactional_id: str) -> None:
-    """Fence `transactional_id`: a producer under it initialises (the broker aborts the id's open
-    transaction, or first finishes its commit in progress, and refuses the old producer from
-    now on) and closes."""
+async def fence(producer_config: ProducerConfig, transactional_id: str, seconds: float) -> None:
+    """Fence `transactional_id` within `seconds`: a producer under it initialises (the broker
+    aborts the id's open transaction, or first finishes its commit in progress, and refuses the
+    old producer from now on) and closes. Its first request already aborts an open transaction;
+    the start waits for the id's markers, which a partition short of in-sync replicas does not
+    take (TimeoutError past `seconds`)."""
     producers = Producers(dataclasses.replace(producer_config, transactional_id=transactional_id))
-    await producers.start()
+    await producers.start(seconds)
     try:
         producer = producers.current()
-        await producer.begin_transaction()  # waits for the producer id: the fence
-        await producer.abort_transaction()  # nothing was sent: ends at once
+        async with asyncio.timeout(seconds):
+            await producer.begin_transaction()
+            await producer.abort_transaction()  # nothing was sent: ends at once
     finally:
         await producers.stop()
 

@@ -1,12 +1,13 @@
 """Exactly-once publication (OUTBOX_DELIVERY=exactly-once; docs/design/exactly-once.md).
 
-A claim's records go out in one Kafka transaction, ended by the dispatcher's progress record
-(kafka/progress.py), under the dispatcher's own transactional id; its rows are marked only once
-the transaction committed. A claim that took rows over from a lost claim first fences every
-other dispatcher's transactional id and reads the committed progress: its rows that a lost
-claim committed are marked, not sent again. A commit whose outcome is unknown is settled by the
-progress once the producer is replaced (its successor's start ends the transaction), and if
-that cannot be read the rows stay leased, unsettled, for the next takeover to decide.
+A claim's records go out in one Kafka transaction, ended by the lane's progress record
+(kafka/progress.py), under the lane's transactional id (kafka/lanes.py); its rows are marked only
+once the transaction committed. A claim that took rows over from a lost claim is reconciled
+first (kafka/takeover.py). A commit whose outcome is unknown is settled by the progress once the
+producer is replaced (its successor's start ends the transaction), and if that cannot be read
+the rows stay leased, unsettled, for the next takeover to decide. A transaction whose records
+are not all acknowledged in time is given up: its lane goes on under a new id, and the partitions
+that did not acknowledge are held (kafka/stalls.py).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import structlog
 from aiokafka import errors as kafka_errors
@@ -23,113 +24,54 @@ from aiokafka import errors as kafka_errors
 from outbox_dispatcher import errors
 from outbox_dispatcher.kafka import failures, internals, lanes, progress
 from outbox_dispatcher.kafka.batches import Answer, Batches
-from outbox_dispatcher.kafka.lanes import Lane
+from outbox_dispatcher.kafka.lanes import Lane, Registry
 from outbox_dispatcher.kafka.producers import NotSubmitted
 from outbox_dispatcher.kafka.progress import ProgressConfig, ProgressUnavailableError
 from outbox_dispatcher.kafka.publisher import PublisherConfig
 from outbox_dispatcher.kafka.records import RecordEncoder
-from outbox_dispatcher.models import OutboxRecord, Part
+from outbox_dispatcher.kafka.stalls import Holds, PartitionStalledError, TopicPartition
+from outbox_dispatcher.kafka.takeover import KAFKA_TROUBLE, PendingRows, Takeover
+from outbox_dispatcher.kafka.transactional_delivery import (
+    UNKNOWN,
+    TransactionAbortedError,
+    TransactionalDelivery,
+    TransactionFencedError,
+)
+from outbox_dispatcher.models import OutboxRecord
 from outbox_dispatcher.tracing import Tracer
 
 log = structlog.get_logger(__name__)
 
-# IllegalOperation: aiokafka refuses a send or a commit of a producer whose transaction a fatal
-# error (a fence) ended.
-KAFKA_TROUBLE = (kafka_errors.KafkaError, kafka_errors.IllegalOperation, OSError, TimeoutError)
-FENCES_AT_ONCE = 8
-UNKNOWN: BaseException = errors.BrokerUnavailableError("the transaction's outcome is unknown")
 NOTHING_SENT = errors.NotAttempted("nothing of the batch could be sent")
-REPLACED = "the producer was replaced after the claim: its rows are given back, not sent"
-_AnyOwners = Callable[[], Awaitable[Sequence[str]]]
-_PendingRows = Callable[[list[int]], Awaitable[Sequence[OutboxRecord]]]
+REPLACED = "the producer was replaced after the claim began: its rows are given back, not sent"
+STALLED = "did not acknowledge within {:g} s"
+HELD = "did not acknowledge a recent transaction"
+# A transaction's acks are waited for this share of its timeout at most (publish_timeout less).
+STALL_SHARE_OF_TIMEOUT = 0.8
 
 
-class TransactionAbortedError(errors.OutboxDispatcherError):
-    """The batch's Kafka transaction was aborted (a record of it failed, or a takeover fenced
-    this dispatcher): read_committed consumers saw none of it; retried, not counted."""
+@dataclass
+class _Stall:
+    """A transaction's records not all acknowledged in time: the partitions that did not
+    answer (the progress record's own among them: `progress`)."""
 
-    retriable = True
-    failure = errors.BrokerUnavailableError.failure
-
-
-class TransactionFencedError(TransactionAbortedError, errors.NotAttempted):
-    """The batch's transaction was ended by a fence (another dispatcher's takeover, or the
-    broker's transaction timeout), or its producer was replaced since the claim: nothing of it
-    is visible; the broker answers, so its rows are retried at once, without the outage pause."""
-
-
-class TransactionalDelivery:
-    """One claim in one transaction: one part, the final one, once the transaction ended. If
-    its outcome is unknown no row is in it (a partial settle would release their keys): the
-    claim stays leased, and the takeover that follows its expiry reads the progress."""
-
-    def __init__(
-        self, publisher: TransactionalPublisher, lane: Lane, records: Sequence[OutboxRecord]
-    ) -> None:
-        self.lane = lane  # its producer, chosen at the claim (kafka/lanes.py)
-        lane.given.add(self)
-        self.records = list(records)  # grows by the rows a takeover adopts (see adopt)
-        self.parked = False
-        self.settled: set[int] = set()
-        self.tag = uuid.uuid4().hex  # this batch in progress records
-        self.sent: list[int] = []  # ids in the transaction, for the progress record
-        self.begun = False  # a transaction of it was begun: unknown rows may be in Kafka
-        self.committed = False
-        # The producer when the claim was made: one that replaced it (this dispatcher was
-        # fenced, as by a takeover of a hung owner) never sends the claim (see _send_and_commit).
-        self.producer = lane.producers.current()
-        self._publisher = publisher
-        self._outcomes: list[BaseException | None] = [UNKNOWN] * len(records)
-
-    def __aiter__(self) -> AsyncGenerator[Part, None]:
-        return self._parts()
-
-    async def _parts(self) -> AsyncGenerator[Part, None]:
-        await self._publisher.transact(self)
-        yield self.final_part()
-
-    def final_part(self) -> Part:
-        known = [] if self.undecided() else list(range(len(self.records)))
-        self.settled.update(known)
-        return Part(known, [self._outcomes[i] for i in known], final=True)
-
-    def decide(self, indices: Sequence[int], outcome: BaseException | None) -> None:
-        for i in indices:
-            self._outcomes[i] = outcome
-
-    def adopt(self, rows: Sequence[OutboxRecord]) -> None:
-        """Rows of this claim's keys that a lost claim committed beyond its batch: settled with
-        it, published (its settle marks any row of a key its lease holds)."""
-        self.records.extend(rows)
-        self._outcomes.extend([None] * len(rows))
-
-    def undecided(self) -> list[int]:
-        return [i for i, o in enumerate(self._outcomes) if o is UNKNOWN]
-
-    def outcomes(self, *, stopped: BaseException) -> list[BaseException | None]:
-        """At a shutdown cancel: what is decided; the rest `stopped` (see unsettled)."""
-        return [stopped if o is UNKNOWN else o for o in self._outcomes]
-
-    def unsettled(self) -> list[int]:
-        """The rows a shutdown cancel may settle: none while a begun transaction's outcome is
-        unknown (they stay leased), else every row not settled yet."""
-        if self.begun and self.undecided():
-            return []
-        return [i for i in range(len(self.records)) if i not in self.settled]
+    partitions: set[TopicPartition]
+    progress: bool
+    unanswered: set[asyncio.Future[object]]  # read once the given-up producer failed them
 
 
 class TransactionalPublisher:
     """KafkaPublisher's face for exactly-once: a transactional producer per lane (up to one per
-    claim loop), one transaction at a time on each; `others` names the dispatchers a takeover
-    fences (the live ones of the table)."""
+    claim loop), one transaction at a time on each; `registry` records this dispatcher's ids and
+    names the others' (a takeover fences them)."""
 
     def __init__(
         self,
         config: PublisherConfig,
         progress_config: ProgressConfig,
         owner: str,
-        others: _AnyOwners,
-        pending: _PendingRows,
+        registry: Registry,
+        pending: PendingRows,
         lane_count: int = lanes.LANES,
     ) -> None:
         self.owner = owner
@@ -141,15 +83,24 @@ class TransactionalPublisher:
             transaction_timeout_seconds=progress_config.timeout_seconds,
             linger_ms=0,
         )
-        self._producer_config = producer
+        self.lanes = lanes.Lanes(
+            owner, lane_count, producer, progress_config, config.topics, registry
+        )
         self._connection = producer.connection
-        self.lanes = lanes.lanes_for(owner, lane_count, producer, progress_config, config.topics)
-        self.topics = self.lanes[0].topics  # for reachable() and the operator's check
+        fence_seconds = max(progress_config.timeout_seconds, 10.0)
+        self._takeover = Takeover(
+            progress_config, producer, owner, registry, pending, fence_seconds
+        )
         self._encoder = RecordEncoder(config.records)
         self._tracer = Tracer(config.tracing)
-        self._ack_seconds = producer.connection.request_timeout_seconds
-        self._others = others
-        self._pending = pending
+        # How long a transaction's acks are waited for before it is given up (kafka/stalls.py):
+        # before the broker's own timeout aborts it, whose fence would leave the id waiting
+        # for the markers of a partition that does not take them.
+        self.stall_seconds = min(
+            config.delivery.publish_timeout_seconds,
+            STALL_SHARE_OF_TIMEOUT * progress_config.timeout_seconds,
+        )
+        self.holds = Holds()
 
     @property
     def unmarked(self) -> dict[str, list[int]]:
@@ -157,39 +108,44 @@ class TransactionalPublisher:
         return {tag: ids for lane in self.lanes for tag, ids in lane.unmarked.items()}
 
     async def start(self) -> None:
-        """Start the lanes' producers (the first transaction of each fences an earlier one of
-        its id) and create the progress topic if it is missing."""
+        """Record the lanes' ids, start their producers (the first transaction of each fences an
+        earlier one of its id) and create the progress topic if it is missing."""
         internals.quicken_transaction_retries()
-        started: list[Lane] = []
+        await self.lanes.start()
         try:
-            for lane in self.lanes:
-                await lane.producers.start()
-                started.append(lane)
             await progress.ensure_topic(self._connection, self._progress.topic)
         except BaseException as exc:
-            for lane in started:
-                await lane.producers.stop()
+            await self.lanes.stop()
             if isinstance(exc, KAFKA_TROUBLE):
                 raise errors.BrokerUnavailableError(errors.describe(exc)) from exc
             raise
 
     async def stop(self) -> None:
-        for lane in self.lanes:
-            await lane.producers.stop()
+        await self.lanes.stop()
 
     def publish(
-        self, records: Sequence[OutboxRecord], heartbeat: Callable[[], None] = lambda: None
+        self,
+        records: Sequence[OutboxRecord],
+        heartbeat: Callable[[], None] = lambda: None,
+        claimed_at: float | None = None,
     ) -> TransactionalDelivery:
-        return TransactionalDelivery(self, lanes.least_busy(self.lanes), records)
+        """The claim's delivery; `claimed_at`: when the claim began (the loop's clock), by
+        default now."""
+        began = asyncio.get_running_loop().time() if claimed_at is None else claimed_at
+        return TransactionalDelivery(self, self.lanes.least_busy(), records, began)
 
     async def abandon(self, delivery: TransactionalDelivery, reason: str) -> None:
         """A shutdown past its grace: close the lane's producer within the bound; an open
         transaction is then aborted by the broker (never committed), its rows stay leased."""
         producers = delivery.lane.producers
-        await producers.close_bounded([producers.current()], reason)
+        with contextlib.suppress(errors.OutboxDispatcherError):  # a lane not started again
+            await producers.close_bounded([producers.current()], reason)
 
     async def reachable(self, seconds: float = 5.0) -> bool:
-        return await self.topics.reachable(seconds)
+        """A broker answers a lane's producer (one that serves: a lane that took a new id may
+        not have started its producer yet)."""
+        serving = [lane for lane in self.lanes if lane.producers.serving]
+        return bool(serving) and await serving[0].topics.reachable(seconds)
 
     def marked(self, delivery: TransactionalDelivery, *, every_row: bool) -> None:
         """The batch's mark is in the database: later progress records leave it out (only when
@@ -197,127 +153,108 @@ class TransactionalPublisher:
         if every_row:
             delivery.lane.unmarked.pop(delivery.tag, None)
 
+    async def read_progress(self) -> list[bytes | None]:
+        """The progress topic's committed records (tests and the operator read them too)."""
+        return await self._takeover.read(self.lanes)
+
     async def transact(self, d: TransactionalDelivery) -> None:
         """Decide every row of the delivery: published (in its transaction, or by a lost claim),
-        failed, or unknown. A takeover holds every lane's turn (in lane order: no deadlock), so
-        that no transaction of this dispatcher is open while it reads what was committed."""
+        failed, or unknown. A takeover fences the other dispatchers first, then holds every
+        lane's turn (in lane order: no deadlock), so that no transaction of this dispatcher is
+        open while it reads what was committed."""
         takeover = any(r.reclaimed for r in d.records)
         try:
+            if takeover:
+                await self._takeover.fence_others()
             async with contextlib.AsyncExitStack() as turns:
                 for lane in self.lanes if takeover else [d.lane]:
                     await turns.enter_async_context(lane.turn)
                 d.lane.given.discard(d)
-                try:
-                    await self._reconcile(d)
-                except ProgressUnavailableError as exc:
-                    log.warning("takeover_waits_for_progress", rows=len(d.records), error=str(exc))
-                    return  # every row unknown: leased until a takeover can read the progress
+                if takeover:
+                    await self._takeover.reconcile(d, self.lanes)
                 await self._send_and_commit(d)
+        except ProgressUnavailableError as exc:
+            log.warning("takeover_waits_for_progress", rows=len(d.records), error=str(exc))
+            # every row unknown: leased until a takeover can read the progress
         finally:
             d.lane.given.discard(d)
 
-    async def _reconcile(self, d: TransactionalDelivery) -> None:
-        """Rows taken over from a lost claim: those it committed are published already, and so
-        are its committed rows of the same keys that did not fit in this batch (the takeover's
-        room is its batch size): adopted, so that the key is not released with them pending."""
-        reclaimed = {r.id for r in d.records if r.reclaimed}
-        if not reclaimed:
-            return
-        committed = await self.committed_elsewhere()
-        done = reclaimed & committed
-        d.decide([i for i, r in enumerate(d.records) if r.id in done], None)
-        keys = {r.ordering_key for r in d.records if r.reclaimed and r.ordering_key is not None}
-        beyond = sorted(committed - {r.id for r in d.records})
-        if keys and beyond:
-            try:
-                rows = [r for r in await self._pending(beyond) if r.ordering_key in keys]
-            except Exception as exc:  # the database is away: the rows wait
-                raise ProgressUnavailableError(errors.describe(exc)) from exc
-            d.adopt(rows)
-            done |= {r.id for r in rows}
-        if done:
-            log.info("takeover_found_committed", rows=len(done), reclaimed=len(reclaimed))
-
-    async def committed_elsewhere(self) -> set[int]:
-        """The ids of every committed transaction not seen marked: every lane id of every other
-        dispatcher fenced first, and this one's lanes whose commit went unanswered replaced (a
-        fresh producer ends it), then the progress read to its end (the rest of this one's from
-        memory). Called holding every lane's turn."""
-        try:
-            listed = await self._others()
-        except Exception as exc:  # the database is away: the rows wait
-            raise ProgressUnavailableError(errors.describe(exc)) from exc
-        try:
-            tids = lanes.fence_ids(self._progress, [o for o in listed if o != self.owner])
-            limit = asyncio.Semaphore(FENCES_AT_ONCE)
-
-            async def fence(tid: str) -> None:
-                async with limit:
-                    await progress.fence(self._producer_config, tid)
-
-            await asyncio.gather(*(fence(t) for t in tids))
-            for lane in self.lanes:
-                await lane.producers.replace_if_broken()
-            values = await self.read_progress()
-        except (*KAFKA_TROUBLE, errors.BrokerUnavailableError) as exc:
-            raise ProgressUnavailableError(errors.describe(exc)) from exc
-        mine = {i for ids in self.unmarked.values() for i in ids}
-        return mine | progress.committed_ids(self._progress, values)
-
-    async def read_progress(self) -> list[bytes | None]:
-        """The progress topic's committed records (its partitions as the producer knows them)."""
-        topic = self._progress.topic
-        partitions = await self.lanes[0].producers.current().partitions_for(topic)
-        return await progress.read_committed(
-            self._connection, topic, partitions, max(self._ack_seconds, 10.0)
-        )
-
     async def _send_and_commit(self, d: TransactionalDelivery) -> None:
+        lane = d.lane
         try:
-            await d.lane.producers.replace_if_broken()  # first: a fresh producer knows no topic
-        except errors.BrokerUnavailableError as exc:
+            await self.lanes.ready(lane)
+            await lane.producers.replace_if_broken()  # first: a fresh producer knows no topic
+        except (errors.BrokerUnavailableError, errors.DatabaseUnavailableError) as exc:
             d.decide(d.undecided(), TransactionAbortedError(errors.describe(exc)))
             return
         indices = d.undecided()
         if not indices:
             return
-        if d.lane.producers.current() is not d.producer:
-            # Replaced since the claim (fenced, or its state lost): the lease may have expired
+        if lane.producers.since > d.claimed_at:
+            # Replaced since the claim began (fenced, or a new id): the lease may have expired
             # meanwhile and another claim sent the rows; given back, never sent by this one.
             d.decide(indices, TransactionFencedError(REPLACED))
             return
         topics = [self._encoder.topic(r) for r in d.records]
         named = {t for i in indices if isinstance(t := topics[i], str)}
-        problems = await d.lane.topics.errors_for(named) if named else {}
+        problems = await lane.topics.errors_for(named) if named else {}
         batches = Batches(
             d.records,
             topics,
             encoder=self._encoder,
-            producers=d.lane.producers,
-            lookup=d.lane.topics,
+            producers=lane.producers,
+            lookup=lane.topics,
             tracer=self._tracer,
+            held=self._held(lane),
         )
-        producer = d.lane.producers.current()
+        try:
+            await self._transaction(d, indices, batches, problems)
+        finally:
+            self.holds.ended(lane)  # what it probed and did not settle, another may probe
+
+    async def _transaction(
+        self,
+        d: TransactionalDelivery,
+        indices: list[int],
+        batches: Batches,
+        problems: dict[str, BaseException],
+    ) -> None:
+        lane = d.lane
+        producer = lane.producers.current()
         try:
             d.begun = True
             await producer.begin_transaction()
         except KAFKA_TROUBLE as exc:
-            d.lane.producers.condemn(exc)
+            lane.producers.condemn(exc)
             d.decide(indices, TransactionAbortedError(errors.describe(exc)))
             return
         answers: list[Answer] = [None] * len(d.records)
         failure = await self._send_all(d, batches, indices, answers, problems)
-        # Refused before sending (no topic, a topic missing, too large; the later rows of
-        # their keys not attempted): decided with their error, never in the transaction.
+        # Refused before sending (no topic, a topic missing, too large, a partition held; the
+        # later rows of their keys not attempted): decided with their error, never in the
+        # transaction.
         refused = {i: a for i in indices if isinstance(a := answers[i], BaseException)}
         for i, refusal in refused.items():
             d.decide([i], refusal)
         sent = [i for i in indices if i not in refused]
-        if failure is not None or not sent:
+        if isinstance(failure, _Stall):
+            await self._give_up(d, sent, answers, batches, failure)
+        elif failure is not None or not sent:
             failed_at, cause = failure or (None, NOTHING_SENT)
             await self._abort(d, sent, failed_at, cause)
-            return
-        await self._commit(d, sent)
+        else:
+            await self._commit(d, sent)
+            if d.committed:
+                self.holds.acknowledged(batches.where.values())
+
+    def _held(self, lane: Lane) -> Callable[[TopicPartition], BaseException | None]:
+        """Why a row of a partition must wait (kafka/stalls.py), if it must."""
+
+        def held(partition: TopicPartition) -> BaseException | None:
+            delay = self.holds.wait_for(partition, lane)
+            return None if delay is None else PartitionStalledError(partition, delay, HELD)
+
+        return held
 
     async def _send_all(
         self,
@@ -326,12 +263,13 @@ class TransactionalPublisher:
         indices: list[int],
         answers: list[Answer],
         problems: dict[str, BaseException],
-    ) -> tuple[int | None, BaseException] | None:
+    ) -> tuple[int | None, BaseException] | _Stall | None:
         """Hand every record to the producer as batches (kafka/batches.py) and the progress
-        record after them, then wait for all the acks at once: the first failure (the row's
-        index, None for the progress record; the error), or None. No waves: nothing of the
-        transaction is visible before its commit, so a key's change of topic needs no ack first,
-        and a failed batch aborts the whole transaction (no gap can follow it)."""
+        record after them, then wait for all the acks at once (stall_seconds at most): the first
+        failure (the row's index, None for the progress record; the error), the partitions that
+        did not answer, or None. No waves: nothing of the transaction is visible before its
+        commit, so a key's change of topic needs no ack first, and a failed batch aborts the
+        whole transaction (no gap can follow it)."""
         batches.encode(indices)
         failed_keys: set[str] = set()
         pending = indices
@@ -345,23 +283,65 @@ class TransactionalPublisher:
         submissions: list[asyncio.Future[object]] = [
             a for a in dict.fromkeys(answers[i] for i in handed) if isinstance(a, asyncio.Future)
         ]
-        listed = {**d.lane.unmarked, d.tag: d.sent}  # the lane's own: its record is keyed by its id
-        value = progress.record_value(self._progress, d.lane.name, listed)
+        lane = d.lane
+        listed = {**lane.unmarked, d.tag: d.sent}  # the lane's own: its record is keyed by its id
+        value = progress.record_value(self._progress, lane.name, listed)
         try:
-            acked = await d.lane.producers.current().send(
-                self._progress.topic, value, key=d.lane.transactional_id.encode()
+            acked = await lane.producers.current().send(
+                self._progress.topic, value, key=lane.transactional_id.encode()
             )
         except KAFKA_TROUBLE as exc:
             await asyncio.gather(*submissions, return_exceptions=True)  # their answers, read
             return None, exc
-        results: list[object] = await asyncio.gather(acked, *submissions, return_exceptions=True)
-        if isinstance(results[0], BaseException):
-            return None, results[0]
-        for submission, result in zip(submissions, results[1:], strict=True):
-            if isinstance(result, BaseException):
+        waiting: set[asyncio.Future[object]] = {acked, *submissions}
+        _, missing = await asyncio.wait(waiting, timeout=self.stall_seconds)
+        if missing:
+            stalled = {batches.where[s] for s in submissions if s in missing}
+            return _Stall(stalled, acked in missing, missing)
+        if (problem := _failure(acked)) is not None:
+            return None, problem
+        for submission in submissions:
+            if (result := _failure(submission)) is not None:
                 cause = result.cause if isinstance(result, NotSubmitted) else result
                 return next(i for i in handed if answers[i] is submission), cause
         return None
+
+    async def _give_up(
+        self,
+        d: TransactionalDelivery,
+        indices: list[int],
+        answers: list[Answer],
+        batches: Batches,
+        stall: _Stall,
+    ) -> None:
+        """The transaction's records were not all acknowledged in time: it is given up (never
+        committed), its lane goes on under a new id, and the partitions that did not answer are
+        held. Their rows wait for the hold; the others go again at once (or after the outage
+        pause, when the progress topic itself did not answer)."""
+        where = STALLED.format(self.stall_seconds)
+        names = sorted(f"{t}-{p}" for t, p in stall.partitions)
+        log.warning(
+            "transaction_stalled", lane=d.lane.name, partitions=names, seconds=self.stall_seconds
+        )
+        held = self.holds.stalled(stall.partitions) if not stall.progress else 0.0
+        for i in indices:
+            answer = answers[i]
+            partition = batches.where.get(answer) if isinstance(answer, asyncio.Future) else None
+            if stall.progress:
+                outcome: BaseException = TransactionAbortedError(f"the progress topic {where}")
+            elif partition is not None and partition in stall.partitions:
+                outcome = PartitionStalledError(partition, held, where)
+            else:
+                outcome = TransactionFencedError(f"given up: partitions {', '.join(names)} {where}")
+            d.decide([i], outcome)
+        d.sent.clear()
+        await self.lanes.renew(d.lane, f"partitions {', '.join(names)} {where}")
+        # The closed producer failed them; their errors read, none left unretrieved.
+        _, left = await asyncio.wait(stall.unanswered, timeout=1.0)
+        for answer in stall.unanswered - left:
+            _failure(answer)
+        for answer in left:
+            answer.cancel()
 
     async def _abort(
         self,
@@ -372,22 +352,25 @@ class TransactionalPublisher:
     ) -> None:
         """Nothing of the transaction is committed (it never asked to be): the failed row gets
         its error, the others are retried uncounted. A fenced producer is past aborting (the
-        fence aborted it): it is replaced."""
+        fence aborted it); an abort without an answer may never end (its markers unwritable: a
+        partition short of replicas). Either way the lane takes a new id (Lanes.renew): the old
+        one never commits, and its replacement under the same id could wait for those
+        markers."""
         producers = d.lane.producers
         fenced = _is_fencing(cause)
-        if fenced:
-            internals.read_fatal_error(producers.current())
-            producers.condemn(cause)
-            # Now, not at the next batch: claims made from here on are the fresh producer's.
-            with contextlib.suppress(errors.BrokerUnavailableError):
-                await producers.replace_if_broken()
-        else:
+        why = errors.describe(cause)
+        ended = False
+        if not fenced:
             try:
                 async with asyncio.timeout(self._progress.timeout_seconds):
                     await producers.current().abort_transaction()
-            except KAFKA_TROUBLE as exc:
-                # The broker is away: the successor's start aborts it (or the broker's timeout).
-                producers.condemn(exc)
+                ended = True
+            except KAFKA_TROUBLE as exc:  # the broker is away, or the abort cannot end
+                why = f"the abort went unanswered: {errors.describe(exc)}"
+        if not ended:
+            if fenced:
+                internals.read_fatal_error(producers.current())
+            await self.lanes.renew(d.lane, why)
         d.sent.clear()
         aborted = TransactionFencedError if fenced else TransactionAbortedError
         d.decide(indices, aborted(errors.describe(cause)))
@@ -429,6 +412,13 @@ class TransactionalPublisher:
             d.decide(indices, None)
         else:
             d.decide(indices, TransactionAbortedError("the commit did not take"))
+
+
+def _failure(answer: asyncio.Future[object]) -> BaseException | None:
+    """A done answer's failure (a cancelled one is not acknowledged either), or None."""
+    if answer.cancelled():
+        return asyncio.CancelledError("the request was cancelled")
+    return answer.exception()
 
 
 def _is_fencing(exc: BaseException) -> bool:

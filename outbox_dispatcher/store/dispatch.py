@@ -97,6 +97,15 @@ class DispatchStore(StoreBase):
         """Forget clock entries that no pending row needs any more."""
         await self._fetch("clock_prune", first_pending_id=first_pending_id)
 
+    async def transactional_ids_record(self, *, owner: str, ids: Sequence[str]) -> bool:
+        """Record the transactional ids `owner` may publish under (exactly-once, schema version
+        15); False if its registry row is gone (its heartbeat writes it)."""
+        return bool(await self._fetch("transactional_ids_record", owner=owner, ids=list(ids)))
+
+    async def transactional_ids_live(self, *, live_seconds: float) -> list[Row]:
+        """The dispatchers that beat within `live_seconds`: owner, delivery, transactional_ids."""
+        return await self._fetch("transactional_ids_live", live_seconds=live_seconds)
+
     async def dispatcher_beat(
         self,
         *,

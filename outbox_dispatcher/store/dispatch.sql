@@ -289,3 +289,18 @@ SELECT count(*) AS rows, count(DISTINCT coalesce(o.ordering_key, o.id::text)) AS
 SELECT count(*) FROM {dispatchers}
  WHERE heartbeat_at > now() - $seconds * interval '1 second'
    AND (version IS NULL OR version < $version)
+
+-- transactional_ids_record --
+-- Exactly-once (version 15): the transactional ids dispatcher $owner may have a transaction open
+-- under, recorded before the first transaction of each, so that a takeover fences them
+-- (kafka/lanes.py). Its heartbeat made its row first; returns nothing if it is gone.
+UPDATE {dispatchers} SET transactional_ids = $ids::text[], heartbeat_at = now()
+ WHERE owner = $owner
+RETURNING owner
+
+-- transactional_ids_live --
+-- Exactly-once: the dispatchers that beat within $live_seconds seconds, each with its delivery
+-- mode and the transactional ids it recorded (NULL: none; a release older than version 15).
+SELECT owner, delivery, transactional_ids FROM {dispatchers}
+ WHERE heartbeat_at > now() - $live_seconds * interval '1 second'
+ ORDER BY owner

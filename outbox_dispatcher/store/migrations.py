@@ -95,6 +95,9 @@ CONSOLE_VERSION = 12
 # The delivery mode's version (14): the heartbeat's `delivery` column, which a dispatcher writes
 # only from here on (a new release may beat on 10 to 13 during a rolling upgrade).
 DELIVERY_VERSION = 14
+# Exactly-once's version (15): each dispatcher records its transactional ids, which a takeover
+# fences. An exactly-once dispatcher needs it; an at-least-once one runs from OLDEST_SUPPORTED on.
+TRANSACTIONAL_IDS_VERSION = 15
 # Steps that a dispatcher older than 10 cannot run beside: `migrate` applies them only once no
 # such dispatcher beats (docs/operations.md, "Upgrading").
 CONTRACT_STEPS = frozenset({11})

@@ -6,8 +6,9 @@ processes are in test_chaos.py (test_exactly_once_*)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import asyncpg
@@ -20,14 +21,14 @@ from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka import progress
-from outbox_dispatcher.kafka.lanes import LANES
-from outbox_dispatcher.kafka.transactions import (
+from outbox_dispatcher.kafka.lanes import LANES, Registered, Registry
+from outbox_dispatcher.kafka.transactional_delivery import (
     TransactionalDelivery,
-    TransactionalPublisher,
     TransactionFencedError,
 )
+from outbox_dispatcher.kafka.transactions import TransactionalPublisher
 from outbox_dispatcher.models import PUBLISHED, Batch, OutboxRecord, Part
-from outbox_dispatcher.store import DispatchStore, Statements
+from outbox_dispatcher.store import DispatchStore, Statements, db, migrations
 from tests.checker import verdict_for
 
 from .helpers import Services, count, insert_sequenced, running, wait_all_settled
@@ -60,16 +61,29 @@ class Owners:
 
     def __init__(self, settings: Settings, pool: Any) -> None:
         self.settings = settings
+        self.progress = configs_of(settings).progress  # whose outbox its records name
         self.store = DispatchStore(pool, STATEMENTS)
         self.publishers: dict[str, TransactionalPublisher] = {}
+        self.ids: dict[str, list[str]] = {}  # the registry: each owner's recorded ids
+
+    def registry(self, owner: str) -> Registry:
+        async def live() -> list[Registered]:
+            return [(o, "exactly-once", ids) for o, ids in self.ids.items()]
+
+        async def record(ids: Sequence[str]) -> None:
+            self.ids[owner] = list(ids)
+
+        return Registry(live, record)
 
     async def publisher(self, owner: str, lanes: int = LANES) -> TransactionalPublisher:
-        async def others() -> list[str]:
-            return [o for o in self.publishers if o != owner]
-
         configs = configs_of(self.settings)
         made = TransactionalPublisher(
-            configs.publisher, configs.progress, owner, others, self.pending, lane_count=lanes
+            configs.publisher,
+            self.progress,
+            owner,
+            self.registry(owner),
+            self.pending,
+            lane_count=lanes,
         )
         await made.start()
         self.publishers[owner] = made
@@ -240,6 +254,42 @@ async def test_a_claim_made_before_the_producer_was_replaced_is_never_sent(
     assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 2
 
 
+async def test_a_claim_begun_before_its_lane_took_a_new_id_is_never_sent(
+    conn: asyncpg.Connection, owners: Owners, topic: str, services: Services
+) -> None:
+    """The owner claims, then hangs past its lease; the taker fences the ids owner-a recorded
+    and sends the rows; owner-a's lane then takes a new id (a stalled transaction given up),
+    which the taker could not fence. The claim began before that id served: given back, never
+    sent under it (a producer chosen when the claim is handed over, not when it began, sent it:
+    a second copy)."""
+    await insert_sequenced(conn, topic, keys=2, per_key=1)
+    a = await owners.publisher("owner-a", lanes=1)
+    b = await owners.publisher("owner-b")
+    began = asyncio.get_running_loop().time()
+    claimed = await owners.claim("owner-a")  # then it hung
+    await expire(conn)
+    taken = await owners.claim("owner-b")
+    assert (await run(b.publish(taken.records))).outcomes == [None, None]  # fences owner-a
+    fenced_then = list(owners.ids["owner-a"])
+    await a.lanes.renew(a.lanes[0], "a stalled transaction")
+    assert owners.ids["owner-a"] != fenced_then, "the new id is recorded before it serves"
+    late = await run(a.publish(claimed.records, claimed_at=began))
+    assert all(isinstance(o, TransactionFencedError) for o in late.outcomes), late
+    assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 2
+    await insert_sequenced(conn, topic, keys=1, per_key=1, first_seq=1)
+    fresh = None
+    for _ in range(100):  # once owner-b's lease expired (its batch was never marked here)
+        fresh = await Claimer(owners.store, owners.settings, "owner-a").claim()
+        if fresh is not None:
+            break
+        await asyncio.sleep(0.1)
+    assert fresh is not None
+    # A claim begun after the new id served: sent under it (the taken-over rows owner-b
+    # committed are found in the progress, not sent again).
+    assert (await run(a.publish(fresh.records))).outcomes == [None] * len(fresh.records)
+    assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 3
+
+
 @pytest.mark.parametrize("lane", [0, 1])
 async def test_a_hung_owners_open_transaction_is_aborted_by_the_takeover(
     conn: asyncpg.Connection, owners: Owners, topic: str, services: Services, lane: int
@@ -324,12 +374,13 @@ async def test_a_takeover_that_cannot_read_the_progress_leaves_the_rows_leased(
     await run(a.publish(lost.records))
     await expire(conn)
 
-    async def unreachable() -> list[str]:
+    async def unreachable() -> list[Registered]:
         raise kafka_errors.KafkaConnectionError("the broker is away")
 
     configs = configs_of(good.settings)
+    registry = Registry(unreachable, good.registry("owner-b").record)
     b = TransactionalPublisher(
-        configs.publisher, configs.progress, "owner-b", unreachable, good.pending
+        configs.publisher, configs.progress, "owner-b", registry, good.pending
     )
     await b.start()
     try:
@@ -356,3 +407,65 @@ async def test_a_dispatcher_in_exactly_once_mode_publishes_every_row_once(
     assert await count(conn, "published_at IS NULL") == 0
     verdict = await verdict_for(database_url, services.kafka_bootstrap_servers, [topic])
     assert (verdict.lost, verdict.reordered, verdict.duplicates) == ([], [], 0), verdict.summary()
+
+
+@pytest.mark.parametrize("named_by", ["table_oid", "name_only"])
+async def test_a_table_made_again_never_takes_its_predecessors_progress(
+    empty_database_url: str,
+    eos_settings: Callable[..., Settings],
+    topic: str,
+    services: Services,
+    named_by: str,
+) -> None:
+    """A table dropped and made again starts its ids over while the progress topic keeps the
+    records of the batches its predecessor committed and never saw marked. A takeover on the
+    new table reads them: named by the table's oid (as the dispatcher names them), they are
+    another outbox's and the taken rows are sent; named by the table's name only (the control),
+    the new rows 1 to 4 look committed and would be marked without being sent."""
+    settings = eos_settings(database_url=empty_database_url)
+
+    async def incarnation() -> tuple[asyncpg.Connection, asyncpg.Pool, Owners]:
+        conn = await asyncpg.connect(empty_database_url)
+        await migrations.migrate(conn, "public", "outbox")
+        await insert_sequenced(conn, topic, keys=2, per_key=2)
+        made = await asyncpg.create_pool(empty_database_url, init=db.init_connection)
+        owners = Owners(settings, made)
+        if named_by == "table_oid":
+            identity = await owners.store.outbox_identity()
+            owners.progress = dataclasses.replace(
+                owners.progress, outbox=f"{owners.progress.outbox}@{identity}"
+            )
+        return conn, made, owners
+
+    conn, first_pool, first = await incarnation()
+    try:
+        a = await first.publisher("owner-a")
+        committed = await run(a.publish((await first.claim("owner-a")).records))
+        assert committed.outcomes == [None] * 4  # committed, never marked: then the table went
+    finally:
+        await first.stop()
+        await first_pool.close()
+        await conn.execute("DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+        await conn.close()
+    conn, second_pool, second = await incarnation()
+    try:
+        await second.claim("owner-c")  # and it died
+        await expire(conn)
+        b = await second.publisher("owner-b")
+        taken = await second.claim("owner-b")
+        assert [r.id for r in taken.records] == [1, 2, 3, 4] and all(
+            r.reclaimed for r in taken.records
+        )
+        delivery = b.publish(taken.records)
+        assert (await run(delivery)).outcomes == [None] * 4
+        delivered = await read_all(services.kafka_bootstrap_servers, topic, "read_committed")
+        if named_by == "table_oid":
+            assert sorted(delivery.sent) == [1, 2, 3, 4], "sent: the old records are not its"
+            assert len(delivered) == 8
+        else:
+            assert delivery.sent == [], "the control: marked as published, never sent"
+            assert len(delivered) == 4
+    finally:
+        await second.stop()
+        await second_pool.close()
+        await conn.close()

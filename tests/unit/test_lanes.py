@@ -1,14 +1,20 @@
 """Exactly-once's lanes: the ids a dispatcher may use, the ids a takeover fences, which lane
-a claim goes to."""
+a claim goes to, and a lane that gives its id up."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
 
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka import lanes
-from outbox_dispatcher.kafka.lanes import Lane, lanes_for, least_busy
+from outbox_dispatcher.kafka.lanes import Lane, Lanes, Registry, least_busy
+from outbox_dispatcher.kafka.producers import Producers
 from outbox_dispatcher.kafka.progress import ProgressConfig
 
 PROGRESS = ProgressConfig(
@@ -16,21 +22,53 @@ PROGRESS = ProgressConfig(
 )
 
 
-def test_the_first_lane_keeps_the_owners_own_id_and_a_takeover_fences_every_lane() -> None:
+def test_a_lane_is_named_by_its_owner_number_and_generation() -> None:
     assert lanes.LANES == 2
-    assert lanes.lane_names("h:1:a") == ["h:1:a", "h:1:a.1"]
-    # The first lane's id is the one a dispatcher had before lanes: an older one is fenced too.
-    assert lanes.fence_ids(PROGRESS, ["h:1:a", "h:2:b"]) == [
-        "x.public.outbox.h:1:a",
-        "x.public.outbox.h:1:a.1",
-        "x.public.outbox.h:2:b",
-        "x.public.outbox.h:2:b.1",
+    # The first lane's first id is the one a dispatcher had before lanes.
+    assert lanes.lane_name("h:1:a", 0) == "h:1:a"
+    assert lanes.lane_name("h:1:a", 1) == "h:1:a.1"
+    assert lanes.lane_name("h:1:a", 0, 1) == "h:1:a.0.1"
+    assert lanes.lane_name("h:1:a", 1, 3) == "h:1:a.1.3"
+
+
+def test_a_takeover_fences_the_ids_each_other_dispatcher_recorded() -> None:
+    registered: list[lanes.Registered] = [
+        ("me", "exactly-once", ["x.public.outbox.me"]),  # itself: never
+        ("b", "exactly-once", ["x.public.outbox.b.0.4", "x.public.outbox.b.1"]),  # as recorded
+        ("c", "exactly-once", None),  # an older release: the ids it used
+        ("d", None, None),  # older still, no mode reported: the same
+        ("e", "at-least-once", None),  # no transactions
+    ]
+    assert lanes.fence_ids(PROGRESS, registered, "me") == [
+        "x.public.outbox.b.0.4",
+        "x.public.outbox.b.1",
+        "x.public.outbox.c",
+        "x.public.outbox.c.1",
+        "x.public.outbox.d",
+        "x.public.outbox.d.1",
     ]
 
 
-def _made(count: int) -> list[Lane]:
+class _Registry:
+    def __init__(self) -> None:
+        self.recorded: list[list[str]] = []
+        self.fail = False
+
+    async def live(self) -> Sequence[lanes.Registered]:
+        return []
+
+    async def record(self, ids: Sequence[str]) -> None:
+        if self.fail:
+            raise ConnectionError("the database is away")
+        self.recorded.append(list(ids))
+
+
+def _made(count: int, registry: _Registry | None = None) -> Lanes:
     publisher = configs_of(Settings(delivery="exactly-once")).publisher
-    return lanes_for("o", count, publisher.producer, PROGRESS, publisher.topics)
+    made = registry or _Registry()
+    return Lanes(
+        "o", count, publisher.producer, PROGRESS, publisher.topics, Registry(made.live, made.record)
+    )
 
 
 def test_a_dispatcher_has_a_lane_per_claim_loop_up_to_the_fixed_number() -> None:
@@ -38,9 +76,47 @@ def test_a_dispatcher_has_a_lane_per_claim_loop_up_to_the_fixed_number() -> None
     assert [lane.name for lane in _made(2)] == ["o", "o.1"]
     assert [lane.name for lane in _made(8)] == ["o", "o.1"], "more loops share the lanes"
     ids = ["x.public.outbox.o", "x.public.outbox.o.1"]
-    assert [lane.transactional_id for lane in _made(2)] == ids
+    assert _made(2).ids() == ids
     # Each lane's producer is made under its own id.
     assert [lane.producers._config.transactional_id for lane in _made(2)] == ids
+
+
+async def test_a_lane_gives_its_id_up_recording_the_new_one_before_it_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The new id is recorded (the given-up one dropped, the other lane's kept) before its
+    producer starts, and the given-up id is fenced; while the database is away the lane stays
+    unready and nothing starts."""
+    events: list[str] = []
+    fenced: list[str] = []
+
+    async def start(self: Producers, seconds: float | None = None) -> None:
+        events.append(f"start {self._config.transactional_id}")
+        self.since = asyncio.get_running_loop().time()
+
+    async def fence(config: Any, transactional_id: str, seconds: float) -> None:
+        fenced.append(transactional_id)
+
+    monkeypatch.setattr(Producers, "start", start)
+    monkeypatch.setattr(lanes.progress, "fence", fence)
+    registry = _Registry()
+    made = _made(2, registry)
+    await made.start()
+    assert registry.recorded == [["x.public.outbox.o", "x.public.outbox.o.1"]]
+    first: Lane = made[0]
+    registry.fail = True
+    await made.renew(first, "a test")
+    assert first.name == "o.0.1" and first.generation == 1
+    assert not first.producers.serving, "not started before its id is recorded"
+    registry.fail = False
+    events.clear()
+    await made.ready(first)
+    assert registry.recorded[-1] == ["x.public.outbox.o.0.1", "x.public.outbox.o.1"]
+    assert events == ["start x.public.outbox.o.0.1"]
+    await made.ready(first)
+    assert events == ["start x.public.outbox.o.0.1"], "ready once"
+    await asyncio.sleep(0)
+    assert fenced == ["x.public.outbox.o"]
 
 
 class _Claim:

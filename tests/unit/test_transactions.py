@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.kafka import progress
 from outbox_dispatcher.kafka.progress import ProgressConfig
-from outbox_dispatcher.kafka.transactions import (
+from outbox_dispatcher.kafka.transactional_delivery import (
     TransactionAbortedError,
     TransactionalDelivery,
     TransactionFencedError,
@@ -51,20 +51,15 @@ def test_the_transactional_id_names_the_outbox_and_the_owner() -> None:
 
 
 class _Lane:
-    """What a delivery reads of its lane when it is made: the current producer; and where it
-    is counted until it is transacted."""
+    """What a delivery reads of its lane when it is made: where it is counted until it is
+    transacted."""
 
     def __init__(self) -> None:
         self.given: weakref.WeakSet[object] = weakref.WeakSet()
 
-    class producers:  # noqa: N801 - stands for Producers
-        @staticmethod
-        def current() -> object:
-            return "the producer"
-
 
 def delivery(n: int) -> TransactionalDelivery:
-    return TransactionalDelivery(None, _Lane(), [record(i) for i in range(n)])  # type: ignore[arg-type]
+    return TransactionalDelivery(None, _Lane(), [record(i) for i in range(n)], 0.0)  # type: ignore[arg-type]
 
 
 def test_a_partly_decided_batch_settles_nothing() -> None:

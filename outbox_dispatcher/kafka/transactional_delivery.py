@@ -1,0 +1,102 @@
+"""Exactly-once's claim in one transaction (kafka/transactions.py sends it): its rows, every
+row's outcome once decided, and what may be settled. All or nothing: while a begun transaction's
+outcome is unknown, no row of it is settled (a partial settle would release their keys)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from outbox_dispatcher import errors
+from outbox_dispatcher.models import OutboxRecord, Part
+
+if TYPE_CHECKING:
+    from outbox_dispatcher.kafka.lanes import Lane
+
+UNKNOWN: BaseException = errors.BrokerUnavailableError("the transaction's outcome is unknown")
+
+
+class Transacts(Protocol):
+    """What sends a delivery: kafka/transactions.TransactionalPublisher."""
+
+    async def transact(self, d: TransactionalDelivery) -> None: ...
+
+
+class TransactionAbortedError(errors.OutboxDispatcherError):
+    """The batch's Kafka transaction was aborted (a record of it failed, or a takeover fenced
+    this dispatcher): read_committed consumers saw none of it; retried, not counted."""
+
+    retriable = True
+    failure = errors.BrokerUnavailableError.failure
+
+
+class TransactionFencedError(TransactionAbortedError, errors.NotAttempted):
+    """The batch's transaction was ended by a fence (another dispatcher's takeover, or the
+    broker's transaction timeout), given up for a partition that did not acknowledge, or its
+    producer was replaced since the claim: nothing of it is visible; the broker answers, so its
+    rows are retried at once, without the outage pause."""
+
+
+class TransactionalDelivery:
+    """One claim in one transaction: one part, the final one, once the transaction ended. If
+    its outcome is unknown no row is in it (a partial settle would release their keys): the
+    claim stays leased, and the takeover that follows its expiry reads the progress."""
+
+    def __init__(
+        self,
+        publisher: Transacts,
+        lane: Lane,
+        records: Sequence[OutboxRecord],
+        claimed_at: float,
+    ) -> None:
+        self.lane = lane  # its producer, chosen at the claim (kafka/lanes.py)
+        lane.given.add(self)
+        self.records = list(records)  # grows by the rows a takeover adopts (see adopt)
+        self.parked = False
+        self.settled: set[int] = set()
+        self.tag = uuid.uuid4().hex  # this batch in progress records
+        self.sent: list[int] = []  # ids in the transaction, for the progress record
+        self.begun = False  # a transaction of it was begun: unknown rows may be in Kafka
+        self.committed = False
+        # When the claim began (the loop's clock): a producer that began to serve after it (this
+        # dispatcher was fenced, or the lane took a new id) never sends it (_send_and_commit).
+        self.claimed_at = claimed_at
+        self._publisher = publisher
+        self._outcomes: list[BaseException | None] = [UNKNOWN] * len(records)
+
+    def __aiter__(self) -> AsyncGenerator[Part, None]:
+        return self._parts()
+
+    async def _parts(self) -> AsyncGenerator[Part, None]:
+        await self._publisher.transact(self)
+        yield self.final_part()
+
+    def final_part(self) -> Part:
+        known = [] if self.undecided() else list(range(len(self.records)))
+        self.settled.update(known)
+        return Part(known, [self._outcomes[i] for i in known], final=True)
+
+    def decide(self, indices: Sequence[int], outcome: BaseException | None) -> None:
+        for i in indices:
+            self._outcomes[i] = outcome
+
+    def adopt(self, rows: Sequence[OutboxRecord]) -> None:
+        """Rows of this claim's keys that a lost claim committed beyond its batch: settled with
+        it, published (its settle marks any row of a key its lease holds)."""
+        self.records.extend(rows)
+        self._outcomes.extend([None] * len(rows))
+
+    def undecided(self) -> list[int]:
+        return [i for i, o in enumerate(self._outcomes) if o is UNKNOWN]
+
+    def outcomes(self, *, stopped: BaseException) -> list[BaseException | None]:
+        """At a shutdown cancel: what is decided; the rest `stopped` (see unsettled)."""
+        return [stopped if o is UNKNOWN else o for o in self._outcomes]
+
+    def unsettled(self) -> list[int]:
+        """The rows a shutdown cancel may settle: none while a begun transaction's outcome is
+        unknown (they stay leased), else every row not settled yet."""
+        if self.begun and self.undecided():
+            return []
+        return [i for i in range(len(self.records)) if i not in self.settled]
