@@ -68,6 +68,8 @@ NAMES = (
     "outbox_commit_to_ack_seconds",
     "outbox_table_sampled_timestamp_seconds",
     "outbox_paused",
+    "outbox_lanes_renewed_total",
+    "outbox_partitions_held",
 )
 
 
@@ -145,6 +147,12 @@ class Metrics:
         self.in_flight = Gauge(
             "outbox_in_flight_rows",
             "Rows this dispatcher has claimed and not yet settled.",
+            registry=r,
+        )
+        self.partitions_held = Gauge(
+            "outbox_partitions_held",
+            "Exactly-once: partitions whose rows wait because a transaction stalled on them "
+            "(not acknowledged in time: short of in-sync replicas, leader unreachable).",
             registry=r,
         )
 
@@ -237,6 +245,16 @@ class Metrics:
             "Rows taken over after their previous owner's lease expired.",
             registry=r,
         )
+        self.lanes_renewed = Counter(
+            "outbox_lanes_renewed",
+            "Exactly-once: transactional ids a lane gave up for a new one, by why: stalled (a "
+            "partition did not acknowledge its transaction in time), fenced (a takeover or the "
+            "broker's transaction timeout), abort_unanswered.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("stalled", "fenced", "abort_unanswered"):  # exported at 0 from the start
+            self.lanes_renewed.labels(reason)
 
     def _register_durations(self, r: CollectorRegistry) -> None:
         self.claim_duration = Histogram(

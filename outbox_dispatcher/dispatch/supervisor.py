@@ -158,14 +158,17 @@ class Dispatcher:
         # The table's identity in its progress records (store.outbox_identity).
         outbox = f"{self.configs.progress.outbox}@{await store.outbox_identity()}"
         progress = dataclasses.replace(self.configs.progress, outbox=outbox)
-        return TransactionalPublisher(
+        made = TransactionalPublisher(
             self.configs.publisher,
             progress,
             self.owner,
             Registry(live, record),
             pending,
             lane_count=s.claim_tasks,
+            renewed=lambda reason: self.metrics.lanes_renewed.labels(reason).inc(),
         )
+        self.metrics.partitions_held.set_function(lambda: len(made.holds.held))
+        return made
 
     async def _supervise(self, store: DispatchStore, publisher: Publisher) -> None:
         s = self.settings

@@ -73,8 +73,10 @@ class TransactionalPublisher:
         registry: Registry,
         pending: PendingRows,
         lane_count: int = lanes.LANES,
+        renewed: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self.owner = owner
+        self._renewed = renewed  # a lane took a new id: stalled, fenced or abort_unanswered
         self._progress = progress_config
         # No linger: a transaction's records are all handed at once and its commit waits for
         # them; only the progress record (send(), not a closed batch) would linger.
@@ -336,6 +338,7 @@ class TransactionalPublisher:
             d.decide([i], outcome)
         d.sent.clear()
         await self.lanes.renew(d.lane, f"partitions {', '.join(names)} {where}")
+        self._renewed("stalled")
         # The closed producer failed them; their errors read, none left unretrieved.
         _, left = await asyncio.wait(stall.unanswered, timeout=1.0)
         for answer in stall.unanswered - left:
@@ -371,6 +374,7 @@ class TransactionalPublisher:
             if fenced:
                 internals.read_fatal_error(producers.current())
             await self.lanes.renew(d.lane, why)
+            self._renewed("fenced" if fenced else "abort_unanswered")
         d.sent.clear()
         aborted = TransactionFencedError if fenced else TransactionAbortedError
         d.decide(indices, aborted(errors.describe(cause)))
