@@ -84,12 +84,13 @@ class FakeProducer:
     ) -> None:
         everything = set(range(partitions))
         self.client = SimpleNamespace(
+            _topics=set(),  # what aiokafka's metadata refresh names (internals.track_topics)
             cluster=SimpleNamespace(
                 partitions_for_topic=lambda topic: set(everything),
                 available_partitions_for_topic=lambda topic: set(
                     everything if available is None else available
                 ),
-            )
+            ),
         )
         self.room = room
         self.refuse = refuse
@@ -127,10 +128,11 @@ class QueueingProducer:
     def __init__(self, partitions: int = 4) -> None:
         everything = set(range(partitions))
         self.client = SimpleNamespace(
+            _topics=set(),  # what aiokafka's metadata refresh names (internals.track_topics)
             cluster=SimpleNamespace(
                 partitions_for_topic=lambda topic: set(everything),
                 available_partitions_for_topic=lambda topic: set(everything),
-            )
+            ),
         )
         self._real = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1")
         self._message_accumulator = self._real._message_accumulator

@@ -5,7 +5,7 @@ share a produce request and the producer does no work per record."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, MutableSequence, Sequence
+from collections.abc import Callable, Container, Mapping, MutableSequence, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
@@ -40,8 +40,11 @@ class Batches:
     producers: Producers
     lookup: TopicLookup
     tracer: Tracer
-    # Exactly-once: why a row of a (topic, partition) must wait (kafka/stalls.py), if it must.
+    # Exactly-once: why a row of a (topic, partition) must wait (kafka/stalls.py), if it must;
+    # and the rows (by id) that go in a producer batch of their own (a batch the broker refused
+    # whole held them: kafka/transactions.py).
     held: Callable[[tuple[str, int]], BaseException | None] | None = None
+    alone: Container[int] = frozenset()
     # The producers that hold the claim's answers: closing them settles every answer.
     producers_used: list[AIOKafkaProducer] = field(default_factory=list, init=False)
     # Each submission's producer and batch builder: what a withdrawal looks for.
@@ -144,13 +147,19 @@ class Batches:
                     failed_keys.add(key)
                 continue
             slot = batches.get((topic, partition))
+            alone = self.records[i].id in self.alone
             if slot is None:
                 slot = batches[(topic, partition)] = (producer.create_batch(), [])
             builder, members = slot
             if (
-                builder.append(key=item.key, value=item.value, timestamp=None, headers=item.headers)
+                (alone and members)
+                or (members and self.records[members[0]].id in self.alone)
+                or builder.append(
+                    key=item.key, value=item.value, timestamp=None, headers=item.headers
+                )
                 is None
             ):
+                # Full (or one of the two must be alone): in a wave of its own, next.
                 deferred.append(i)
                 if key is not None:
                     deferred_keys.add(key)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
@@ -54,9 +54,18 @@ def quicken_transaction_retries() -> None:
 def fail_buffered(producer: AIOKafkaProducer, exception: BaseException) -> None:
     """Fail every batch the producer still holds, those a request has carried included (what
     aiokafka's own Sender._fail_all does when its sender dies), so that stop() need not wait
-    for a broker that is away. Only for a process that is stopping: a batch a request carried
-    may be in the broker's log already."""
-    producer._message_accumulator.fail_all(exception)
+    for a broker that is away. Only for a process that is stopping, or a transaction given up
+    (nothing of it is committed): a batch a request carried may be in the broker's log already.
+    The batches' drain waiters, which nobody waits on any more, have their failure read (else
+    asyncio reports each as never retrieved)."""
+    accumulator = producer._message_accumulator
+    held = [b for queue in accumulator._batches.values() for b in queue]
+    held.extend(accumulator._pending_batches)
+    accumulator.fail_all(exception)
+    for batch in held:
+        waiter = batch._drain_waiter
+        if waiter.done() and not waiter.cancelled():
+            waiter.exception()
 
 
 def withdraw_unsent(
@@ -98,6 +107,16 @@ def producer_id(producer: AIOKafkaProducer) -> int | None:
         return None
     pid: int = manager.producer_id
     return pid
+
+
+def track_topics(producer: AIOKafkaProducer, topics: Iterable[str]) -> None:
+    """Keep `topics` in the producer's metadata refreshes. aiokafka fetches every topic's
+    metadata until it tracks one (the first send() to a topic tracks it), then only those it
+    tracks, and a refresh replaces the whole cache: a topic known from the first answer, never
+    tracked, dropped out at the next refresh, and a batch already handed over for it waited for
+    a leader that no refresh brought back (an exactly-once transaction stalled at its first
+    claim, the progress record's send() having tracked its own topic)."""
+    producer.client._topics.update(topics)
 
 
 def known_partitions(producer: AIOKafkaProducer, topic: str) -> set[int] | None:

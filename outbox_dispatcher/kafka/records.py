@@ -89,6 +89,10 @@ class RecordEncoder:
         except errors.RoutingError as exc:
             return exc
 
+    def topics(self, records: Sequence[OutboxRecord]) -> list[str | errors.RoutingError]:
+        """Each row's topic, or why it has none."""
+        return [self.topic(r) for r in records]
+
     def encode(self, record: OutboxRecord) -> KafkaRecord:
         """The record for a row. Raises UnpublishableRowError for a row that can never be one,
         MessageSizeTooLargeError for one larger than OUTBOX_KAFKA_MAX_REQUEST_BYTES (both

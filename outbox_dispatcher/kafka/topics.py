@@ -39,7 +39,9 @@ class TopicLookup:
         return internals.known_partitions(self._producers.current(), topic)
 
     def unknown(self, topics: set[str]) -> set[str]:
-        """Those of `topics` whose partitions the producer does not know yet."""
+        """Those of `topics` whose partitions the producer does not know yet; all of them are
+        kept in its metadata refreshes from now on (internals.track_topics)."""
+        internals.track_topics(self._producers.current(), topics)
         return {t for t in topics if self.partitions(t) is None}
 
     def keyless_partition(self, topic: str, partitions: list[int]) -> int:
@@ -71,7 +73,7 @@ class TopicLookup:
     async def errors_for(self, topics: set[str]) -> dict[str, BaseException]:
         """Fetch metadata for topics not yet known, so that send() never blocks on one; returns
         why each topic that cannot be sent to cannot (missing, refused, broker away)."""
-        unknown = [t for t in topics if self.partitions(t) is None]
+        unknown = sorted(self.unknown(topics))
         if not unknown:
             return {}
         timeout = min(self._config.publish_timeout_seconds, 10.0)

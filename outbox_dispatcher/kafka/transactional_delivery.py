@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
 from typing import TYPE_CHECKING, Protocol
 
 from outbox_dispatcher import errors
@@ -20,7 +21,7 @@ UNKNOWN: BaseException = errors.BrokerUnavailableError("the transaction's outcom
 class Transacts(Protocol):
     """What sends a delivery: kafka/transactions.TransactionalPublisher."""
 
-    async def transact(self, d: TransactionalDelivery) -> None: ...
+    def parts(self, d: TransactionalDelivery) -> AsyncGenerator[Part, None]: ...
 
 
 class TransactionAbortedError(errors.OutboxDispatcherError):
@@ -36,6 +37,13 @@ class TransactionFencedError(TransactionAbortedError, errors.NotAttempted):
     broker's transaction timeout), given up for a partition that did not acknowledge, or its
     producer was replaced since the claim: nothing of it is visible; the broker answers, so its
     rows are retried at once, without the outage pause."""
+
+
+class TransactionRefusedError(TransactionAbortedError, errors.NotAttempted):
+    """The broker refused a record of the batch's transaction for that record's own fault (it
+    gets its own error), so the transaction was aborted: the other rows are retried at once,
+    uncounted. When the broker refused a producer batch whole, each of its records goes in a
+    batch of its own next time, so that only the one it refuses is blamed."""
 
 
 class TransactionalDelivery:
@@ -69,13 +77,27 @@ class TransactionalDelivery:
         return self._parts()
 
     async def _parts(self) -> AsyncGenerator[Part, None]:
-        await self._publisher.transact(self)
+        async with aclosing(self._publisher.parts(self)) as parts:
+            async for part in parts:
+                yield part
         yield self.final_part()
 
+    def early_part(self, indices: Sequence[int]) -> Part:
+        """Rows of `indices` whose transaction ended, settled before the claim's other rows
+        (whole keys: topics.ClaimLookups keeps a key's rows together)."""
+        done = [i for i in indices if i not in self.settled and self._outcomes[i] is not UNKNOWN]
+        self.settled.update(done)
+        return Part(done, [self._outcomes[i] for i in done])
+
     def final_part(self) -> Part:
-        known = [] if self.undecided() else list(range(len(self.records)))
-        self.settled.update(known)
-        return Part(known, [self._outcomes[i] for i in known], final=True)
+        """Every row not settled yet, unless one's outcome is unknown: then none."""
+        rest = (
+            []
+            if self.undecided()
+            else [i for i in range(len(self.records)) if i not in self.settled]
+        )
+        self.settled.update(rest)
+        return Part(rest, [self._outcomes[i] for i in rest], final=True)
 
     def decide(self, indices: Sequence[int], outcome: BaseException | None) -> None:
         for i in indices:
@@ -86,6 +108,19 @@ class TransactionalDelivery:
         it, published (its settle marks any row of a key its lease holds)."""
         self.records.extend(rows)
         self._outcomes.extend([None] * len(rows))
+
+    def finished(self) -> list[int]:
+        """The ids of the rows whose outcome is final: published, or failed for themselves
+        (not unknown, not given back to be tried again)."""
+        again = (TransactionAbortedError, errors.NotAttempted)
+        return [
+            r.id
+            for r, o in zip(self.records, self._outcomes, strict=True)
+            if o is None or (o is not UNKNOWN and not isinstance(o, again))
+        ]
+
+    def undecided_of(self, indices: Sequence[int]) -> list[int]:
+        return [i for i in indices if self._outcomes[i] is UNKNOWN]
 
     def undecided(self) -> list[int]:
         return [i for i, o in enumerate(self._outcomes) if o is UNKNOWN]

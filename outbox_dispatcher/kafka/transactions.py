@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -31,13 +31,15 @@ from outbox_dispatcher.kafka.publisher import PublisherConfig
 from outbox_dispatcher.kafka.records import RecordEncoder
 from outbox_dispatcher.kafka.stalls import Holds, PartitionStalledError, TopicPartition
 from outbox_dispatcher.kafka.takeover import KAFKA_TROUBLE, PendingRows, Takeover
+from outbox_dispatcher.kafka.topics import ClaimLookups
 from outbox_dispatcher.kafka.transactional_delivery import (
     UNKNOWN,
     TransactionAbortedError,
     TransactionalDelivery,
     TransactionFencedError,
+    TransactionRefusedError,
 )
-from outbox_dispatcher.models import OutboxRecord
+from outbox_dispatcher.models import OutboxRecord, Part
 from outbox_dispatcher.tracing import Tracer
 
 log = structlog.get_logger(__name__)
@@ -46,6 +48,8 @@ NOTHING_SENT = errors.NotAttempted("nothing of the batch could be sent")
 REPLACED = "the producer was replaced after the claim began: its rows are given back, not sent"
 STALLED = "did not acknowledge within {:g} s"
 HELD = "did not acknowledge a recent transaction"
+# Rows remembered to go alone at most (a safety bound: each is forgotten once it is decided).
+ALONE_AT_MOST = 10_000
 # A transaction's acks are waited for this share of its timeout at most (publish_timeout less).
 STALL_SHARE_OF_TIMEOUT = 0.8
 
@@ -103,6 +107,8 @@ class TransactionalPublisher:
             STALL_SHARE_OF_TIMEOUT * progress_config.timeout_seconds,
         )
         self.holds = Holds()
+        # Rows of a producer batch the broker refused whole: each goes alone next (Batches).
+        self._alone: set[int] = set()
 
     @property
     def unmarked(self) -> dict[str, list[int]]:
@@ -159,12 +165,42 @@ class TransactionalPublisher:
         """The progress topic's committed records (tests and the operator read them too)."""
         return await self._takeover.read(self.lanes)
 
-    async def transact(self, d: TransactionalDelivery) -> None:
-        """Decide every row of the delivery: published (in its transaction, or by a lost claim),
-        failed, or unknown. A takeover fences the other dispatchers first, then holds every
+    async def parts(self, d: TransactionalDelivery) -> AsyncGenerator[Part, None]:
+        """The claim's transactions: one for the rows whose topics are known, then one for the
+        rows of the topics looked up, as their lookups answer (topics.ClaimLookups keeps a
+        key's rows together), the rows of each transaction that ended settled before the next
+        (an early part), so that a topic being looked up (one missing: a publish_timeout's
+        wait) holds up only its own keys. A takeover goes in one transaction after its lookups:
+        the rows it adopts settle with their keys."""
+        everything = list(range(len(d.records)))
+        if any(r.reclaimed for r in d.records) or not d.lane.producers.serving:
+            await self.transact(d, everything, {})  # (a lane with a new id looks topics up anew)
+            return
+        lookups = ClaimLookups(d.lane.topics, d.records, self._encoder.topics(d.records))
+        try:
+            ready, later = lookups.split()
+            while True:
+                if ready:
+                    await self.transact(d, ready, lookups.errors)
+                    if d.undecided_of(ready):
+                        return  # an outcome unknown: nothing more now (the rows stay leased)
+                if not later:
+                    return
+                yield d.early_part(ready)
+                ready = await lookups.ready(later)
+                later = [i for i in later if i not in set(ready)]
+        finally:
+            lookups.cancel()
+
+    async def transact(
+        self, d: TransactionalDelivery, indices: list[int], known: Mapping[str, BaseException]
+    ) -> None:
+        """Decide the rows `indices` of the delivery: published (in one transaction, or by a
+        lost claim), failed, or unknown; `known`: the topics already looked up and why each
+        cannot be sent to. A takeover fences the other dispatchers first, then holds every
         lane's turn (in lane order: no deadlock), so that no transaction of this dispatcher is
         open while it reads what was committed."""
-        takeover = any(r.reclaimed for r in d.records)
+        takeover = any(d.records[i].reclaimed for i in indices)
         try:
             if takeover:
                 await self._takeover.fence_others()
@@ -174,32 +210,34 @@ class TransactionalPublisher:
                 d.lane.given.discard(d)
                 if takeover:
                     await self._takeover.reconcile(d, self.lanes)
-                await self._send_and_commit(d)
+                await self._send_and_commit(d, indices, known)
         except ProgressUnavailableError as exc:
             log.warning("takeover_waits_for_progress", rows=len(d.records), error=str(exc))
             # every row unknown: leased until a takeover can read the progress
         finally:
             d.lane.given.discard(d)
 
-    async def _send_and_commit(self, d: TransactionalDelivery) -> None:
+    async def _send_and_commit(
+        self, d: TransactionalDelivery, rows: list[int], known: Mapping[str, BaseException]
+    ) -> None:
         lane = d.lane
+        indices = d.undecided_of(rows)
+        if not indices:
+            return
         try:
             await self.lanes.ready(lane)
             await lane.producers.replace_if_broken()  # first: a fresh producer knows no topic
         except (errors.BrokerUnavailableError, errors.DatabaseUnavailableError) as exc:
-            d.decide(d.undecided(), TransactionAbortedError(errors.describe(exc)))
-            return
-        indices = d.undecided()
-        if not indices:
+            d.decide(indices, TransactionAbortedError(errors.describe(exc)))
             return
         if lane.producers.since > d.claimed_at:
             # Replaced since the claim began (fenced, or a new id): the lease may have expired
             # meanwhile and another claim sent the rows; given back, never sent by this one.
             d.decide(indices, TransactionFencedError(REPLACED))
             return
-        topics = [self._encoder.topic(r) for r in d.records]
-        named = {t for i in indices if isinstance(t := topics[i], str)}
-        problems = await lane.topics.errors_for(named) if named else {}
+        topics = self._encoder.topics(d.records)
+        named = {t for i in indices if isinstance(t := topics[i], str)} - known.keys()
+        problems = dict(known) | (await lane.topics.errors_for(named) if named else {})
         batches = Batches(
             d.records,
             topics,
@@ -208,11 +246,15 @@ class TransactionalPublisher:
             lookup=lane.topics,
             tracer=self._tracer,
             held=self._held(lane),
+            alone=self._alone,
         )
         try:
             await self._transaction(d, indices, batches, problems)
         finally:
             self.holds.ended(lane)  # what it probed and did not settle, another may probe
+            self._alone.difference_update(d.finished())
+            if len(self._alone) > ALONE_AT_MOST:  # never in practice: forget rather than grow
+                self._alone.clear()
 
     async def _transaction(
         self,
@@ -243,6 +285,11 @@ class TransactionalPublisher:
             await self._give_up(d, sent, answers, batches, failure)
         elif failure is not None or not sent:
             failed_at, cause = failure or (None, NOTHING_SENT)
+            if failed_at is not None and failures.is_rejection(cause):
+                batch = [i for i in sent if answers[i] is answers[failed_at]]
+                if len(batch) > 1:  # refused whole for one record: which, each alone will tell
+                    self._alone.update(d.records[i].id for i in batch)
+                    failed_at = None
             await self._abort(d, sent, failed_at, cause)
         else:
             await self._commit(d, sent)
@@ -300,13 +347,15 @@ class TransactionalPublisher:
         if missing:
             stalled = {batches.where[s] for s in submissions if s in missing}
             return _Stall(stalled, acked in missing, missing)
+        # Every answer read (none left unretrieved); a batch the broker refused is the cause
+        # rather than the batches of its partition refused after it for their sequence numbers.
+        failed = [(s, _cause(f)) for s in submissions if (f := _failure(s)) is not None]
         if (problem := _failure(acked)) is not None:
             return None, problem
-        for submission in submissions:
-            if (result := _failure(submission)) is not None:
-                cause = result.cause if isinstance(result, NotSubmitted) else result
-                return next(i for i in handed if answers[i] is submission), cause
-        return None
+        if not failed:
+            return None
+        submission, cause = min(failed, key=lambda found: not failures.is_rejection(found[1]))
+        return next(i for i in handed if answers[i] is submission), cause
 
     async def _give_up(
         self,
@@ -375,8 +424,16 @@ class TransactionalPublisher:
                 internals.read_fatal_error(producers.current())
             await self.lanes.renew(d.lane, why)
             self._renewed("fenced" if fenced else "abort_unanswered")
+        elif failures.is_rejection(cause):
+            # The refused batch used up sequence numbers the broker never saw: the next
+            # transaction starts a fresh producer (a new epoch under the same id).
+            producers.condemn(cause)
         d.sent.clear()
-        aborted = TransactionFencedError if fenced else TransactionAbortedError
+        aborted: type[TransactionAbortedError] = TransactionAbortedError  # an outage: the pause
+        if fenced:
+            aborted = TransactionFencedError
+        elif failures.is_rejection(cause):
+            aborted = TransactionRefusedError
         d.decide(indices, aborted(errors.describe(cause)))
         if failed_at is not None and not fenced:
             d.decide([failed_at], cause)  # its own error: classified as any publish failure
@@ -423,6 +480,11 @@ def _failure(answer: asyncio.Future[object]) -> BaseException | None:
     if answer.cancelled():
         return asyncio.CancelledError("the request was cancelled")
     return answer.exception()
+
+
+def _cause(failure: BaseException) -> BaseException:
+    """What failed a submission: send_batch's own error for one that never reached it."""
+    return failure.cause if isinstance(failure, NotSubmitted) else failure
 
 
 def _is_fencing(exc: BaseException) -> bool:

@@ -983,9 +983,11 @@ async def test_exactly_once_stuck_owner_cannot_commit_late(
 # --- 7. poison rows --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("delivery", ["at-least-once", "exactly-once"])
 @pytest.mark.parametrize("policy", ["skip", "block"])
 async def test_poison_row_dead_letters_after_max_attempts(
     policy: str,
+    delivery: str,
     conn: asyncpg.Connection,
     database_url: str,
     services: Services,
@@ -995,6 +997,11 @@ async def test_poison_row_dead_letters_after_max_attempts(
     record_property: Any,
     cleanup: contextlib.AsyncExitStack,
 ) -> None:
+    """A row whose topic the broker never creates retries with backoff and is dead-lettered
+    after max_attempts while every other key flows; then its key's later rows go on (skip) or
+    wait for the operator's requeue (block). In exactly-once the row is refused before its
+    transaction (its key's later rows not attempted) and the other rows of the claim commit:
+    the same backoff, the same dead letter, 0 copies."""
     topic: str = await make_topic()
     # A valid name the broker never creates: it collides with `topic` ('.' and '_' clash), so
     # every publish fails with "topic missing", a row error that counts towards max_attempts.
@@ -1004,6 +1011,7 @@ async def test_poison_row_dead_letters_after_max_attempts(
     cleanup.push_async_callback(clash.aclose)
     max_attempts, initial, cap = 4, 1.0, 4.0
     settings = chaos_settings(
+        **delivery_settings(delivery, topic),
         claim_tasks=2,
         batch_size=50,
         max_attempts=max_attempts,
@@ -1093,7 +1101,7 @@ async def test_poison_row_dead_letters_after_max_attempts(
     verdict = await verdict_for(database_url, services.kafka_bootstrap_servers, [topic], timeout=60)
     dead = await conn.fetch("SELECT id FROM outbox WHERE dead_at IS NOT NULL")
     report(
-        f"poison_{policy}",
+        f"poison_{policy}_{delivery}" if delivery != "at-least-once" else f"poison_{policy}",
         verdict,
         record_property,
         events=verdict.delivered,
@@ -1106,6 +1114,7 @@ async def test_poison_row_dead_letters_after_max_attempts(
         rows_dead_at_the_end=len(dead),
     )
     assert_sound(verdict)
+    assert_no_copy_in_exactly_once(delivery, verdict)
     assert [h["attempts"] for h in failed] == list(range(1, max_attempts + 1))
     assert [h["dead"] for h in failed] == [False] * (max_attempts - 1) + [True]
     assert others_late == 0, "other keys were published while the poison row retried"

@@ -6,6 +6,7 @@ processes are in test_chaos.py (test_exactly_once_*)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -15,6 +16,7 @@ import asyncpg
 import pytest
 from aiokafka import AIOKafkaConsumer
 from aiokafka import errors as kafka_errors
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
@@ -112,9 +114,13 @@ async def owners(eos_settings: Callable[..., Settings], pool: Any) -> AsyncItera
 
 
 async def run(delivery: TransactionalDelivery) -> Part:
+    """Every part of the delivery as one (a claim whose topics the lane looks up first yields
+    an early part; the final one comes last), in row order."""
     parts = [part async for part in delivery]
-    assert len(parts) == 1 and parts[0].final
-    return parts[0]
+    assert parts[-1].final and not any(p.final for p in parts[:-1])
+    pairs = [(i, o) for p in parts for i, o in zip(p.indices, p.outcomes, strict=True)]
+    found = sorted(pairs, key=lambda pair: pair[0])
+    return Part([i for i, _ in found], [o for _, o in found], final=True)
 
 
 async def expire(conn: asyncpg.Connection) -> None:
@@ -469,3 +475,41 @@ async def test_a_table_made_again_never_takes_its_predecessors_progress(
         await second.stop()
         await second_pool.close()
         await conn.close()
+
+
+async def test_a_record_the_broker_refuses_is_blamed_alone_not_its_batch(
+    conn: asyncpg.Connection,
+    eos_settings: Callable[..., Settings],
+    services: Services,
+    database_url: str,
+) -> None:
+    """The broker refuses a partition batch whole for one bad record (here larger than the
+    topic's max.message.bytes, which the dispatcher cannot know), and every record of the batch
+    shares its answer: its transaction is aborted, nobody blamed, and the batch's rows go again
+    each alone, so that only the bad one is dead-lettered; the others are published once, in
+    order (before, the batch's first row took the blame: a row of key `a` dead)."""
+    name = f"small-{uuid.uuid4().hex[:10]}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka_bootstrap_servers)
+    await admin.start()
+    try:
+        limit = {"max.message.bytes": "2048"}
+        await admin.create_topics([NewTopic(name, 1, 1, topic_configs=limit)])
+        big = b'{"big": "' + b"x" * 4000 + b'"}'
+        rows = [(key, seq, b'{"seq": %d}' % seq) for seq in range(3) for key in "abd"]
+        rows[4] = ("c", 0, big)
+        await conn.executemany(
+            "INSERT INTO outbox (topic, ordering_key, payload) VALUES ($1, $2, $3)",
+            [(name, key, payload) for key, _, payload in rows],
+        )
+        async with running(eos_settings(batch_size=100)):
+            await wait_all_settled(conn, 60)
+        dead = await conn.fetch(
+            "SELECT ordering_key, attempts FROM outbox WHERE dead_at IS NOT NULL"
+        )
+        assert [(r["ordering_key"], r["attempts"]) for r in dead] == [("c", 1)]
+        delivered = await read_all(services.kafka_bootstrap_servers, name, "read_committed")
+        assert sorted(v or b"" for v in delivered) == sorted(p for k, _, p in rows if k != "c")
+    finally:
+        with contextlib.suppress(Exception):
+            await admin.delete_topics([name])
+        await admin.close()

@@ -366,7 +366,7 @@ async def test_a_version_9_release_keeps_serving_and_restarting_through_the_upgr
         applied = await migrate(url)
         assert (list(applied), applied.waiting, applied.older) == ([], 11, 2)
         applied = await migrate(url, contract=True)
-        assert applied == [11, 12, 13, 14]
+        assert applied == list(range(11, latest + 1))
         answer = await wait_ready(port_of_new, "the new release, after the contract step")
         assert answer["checks"]["schema"] == "ok"
         await write(20)

@@ -54,6 +54,8 @@ async def test_the_producer_buffers_in__message_accumulator_with_fail_all(
 ) -> None:
     fail_all = reach(producer, "_message_accumulator.fail_all", "fail_buffered")
     assert list(inspect.signature(fail_all).parameters) == ["exception"]
+    reach(producer, "_message_accumulator._batches", "fail_buffered")
+    reach(producer, "_message_accumulator._pending_batches", "fail_buffered")
     internals.fail_buffered(producer, RuntimeError("stopped"))
     assert reach(producer, "_message_accumulator._exception", "fail_buffered").args == (
         "stopped",
@@ -160,6 +162,9 @@ async def test_the_producer_client_caches_the_topics_a_metadata_answer_names(
     assert list(inspect.signature(update).parameters) == ["metadata"]
     tracked = reach(producer, "client._topics", "load_topics")
     assert tracked == set(), "_topics: the topics aiokafka's metadata refresh names"
+    internals.track_topics(producer, ["kept"])
+    assert reach(producer, "client._topics", "track_topics") == {"kept"}
+    tracked.discard("kept")
 
 
 V4 = metadata.MetadataRequest_v4

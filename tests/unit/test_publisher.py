@@ -52,6 +52,8 @@ class HangingProducer:
         self.failed = asyncio.Event()
         self.stopped = False
         self._message_accumulator = self
+        self._batches: dict[object, list[object]] = {}  # what internals.fail_buffered reads
+        self._pending_batches: set[object] = set()
 
     def fail_all(self, exception: BaseException) -> None:
         self.failed.set()

@@ -3,6 +3,7 @@ final part, the settings it refuses."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import uuid
 import weakref
@@ -12,15 +13,21 @@ import pytest
 from pydantic import ValidationError
 
 from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka import progress
+from outbox_dispatcher.kafka.batches import Answer, Batches
 from outbox_dispatcher.kafka.progress import ProgressConfig
+from outbox_dispatcher.kafka.records import RecordEncoder
 from outbox_dispatcher.kafka.transactional_delivery import (
     TransactionAbortedError,
     TransactionalDelivery,
     TransactionFencedError,
+    TransactionRefusedError,
 )
 from outbox_dispatcher.models import Failure, OutboxRecord, Outcome, Result
 from outbox_dispatcher.retries import RetryPolicy
+from outbox_dispatcher.tracing import Tracer
+from tests.fakes import FakeProducer, publisher_with, rec
 
 CONFIG = ProgressConfig(
     topic="p", outbox="public.outbox", transactional_id_prefix="x.", timeout_seconds=2.0
@@ -108,3 +115,55 @@ def test_a_fenced_transaction_is_retried_at_once_and_an_aborted_one_after_the_pa
     assert all(r.outcome is Outcome.RETRY and r.failure is Failure.TRANSIENT for r in aborted)
     assert all(r.delay > 0 and not r.counted for r in aborted)
     assert policy.outage_streak == 1
+
+
+async def test_the_rows_of_a_batch_refused_whole_go_alone_their_keys_in_order() -> None:
+    """Exactly-once blames a refused record only when its producer batch held it alone: the
+    rows of a batch the broker refused whole go each in a batch of its own next (Batches'
+    `alone`), and a later row of the same key and partition goes after it, never beside it."""
+    producer = FakeProducer(partitions=1)
+    publisher = publisher_with(producer)
+    configs = configs_of(Settings())
+    records = [rec(1, "t", "a"), rec(2, "t", "b"), rec(3, "t", "c"), rec(4, "t", "b")]
+    batches = Batches(
+        records,
+        ["t"] * 4,
+        encoder=RecordEncoder(configs.publisher.records),
+        producers=publisher.producers,
+        lookup=publisher.topics,
+        tracer=Tracer(False),
+        alone={2},
+    )
+    answers: list[Answer] = [None] * 4
+    pending = [0, 1, 2, 3]
+    batches.encode(pending)
+    while pending:
+        deferred = set(batches.send(pending, answers, set(), {}))
+        pending = [i for i in pending if i in deferred]
+    await asyncio.gather(*(a for a in answers if isinstance(a, asyncio.Future)))
+    assert [[k for k, _ in s.batch.records] for s in producer.submitted] == [
+        [b"a", b"c"],
+        [b"b"],
+        [b"b"],
+    ]
+
+
+def test_a_refused_record_s_transaction_retries_its_other_rows_at_once() -> None:
+    """A record the broker refused for itself aborts its transaction: the other rows go again
+    at once, no outage pause (the broker answers)."""
+    policy = RetryPolicy(Settings(), random.Random(7))
+    rows = [record(1), record(2)]
+    results = policy.results(rows, [TransactionRefusedError("MessageSizeTooLargeError")] * 2)
+    assert results == [Result(Outcome.RETRY)] * 2 and policy.outage_streak == 0
+
+
+def test_a_claims_rows_whose_transaction_ended_settle_before_those_still_looked_up() -> None:
+    """Rows whose topic is being looked up go in a later transaction; the rows of the first one
+    settle as an early part (whole keys), the rest in the final part, all or nothing."""
+    d = delivery(4)
+    d.decide([0, 1], None)
+    early = d.early_part([0, 1, 2])
+    assert early.indices == [0, 1] and not early.final, "an unknown outcome is never settled"
+    assert d.final_part().indices == [], "row 2 unknown: nothing more"
+    d.decide([2, 3], None)
+    assert d.final_part().indices == [2, 3], "the rest, once every row is decided"
