@@ -7,7 +7,7 @@ first (kafka/takeover.py). A commit whose outcome is unknown is settled by the p
 producer is replaced (its successor's start ends the transaction), and if that cannot be read
 the rows stay leased, unsettled, for the next takeover to decide. A transaction whose records
 are not all acknowledged in time is given up: its lane goes on under a new id, and the partitions
-that did not acknowledge are held (kafka/stalls.py).
+that did not acknowledge are held (kafka/stalls.py). How a transaction ends: kafka/endings.py.
 """
 
 from __future__ import annotations
@@ -16,16 +16,14 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import structlog
-from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.kafka import failures, internals, lanes, progress
 from outbox_dispatcher.kafka.batches import Answer, Batches
+from outbox_dispatcher.kafka.endings import Endings, Stall, cause_of, failure_of
 from outbox_dispatcher.kafka.lanes import Lane, Registry
-from outbox_dispatcher.kafka.producers import NotSubmitted
 from outbox_dispatcher.kafka.progress import ProgressConfig, ProgressUnavailableError
 from outbox_dispatcher.kafka.publisher import PublisherConfig
 from outbox_dispatcher.kafka.records import RecordEncoder
@@ -33,11 +31,9 @@ from outbox_dispatcher.kafka.stalls import Holds, PartitionStalledError, TopicPa
 from outbox_dispatcher.kafka.takeover import KAFKA_TROUBLE, PendingRows, Takeover
 from outbox_dispatcher.kafka.topics import ClaimLookups
 from outbox_dispatcher.kafka.transactional_delivery import (
-    UNKNOWN,
     TransactionAbortedError,
     TransactionalDelivery,
     TransactionFencedError,
-    TransactionRefusedError,
 )
 from outbox_dispatcher.models import OutboxRecord, Part
 from outbox_dispatcher.tracing import Tracer
@@ -46,22 +42,11 @@ log = structlog.get_logger(__name__)
 
 NOTHING_SENT = errors.NotAttempted("nothing of the batch could be sent")
 REPLACED = "the producer was replaced after the claim began: its rows are given back, not sent"
-STALLED = "did not acknowledge within {:g} s"
 HELD = "did not acknowledge a recent transaction"
 # Rows remembered to go alone at most (a safety bound: each is forgotten once it is decided).
 ALONE_AT_MOST = 10_000
 # A transaction's acks are waited for this share of its timeout at most (publish_timeout less).
 STALL_SHARE_OF_TIMEOUT = 0.8
-
-
-@dataclass
-class _Stall:
-    """A transaction's records not all acknowledged in time: the partitions that did not
-    answer (the progress record's own among them: `progress`)."""
-
-    partitions: set[TopicPartition]
-    progress: bool
-    unanswered: set[asyncio.Future[object]]  # read once the given-up producer failed them
 
 
 class TransactionalPublisher:
@@ -80,7 +65,6 @@ class TransactionalPublisher:
         renewed: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self.owner = owner
-        self._renewed = renewed  # a lane took a new id: stalled, fenced or abort_unanswered
         self._progress = progress_config
         # No linger: a transaction's records are all handed at once and its commit waits for
         # them; only the progress record (send(), not a closed batch) would linger.
@@ -109,6 +93,9 @@ class TransactionalPublisher:
         self.holds = Holds()
         # Rows of a producer batch the broker refused whole: each goes alone next (Batches).
         self._alone: set[int] = set()
+        self._ends = Endings(
+            self.lanes, self.holds, progress_config, self._takeover, self.stall_seconds, renewed
+        )
 
     @property
     def unmarked(self) -> dict[str, list[int]]:
@@ -281,8 +268,8 @@ class TransactionalPublisher:
         for i, refusal in refused.items():
             d.decide([i], refusal)
         sent = [i for i in indices if i not in refused]
-        if isinstance(failure, _Stall):
-            await self._give_up(d, sent, answers, batches, failure)
+        if isinstance(failure, Stall):
+            await self._ends.give_up(d, sent, answers, batches, failure)
         elif failure is not None or not sent:
             failed_at, cause = failure or (None, NOTHING_SENT)
             if failed_at is not None and failures.is_rejection(cause):
@@ -290,9 +277,9 @@ class TransactionalPublisher:
                 if len(batch) > 1:  # refused whole for one record: which, each alone will tell
                     self._alone.update(d.records[i].id for i in batch)
                     failed_at = None
-            await self._abort(d, sent, failed_at, cause)
+            await self._ends.abort(d, sent, failed_at, cause)
         else:
-            await self._commit(d, sent)
+            await self._ends.commit(d, sent)
             if d.committed:
                 self.holds.acknowledged(batches.where.values())
 
@@ -312,7 +299,7 @@ class TransactionalPublisher:
         indices: list[int],
         answers: list[Answer],
         problems: dict[str, BaseException],
-    ) -> tuple[int | None, BaseException] | _Stall | None:
+    ) -> tuple[int | None, BaseException] | Stall | None:
         """Hand every record to the producer as batches (kafka/batches.py) and the progress
         record after them, then wait for all the acks at once (stall_seconds at most): the first
         failure (the row's index, None for the progress record; the error), the partitions that
@@ -346,148 +333,13 @@ class TransactionalPublisher:
         _, missing = await asyncio.wait(waiting, timeout=self.stall_seconds)
         if missing:
             stalled = {batches.where[s] for s in submissions if s in missing}
-            return _Stall(stalled, acked in missing, missing)
+            return Stall(stalled, acked in missing, missing)
         # Every answer read (none left unretrieved); a batch the broker refused is the cause
         # rather than the batches of its partition refused after it for their sequence numbers.
-        failed = [(s, _cause(f)) for s in submissions if (f := _failure(s)) is not None]
-        if (problem := _failure(acked)) is not None:
+        failed = [(s, cause_of(f)) for s in submissions if (f := failure_of(s)) is not None]
+        if (problem := failure_of(acked)) is not None:
             return None, problem
         if not failed:
             return None
         submission, cause = min(failed, key=lambda found: not failures.is_rejection(found[1]))
         return next(i for i in handed if answers[i] is submission), cause
-
-    async def _give_up(
-        self,
-        d: TransactionalDelivery,
-        indices: list[int],
-        answers: list[Answer],
-        batches: Batches,
-        stall: _Stall,
-    ) -> None:
-        """The transaction's records were not all acknowledged in time: it is given up (never
-        committed), its lane goes on under a new id, and the partitions that did not answer are
-        held. Their rows wait for the hold; the others go again at once (or after the outage
-        pause, when the progress topic itself did not answer)."""
-        where = STALLED.format(self.stall_seconds)
-        names = sorted(f"{t}-{p}" for t, p in stall.partitions)
-        log.warning(
-            "transaction_stalled", lane=d.lane.name, partitions=names, seconds=self.stall_seconds
-        )
-        held = self.holds.stalled(stall.partitions) if not stall.progress else 0.0
-        for i in indices:
-            answer = answers[i]
-            partition = batches.where.get(answer) if isinstance(answer, asyncio.Future) else None
-            if stall.progress:
-                outcome: BaseException = TransactionAbortedError(f"the progress topic {where}")
-            elif partition is not None and partition in stall.partitions:
-                outcome = PartitionStalledError(partition, held, where)
-            else:
-                outcome = TransactionFencedError(f"given up: partitions {', '.join(names)} {where}")
-            d.decide([i], outcome)
-        d.sent.clear()
-        await self.lanes.renew(d.lane, f"partitions {', '.join(names)} {where}")
-        self._renewed("stalled")
-        # The closed producer failed them; their errors read, none left unretrieved.
-        _, left = await asyncio.wait(stall.unanswered, timeout=1.0)
-        for answer in stall.unanswered - left:
-            _failure(answer)
-        for answer in left:
-            answer.cancel()
-
-    async def _abort(
-        self,
-        d: TransactionalDelivery,
-        indices: list[int],
-        failed_at: int | None,
-        cause: BaseException,
-    ) -> None:
-        """Nothing of the transaction is committed (it never asked to be): the failed row gets
-        its error, the others are retried uncounted. A fenced producer is past aborting (the
-        fence aborted it); an abort without an answer may never end (its markers unwritable: a
-        partition short of replicas). Either way the lane takes a new id (Lanes.renew): the old
-        one never commits, and its replacement under the same id could wait for those
-        markers."""
-        producers = d.lane.producers
-        fenced = _is_fencing(cause)
-        why = errors.describe(cause)
-        ended = False
-        if not fenced:
-            try:
-                async with asyncio.timeout(self._progress.timeout_seconds):
-                    await producers.current().abort_transaction()
-                ended = True
-            except KAFKA_TROUBLE as exc:  # the broker is away, or the abort cannot end
-                why = f"the abort went unanswered: {errors.describe(exc)}"
-        if not ended:
-            if fenced:
-                internals.read_fatal_error(producers.current())
-            await self.lanes.renew(d.lane, why)
-            self._renewed("fenced" if fenced else "abort_unanswered")
-        elif failures.is_rejection(cause):
-            # The refused batch used up sequence numbers the broker never saw: the next
-            # transaction starts a fresh producer (a new epoch under the same id).
-            producers.condemn(cause)
-        d.sent.clear()
-        aborted: type[TransactionAbortedError] = TransactionAbortedError  # an outage: the pause
-        if fenced:
-            aborted = TransactionFencedError
-        elif failures.is_rejection(cause):
-            aborted = TransactionRefusedError
-        d.decide(indices, aborted(errors.describe(cause)))
-        if failed_at is not None and not fenced:
-            d.decide([failed_at], cause)  # its own error: classified as any publish failure
-
-    async def _commit(self, d: TransactionalDelivery, indices: list[int]) -> None:
-        try:
-            async with asyncio.timeout(self._progress.timeout_seconds):
-                await d.lane.producers.current().commit_transaction()
-        except (*KAFKA_TROUBLE, asyncio.CancelledError) as exc:
-            d.lane.producers.condemn(exc if isinstance(exc, Exception) else UNKNOWN)
-            log.warning("commit_unknown", rows=len(d.sent), error=errors.describe(exc))
-            if isinstance(exc, asyncio.CancelledError):
-                raise  # left unknown, leased: the next takeover reads the progress
-            await self._resolve(d, indices)
-            return
-        d.lane.unmarked[d.tag] = list(d.sent)
-        d.committed = True
-        d.decide(indices, None)
-
-    async def _resolve(self, d: TransactionalDelivery, indices: list[int]) -> None:
-        """A commit without an answer: a fresh producer under the id ends the transaction (its
-        start waits for the commit in progress), then the progress says which way it went."""
-        try:
-            await d.lane.producers.replace_if_broken()
-            async with asyncio.timeout(self._progress.timeout_seconds):
-                producer = d.lane.producers.current()
-                await producer.begin_transaction()
-                await producer.abort_transaction()
-            values = await self.read_progress()
-        except (*KAFKA_TROUBLE, errors.BrokerUnavailableError) as exc:
-            log.warning("commit_outcome_unread", rows=len(d.sent), error=errors.describe(exc))
-            return  # unknown: the rows stay leased for a takeover to decide
-        mine = progress.last_batches(self._progress, values).get(d.lane.name, {})
-        if d.tag in mine:
-            d.lane.unmarked[d.tag] = list(d.sent)
-            d.committed = True
-            d.decide(indices, None)
-        else:
-            d.decide(indices, TransactionAbortedError("the commit did not take"))
-
-
-def _failure(answer: asyncio.Future[object]) -> BaseException | None:
-    """A done answer's failure (a cancelled one is not acknowledged either), or None."""
-    if answer.cancelled():
-        return asyncio.CancelledError("the request was cancelled")
-    return answer.exception()
-
-
-def _cause(failure: BaseException) -> BaseException:
-    """What failed a submission: send_batch's own error for one that never reached it."""
-    return failure.cause if isinstance(failure, NotSubmitted) else failure
-
-
-def _is_fencing(exc: BaseException) -> bool:
-    """The producer is past its transaction: its state lost (failures.PRODUCER_STATE, a fence
-    among them), or aiokafka refusing a producer a fatal error ended."""
-    return failures.is_producer_state(exc) or isinstance(exc, kafka_errors.IllegalOperation)
