@@ -74,7 +74,7 @@ class Publishing(Protocol):
     ) -> Any: ...
     async def abandon(self, delivery: Any, reason: str) -> None: ...
     async def reachable(self, seconds: float = 5.0) -> bool: ...
-    def marked(self, delivery: Any, *, every_row: bool) -> None: ...
+    def marked(self, delivery: Any, *, every_row: bool, final: bool = True) -> None: ...
 
 
 class Settling:
@@ -197,8 +197,12 @@ class BatchRun:
     async def _settle_early(self, part: Part) -> None:
         batch = self.batch
         if part.indices:
-            results, _ = await self._settling.settle(
-                self._rows(part), part.outcomes, self._claimed_at, time.time(), early=True
+            rows = self._rows(part)
+            results, changed = await self._settling.settle(
+                rows, part.outcomes, self._claimed_at, time.time(), early=True
+            )
+            self._publisher.marked(
+                self.delivery, every_row=changed == len(rows.records), final=False
             )
             self._transient = self._transient or any(
                 res.failure is Failure.TRANSIENT for res in results

@@ -133,7 +133,8 @@ class Endings:
         if failed_at is not None and not fenced:
             d.decide([failed_at], cause)  # its own error: classified as any publish failure
 
-    async def commit(self, d: TransactionalDelivery, indices: list[int]) -> None:
+    async def commit(self, d: TransactionalDelivery, indices: list[int]) -> bool:
+        """Commit; whether it committed (an unknown outcome is resolved, or left unknown)."""
         try:
             async with asyncio.timeout(self.progress.timeout_seconds):
                 await d.lane.producers.current().commit_transaction()
@@ -142,13 +143,12 @@ class Endings:
             log.warning("commit_unknown", rows=len(d.sent), error=errors.describe(exc))
             if isinstance(exc, asyncio.CancelledError):
                 raise  # left unknown, leased: the next takeover reads the progress
-            await self.resolve(d, indices)
-            return
-        d.lane.unmarked[d.tag] = list(d.sent)
-        d.committed = True
+            return await self.resolve(d, indices)
+        d.lane.unmarked[d.tag] = d.committed_now()
         d.decide(indices, None)
+        return True
 
-    async def resolve(self, d: TransactionalDelivery, indices: list[int]) -> None:
+    async def resolve(self, d: TransactionalDelivery, indices: list[int]) -> bool:
         """A commit without an answer: a fresh producer under the id ends the transaction (its
         start waits for the commit in progress), then the progress says which way it went."""
         try:
@@ -160,14 +160,14 @@ class Endings:
             values = await self.takeover.read(self.lanes)
         except (*KAFKA_TROUBLE, errors.BrokerUnavailableError) as exc:
             log.warning("commit_outcome_unread", rows=len(d.sent), error=errors.describe(exc))
-            return  # unknown: the rows stay leased for a takeover to decide
+            return False  # unknown: the rows stay leased for a takeover to decide
         mine = progress.last_batches(self.progress, values).get(d.lane.name, {})
-        if d.tag in mine:
-            d.lane.unmarked[d.tag] = list(d.sent)
-            d.committed = True
+        if set(mine.get(d.tag, [])) >= set(d.sent):  # the tag also lists earlier transactions
+            d.lane.unmarked[d.tag] = d.committed_now()
             d.decide(indices, None)
-        else:
-            d.decide(indices, TransactionAbortedError("the commit did not take"))
+            return True
+        d.decide(indices, TransactionAbortedError("the commit did not take"))
+        return False
 
 
 def failure_of(answer: asyncio.Future[object]) -> BaseException | None:

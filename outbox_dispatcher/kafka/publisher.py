@@ -76,7 +76,7 @@ class KafkaPublisher:
         that stops past its grace period (Delivery.abandon)."""
         await delivery.abandon(reason)
 
-    def marked(self, delivery: Delivery, *, every_row: bool) -> None:
+    def marked(self, delivery: Delivery, *, every_row: bool, final: bool = True) -> None:
         """A batch's mark is in the database (exactly-once keeps track of it; this, not)."""
 
     async def reachable(self, seconds: float = 5.0) -> bool:

@@ -65,7 +65,12 @@ class TransactionalDelivery:
         self.settled: set[int] = set()
         self.tag = uuid.uuid4().hex  # this batch in progress records
         self.sent: list[int] = []  # ids in the transaction, for the progress record
+        # Ids its earlier transactions committed (a claim split for its lookups): listed under
+        # its tag with each later one, until every part's mark changed every row.
+        self.earlier: list[int] = []
+        self.marked_every_row = True
         self.begun = False  # a transaction of it was begun: unknown rows may be in Kafka
+        self.doubtful: set[int] = set()  # rows of a begun transaction, not decided yet
         self.committed = False
         # When the claim began (the loop's clock): a producer that began to serve after it (this
         # dispatcher was fenced, or the lane took a new id) never sends it (_send_and_commit).
@@ -99,9 +104,27 @@ class TransactionalDelivery:
         self.settled.update(rest)
         return Part(rest, [self._outcomes[i] for i in rest], final=True)
 
+    def listed(self) -> list[int]:
+        """The ids its progress record lists under its tag: every row of its transactions."""
+        return list(dict.fromkeys(self.earlier + self.sent))
+
+    def committed_now(self) -> list[int]:
+        """Its transaction committed: every id of its committed transactions so far."""
+        self.earlier = self.listed()
+        self.committed = True
+        return list(self.earlier)
+
+    def begin(self, indices: Sequence[int]) -> None:
+        """A transaction of these rows begins: until they are decided, their outcome may be
+        anything (unsettled keeps their keys leased)."""
+        self.begun = True
+        self.doubtful.update(indices)
+
     def decide(self, indices: Sequence[int], outcome: BaseException | None) -> None:
         for i in indices:
             self._outcomes[i] = outcome
+            if outcome is not UNKNOWN:
+                self.doubtful.discard(i)
 
     def adopt(self, rows: Sequence[OutboxRecord]) -> None:
         """Rows of this claim's keys that a lost claim committed beyond its batch: settled with
@@ -130,8 +153,14 @@ class TransactionalDelivery:
         return [stopped if o is UNKNOWN else o for o in self._outcomes]
 
     def unsettled(self) -> list[int]:
-        """The rows a shutdown cancel may settle: none while a begun transaction's outcome is
-        unknown (they stay leased), else every row not settled yet."""
-        if self.begun and self.undecided():
-            return []
-        return [i for i in range(len(self.records)) if i not in self.settled]
+        """The rows a shutdown cancel may settle: every row not settled yet, but for the keys of
+        rows whose begun transaction's outcome is unknown (they stay leased, whole: a settle of
+        some rows of a key releases the key)."""
+        held = {self.records[i].ordering_key for i in self.doubtful}
+        return [
+            i
+            for i, r in enumerate(self.records)
+            if i not in self.settled
+            and i not in self.doubtful
+            and (r.ordering_key is None or r.ordering_key not in held)
+        ]

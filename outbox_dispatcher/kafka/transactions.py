@@ -142,10 +142,15 @@ class TransactionalPublisher:
         serving = [lane for lane in self.lanes if lane.producers.serving]
         return bool(serving) and await serving[0].topics.reachable(seconds)
 
-    def marked(self, delivery: TransactionalDelivery, *, every_row: bool) -> None:
-        """The batch's mark is in the database: later progress records leave it out (only when
-        it changed every row: a row another claim took over may be that claim's to reconcile)."""
-        if every_row:
+    def marked(
+        self, delivery: TransactionalDelivery, *, every_row: bool, final: bool = True
+    ) -> None:
+        """A part's mark is in the database: once the final one is, and every part's mark
+        changed every row, later progress records leave the batch out (a row another claim
+        took over may be that claim's to reconcile; a part whose mark failed keeps it listed:
+        its rows' lease expires and the takeover reads the progress)."""
+        delivery.marked_every_row = delivery.marked_every_row and every_row
+        if final and delivery.marked_every_row:
             delivery.lane.unmarked.pop(delivery.tag, None)
 
     async def read_progress(self) -> list[bytes | None]:
@@ -253,7 +258,7 @@ class TransactionalPublisher:
         lane = d.lane
         producer = lane.producers.current()
         try:
-            d.begun = True
+            d.begin(indices)
             await producer.begin_transaction()
         except KAFKA_TROUBLE as exc:
             lane.producers.condemn(exc)
@@ -279,8 +284,7 @@ class TransactionalPublisher:
                     failed_at = None
             await self._ends.abort(d, sent, failed_at, cause)
         else:
-            await self._ends.commit(d, sent)
-            if d.committed:
+            if await self._ends.commit(d, sent):
                 self.holds.acknowledged(batches.where.values())
 
     def _held(self, lane: Lane) -> Callable[[TopicPartition], BaseException | None]:
@@ -320,7 +324,7 @@ class TransactionalPublisher:
             a for a in dict.fromkeys(answers[i] for i in handed) if isinstance(a, asyncio.Future)
         ]
         lane = d.lane
-        listed = {**lane.unmarked, d.tag: d.sent}  # the lane's own: its record is keyed by its id
+        listed = {**lane.unmarked, d.tag: d.listed()}  # the lane's own: keyed by its id
         value = progress.record_value(self._progress, lane.name, listed)
         try:
             acked = await lane.producers.current().send(

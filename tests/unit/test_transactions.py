@@ -7,6 +7,7 @@ import asyncio
 import random
 import uuid
 import weakref
+from typing import Any
 
 import orjson
 import pytest
@@ -16,6 +17,7 @@ from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka import progress
 from outbox_dispatcher.kafka.batches import Answer, Batches
+from outbox_dispatcher.kafka.lanes import Registry
 from outbox_dispatcher.kafka.progress import ProgressConfig
 from outbox_dispatcher.kafka.records import RecordEncoder
 from outbox_dispatcher.kafka.transactional_delivery import (
@@ -24,6 +26,7 @@ from outbox_dispatcher.kafka.transactional_delivery import (
     TransactionFencedError,
     TransactionRefusedError,
 )
+from outbox_dispatcher.kafka.transactions import TransactionalPublisher
 from outbox_dispatcher.models import Failure, OutboxRecord, Outcome, Result
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.tracing import Tracer
@@ -86,8 +89,12 @@ def test_a_shutdown_gives_back_only_what_no_open_transaction_holds() -> None:
     assert waiting.unsettled() == [0, 1]
     assert waiting.outcomes(stopped=stopped) == [stopped, stopped]
     sending = delivery(2)
-    sending.begun = True  # its transaction may commit: the rows stay leased
+    sending.begin([0, 1])  # its transaction may commit: the rows stay leased
     assert sending.unsettled() == []
+    split = delivery(3)  # a claim split for a lookup: its first transaction's outcome unknown
+    split.records[2] = record(2, "other-key")
+    split.begin([0, 1])
+    assert split.unsettled() == [2], "a row never in a transaction goes back, its key whole"
 
 
 @pytest.mark.parametrize(
@@ -167,3 +174,37 @@ def test_a_claims_rows_whose_transaction_ended_settle_before_those_still_looked_
     assert d.final_part().indices == [], "row 2 unknown: nothing more"
     d.decide([2, 3], None)
     assert d.final_part().indices == [2, 3], "the rest, once every row is decided"
+
+
+async def test_a_split_claim_lists_every_committed_row_until_every_part_is_marked() -> None:
+    """A claim split for its lookups commits in several transactions under one tag: each
+    progress record lists every row its transactions committed (a takeover after a failed early
+    mark must find the first ones), and the tag stays listed unless every part's mark changed
+    every row."""
+
+    async def nothing() -> list[Any]:
+        return []
+
+    async def keep(ids: Any) -> None:
+        pass
+
+    configs = configs_of(Settings(delivery="exactly-once"))
+    publisher = TransactionalPublisher(
+        configs.publisher, CONFIG, "o", Registry(nothing, keep), nothing
+    )
+    lane = publisher.lanes[0]
+    d = TransactionalDelivery(publisher, lane, [record(i) for i in range(4)], 0.0)
+    d.sent = [0, 1]
+    lane.unmarked[d.tag] = d.committed_now()
+    d.sent = [2, 3]
+    assert d.listed() == [0, 1, 2, 3]
+    lane.unmarked[d.tag] = d.committed_now()
+    publisher.marked(d, every_row=False, final=False)  # the early part's mark missed a row
+    publisher.marked(d, every_row=True)
+    assert lane.unmarked[d.tag] == [0, 1, 2, 3], "kept for the takeover that follows"
+    fine = TransactionalDelivery(publisher, lane, [record(5)], 0.0)
+    lane.unmarked[fine.tag] = [5]
+    publisher.marked(fine, every_row=True, final=False)
+    assert fine.tag in lane.unmarked, "not before the final part"
+    publisher.marked(fine, every_row=True)
+    assert fine.tag not in lane.unmarked
