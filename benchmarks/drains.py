@@ -89,6 +89,26 @@ async def drain(
         )
 
 
+async def drain_beside_at_least_once(
+    stack: Stack, rows: int, keys: int, **opts: Any
+) -> dict[str, float]:
+    """`drain` with `opts`, right after the same drain at least once, in each run: a mode's
+    ratio compares neighbours. In a full run the at-least-once `drain` comes half an hour
+    before the last scenarios, and the machine drifts by more than the modes differ (2026-12-05:
+    0.76x against the drain of the run's start, 0.93-1.11x in five pairs run in turn)."""
+    base = await drain(stack, rows, keys)
+    figures = await drain(stack, rows, keys, **opts)
+    return {
+        **figures,
+        "rows_stranded": figures["rows_stranded"] + base["rows_stranded"],
+        "at_least_once_events_per_second": base["events_per_second"],
+        "at_least_once_postgres_cpu_ms_per_1k": base["postgres_cpu_ms_per_1k"],
+        "vs_at_least_once": figures["events_per_second"] / base["events_per_second"],
+        "postgres_cpu_vs_at_least_once": figures["postgres_cpu_ms_per_1k"]
+        / base["postgres_cpu_ms_per_1k"],
+    }
+
+
 async def drain_in(
     stack: Stack,
     url: str,
