@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # the single broker; `make run` always uses the single broker.
 KAFKA_BROKERS ?= 1
 
-.PHONY: help install services services-stop services-status migrate run lint test test-unit bench chaos image cluster cluster-stop
+.PHONY: help install services services-stop services-status migrate run lint test test-unit bench chaos image cluster cluster-stop schema migration
 
 help:
 	@echo "make run            set everything up, then run the dispatcher in the foreground"
@@ -22,6 +22,8 @@ help:
 	@echo "make services-stop  stop them (and the three-broker cluster and the Kafka 3 broker)"
 	@echo "make cluster        start the three-broker KRaft cluster (also: make services KAFKA_BROKERS=3)"
 	@echo "make migrate        create or upgrade the outbox schema"
+	@echo "make schema         write schema/schema.sql and the engine's migrations from schema/engine/"
+	@echo "make migration NAME=x  start the next schema step with the engine functions that changed"
 	@echo "make bench          the benchmarks (benchmarks/README.md); BENCH_ARGS=--quick for a smoke run"
 	@echo "make chaos          the fault scenarios at full scale (docs/guarantees.md); figures in .chaos/"
 	@echo "make browser        install headless Chromium (Debian) for the console's browser test"
@@ -58,6 +60,15 @@ migrate: install services
 
 run: migrate
 	$(BIN)/outbox-dispatcher run --log-format console
+
+# The engine's functions have one source each (schema/engine/); schema.sql and the migrations from
+# version 16 on are generated from them (schema/README.md).
+schema:
+	$(PYTHON) schema/build.py
+
+migration:
+	@if [ -z "$(NAME)" ]; then echo "usage: make migration NAME=what_it_does" >&2; exit 2; fi
+	$(PYTHON) schema/build.py new $(NAME)
 
 lint: install
 	$(BIN)/ruff check .

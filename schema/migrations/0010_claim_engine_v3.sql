@@ -318,7 +318,7 @@ BEGIN
       FROM ((SELECT o.id, o.ordering_key, o.published_at IS NULL AND o.dead_at IS NULL AS pending,
                     o.next_attempt_at <= now()
                     AND (p_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (p_paused))
-                    AND NOT (c.compat AND o.lease_expires_at > now()) AS ok,
+                    AND NOT (c.compat AND coalesce(o.lease_expires_at > now(), false)) AS ok,
                     true AS fresh, false AS touched
                FROM ${schema}.${table} o
               WHERE o.id > c.position
@@ -327,7 +327,7 @@ BEGIN
             (SELECT o.id, o.ordering_key, o.published_at IS NULL AND o.dead_at IS NULL,
                     o.next_attempt_at <= now()
                     AND (p_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (p_paused))
-                    AND NOT (c.compat AND o.lease_expires_at > now()),
+                    AND NOT (c.compat AND coalesce(o.lease_expires_at > now(), false)),
                     false, false
                FROM unnest(c.hole_lo, c.hole_hi) AS h(lo, hi)
               CROSS JOIN LATERAL (SELECT * FROM ${schema}.${table} o
@@ -669,7 +669,7 @@ BEGIN
             SELECT o.id, o.topic, o.next_attempt_at,
                    o.next_attempt_at <= now()
                    AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
-                   AND NOT (c.compat AND o.lease_expires_at > now()
+                   AND NOT (c.compat AND coalesce(o.lease_expires_at > now(), false)
                             AND o.lease_token IS DISTINCT FROM p_token)
                    AND o.id <> ALL (v_held) AS ok,
                    w.old AND o.attempts + 1 >= p_max_attempts AS looping,
@@ -700,7 +700,7 @@ BEGIN
             SELECT o.id, o.topic, o.next_attempt_at,
                    o.next_attempt_at <= now()
                    AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
-                   AND NOT (c.compat AND o.lease_expires_at > now()
+                   AND NOT (c.compat AND coalesce(o.lease_expires_at > now(), false)
                             AND o.lease_token IS DISTINCT FROM p_token)
                    AND o.id <> ALL (v_held) AS ok,
                    w.old AND o.attempts + 1 >= p_max_attempts AS looping,
@@ -721,7 +721,7 @@ BEGIN
                w.old AND o.attempts + 1 >= p_max_attempts,
                o.next_attempt_at <= now()
                AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
-               AND NOT (c.compat AND o.lease_expires_at > now())
+               AND NOT (c.compat AND coalesce(o.lease_expires_at > now(), false))
                AND NOT (w.old AND o.attempts + 1 >= p_max_attempts)
                AND o.id <> ALL (v_held),
                w.e, w.old
