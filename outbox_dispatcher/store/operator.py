@@ -109,11 +109,12 @@ class OperatorStore(StoreBase):
         return await self._one("pause", topic=topic, reason=reason, by=by)
 
     async def wait_for_pause_readers(self) -> bool:
-        """False when the wait ran out (claims held the pauses for over 5 s) or the role may not
-        lock the pauses (LOCK needs UPDATE, DELETE or TRUNCATE on them)."""
+        """False when the wait ran out: transactions that read the pauses before the pause
+        (claims, settles, any reader) were still open 5 s later. It takes no lock, so it never
+        makes a claim or settle wait."""
         try:
             await self._fetch("wait_for_pause_readers")
-        except (asyncpg.LockNotAvailableError, asyncpg.InsufficientPrivilegeError):
+        except asyncpg.LockNotAvailableError:
             return False
         return True
 

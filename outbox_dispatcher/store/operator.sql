@@ -185,9 +185,33 @@ RETURNING topic, paused_at, paused_by, reason
 -- wait_for_pause_readers --
 -- After a pause committed: wait until every transaction that read the pauses before it has ended
 -- (each claim reads them first and holds them until it commits, so a claim that began before the
--- pause may still lease rows of the topic). Bounded: a lock_timeout error leaves the count as it
--- was.
-DO $$ BEGIN SET LOCAL lock_timeout = '5s'; LOCK TABLE {paused} IN ACCESS EXCLUSIVE MODE; END $$
+-- pause may still lease rows of the topic). Those are the transactions holding a lock on the
+-- pauses now; each is watched in pg_locks until it ends. Never a LOCK request: one queued behind
+-- an open reader (pg_dump, a report, a console transaction) made every claim and settle queue
+-- behind it (engine review 3, P5). A transaction that takes its lock after this look began after
+-- the pause committed, and reads it. Bounded: after 5 s a lock_not_available error leaves the
+-- count as it was.
+DO $$
+DECLARE
+    v_readers text[];
+    v_until timestamptz := clock_timestamp() + interval '5 seconds';
+BEGIN
+    SELECT array_agg(DISTINCT l.virtualtransaction) INTO v_readers
+      FROM pg_locks l
+     WHERE l.locktype = 'relation' AND l.relation = '{paused}'::regclass
+       AND l.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+       AND l.pid IS DISTINCT FROM pg_backend_pid();
+    WHILE v_readers IS NOT NULL AND EXISTS (
+        SELECT 1 FROM pg_locks l
+         WHERE l.locktype = 'relation' AND l.relation = '{paused}'::regclass
+           AND l.virtualtransaction = ANY (v_readers)) LOOP
+        IF clock_timestamp() >= v_until THEN
+            RAISE EXCEPTION 'transactions that read the pauses before the pause are still open'
+                USING ERRCODE = 'lock_not_available';
+        END IF;
+        PERFORM pg_sleep(0.01);
+    END LOOP;
+END $$
 
 -- resume --
 DELETE FROM {paused} WHERE topic = $topic
