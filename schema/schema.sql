@@ -175,6 +175,9 @@ CREATE TABLE ${schema}.${table}_work (
     claim_owner text,
     claim_expires_at timestamptz,
     claim_first bigint,
+    -- The claim's last row (version 16): a row that commits late below the key's head lowers
+    -- head_id while the claim still holds rows above it up to here.
+    claim_last bigint,
     PRIMARY KEY (ordering_key, keyless),
     CONSTRAINT ${table}_work_state_valid CHECK (state IN ('r', 'w', 'p', 'b', 'x'))
 );
@@ -386,7 +389,8 @@ BEGIN
                            WHERE w.ordering_key = coalesce(y.old_key, y.id::text)
                              AND w.keyless = (y.old_key IS NULL)
                              AND w.claim_token IS NOT NULL AND w.claim_expires_at > now()
-                             AND (w.keyless OR (y.id >= w.claim_first AND y.id < w.head_id))))
+                             AND (w.keyless OR (y.id >= w.claim_first
+                                  AND y.id <= greatest(w.head_id - 1, w.claim_last)))))
             RETURNING x.id, x.ordering_key, x.old_key
         )
         SELECT array_agg(DISTINCT t.id),
@@ -528,9 +532,10 @@ BEGIN
     ),
     leased AS (
         INSERT INTO ${schema}.${table}_work AS w (keyless, ordering_key, head_id, claim_token,
-                                                  claim_owner, claim_expires_at, claim_first)
+                                                  claim_owner, claim_expires_at, claim_first,
+                                                  claim_last)
         SELECT u.kl, u.wk, CASE WHEN u.kl THEN u.first ELSE u.last + 1 END, p_token, p_owner,
-               now() + p_lease_seconds * interval '1 second', u.first
+               now() + p_lease_seconds * interval '1 second', u.first, u.last
           FROM unknown u
          WHERE u.eligible AND u.upto <= p_limit
          ORDER BY u.wk, u.kl
@@ -566,6 +571,7 @@ BEGIN
         -- (only when some row was settled meanwhile: a key may be left with none)
         UPDATE ${schema}.${table}_work x
            SET claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
+               claim_last = NULL,
                head_id = x.claim_first, state = 'r', not_before = '-infinity'
           FROM unnest(v_lk, v_lkl) AS l(wk, kl)
          WHERE x.ordering_key = l.wk AND x.keyless = l.kl AND x.claim_token = p_token
@@ -630,7 +636,7 @@ DECLARE
     v_heads bigint[];
     v_old boolean[];
     v_ends bigint[];
-    v_held bigint[] := '{}';
+    v_room integer := p_limit;
     v_known bigint;
     v_holes int8multirange;
 BEGIN
@@ -664,8 +670,24 @@ BEGIN
         SELECT * INTO v_locked FROM ${schema}.${table}_cursor x WHERE x.one FOR UPDATE SKIP LOCKED;
         IF FOUND THEN
             c := v_locked;
+            -- Known work waiting (a lease that expired, a retry due, a key registered by an
+            -- earlier discovery): discovery gets half the batch, so that new keys arriving
+            -- faster than a batch never starve takeovers and older keys (review 3, P3).
+            -- (Each an index's first entry: a generic plan of EXISTS may read the whole work
+            -- table when it expects many matches.)
+            IF (SELECT w.claim_expires_at FROM ${schema}.${table}_work w
+                 WHERE w.claim_token IS NOT NULL
+                 ORDER BY w.claim_expires_at LIMIT 1) <= now()
+               OR (SELECT w.not_before FROM ${schema}.${table}_work w
+                    WHERE w.claim_token IS NULL AND w.state = 'w'
+                    ORDER BY w.not_before LIMIT 1) <= now()
+               OR (SELECT w.head_id FROM ${schema}.${table}_work w
+                    WHERE w.claim_token IS NULL AND w.state = 'r'
+                    ORDER BY w.head_id LIMIT 1) IS NOT NULL THEN
+                v_room := p_limit - p_limit / 2;
+            END IF;
             RETURN QUERY SELECT * FROM ${schema}.${table}_discover(
-                c, p_limit, p_owner, p_lease_seconds, p_token, p_scan, v_paused, 2.0,
+                c, v_room, p_owner, p_lease_seconds, p_token, p_scan, v_paused, 2.0,
                 p_block_on_dead);
             GET DIAGNOSTICS v_taken = ROW_COUNT;
         END IF;
@@ -673,20 +695,6 @@ BEGIN
     IF v_taken >= p_limit THEN
         RETURN;
     END IF;
-    -- Rows a writer moved to another key while a live claim of their old key holds them: their
-    -- change waits in the log (see discover), and their new key's run stops before them, so
-    -- that a row is never in two live claims.
-    IF (SELECT x.seq FROM ${schema}.${table}_changed x ORDER BY x.seq LIMIT 1) IS NOT NULL THEN
-        SELECT coalesce(array_agg(DISTINCT y.id), '{}') INTO v_held
-          FROM ${schema}.${table}_changed y
-         WHERE y.old_key IS DISTINCT FROM y.ordering_key AND EXISTS (
-               SELECT 1 FROM ${schema}.${table}_work w
-                WHERE w.ordering_key = coalesce(y.old_key, y.id::text)
-                  AND w.keyless = (y.old_key IS NULL)
-                  AND w.claim_token IS NOT NULL AND w.claim_expires_at > now()
-                  AND (w.keyless OR (y.id >= w.claim_first AND y.id < w.head_id)));
-    END IF;
-
     -- What discoveries have taken in: ids up to the cursor, but not its holes. A run takes no
     -- row beyond that: a row a writer committed below its key's head (a late commit), then the
     -- same writer's next row of the key, are both seen by the run's snapshot before a discovery
@@ -702,7 +710,7 @@ BEGIN
     WITH expired AS (
         -- (lost_end: the lost claim held the key's rows below it, its orphans)
         SELECT w.keyless, w.ordering_key, least(w.claim_first, w.head_id) AS head_id, true AS old,
-               w.head_id AS lost_end
+               greatest(w.head_id, w.claim_last + 1) AS lost_end
           FROM ${schema}.${table}_work w
          WHERE w.claim_token IS NOT NULL AND w.claim_expires_at <= now() AND w.state <> 'x'
          ORDER BY w.claim_expires_at LIMIT p_max_keys
@@ -753,7 +761,23 @@ BEGIN
     END IF;
 
     RETURN QUERY
-    WITH work AS (
+    WITH held AS MATERIALIZED (
+        -- Rows a writer moved to another key while a live claim of their old key holds them:
+        -- their change waits in the log (see discover), and their new key's run stops before
+        -- them, so that a row is never in two live claims. Read in the runs' own snapshot: a
+        -- move committed after an earlier statement's read was seen by the runs but not held
+        -- (review 3, P6).
+        SELECT coalesce(array_agg(DISTINCT y.id), '{}') AS ids
+          FROM ${schema}.${table}_changed y
+         WHERE y.old_key IS DISTINCT FROM y.ordering_key AND EXISTS (
+               SELECT 1 FROM ${schema}.${table}_work w
+                WHERE w.ordering_key = coalesce(y.old_key, y.id::text)
+                  AND w.keyless = (y.old_key IS NULL)
+                  AND w.claim_token IS NOT NULL AND w.claim_expires_at > now()
+                  AND (w.keyless OR (y.id >= w.claim_first
+                                      AND y.id <= greatest(w.head_id - 1, w.claim_last))))
+    ),
+    work AS (
         SELECT u.k, u.kl, u.h, u.old, u.n, u.e,
                -- dead_letter_policy = block: a dead row of the key holds its later rows.
                p_block_on_dead AND NOT u.kl AND EXISTS (
@@ -779,7 +803,7 @@ BEGIN
             SELECT o.id, o.topic, o.next_attempt_at,
                    o.next_attempt_at <= now()
                    AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
-                   AND o.id <> ALL (v_held)
+                   AND o.id <> ALL ((SELECT h.ids FROM held h)::bigint[])
                    AND o.id <= v_known AND NOT v_holes @> o.id AS ok,
                    w.old AND o.attempts + 1 >= p_max_attempts AS looping,
                    w.old AND o.id < w.e AS orphan
@@ -809,7 +833,7 @@ BEGIN
             SELECT o.id, o.topic, o.next_attempt_at,
                    o.next_attempt_at <= now()
                    AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
-                   AND o.id <> ALL (v_held)
+                   AND o.id <> ALL ((SELECT h.ids FROM held h)::bigint[])
                    AND o.id <= v_known AND NOT v_holes @> o.id AS ok,
                    w.old AND o.attempts + 1 >= p_max_attempts AS looping,
                    w.old AND o.id < w.e AS orphan
@@ -830,7 +854,7 @@ BEGIN
                o.next_attempt_at <= now()
                AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
                AND NOT (w.old AND o.attempts + 1 >= p_max_attempts)
-               AND o.id <> ALL (v_held),
+               AND o.id <> ALL ((SELECT h.ids FROM held h)::bigint[]),
                w.e, w.old
           FROM work w JOIN ${schema}.${table} o ON o.id = w.h
          -- (a row a writer gave a key since is its key's now)
@@ -872,7 +896,8 @@ BEGIN
     blocked AS (
         UPDATE ${schema}.${table}_work x
            SET state = 'b', not_before = '-infinity',
-               claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL
+               claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
+               claim_last = NULL
           FROM idle i
          WHERE x.ordering_key = i.k AND x.keyless = i.kl AND i.blocked
     ),
@@ -893,7 +918,8 @@ BEGIN
                claim_token = CASE WHEN i.looping THEN x.claim_token END,
                claim_owner = CASE WHEN i.looping THEN x.claim_owner END,
                claim_expires_at = CASE WHEN i.looping THEN x.claim_expires_at END,
-               claim_first = CASE WHEN i.looping THEN x.claim_first END
+               claim_first = CASE WHEN i.looping THEN x.claim_first END,
+               claim_last = CASE WHEN i.looping THEN x.claim_last END
           FROM idle i
          WHERE x.ordering_key = i.k AND x.keyless = i.kl AND i.id IS NOT NULL AND NOT i.blocked
     ),
@@ -901,7 +927,7 @@ BEGIN
         UPDATE ${schema}.${table}_work x
            SET claim_token = p_token, claim_owner = p_owner,
                claim_expires_at = now() + p_lease_seconds * interval '1 second',
-               claim_first = s.first,
+               claim_first = s.first, claim_last = s.last,
                head_id = CASE WHEN s.kl THEN s.first ELSE s.last + 1 END,
                state = 'r', not_before = '-infinity'
           FROM span s
@@ -1107,7 +1133,8 @@ BEGIN
            paused_gen = v_gen,
            not_before = CASE WHEN NOT h.blocked AND h.next_attempt_at > now()
                              THEN h.next_attempt_at ELSE '-infinity' END,
-           claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL
+           claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
+           claim_last = NULL
       FROM heads h
      WHERE x.ordering_key = h.k AND x.keyless = h.kl AND (h.id IS NOT NULL OR h.blocked);
 END;
@@ -1167,7 +1194,7 @@ BEGIN
     released AS (
         UPDATE ${schema}.${table}_work x
            SET claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL,
-               head_id = least(x.claim_first, x.head_id), claim_first = NULL,
+               head_id = least(x.claim_first, x.head_id), claim_first = NULL, claim_last = NULL,
                state = 'r', not_before = '-infinity'
           FROM mine m
          WHERE x.ordering_key = m.ordering_key AND x.keyless = m.keyless
@@ -1194,7 +1221,8 @@ AS $fn$
 BEGIN
     RETURN QUERY
     WITH looping AS (
-        SELECT x.ordering_key, x.keyless, x.claim_token, x.claim_owner, x.claim_first, x.head_id
+        SELECT x.ordering_key, x.keyless, x.claim_token, x.claim_owner, x.claim_first, x.head_id,
+               x.claim_last
           FROM ${schema}.${table}_work x
          WHERE (x.ordering_key, x.keyless) IN (
                    (SELECT l.ordering_key, l.keyless FROM ${schema}.${table}_work l
@@ -1216,7 +1244,7 @@ BEGIN
          CROSS JOIN LATERAL (
             SELECT o.id FROM ${schema}.${table} o
              WHERE o.ordering_key >= l.ordering_key AND o.ordering_key <= l.ordering_key
-               AND o.id >= l.claim_first AND o.id < l.head_id
+               AND o.id >= l.claim_first AND o.id <= greatest(l.head_id - 1, l.claim_last)
                AND o.published_at IS NULL AND o.dead_at IS NULL
                AND o.attempts + 1 >= p_max_attempts
              ORDER BY o.ordering_key, o.id) r
@@ -1246,7 +1274,8 @@ BEGIN
         UPDATE ${schema}.${table}_work x
            SET state = CASE WHEN p_block_on_dead AND NOT l.keyless THEN 'b' ELSE 'r' END,
                head_id = least(l.claim_first, l.head_id), not_before = '-infinity',
-               claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL
+               claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
+               claim_last = NULL
           FROM looping l
          WHERE x.ordering_key = l.ordering_key AND x.keyless = l.keyless
     )
@@ -1295,7 +1324,7 @@ BEGIN
                          WHERE l.claim_token IS NOT NULL AND l.claim_expires_at > now()
                            AND (p.id = l.claim_first
                                 OR (NOT l.keyless AND p.id > l.claim_first
-                                    AND p.id < l.head_id))))
+                                    AND p.id <= greatest(l.head_id - 1, l.claim_last)))))
                     THEN now() + p_hold_seconds * interval '1 second'
                     ELSE '-infinity' END AS not_before
           FROM part p
@@ -1337,14 +1366,17 @@ END;
 $fn$;
 
 -- The rows a claim holds, with the claim's lease: what operators and checks read instead of the
--- rows' own lease columns (which the engine no longer writes, except beside version 9). A
--- key's claim holds its pending rows from its first taken row to its head.
+-- rows' own lease columns (which the engine no longer writes). A key's claim holds its pending
+-- rows from its first taken row to its last; a row that committed late inside that range (it
+-- lowered the key's head) is listed with them until the claim ends (version 16: the view had
+-- dropped the claim's rows above such a row).
 CREATE VIEW ${schema}.${table}_leases AS
 SELECT o.id, o.topic, o.ordering_key, w.claim_token AS lease_token, w.claim_owner AS lease_owner,
        w.claim_expires_at AS lease_expires_at, w.state = 'x' AS crash_looping
   FROM ${schema}.${table}_work w
   JOIN ${schema}.${table} o
-    ON o.ordering_key = w.ordering_key AND o.id >= w.claim_first AND o.id < w.head_id
+    ON o.ordering_key = w.ordering_key AND o.id >= w.claim_first
+   AND o.id <= greatest(w.head_id - 1, w.claim_last)
  WHERE NOT w.keyless AND w.claim_token IS NOT NULL
    AND o.published_at IS NULL AND o.dead_at IS NULL
 UNION ALL

@@ -174,6 +174,9 @@ CREATE TABLE ${schema}.${table}_work (
     claim_owner text,
     claim_expires_at timestamptz,
     claim_first bigint,
+    -- The claim's last row (version 16): a row that commits late below the key's head lowers
+    -- head_id while the claim still holds rows above it up to here.
+    claim_last bigint,
     PRIMARY KEY (ordering_key, keyless),
     CONSTRAINT ${table}_work_state_valid CHECK (state IN ('r', 'w', 'p', 'b', 'x'))
 );
@@ -336,14 +339,17 @@ CREATE TRIGGER ${table}_pauses_changed
 -- @engine sweep
 
 -- The rows a claim holds, with the claim's lease: what operators and checks read instead of the
--- rows' own lease columns (which the engine no longer writes, except beside version 9). A
--- key's claim holds its pending rows from its first taken row to its head.
+-- rows' own lease columns (which the engine no longer writes). A key's claim holds its pending
+-- rows from its first taken row to its last; a row that committed late inside that range (it
+-- lowered the key's head) is listed with them until the claim ends (version 16: the view had
+-- dropped the claim's rows above such a row).
 CREATE VIEW ${schema}.${table}_leases AS
 SELECT o.id, o.topic, o.ordering_key, w.claim_token AS lease_token, w.claim_owner AS lease_owner,
        w.claim_expires_at AS lease_expires_at, w.state = 'x' AS crash_looping
   FROM ${schema}.${table}_work w
   JOIN ${schema}.${table} o
-    ON o.ordering_key = w.ordering_key AND o.id >= w.claim_first AND o.id < w.head_id
+    ON o.ordering_key = w.ordering_key AND o.id >= w.claim_first
+   AND o.id <= greatest(w.head_id - 1, w.claim_last)
  WHERE NOT w.keyless AND w.claim_token IS NOT NULL
    AND o.published_at IS NULL AND o.dead_at IS NULL
 UNION ALL

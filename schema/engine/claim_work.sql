@@ -42,7 +42,7 @@ DECLARE
     v_heads bigint[];
     v_old boolean[];
     v_ends bigint[];
-    v_held bigint[] := '{}';
+    v_room integer := p_limit;
     v_known bigint;
     v_holes int8multirange;
 BEGIN
@@ -76,8 +76,24 @@ BEGIN
         SELECT * INTO v_locked FROM ${schema}.${table}_cursor x WHERE x.one FOR UPDATE SKIP LOCKED;
         IF FOUND THEN
             c := v_locked;
+            -- Known work waiting (a lease that expired, a retry due, a key registered by an
+            -- earlier discovery): discovery gets half the batch, so that new keys arriving
+            -- faster than a batch never starve takeovers and older keys (review 3, P3).
+            -- (Each an index's first entry: a generic plan of EXISTS may read the whole work
+            -- table when it expects many matches.)
+            IF (SELECT w.claim_expires_at FROM ${schema}.${table}_work w
+                 WHERE w.claim_token IS NOT NULL
+                 ORDER BY w.claim_expires_at LIMIT 1) <= now()
+               OR (SELECT w.not_before FROM ${schema}.${table}_work w
+                    WHERE w.claim_token IS NULL AND w.state = 'w'
+                    ORDER BY w.not_before LIMIT 1) <= now()
+               OR (SELECT w.head_id FROM ${schema}.${table}_work w
+                    WHERE w.claim_token IS NULL AND w.state = 'r'
+                    ORDER BY w.head_id LIMIT 1) IS NOT NULL THEN
+                v_room := p_limit - p_limit / 2;
+            END IF;
             RETURN QUERY SELECT * FROM ${schema}.${table}_discover(
-                c, p_limit, p_owner, p_lease_seconds, p_token, p_scan, v_paused, 2.0,
+                c, v_room, p_owner, p_lease_seconds, p_token, p_scan, v_paused, 2.0,
                 p_block_on_dead);
             GET DIAGNOSTICS v_taken = ROW_COUNT;
         END IF;
@@ -85,20 +101,6 @@ BEGIN
     IF v_taken >= p_limit THEN
         RETURN;
     END IF;
-    -- Rows a writer moved to another key while a live claim of their old key holds them: their
-    -- change waits in the log (see discover), and their new key's run stops before them, so
-    -- that a row is never in two live claims.
-    IF (SELECT x.seq FROM ${schema}.${table}_changed x ORDER BY x.seq LIMIT 1) IS NOT NULL THEN
-        SELECT coalesce(array_agg(DISTINCT y.id), '{}') INTO v_held
-          FROM ${schema}.${table}_changed y
-         WHERE y.old_key IS DISTINCT FROM y.ordering_key AND EXISTS (
-               SELECT 1 FROM ${schema}.${table}_work w
-                WHERE w.ordering_key = coalesce(y.old_key, y.id::text)
-                  AND w.keyless = (y.old_key IS NULL)
-                  AND w.claim_token IS NOT NULL AND w.claim_expires_at > now()
-                  AND (w.keyless OR (y.id >= w.claim_first AND y.id < w.head_id)));
-    END IF;
-
     -- What discoveries have taken in: ids up to the cursor, but not its holes. A run takes no
     -- row beyond that: a row a writer committed below its key's head (a late commit), then the
     -- same writer's next row of the key, are both seen by the run's snapshot before a discovery
@@ -114,7 +116,7 @@ BEGIN
     WITH expired AS (
         -- (lost_end: the lost claim held the key's rows below it, its orphans)
         SELECT w.keyless, w.ordering_key, least(w.claim_first, w.head_id) AS head_id, true AS old,
-               w.head_id AS lost_end
+               greatest(w.head_id, w.claim_last + 1) AS lost_end
           FROM ${schema}.${table}_work w
          WHERE w.claim_token IS NOT NULL AND w.claim_expires_at <= now() AND w.state <> 'x'
          ORDER BY w.claim_expires_at LIMIT p_max_keys
@@ -165,7 +167,23 @@ BEGIN
     END IF;
 
     RETURN QUERY
-    WITH work AS (
+    WITH held AS MATERIALIZED (
+        -- Rows a writer moved to another key while a live claim of their old key holds them:
+        -- their change waits in the log (see discover), and their new key's run stops before
+        -- them, so that a row is never in two live claims. Read in the runs' own snapshot: a
+        -- move committed after an earlier statement's read was seen by the runs but not held
+        -- (review 3, P6).
+        SELECT coalesce(array_agg(DISTINCT y.id), '{}') AS ids
+          FROM ${schema}.${table}_changed y
+         WHERE y.old_key IS DISTINCT FROM y.ordering_key AND EXISTS (
+               SELECT 1 FROM ${schema}.${table}_work w
+                WHERE w.ordering_key = coalesce(y.old_key, y.id::text)
+                  AND w.keyless = (y.old_key IS NULL)
+                  AND w.claim_token IS NOT NULL AND w.claim_expires_at > now()
+                  AND (w.keyless OR (y.id >= w.claim_first
+                                      AND y.id <= greatest(w.head_id - 1, w.claim_last))))
+    ),
+    work AS (
         SELECT u.k, u.kl, u.h, u.old, u.n, u.e,
                -- dead_letter_policy = block: a dead row of the key holds its later rows.
                p_block_on_dead AND NOT u.kl AND EXISTS (
@@ -191,7 +209,7 @@ BEGIN
             SELECT o.id, o.topic, o.next_attempt_at,
                    o.next_attempt_at <= now()
                    AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
-                   AND o.id <> ALL (v_held)
+                   AND o.id <> ALL ((SELECT h.ids FROM held h)::bigint[])
                    AND o.id <= v_known AND NOT v_holes @> o.id AS ok,
                    w.old AND o.attempts + 1 >= p_max_attempts AS looping,
                    w.old AND o.id < w.e AS orphan
@@ -221,7 +239,7 @@ BEGIN
             SELECT o.id, o.topic, o.next_attempt_at,
                    o.next_attempt_at <= now()
                    AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
-                   AND o.id <> ALL (v_held)
+                   AND o.id <> ALL ((SELECT h.ids FROM held h)::bigint[])
                    AND o.id <= v_known AND NOT v_holes @> o.id AS ok,
                    w.old AND o.attempts + 1 >= p_max_attempts AS looping,
                    w.old AND o.id < w.e AS orphan
@@ -242,7 +260,7 @@ BEGIN
                o.next_attempt_at <= now()
                AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
                AND NOT (w.old AND o.attempts + 1 >= p_max_attempts)
-               AND o.id <> ALL (v_held),
+               AND o.id <> ALL ((SELECT h.ids FROM held h)::bigint[]),
                w.e, w.old
           FROM work w JOIN ${schema}.${table} o ON o.id = w.h
          -- (a row a writer gave a key since is its key's now)
@@ -284,7 +302,8 @@ BEGIN
     blocked AS (
         UPDATE ${schema}.${table}_work x
            SET state = 'b', not_before = '-infinity',
-               claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL
+               claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
+               claim_last = NULL
           FROM idle i
          WHERE x.ordering_key = i.k AND x.keyless = i.kl AND i.blocked
     ),
@@ -305,7 +324,8 @@ BEGIN
                claim_token = CASE WHEN i.looping THEN x.claim_token END,
                claim_owner = CASE WHEN i.looping THEN x.claim_owner END,
                claim_expires_at = CASE WHEN i.looping THEN x.claim_expires_at END,
-               claim_first = CASE WHEN i.looping THEN x.claim_first END
+               claim_first = CASE WHEN i.looping THEN x.claim_first END,
+               claim_last = CASE WHEN i.looping THEN x.claim_last END
           FROM idle i
          WHERE x.ordering_key = i.k AND x.keyless = i.kl AND i.id IS NOT NULL AND NOT i.blocked
     ),
@@ -313,7 +333,7 @@ BEGIN
         UPDATE ${schema}.${table}_work x
            SET claim_token = p_token, claim_owner = p_owner,
                claim_expires_at = now() + p_lease_seconds * interval '1 second',
-               claim_first = s.first,
+               claim_first = s.first, claim_last = s.last,
                head_id = CASE WHEN s.kl THEN s.first ELSE s.last + 1 END,
                state = 'r', not_before = '-infinity'
           FROM span s

@@ -64,7 +64,8 @@ BEGIN
                            WHERE w.ordering_key = coalesce(y.old_key, y.id::text)
                              AND w.keyless = (y.old_key IS NULL)
                              AND w.claim_token IS NOT NULL AND w.claim_expires_at > now()
-                             AND (w.keyless OR (y.id >= w.claim_first AND y.id < w.head_id))))
+                             AND (w.keyless OR (y.id >= w.claim_first
+                                  AND y.id <= greatest(w.head_id - 1, w.claim_last)))))
             RETURNING x.id, x.ordering_key, x.old_key
         )
         SELECT array_agg(DISTINCT t.id),
@@ -206,9 +207,10 @@ BEGIN
     ),
     leased AS (
         INSERT INTO ${schema}.${table}_work AS w (keyless, ordering_key, head_id, claim_token,
-                                                  claim_owner, claim_expires_at, claim_first)
+                                                  claim_owner, claim_expires_at, claim_first,
+                                                  claim_last)
         SELECT u.kl, u.wk, CASE WHEN u.kl THEN u.first ELSE u.last + 1 END, p_token, p_owner,
-               now() + p_lease_seconds * interval '1 second', u.first
+               now() + p_lease_seconds * interval '1 second', u.first, u.last
           FROM unknown u
          WHERE u.eligible AND u.upto <= p_limit
          ORDER BY u.wk, u.kl
@@ -244,6 +246,7 @@ BEGIN
         -- (only when some row was settled meanwhile: a key may be left with none)
         UPDATE ${schema}.${table}_work x
            SET claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
+               claim_last = NULL,
                head_id = x.claim_first, state = 'r', not_before = '-infinity'
           FROM unnest(v_lk, v_lkl) AS l(wk, kl)
          WHERE x.ordering_key = l.wk AND x.keyless = l.kl AND x.claim_token = p_token

@@ -13,7 +13,8 @@ AS $fn$
 BEGIN
     RETURN QUERY
     WITH looping AS (
-        SELECT x.ordering_key, x.keyless, x.claim_token, x.claim_owner, x.claim_first, x.head_id
+        SELECT x.ordering_key, x.keyless, x.claim_token, x.claim_owner, x.claim_first, x.head_id,
+               x.claim_last
           FROM ${schema}.${table}_work x
          WHERE (x.ordering_key, x.keyless) IN (
                    (SELECT l.ordering_key, l.keyless FROM ${schema}.${table}_work l
@@ -35,7 +36,7 @@ BEGIN
          CROSS JOIN LATERAL (
             SELECT o.id FROM ${schema}.${table} o
              WHERE o.ordering_key >= l.ordering_key AND o.ordering_key <= l.ordering_key
-               AND o.id >= l.claim_first AND o.id < l.head_id
+               AND o.id >= l.claim_first AND o.id <= greatest(l.head_id - 1, l.claim_last)
                AND o.published_at IS NULL AND o.dead_at IS NULL
                AND o.attempts + 1 >= p_max_attempts
              ORDER BY o.ordering_key, o.id) r
@@ -65,7 +66,8 @@ BEGIN
         UPDATE ${schema}.${table}_work x
            SET state = CASE WHEN p_block_on_dead AND NOT l.keyless THEN 'b' ELSE 'r' END,
                head_id = least(l.claim_first, l.head_id), not_before = '-infinity',
-               claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL
+               claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
+               claim_last = NULL
           FROM looping l
          WHERE x.ordering_key = l.ordering_key AND x.keyless = l.keyless
     )

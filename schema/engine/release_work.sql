@@ -17,7 +17,7 @@ BEGIN
     released AS (
         UPDATE ${schema}.${table}_work x
            SET claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL,
-               head_id = least(x.claim_first, x.head_id), claim_first = NULL,
+               head_id = least(x.claim_first, x.head_id), claim_first = NULL, claim_last = NULL,
                state = 'r', not_before = '-infinity'
           FROM mine m
          WHERE x.ordering_key = m.ordering_key AND x.keyless = m.keyless

@@ -138,7 +138,8 @@ BEGIN
            paused_gen = v_gen,
            not_before = CASE WHEN NOT h.blocked AND h.next_attempt_at > now()
                              THEN h.next_attempt_at ELSE '-infinity' END,
-           claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL
+           claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
+           claim_last = NULL
       FROM heads h
      WHERE x.ordering_key = h.k AND x.keyless = h.kl AND (h.id IS NOT NULL OR h.blocked);
 END;

@@ -39,7 +39,7 @@ BEGIN
                          WHERE l.claim_token IS NOT NULL AND l.claim_expires_at > now()
                            AND (p.id = l.claim_first
                                 OR (NOT l.keyless AND p.id > l.claim_first
-                                    AND p.id < l.head_id))))
+                                    AND p.id <= greatest(l.head_id - 1, l.claim_last)))))
                     THEN now() + p_hold_seconds * interval '1 second'
                     ELSE '-infinity' END AS not_before
           FROM part p

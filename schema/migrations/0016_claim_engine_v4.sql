@@ -51,7 +51,7 @@ DECLARE
     v_heads bigint[];
     v_old boolean[];
     v_ends bigint[];
-    v_held bigint[] := '{}';
+    v_room integer := p_limit;
     v_known bigint;
     v_holes int8multirange;
 BEGIN
@@ -85,8 +85,24 @@ BEGIN
         SELECT * INTO v_locked FROM ${schema}.${table}_cursor x WHERE x.one FOR UPDATE SKIP LOCKED;
         IF FOUND THEN
             c := v_locked;
+            -- Known work waiting (a lease that expired, a retry due, a key registered by an
+            -- earlier discovery): discovery gets half the batch, so that new keys arriving
+            -- faster than a batch never starve takeovers and older keys (review 3, P3).
+            -- (Each an index's first entry: a generic plan of EXISTS may read the whole work
+            -- table when it expects many matches.)
+            IF (SELECT w.claim_expires_at FROM ${schema}.${table}_work w
+                 WHERE w.claim_token IS NOT NULL
+                 ORDER BY w.claim_expires_at LIMIT 1) <= now()
+               OR (SELECT w.not_before FROM ${schema}.${table}_work w
+                    WHERE w.claim_token IS NULL AND w.state = 'w'
+                    ORDER BY w.not_before LIMIT 1) <= now()
+               OR (SELECT w.head_id FROM ${schema}.${table}_work w
+                    WHERE w.claim_token IS NULL AND w.state = 'r'
+                    ORDER BY w.head_id LIMIT 1) IS NOT NULL THEN
+                v_room := p_limit - p_limit / 2;
+            END IF;
             RETURN QUERY SELECT * FROM ${schema}.${table}_discover(
-                c, p_limit, p_owner, p_lease_seconds, p_token, p_scan, v_paused, 2.0,
+                c, v_room, p_owner, p_lease_seconds, p_token, p_scan, v_paused, 2.0,
                 p_block_on_dead);
             GET DIAGNOSTICS v_taken = ROW_COUNT;
         END IF;
@@ -94,20 +110,6 @@ BEGIN
     IF v_taken >= p_limit THEN
         RETURN;
     END IF;
-    -- Rows a writer moved to another key while a live claim of their old key holds them: their
-    -- change waits in the log (see discover), and their new key's run stops before them, so
-    -- that a row is never in two live claims.
-    IF (SELECT x.seq FROM ${schema}.${table}_changed x ORDER BY x.seq LIMIT 1) IS NOT NULL THEN
-        SELECT coalesce(array_agg(DISTINCT y.id), '{}') INTO v_held
-          FROM ${schema}.${table}_changed y
-         WHERE y.old_key IS DISTINCT FROM y.ordering_key AND EXISTS (
-               SELECT 1 FROM ${schema}.${table}_work w
-                WHERE w.ordering_key = coalesce(y.old_key, y.id::text)
-                  AND w.keyless = (y.old_key IS NULL)
-                  AND w.claim_token IS NOT NULL AND w.claim_expires_at > now()
-                  AND (w.keyless OR (y.id >= w.claim_first AND y.id < w.head_id)));
-    END IF;
-
     -- What discoveries have taken in: ids up to the cursor, but not its holes. A run takes no
     -- row beyond that: a row a writer committed below its key's head (a late commit), then the
     -- same writer's next row of the key, are both seen by the run's snapshot before a discovery
@@ -123,7 +125,7 @@ BEGIN
     WITH expired AS (
         -- (lost_end: the lost claim held the key's rows below it, its orphans)
         SELECT w.keyless, w.ordering_key, least(w.claim_first, w.head_id) AS head_id, true AS old,
-               w.head_id AS lost_end
+               greatest(w.head_id, w.claim_last + 1) AS lost_end
           FROM ${schema}.${table}_work w
          WHERE w.claim_token IS NOT NULL AND w.claim_expires_at <= now() AND w.state <> 'x'
          ORDER BY w.claim_expires_at LIMIT p_max_keys
@@ -174,7 +176,23 @@ BEGIN
     END IF;
 
     RETURN QUERY
-    WITH work AS (
+    WITH held AS MATERIALIZED (
+        -- Rows a writer moved to another key while a live claim of their old key holds them:
+        -- their change waits in the log (see discover), and their new key's run stops before
+        -- them, so that a row is never in two live claims. Read in the runs' own snapshot: a
+        -- move committed after an earlier statement's read was seen by the runs but not held
+        -- (review 3, P6).
+        SELECT coalesce(array_agg(DISTINCT y.id), '{}') AS ids
+          FROM ${schema}.${table}_changed y
+         WHERE y.old_key IS DISTINCT FROM y.ordering_key AND EXISTS (
+               SELECT 1 FROM ${schema}.${table}_work w
+                WHERE w.ordering_key = coalesce(y.old_key, y.id::text)
+                  AND w.keyless = (y.old_key IS NULL)
+                  AND w.claim_token IS NOT NULL AND w.claim_expires_at > now()
+                  AND (w.keyless OR (y.id >= w.claim_first
+                                      AND y.id <= greatest(w.head_id - 1, w.claim_last))))
+    ),
+    work AS (
         SELECT u.k, u.kl, u.h, u.old, u.n, u.e,
                -- dead_letter_policy = block: a dead row of the key holds its later rows.
                p_block_on_dead AND NOT u.kl AND EXISTS (
@@ -200,7 +218,7 @@ BEGIN
             SELECT o.id, o.topic, o.next_attempt_at,
                    o.next_attempt_at <= now()
                    AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
-                   AND o.id <> ALL (v_held)
+                   AND o.id <> ALL ((SELECT h.ids FROM held h)::bigint[])
                    AND o.id <= v_known AND NOT v_holes @> o.id AS ok,
                    w.old AND o.attempts + 1 >= p_max_attempts AS looping,
                    w.old AND o.id < w.e AS orphan
@@ -230,7 +248,7 @@ BEGIN
             SELECT o.id, o.topic, o.next_attempt_at,
                    o.next_attempt_at <= now()
                    AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
-                   AND o.id <> ALL (v_held)
+                   AND o.id <> ALL ((SELECT h.ids FROM held h)::bigint[])
                    AND o.id <= v_known AND NOT v_holes @> o.id AS ok,
                    w.old AND o.attempts + 1 >= p_max_attempts AS looping,
                    w.old AND o.id < w.e AS orphan
@@ -251,7 +269,7 @@ BEGIN
                o.next_attempt_at <= now()
                AND (v_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (v_paused))
                AND NOT (w.old AND o.attempts + 1 >= p_max_attempts)
-               AND o.id <> ALL (v_held),
+               AND o.id <> ALL ((SELECT h.ids FROM held h)::bigint[]),
                w.e, w.old
           FROM work w JOIN ${schema}.${table} o ON o.id = w.h
          -- (a row a writer gave a key since is its key's now)
@@ -293,7 +311,8 @@ BEGIN
     blocked AS (
         UPDATE ${schema}.${table}_work x
            SET state = 'b', not_before = '-infinity',
-               claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL
+               claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
+               claim_last = NULL
           FROM idle i
          WHERE x.ordering_key = i.k AND x.keyless = i.kl AND i.blocked
     ),
@@ -314,7 +333,8 @@ BEGIN
                claim_token = CASE WHEN i.looping THEN x.claim_token END,
                claim_owner = CASE WHEN i.looping THEN x.claim_owner END,
                claim_expires_at = CASE WHEN i.looping THEN x.claim_expires_at END,
-               claim_first = CASE WHEN i.looping THEN x.claim_first END
+               claim_first = CASE WHEN i.looping THEN x.claim_first END,
+               claim_last = CASE WHEN i.looping THEN x.claim_last END
           FROM idle i
          WHERE x.ordering_key = i.k AND x.keyless = i.kl AND i.id IS NOT NULL AND NOT i.blocked
     ),
@@ -322,7 +342,7 @@ BEGIN
         UPDATE ${schema}.${table}_work x
            SET claim_token = p_token, claim_owner = p_owner,
                claim_expires_at = now() + p_lease_seconds * interval '1 second',
-               claim_first = s.first,
+               claim_first = s.first, claim_last = s.last,
                head_id = CASE WHEN s.kl THEN s.first ELSE s.last + 1 END,
                state = 'r', not_before = '-infinity'
           FROM span s
@@ -411,7 +431,8 @@ BEGIN
                            WHERE w.ordering_key = coalesce(y.old_key, y.id::text)
                              AND w.keyless = (y.old_key IS NULL)
                              AND w.claim_token IS NOT NULL AND w.claim_expires_at > now()
-                             AND (w.keyless OR (y.id >= w.claim_first AND y.id < w.head_id))))
+                             AND (w.keyless OR (y.id >= w.claim_first
+                                  AND y.id <= greatest(w.head_id - 1, w.claim_last)))))
             RETURNING x.id, x.ordering_key, x.old_key
         )
         SELECT array_agg(DISTINCT t.id),
@@ -553,9 +574,10 @@ BEGIN
     ),
     leased AS (
         INSERT INTO ${schema}.${table}_work AS w (keyless, ordering_key, head_id, claim_token,
-                                                  claim_owner, claim_expires_at, claim_first)
+                                                  claim_owner, claim_expires_at, claim_first,
+                                                  claim_last)
         SELECT u.kl, u.wk, CASE WHEN u.kl THEN u.first ELSE u.last + 1 END, p_token, p_owner,
-               now() + p_lease_seconds * interval '1 second', u.first
+               now() + p_lease_seconds * interval '1 second', u.first, u.last
           FROM unknown u
          WHERE u.eligible AND u.upto <= p_limit
          ORDER BY u.wk, u.kl
@@ -591,6 +613,7 @@ BEGIN
         -- (only when some row was settled meanwhile: a key may be left with none)
         UPDATE ${schema}.${table}_work x
            SET claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
+               claim_last = NULL,
                head_id = x.claim_first, state = 'r', not_before = '-infinity'
           FROM unnest(v_lk, v_lkl) AS l(wk, kl)
          WHERE x.ordering_key = l.wk AND x.keyless = l.kl AND x.claim_token = p_token
@@ -646,6 +669,83 @@ BEGIN
 END;
 $fn$;
 
+-- Work whose owners kept dying while publishing it (the claim that found its first row at
+-- max_attempts left it in state x, lease kept; or a lease that expired on a first row at its
+-- last attempt before any claim came by): its rows of that lease at their last attempt are
+-- dead-lettered,
+-- keeping the lease token (a late mark of an owner that was only slow may still record the
+-- publication); the key then goes on (skip) or stays blocked (block).
+CREATE OR REPLACE FUNCTION ${schema}.${table}_reclaim_work(p_max_attempts integer, p_block_on_dead boolean)
+RETURNS TABLE (id bigint, event_id uuid, topic text, ordering_key text, lease_owner text)
+    LANGUAGE plpgsql VOLATILE
+    SET jit = off SET enable_bitmapscan = off
+AS $fn$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH looping AS (
+        SELECT x.ordering_key, x.keyless, x.claim_token, x.claim_owner, x.claim_first, x.head_id,
+               x.claim_last
+          FROM ${schema}.${table}_work x
+         WHERE (x.ordering_key, x.keyless) IN (
+                   (SELECT l.ordering_key, l.keyless FROM ${schema}.${table}_work l
+                     WHERE l.state = 'x' ORDER BY l.claim_expires_at LIMIT 500)
+                   UNION ALL
+                   (SELECT e.ordering_key, e.keyless
+                      FROM ${schema}.${table}_work e
+                      JOIN ${schema}.${table} o ON o.id = e.claim_first
+                     WHERE e.claim_token IS NOT NULL AND e.claim_expires_at < now()
+                       AND e.state <> 'x' AND o.attempts + 1 >= p_max_attempts
+                       AND o.published_at IS NULL AND o.dead_at IS NULL
+                     ORDER BY e.claim_expires_at LIMIT 500))
+           AND (x.state = 'x' OR (x.claim_token IS NOT NULL AND x.claim_expires_at < now()))
+           FOR UPDATE OF x SKIP LOCKED
+    ),
+    rows AS (
+        SELECT r.id, l.claim_token, l.claim_owner
+          FROM looping l
+         CROSS JOIN LATERAL (
+            SELECT o.id FROM ${schema}.${table} o
+             WHERE o.ordering_key >= l.ordering_key AND o.ordering_key <= l.ordering_key
+               AND o.id >= l.claim_first AND o.id <= greatest(l.head_id - 1, l.claim_last)
+               AND o.published_at IS NULL AND o.dead_at IS NULL
+               AND o.attempts + 1 >= p_max_attempts
+             ORDER BY o.ordering_key, o.id) r
+         WHERE NOT l.keyless
+        UNION ALL
+        SELECT o.id, l.claim_token, l.claim_owner
+          FROM looping l
+          JOIN ${schema}.${table} o ON o.id = l.claim_first
+         WHERE l.keyless AND o.ordering_key IS NULL
+           AND o.published_at IS NULL AND o.dead_at IS NULL AND o.attempts + 1 >= p_max_attempts
+    ),
+    dead AS (
+        UPDATE ${schema}.${table} o
+           SET dead_at = now(),
+               attempts = o.attempts + 1,
+               lease_token = r.claim_token, lease_owner = r.claim_owner,
+               lease_expires_at = NULL,
+               last_error = format('dead-lettered: the lease expired %s times (the dispatcher '
+                                   'that held it crashed or hung while publishing, last owner '
+                                   '%s); last error: %s',
+                                   o.attempts + 1, r.claim_owner, coalesce(o.last_error, 'none'))
+          FROM rows r
+         WHERE o.id = r.id
+        RETURNING o.id, o.event_id, o.topic, o.ordering_key, o.lease_owner
+    ),
+    moved AS (
+        UPDATE ${schema}.${table}_work x
+           SET state = CASE WHEN p_block_on_dead AND NOT l.keyless THEN 'b' ELSE 'r' END,
+               head_id = least(l.claim_first, l.head_id), not_before = '-infinity',
+               claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
+               claim_last = NULL
+          FROM looping l
+         WHERE x.ordering_key = l.ordering_key AND x.keyless = l.keyless
+    )
+    SELECT * FROM dead;
+END;
+$fn$;
+
 -- A claim whose reply never arrived (the connection dropped after the commit): its dispatcher
 -- knows the token it chose and gives the work back at once, instead of stalling its keys for a
 -- whole lease and counting an attempt. Returns how many keys (and rows without one) it held.
@@ -665,7 +765,7 @@ BEGIN
     released AS (
         UPDATE ${schema}.${table}_work x
            SET claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL,
-               head_id = least(x.claim_first, x.head_id), claim_first = NULL,
+               head_id = least(x.claim_first, x.head_id), claim_first = NULL, claim_last = NULL,
                state = 'r', not_before = '-infinity'
           FROM mine m
          WHERE x.ordering_key = m.ordering_key AND x.keyless = m.keyless
@@ -817,13 +917,119 @@ BEGIN
            paused_gen = v_gen,
            not_before = CASE WHEN NOT h.blocked AND h.next_attempt_at > now()
                              THEN h.next_attempt_at ELSE '-infinity' END,
-           claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL
+           claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
+           claim_last = NULL
       FROM heads h
      WHERE x.ordering_key = h.k AND x.keyless = h.kl AND (h.id IS NOT NULL OR h.blocked);
 END;
 $fn$;
 
+-- The anti-entropy sweep: from the sweep's place, the next p_rows ids at or below the cursor, in
+-- id order; any pending row there that no work covers (a key with no work, or work whose head is
+-- above it and whose claim does not hold it) is registered. Rows get there only by paths that
+-- bypass the cursor: ids written below it (explicit ids, a restore into a live table, a
+-- sequence set back), a key update with triggers disabled. Returns how many it registered and
+-- whether it finished a pass over the table.
+CREATE OR REPLACE FUNCTION ${schema}.${table}_sweep(
+    p_rows integer,
+    p_hold_seconds double precision,
+    OUT repaired integer,
+    OUT wrapped boolean
+)
+    LANGUAGE plpgsql VOLATILE
+    SET jit = off SET enable_bitmapscan = off
+AS $fn$
+DECLARE
+    c ${schema}.${table}_cursor;
+    v_last bigint;
+BEGIN
+    SELECT * INTO c FROM ${schema}.${table}_cursor x WHERE x.one FOR UPDATE SKIP LOCKED;
+    repaired := 0;
+    wrapped := false;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    WITH part AS (
+        SELECT o.id, o.ordering_key, o.published_at IS NULL AND o.dead_at IS NULL AS pending
+          FROM ${schema}.${table} o
+         WHERE o.id > c.swept AND o.id <= c.position
+         ORDER BY o.id LIMIT p_rows
+    ),
+    stray AS (
+        SELECT coalesce(p.ordering_key, p.id::text) AS wk, p.ordering_key IS NULL AS kl,
+               min(p.id) AS first,
+               -- A row a writer moved to this key with triggers off may still be in flight under
+               -- its old key: if any live claim's range holds its id, the key waits one lease.
+               CASE WHEN bool_or(EXISTS (
+                        SELECT 1 FROM ${schema}.${table}_work l
+                         WHERE l.claim_token IS NOT NULL AND l.claim_expires_at > now()
+                           AND (p.id = l.claim_first
+                                OR (NOT l.keyless AND p.id > l.claim_first
+                                    AND p.id <= greatest(l.head_id - 1, l.claim_last)))))
+                    THEN now() + p_hold_seconds * interval '1 second'
+                    ELSE '-infinity' END AS not_before
+          FROM part p
+         WHERE p.pending
+           -- (a row in the change log is known: the claim that takes its change in places it,
+           -- once no live claim of its old key holds it)
+           AND NOT EXISTS (SELECT 1 FROM ${schema}.${table}_changed x WHERE x.id = p.id)
+           AND NOT EXISTS (
+               SELECT 1 FROM ${schema}.${table}_work w
+                WHERE w.ordering_key = coalesce(p.ordering_key, p.id::text)
+                  AND w.keyless = (p.ordering_key IS NULL)
+                  AND (w.head_id <= p.id
+                       OR (w.claim_token IS NOT NULL AND w.claim_first <= p.id)))
+         GROUP BY 1, 2
+    ),
+    fixed AS (
+        INSERT INTO ${schema}.${table}_work AS w (keyless, ordering_key, head_id, state, not_before)
+        SELECT s.kl, s.wk, s.first, CASE WHEN s.not_before > now() THEN 'w' ELSE 'r' END,
+               s.not_before
+          FROM stray s ORDER BY s.wk, s.kl
+        ON CONFLICT (ordering_key, keyless) DO UPDATE
+           SET head_id = least(w.head_id, excluded.head_id),
+               state = CASE WHEN w.state IN ('b', 'x') OR w.claim_token IS NOT NULL THEN w.state
+                            ELSE excluded.state END,
+               not_before = CASE WHEN w.state IN ('b', 'x') OR w.claim_token IS NOT NULL
+                                 THEN w.not_before
+                                 ELSE greatest(w.not_before, excluded.not_before) END
+        RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM fixed), (SELECT max(p.id) FROM part p)
+      INTO repaired, v_last;
+    IF v_last IS NULL OR v_last >= c.position THEN
+        wrapped := true;
+        UPDATE ${schema}.${table}_cursor x SET swept = 0, sweep_started_at = now() WHERE x.one;
+    ELSE
+        UPDATE ${schema}.${table}_cursor x SET swept = v_last WHERE x.one;
+    END IF;
+END;
+$fn$;
+
 ALTER TABLE ${schema}.${table}_cursor DROP COLUMN compat;
+
+-- P8: a claim's last row, so that <table>_leases lists every row a claim holds after a late row
+-- lowered its key's head (the view used [claim_first, head_id)). NULL on work leased before this
+-- step: the view then reads up to the head as before.
+ALTER TABLE ${schema}.${table}_work ADD COLUMN claim_last bigint;
+
+CREATE OR REPLACE VIEW ${schema}.${table}_leases AS
+SELECT o.id, o.topic, o.ordering_key, w.claim_token AS lease_token, w.claim_owner AS lease_owner,
+       w.claim_expires_at AS lease_expires_at, w.state = 'x' AS crash_looping
+  FROM ${schema}.${table}_work w
+  JOIN ${schema}.${table} o
+    ON o.ordering_key = w.ordering_key AND o.id >= w.claim_first
+   AND o.id <= greatest(w.head_id - 1, w.claim_last)
+ WHERE NOT w.keyless AND w.claim_token IS NOT NULL
+   AND o.published_at IS NULL AND o.dead_at IS NULL
+UNION ALL
+SELECT o.id, o.topic, o.ordering_key, w.claim_token, w.claim_owner, w.claim_expires_at,
+       w.state = 'x'
+  FROM ${schema}.${table}_work w
+  JOIN ${schema}.${table} o ON o.id = w.claim_first
+ WHERE w.keyless AND w.claim_token IS NOT NULL
+   AND o.published_at IS NULL AND o.dead_at IS NULL;
+
 
 INSERT INTO ${schema}.${table}_schema_steps (version, name) VALUES (16, 'claim_engine_v4')
     ON CONFLICT (version) DO NOTHING;

@@ -12,11 +12,38 @@
 
 -- @engine extend_work
 
+-- @engine reclaim_work
+
 -- @engine release_work
 
 -- @engine settle_work
 
+-- @engine sweep
+
 ALTER TABLE ${schema}.${table}_cursor DROP COLUMN compat;
+
+-- P8: a claim's last row, so that <table>_leases lists every row a claim holds after a late row
+-- lowered its key's head (the view used [claim_first, head_id)). NULL on work leased before this
+-- step: the view then reads up to the head as before.
+ALTER TABLE ${schema}.${table}_work ADD COLUMN claim_last bigint;
+
+CREATE OR REPLACE VIEW ${schema}.${table}_leases AS
+SELECT o.id, o.topic, o.ordering_key, w.claim_token AS lease_token, w.claim_owner AS lease_owner,
+       w.claim_expires_at AS lease_expires_at, w.state = 'x' AS crash_looping
+  FROM ${schema}.${table}_work w
+  JOIN ${schema}.${table} o
+    ON o.ordering_key = w.ordering_key AND o.id >= w.claim_first
+   AND o.id <= greatest(w.head_id - 1, w.claim_last)
+ WHERE NOT w.keyless AND w.claim_token IS NOT NULL
+   AND o.published_at IS NULL AND o.dead_at IS NULL
+UNION ALL
+SELECT o.id, o.topic, o.ordering_key, w.claim_token, w.claim_owner, w.claim_expires_at,
+       w.state = 'x'
+  FROM ${schema}.${table}_work w
+  JOIN ${schema}.${table} o ON o.id = w.claim_first
+ WHERE w.keyless AND w.claim_token IS NOT NULL
+   AND o.published_at IS NULL AND o.dead_at IS NULL;
+
 
 INSERT INTO ${schema}.${table}_schema_steps (version, name) VALUES (16, 'claim_engine_v4')
     ON CONFLICT (version) DO NOTHING;

@@ -287,7 +287,8 @@ BEGIN
       FROM outbox o
      WHERE o.published_at IS NULL AND o.dead_at IS NULL
        AND ((NOT NEW.keyless AND o.ordering_key = NEW.ordering_key
-             AND o.id >= NEW.claim_first AND o.id < NEW.head_id)
+             AND o.id >= NEW.claim_first
+             AND o.id <= greatest(NEW.head_id - 1, NEW.claim_last))
             OR (NEW.keyless AND o.id = NEW.claim_first));
     RETURN NULL;
 END $$;

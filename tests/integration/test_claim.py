@@ -532,7 +532,7 @@ async def test_a_takeover_in_progress_fences_the_stale_owners_late_settle(
     assert stale is not None and [r.id for r in stale.records] == ids
     await expire(conn)
     source = await conn.fetchval("SELECT pg_get_functiondef('public.outbox_claim_work'::regproc)")
-    marker = "    RETURN QUERY\n    WITH work AS ("
+    marker = "    RETURN QUERY\n    WITH held AS MATERIALIZED ("
     assert marker in source
     slow = source.replace("public.outbox_claim_work(", "public.outbox_claim_slow(", 1).replace(
         marker, "    PERFORM pg_sleep(1);\n" + marker, 1
