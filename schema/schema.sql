@@ -216,19 +216,24 @@ CREATE INDEX ${table}_work_looping_idx ON ${schema}.${table}_work (claim_expires
 CREATE TABLE ${schema}.${table}_cursor (
     one boolean PRIMARY KEY DEFAULT true CHECK (one),
     position bigint NOT NULL DEFAULT 0,
-    -- Holes: id ranges [lo, hi] at or below position not seen yet, each with the xmax of the
-    -- snapshot that first found it and when (dropped once no transaction open then can still
-    -- commit and hole_margin has passed).
+    -- Holes: id ranges [lo, hi] at or below position not seen yet, and when each was found;
+    -- hole_vx (version 16): each hole's transactions that were running then (see
+    -- <table>_discover).
     hole_lo bigint[] NOT NULL DEFAULT '{}',
     hole_hi bigint[] NOT NULL DEFAULT '{}',
-    hole_xmax xid8[] NOT NULL DEFAULT '{}',
     hole_at timestamptz[] NOT NULL DEFAULT '{}',
     -- The sweep's place (it walks ids from here up to position, then starts over).
     swept bigint NOT NULL DEFAULT 0,
     sweep_started_at timestamptz NOT NULL DEFAULT now(),
     -- Bumped by every change of <table>_paused (a trigger): keys parked under older pauses are
     -- looked at again.
-    pause_gen bigint NOT NULL DEFAULT 0
+    pause_gen bigint NOT NULL DEFAULT 0,
+    -- Each hole's running transactions, comma-separated (aligned with hole_lo).
+    hole_vx text[] NOT NULL DEFAULT '{}',
+    -- How many holes, and every transaction any of them waits for: what a claim reads each
+    -- time (the arrays above only once a transaction of theirs ended).
+    hole_count integer NOT NULL DEFAULT 0,
+    hole_watch text[] NOT NULL DEFAULT '{}'
 );
 
 COMMENT ON TABLE ${schema}.${table}_cursor IS
@@ -297,8 +302,8 @@ BEGIN
     DELETE FROM ${schema}.${table}_work;
     DELETE FROM ${schema}.${table}_changed;
     UPDATE ${schema}.${table}_cursor
-       SET position = 0, hole_lo = '{}', hole_hi = '{}', hole_xmax = '{}', hole_at = '{}',
-           swept = 0, sweep_started_at = now();
+       SET position = 0, hole_lo = '{}', hole_hi = '{}', hole_vx = '{}', hole_at = '{}',
+           hole_count = 0, hole_watch = '{}', swept = 0, sweep_started_at = now();
     RETURN NULL;
 END;
 $fn$;
@@ -323,8 +328,41 @@ CREATE TRIGGER ${table}_pauses_changed
     FOR EACH STATEMENT EXECUTE FUNCTION ${schema}.${table}_pauses_changed();
 
 
--- Discovery, by the claim that holds the cursor row (`c`): the rows above the cursor (at most
--- p_scan, in id order), the rows that filled a hole and the rows writers or operators changed.
+-- The highest id the outbox's identity has drawn (0 before the first): discovery reads it before
+-- the rows, so that every id at or below it was drawn by then. SECURITY DEFINER: the dispatcher
+-- role has no right on the sequence, and the value tells nothing a claim does not see anyway.
+CREATE OR REPLACE FUNCTION ${schema}.${table}_last_id() RETURNS bigint
+    LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $fn$
+SELECT coalesce(pg_sequence_last_value(
+           pg_get_serial_sequence('${schema}.${table}', 'id')::regclass), 0);
+$fn$;
+
+-- The transactions running now, other than the caller's: each holds the lock on its own virtual
+-- transaction id from its start, with or without an xid (pg_locks: readable by any role). A hole
+-- keeps the list of those running when it was found (see <table>_discover).
+CREATE OR REPLACE FUNCTION ${schema}.${table}_running() RETURNS text[]
+    LANGUAGE sql VOLATILE
+AS $fn$
+SELECT coalesce(array_agg(l.virtualxid ORDER BY l.virtualxid), '{}')
+  FROM pg_catalog.pg_locks l
+ WHERE l.locktype = 'virtualxid' AND l.mode = 'ExclusiveLock' AND l.granted
+   AND l.pid IS DISTINCT FROM pg_catalog.pg_backend_pid();
+$fn$;
+
+-- Discovery, by the claim that holds the cursor row (`c`: its position, hole_count and
+-- hole_watch only; the hole arrays are read here when needed): the rows above the cursor (at
+-- most p_scan, in id order), the rows that filled a hole and the rows writers or operators
+-- changed.
+--
+-- Holes (version 16): ids at or below the cursor not seen yet, each with the transactions
+-- (virtual transaction ids, from pg_locks) that were running when it was found. Only those can
+-- still fill it: an id is drawn before its row is written, and a transaction that drew one and
+-- ended is seen by any later snapshot. A hole is read again only when one of its transactions has
+-- ended, and dropped once all have (after that read). Transaction ids (xids) are not enough: a
+-- writer draws its id before it has an xid (an ON CONFLICT retry waiting for its first attempt,
+-- a BEFORE trigger), and a hole closed on xids alone skipped its row for good (review 3, P1).
+-- p_hole_margin is no longer read (kept for the signature).
 -- Keys nobody knows yet are leased to this claim with their new rows, while the batch has room
 -- (when every such row can go now), the others registered as ready work; keys already known are
 -- locked FOR SHARE, so that no claim or settle drops one in an older snapshot while this
@@ -345,16 +383,22 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_discover(
     created_at timestamptz, attempts integer, reclaimed boolean
 )
     LANGUAGE plpgsql VOLATILE
-    SET jit = off SET enable_bitmapscan = off
+    SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
 AS $fn$
 #variable_conflict use_column
 DECLARE
-    -- The read's own snapshot (taken in the read below): a hole it finds is closed only once
-    -- every transaction running then has ended (a later snapshot's xmin beyond this xmax). An
-    -- xmax from before the read (this function's start) forgot a writer that began in between
-    -- (version 13; tests/integration/test_holes.py).
-    v_xmin xid8;
-    v_xmax xid8;
+    -- The highest id drawn, read before the rows (every id at or below it was drawn by then).
+    v_last bigint;
+    -- The transactions running (other than this one), read before the rows while holes exist.
+    v_running text[];
+    -- Some hole's transaction ended: the holes are read again.
+    v_reread boolean := false;
+    v_lo bigint[];
+    v_hi bigint[];
+    v_vx text[];
+    v_at timestamptz[];
+    v_position bigint;
+    v_gaps int8multirange;
     v_ids bigint[];
     v_keys text[];
     v_ok boolean[];
@@ -415,14 +459,23 @@ BEGIN
                             WHERE d.ordering_key = w.ordering_key AND d.dead_at IS NOT NULL);
     END IF;
 
+    v_last := ${schema}.${table}_last_id();
+    IF c.hole_count > 0 THEN
+        v_running := ${schema}.${table}_running();
+        IF NOT (c.hole_watch <@ v_running) THEN
+            v_reread := true;
+            SELECT x.hole_lo, x.hole_hi, x.hole_vx, x.hole_at INTO v_lo, v_hi, v_vx, v_at
+              FROM ${schema}.${table}_cursor x WHERE x.one;
+        END IF;
+    END IF;
+
     -- What is new: id, key, pending, whether it can go now (due, topic not paused), and whether
     -- it lies above the cursor.
     SELECT array_agg(s.id ORDER BY s.id), array_agg(s.ordering_key ORDER BY s.id),
            array_agg(s.ok ORDER BY s.id), array_agg(s.fresh ORDER BY s.id),
            array_agg(s.pending ORDER BY s.id), array_agg(s.touched ORDER BY s.id),
-           max(s.id) FILTER (WHERE s.fresh),
-           pg_snapshot_xmin(pg_current_snapshot()), pg_snapshot_xmax(pg_current_snapshot())
-      INTO v_ids, v_keys, v_ok, v_fresh, v_pending, v_touched, v_top, v_xmin, v_xmax
+           max(s.id) FILTER (WHERE s.fresh)
+      INTO v_ids, v_keys, v_ok, v_fresh, v_pending, v_touched, v_top
       FROM ((SELECT o.id, o.ordering_key, o.published_at IS NULL AND o.dead_at IS NULL AS pending,
                     o.next_attempt_at <= now()
                     AND (p_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (p_paused)) AS ok,
@@ -435,55 +488,87 @@ BEGIN
                     o.next_attempt_at <= now()
                     AND (p_paused IS NULL OR o.topic IS NULL OR o.topic <> ALL (p_paused)),
                     false, false
-               FROM unnest(c.hole_lo, c.hole_hi) AS h(lo, hi)
+               FROM unnest(v_lo, v_hi, v_vx) AS h(lo, hi, vx)
               CROSS JOIN LATERAL (SELECT * FROM ${schema}.${table} o
-                                   WHERE o.id >= h.lo AND o.id <= h.hi) o)
+                                   WHERE o.id >= h.lo AND o.id <= h.hi) o
+              WHERE v_reread AND NOT (string_to_array(h.vx, ',') <@ v_running))
             UNION ALL
             (SELECT o.id, o.ordering_key, o.published_at IS NULL AND o.dead_at IS NULL,
                     -- A changed row waits for its key's turn (it may not be the key's first).
                     false, false, true
                FROM ${schema}.${table} o WHERE o.id = ANY (v_changed) AND o.id <= c.position)) s;
 
-    -- The cursor moves on. Holes (only while writers' transactions overlap): the old ones minus
-    -- the ids now seen, minus those no transaction open when they were found can still fill, plus
-    -- the gaps between the new ids.
-    IF cardinality(c.hole_lo) = 0 AND (v_top IS NULL OR v_top - c.position
-            = (SELECT count(*) FROM unnest(v_fresh) AS f WHERE f)) THEN
-        IF v_top IS NOT NULL THEN
-            UPDATE ${schema}.${table}_cursor x SET position = v_top WHERE x.one;
+    -- The cursor moves on, to the highest new id (or, past a run of ids drawn but not seen
+    -- longer than a scan, an open bulk insert, to the highest id drawn: that run becomes a hole,
+    -- read again only when its writer ends, not at every claim: review 3, P9).
+    v_position := greatest(c.position, coalesce(v_top, c.position));
+    IF v_last > v_position + p_scan
+       AND (SELECT count(*) FROM unnest(v_fresh) AS f WHERE f) < p_scan THEN
+        v_position := v_last;
+    END IF;
+    -- New holes: the ids between the cursor and its new place that this read did not see.
+    v_gaps := '{}';
+    IF v_position > c.position THEN
+        SELECT int8multirange(int8range(c.position + 1, v_position, '[]'))
+               - coalesce(range_agg(int8range(u.id, u.id, '[]')), '{}'::int8multirange)
+          INTO v_gaps
+          FROM unnest(v_ids, v_fresh) AS u(id, fresh) WHERE u.fresh;
+    END IF;
+    IF isempty(v_gaps) AND NOT v_reread THEN
+        -- (the hole arrays are left as they are: no rewrite of the cursor at every claim while a
+        -- writer stays open, and none of its TOASTed arrays: review 3, P4)
+        IF v_position > c.position THEN
+            UPDATE ${schema}.${table}_cursor x SET position = v_position WHERE x.one;
         END IF;
-    ELSIF v_ids IS NULL AND NOT EXISTS (
-            SELECT 1 FROM unnest(c.hole_xmax, c.hole_at) AS h(x, at)
-             WHERE h.x <= v_xmin AND h.at < now() - p_hole_margin * interval '1 second') THEN
-        -- Holes that nothing filled and none that can go: the cursor stays as it is (rewriting
-        -- it at every claim while a writer stays open piled up versions its snapshot keeps).
-        NULL;
     ELSE
+        IF v_running IS NULL THEN
+            -- (read after the rows: a writer of a new hole's id that ended before this read
+            -- is seen by the read that closes the hole, one of whose transactions this is not)
+            v_running := ${schema}.${table}_running();
+        END IF;
+        IF NOT v_reread THEN
+            SELECT x.hole_lo, x.hole_hi, x.hole_vx, x.hole_at INTO v_lo, v_hi, v_vx, v_at
+              FROM ${schema}.${table}_cursor x WHERE x.one;
+        END IF;
         UPDATE ${schema}.${table}_cursor x
-           SET position = greatest(c.position, coalesce(v_top, c.position)),
-               (hole_lo, hole_hi, hole_xmax, hole_at) = (
+           SET position = v_position,
+               (hole_lo, hole_hi, hole_vx, hole_at, hole_count, hole_watch) = (
                 SELECT coalesce(array_agg(lower(h.piece) ORDER BY lower(h.piece)), '{}'),
                        coalesce(array_agg(upper(h.piece) - 1 ORDER BY lower(h.piece)), '{}'),
-                       coalesce(array_agg(h.hx ORDER BY lower(h.piece)), '{}'),
-                       coalesce(array_agg(h.hat ORDER BY lower(h.piece)), '{}')
-                  FROM (SELECT old.x AS hx, old.at AS hat, r AS piece
-                          FROM unnest(c.hole_lo, c.hole_hi, c.hole_xmax, c.hole_at)
-                               AS old(lo, hi, x, at)
-                         CROSS JOIN LATERAL unnest(
-                             int8multirange(int8range(old.lo, old.hi, '[]'))
-                             - coalesce((SELECT range_agg(int8range(u.id, u.id, '[]'))
-                                           FROM unnest(v_ids) AS u(id)
-                                          WHERE u.id >= old.lo AND u.id <= old.hi),
-                                        '{}'::int8multirange)) AS r
-                         WHERE NOT (old.x <= v_xmin
-                                    AND old.at < now() - p_hole_margin * interval '1 second')
-                        UNION ALL
-                        -- (found now, not at the claim's start: a claim that waited for a
-                        -- lock must not find its holes already past the margin)
-                        SELECT v_xmax, clock_timestamp(), int8range(g.prev + 1, g.id - 1, '[]')
-                          FROM (SELECT u.id, lag(u.id, 1, c.position) OVER (ORDER BY u.id) AS prev
-                                  FROM unnest(v_ids, v_fresh) AS u(id, fresh) WHERE u.fresh) g
-                         WHERE g.id > g.prev + 1) h)
+                       coalesce(array_agg(h.vx ORDER BY lower(h.piece)), '{}'),
+                       coalesce(array_agg(h.found ORDER BY lower(h.piece)), '{}'),
+                       count(*),
+                       coalesce((SELECT array_agg(DISTINCT t.vx ORDER BY t.vx)
+                                   FROM unnest(array_agg(h.vx)) AS a(list)
+                                  CROSS JOIN LATERAL unnest(string_to_array(a.list, ',')) AS t(vx)),
+                                '{}')
+                  FROM (
+                    -- Old holes: read again (some transaction of theirs ended) they lose the
+                    -- ids seen and the transactions that ended, and go when none is left;
+                    -- the others stay as they were.
+                    SELECT CASE WHEN v_reread AND NOT (string_to_array(old.vx, ',') <@ v_running)
+                                THEN array_to_string(ARRAY(
+                                         SELECT t.vx FROM unnest(string_to_array(old.vx, ','))
+                                                AS t(vx)
+                                          WHERE t.vx = ANY (v_running) ORDER BY 1), ',')
+                                ELSE old.vx END AS vx,
+                           old.at AS found, r AS piece
+                      FROM unnest(v_lo, v_hi, v_vx, v_at) AS old(lo, hi, vx, at)
+                     CROSS JOIN LATERAL unnest(
+                         int8multirange(int8range(old.lo, old.hi, '[]'))
+                         - coalesce((SELECT range_agg(int8range(u.id, u.id, '[]'))
+                                       FROM unnest(v_ids) AS u(id)
+                                      WHERE u.id >= old.lo AND u.id <= old.hi),
+                                    '{}'::int8multirange)) AS r
+                    UNION ALL
+                    -- New holes: the transactions running now, and 'new', which no running
+                    -- transaction matches: a new hole is read once more at the next discovery
+                    -- (a writer of its ids may have ended between this read and the list).
+                    SELECT array_to_string(v_running || 'new'::text, ','), clock_timestamp(),
+                           g.piece
+                      FROM unnest(v_gaps) AS g(piece)
+                  ) h
+                 WHERE h.vx <> '')
          WHERE x.one;
     END IF;
 
@@ -620,7 +705,7 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_claim_work(
     created_at timestamptz, attempts integer, reclaimed boolean
 )
     LANGUAGE plpgsql VOLATILE
-    SET jit = off SET enable_bitmapscan = off
+    SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -662,12 +747,17 @@ BEGIN
                       FOR UPDATE SKIP LOCKED);
     END IF;
 
-    SELECT * INTO c FROM ${schema}.${table}_cursor x WHERE x.one;
-    IF cardinality(c.hole_lo) > 0
-       OR (SELECT o.id FROM ${schema}.${table} o WHERE o.id > c.position ORDER BY o.id LIMIT 1)
+    -- (Not the hole arrays: they are TOASTed once holes pile up, and read only when needed.)
+    SELECT x.position, x.hole_count, x.hole_watch INTO c.position, c.hole_count, c.hole_watch
+      FROM ${schema}.${table}_cursor x WHERE x.one;
+    IF (SELECT o.id FROM ${schema}.${table} o WHERE o.id > c.position ORDER BY o.id LIMIT 1)
           IS NOT NULL
-       OR (SELECT x.seq FROM ${schema}.${table}_changed x ORDER BY x.seq LIMIT 1) IS NOT NULL THEN
-        SELECT * INTO v_locked FROM ${schema}.${table}_cursor x WHERE x.one FOR UPDATE SKIP LOCKED;
+       OR (SELECT x.seq FROM ${schema}.${table}_changed x ORDER BY x.seq LIMIT 1) IS NOT NULL
+       -- (a hole is looked at again only once a transaction running when it was found ended)
+       OR (c.hole_count > 0 AND NOT (c.hole_watch <@ ${schema}.${table}_running())) THEN
+        SELECT x.position, x.hole_count, x.hole_watch
+          INTO v_locked.position, v_locked.hole_count, v_locked.hole_watch
+          FROM ${schema}.${table}_cursor x WHERE x.one FOR UPDATE SKIP LOCKED;
         IF FOUND THEN
             c := v_locked;
             -- Known work waiting (a lease that expired, a retry due, a key registered by an
@@ -702,8 +792,11 @@ BEGIN
     -- commit); the run from the head would send the next row first. Read before the keys are
     -- locked, so that what a discovery did by then is in the work rows they lock (version 13;
     -- tests/integration/test_holes.py).
-    SELECT x.position, coalesce((SELECT range_agg(int8range(h.lo, h.hi, '[]'))
-                                   FROM unnest(x.hole_lo, x.hole_hi) AS h(lo, hi)), '{}')
+    SELECT x.position,
+           CASE WHEN x.hole_count > 0
+                THEN coalesce((SELECT range_agg(int8range(h.lo, h.hi, '[]'))
+                                 FROM unnest(x.hole_lo, x.hole_hi) AS h(lo, hi)), '{}')
+                ELSE '{}' END
       INTO v_known, v_holes
       FROM ${schema}.${table}_cursor x WHERE x.one;
 
@@ -959,7 +1052,7 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_settle_late(
     p_delete boolean
 ) RETURNS SETOF bigint
     LANGUAGE plpgsql VOLATILE
-    SET jit = off SET enable_bitmapscan = off
+    SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -1014,7 +1107,7 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_settle_work(
     p_block_on_dead boolean
 ) RETURNS SETOF bigint
     LANGUAGE plpgsql VOLATILE
-    SET jit = off SET enable_bitmapscan = off
+    SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -1148,7 +1241,7 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_extend_work(
     p_seconds double precision
 ) RETURNS SETOF bigint
     LANGUAGE plpgsql VOLATILE
-    SET jit = off SET enable_bitmapscan = off
+    SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
 AS $fn$
 DECLARE
     v_held uuid[];
@@ -1180,7 +1273,7 @@ $fn$;
 -- whole lease and counting an attempt. Returns how many keys (and rows without one) it held.
 CREATE OR REPLACE FUNCTION ${schema}.${table}_release_work(p_token uuid) RETURNS integer
     LANGUAGE plpgsql VOLATILE
-    SET jit = off SET enable_bitmapscan = off
+    SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
 AS $fn$
 DECLARE
     v_rows integer;
@@ -1215,7 +1308,7 @@ $fn$;
 CREATE OR REPLACE FUNCTION ${schema}.${table}_reclaim_work(p_max_attempts integer, p_block_on_dead boolean)
 RETURNS TABLE (id bigint, event_id uuid, topic text, ordering_key text, lease_owner text)
     LANGUAGE plpgsql VOLATILE
-    SET jit = off SET enable_bitmapscan = off
+    SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
 AS $fn$
 #variable_conflict use_column
 BEGIN
@@ -1296,7 +1389,7 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_sweep(
     OUT wrapped boolean
 )
     LANGUAGE plpgsql VOLATILE
-    SET jit = off SET enable_bitmapscan = off
+    SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
 AS $fn$
 DECLARE
     c ${schema}.${table}_cursor;

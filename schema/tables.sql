@@ -215,19 +215,24 @@ CREATE INDEX ${table}_work_looping_idx ON ${schema}.${table}_work (claim_expires
 CREATE TABLE ${schema}.${table}_cursor (
     one boolean PRIMARY KEY DEFAULT true CHECK (one),
     position bigint NOT NULL DEFAULT 0,
-    -- Holes: id ranges [lo, hi] at or below position not seen yet, each with the xmax of the
-    -- snapshot that first found it and when (dropped once no transaction open then can still
-    -- commit and hole_margin has passed).
+    -- Holes: id ranges [lo, hi] at or below position not seen yet, and when each was found;
+    -- hole_vx (version 16): each hole's transactions that were running then (see
+    -- <table>_discover).
     hole_lo bigint[] NOT NULL DEFAULT '{}',
     hole_hi bigint[] NOT NULL DEFAULT '{}',
-    hole_xmax xid8[] NOT NULL DEFAULT '{}',
     hole_at timestamptz[] NOT NULL DEFAULT '{}',
     -- The sweep's place (it walks ids from here up to position, then starts over).
     swept bigint NOT NULL DEFAULT 0,
     sweep_started_at timestamptz NOT NULL DEFAULT now(),
     -- Bumped by every change of <table>_paused (a trigger): keys parked under older pauses are
     -- looked at again.
-    pause_gen bigint NOT NULL DEFAULT 0
+    pause_gen bigint NOT NULL DEFAULT 0,
+    -- Each hole's running transactions, comma-separated (aligned with hole_lo).
+    hole_vx text[] NOT NULL DEFAULT '{}',
+    -- How many holes, and every transaction any of them waits for: what a claim reads each
+    -- time (the arrays above only once a transaction of theirs ended).
+    hole_count integer NOT NULL DEFAULT 0,
+    hole_watch text[] NOT NULL DEFAULT '{}'
 );
 
 COMMENT ON TABLE ${schema}.${table}_cursor IS
@@ -296,8 +301,8 @@ BEGIN
     DELETE FROM ${schema}.${table}_work;
     DELETE FROM ${schema}.${table}_changed;
     UPDATE ${schema}.${table}_cursor
-       SET position = 0, hole_lo = '{}', hole_hi = '{}', hole_xmax = '{}', hole_at = '{}',
-           swept = 0, sweep_started_at = now();
+       SET position = 0, hole_lo = '{}', hole_hi = '{}', hole_vx = '{}', hole_at = '{}',
+           hole_count = 0, hole_watch = '{}', swept = 0, sweep_started_at = now();
     RETURN NULL;
 END;
 $fn$;
@@ -321,6 +326,10 @@ CREATE TRIGGER ${table}_pauses_changed
     AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON ${schema}.${table}_paused
     FOR EACH STATEMENT EXECUTE FUNCTION ${schema}.${table}_pauses_changed();
 
+
+-- @engine last_id
+
+-- @engine running
 
 -- @engine discover
 

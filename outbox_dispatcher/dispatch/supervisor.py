@@ -123,6 +123,14 @@ class Dispatcher:
                     await migrations.check_version(conn, s.db_schema, s.table)
                 await db.require_read_committed(conn)
             store = DispatchStore(pool, self.statements)  # the one store every component is handed
+            if (cache := await store.id_cache()) > 1:
+                # Runs anyway (nothing is lost: the sweep finds such rows), but out of order.
+                log.warning(
+                    "identity_cache_above_one",
+                    cache=cache,
+                    detail="rows with cached ids are found only by the sweep, after their key's "
+                    "later rows: ALTER TABLE ... ALTER COLUMN id SET CACHE 1 (docs/writers.md)",
+                )
             publisher = await self._publisher(store)
             await publisher.start()
             try:

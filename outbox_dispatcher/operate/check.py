@@ -145,6 +145,15 @@ async def sweep_whole_table(store: StoreBase, settings: Settings) -> int:
 async def _check_engine(session: Session, settings: Settings, report: _Findings) -> None:
     """Pending rows no claim will look at (written around the engine's bookkeeping) until the
     sweep finds them: a drift of the engine's cache from the table."""
+    cache = await session.store.id_cache()
+    if cache > 1:
+        report.add(
+            "problem",
+            f"the outbox's id identity has CACHE {cache}: a session's cached ids fall below ids "
+            "others committed long before, and such rows are found only by the sweep, after "
+            f"their key's later rows: ALTER TABLE {settings.db_schema}.{settings.table} ALTER "
+            "COLUMN id SET CACHE 1 (docs/writers.md)",
+        )
     drift = await session.store.engine_drift()
     if not drift["rows"]:
         report.add("ok", "claim engine: every pending row is where a claim will look for it")

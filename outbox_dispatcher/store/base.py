@@ -55,6 +55,10 @@ class StoreBase:
         row = await self._row("sweep", rows=rows, hold_seconds=hold_seconds)
         return int(row[0]), bool(row[1])
 
+    async def id_cache(self) -> int:
+        """The outbox identity's CACHE: ids a session draws at a time."""
+        return int(await self._value("id_cache"))
+
     async def engine_drift(self) -> Row:
         """Pending rows no claim will look at: rows, keys, the first id."""
         return await self._row("engine_drift")

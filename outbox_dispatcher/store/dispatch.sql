@@ -266,6 +266,16 @@ SELECT coalesce(max(version), 0) FROM {version_table}
 -- seconds, a lease) and whether it finished a pass.
 SELECT repaired, wrapped FROM {sweep_fn}($rows, $hold_seconds)
 
+-- id_cache --
+-- How many ids the outbox's identity hands a session at a time (1 unless altered): above 1, a
+-- session's cached ids lie below ids others committed long before, and the claim's holes cannot
+-- wait for them (docs/writers.md).
+SELECT coalesce(max(s.seqcache), 1)
+  FROM pg_catalog.pg_depend d
+  JOIN pg_catalog.pg_sequence s ON s.seqrelid = d.objid
+ WHERE d.classid = 'pg_catalog.pg_class'::regclass AND d.refobjid = '{table}'::regclass
+   AND d.deptype IN ('a', 'i')
+
 -- engine_drift --
 -- `check`: pending rows at or below the cursor that no claim will look at (not in a hole, not in
 -- the change log, at or after no head of their key's work): rows written around the engine's

@@ -26,7 +26,7 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_claim_work(
     created_at timestamptz, attempts integer, reclaimed boolean
 )
     LANGUAGE plpgsql VOLATILE
-    SET jit = off SET enable_bitmapscan = off
+    SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -68,12 +68,17 @@ BEGIN
                       FOR UPDATE SKIP LOCKED);
     END IF;
 
-    SELECT * INTO c FROM ${schema}.${table}_cursor x WHERE x.one;
-    IF cardinality(c.hole_lo) > 0
-       OR (SELECT o.id FROM ${schema}.${table} o WHERE o.id > c.position ORDER BY o.id LIMIT 1)
+    -- (Not the hole arrays: they are TOASTed once holes pile up, and read only when needed.)
+    SELECT x.position, x.hole_count, x.hole_watch INTO c.position, c.hole_count, c.hole_watch
+      FROM ${schema}.${table}_cursor x WHERE x.one;
+    IF (SELECT o.id FROM ${schema}.${table} o WHERE o.id > c.position ORDER BY o.id LIMIT 1)
           IS NOT NULL
-       OR (SELECT x.seq FROM ${schema}.${table}_changed x ORDER BY x.seq LIMIT 1) IS NOT NULL THEN
-        SELECT * INTO v_locked FROM ${schema}.${table}_cursor x WHERE x.one FOR UPDATE SKIP LOCKED;
+       OR (SELECT x.seq FROM ${schema}.${table}_changed x ORDER BY x.seq LIMIT 1) IS NOT NULL
+       -- (a hole is looked at again only once a transaction running when it was found ended)
+       OR (c.hole_count > 0 AND NOT (c.hole_watch <@ ${schema}.${table}_running())) THEN
+        SELECT x.position, x.hole_count, x.hole_watch
+          INTO v_locked.position, v_locked.hole_count, v_locked.hole_watch
+          FROM ${schema}.${table}_cursor x WHERE x.one FOR UPDATE SKIP LOCKED;
         IF FOUND THEN
             c := v_locked;
             -- Known work waiting (a lease that expired, a retry due, a key registered by an
@@ -108,8 +113,11 @@ BEGIN
     -- commit); the run from the head would send the next row first. Read before the keys are
     -- locked, so that what a discovery did by then is in the work rows they lock (version 13;
     -- tests/integration/test_holes.py).
-    SELECT x.position, coalesce((SELECT range_agg(int8range(h.lo, h.hi, '[]'))
-                                   FROM unnest(x.hole_lo, x.hole_hi) AS h(lo, hi)), '{}')
+    SELECT x.position,
+           CASE WHEN x.hole_count > 0
+                THEN coalesce((SELECT range_agg(int8range(h.lo, h.hi, '[]'))
+                                 FROM unnest(x.hole_lo, x.hole_hi) AS h(lo, hi)), '{}')
+                ELSE '{}' END
       INTO v_known, v_holes
       FROM ${schema}.${table}_cursor x WHERE x.one;
 

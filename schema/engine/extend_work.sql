@@ -6,7 +6,7 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_extend_work(
     p_seconds double precision
 ) RETURNS SETOF bigint
     LANGUAGE plpgsql VOLATILE
-    SET jit = off SET enable_bitmapscan = off
+    SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
 AS $fn$
 DECLARE
     v_held uuid[];

@@ -7,7 +7,7 @@
 CREATE OR REPLACE FUNCTION ${schema}.${table}_reclaim_work(p_max_attempts integer, p_block_on_dead boolean)
 RETURNS TABLE (id bigint, event_id uuid, topic text, ordering_key text, lease_owner text)
     LANGUAGE plpgsql VOLATILE
-    SET jit = off SET enable_bitmapscan = off
+    SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
 AS $fn$
 #variable_conflict use_column
 BEGIN

@@ -3,7 +3,7 @@
 -- whole lease and counting an attempt. Returns how many keys (and rows without one) it held.
 CREATE OR REPLACE FUNCTION ${schema}.${table}_release_work(p_token uuid) RETURNS integer
     LANGUAGE plpgsql VOLATILE
-    SET jit = off SET enable_bitmapscan = off
+    SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
 AS $fn$
 DECLARE
     v_rows integer;

@@ -19,7 +19,7 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_settle_work(
     p_block_on_dead boolean
 ) RETURNS SETOF bigint
     LANGUAGE plpgsql VOLATILE
-    SET jit = off SET enable_bitmapscan = off
+    SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
 AS $fn$
 #variable_conflict use_column
 DECLARE

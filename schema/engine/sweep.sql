@@ -11,7 +11,7 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_sweep(
     OUT wrapped boolean
 )
     LANGUAGE plpgsql VOLATILE
-    SET jit = off SET enable_bitmapscan = off
+    SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
 AS $fn$
 DECLARE
     c ${schema}.${table}_cursor;

@@ -6,6 +6,10 @@
 -- A dispatcher of schema version 10 to 15 runs beside this step (the functions keep their
 -- signatures), so `migrate` applies it whenever it runs.
 
+-- @engine last_id
+
+-- @engine running
+
 -- @engine claim_work
 
 -- @engine discover
@@ -16,11 +20,42 @@
 
 -- @engine release_work
 
+-- @engine settle_late
+
 -- @engine settle_work
 
 -- @engine sweep
 
 ALTER TABLE ${schema}.${table}_cursor DROP COLUMN compat;
+
+-- P1, P4, P9: a hole keeps the transactions running when it was found (pg_locks' virtual
+-- transaction ids, which a writer has before it draws an id, unlike an xid) instead of a
+-- snapshot's xmax; a claim reads the holes again only once one of those ended. Holes open now
+-- keep every transaction running now, and are read once more ('new').
+ALTER TABLE ${schema}.${table}_cursor
+    DROP COLUMN hole_xmax,
+    ADD COLUMN hole_vx text[] NOT NULL DEFAULT '{}',
+    ADD COLUMN hole_count integer NOT NULL DEFAULT 0,
+    ADD COLUMN hole_watch text[] NOT NULL DEFAULT '{}';
+UPDATE ${schema}.${table}_cursor
+   SET hole_vx = array_fill(array_to_string(${schema}.${table}_running() || 'new'::text, ','),
+                            ARRAY[cardinality(hole_lo)]),
+       hole_count = cardinality(hole_lo),
+       hole_watch = ${schema}.${table}_running() || 'new'::text
+ WHERE cardinality(hole_lo) > 0;
+
+CREATE OR REPLACE FUNCTION ${schema}.${table}_truncated() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    DELETE FROM ${schema}.${table}_work;
+    DELETE FROM ${schema}.${table}_changed;
+    UPDATE ${schema}.${table}_cursor
+       SET position = 0, hole_lo = '{}', hole_hi = '{}', hole_vx = '{}', hole_at = '{}',
+           hole_count = 0, hole_watch = '{}', swept = 0, sweep_started_at = now();
+    RETURN NULL;
+END;
+$fn$;
 
 -- P8: a claim's last row, so that <table>_leases lists every row a claim holds after a late row
 -- lowered its key's head (the view used [claim_first, head_id)). NULL on work leased before this

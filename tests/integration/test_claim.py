@@ -645,9 +645,10 @@ async def test_rows_a_settle_publishes_while_discovery_reads_them_are_not_claime
 async def test_claims_beside_an_open_writer_do_not_rewrite_the_cursor(
     pool: asyncpg.Pool, conn: asyncpg.Connection, database_url: str, make_settings: Any
 ) -> None:
-    """While a writer's transaction stays open its id is a hole every discovery looks at again.
-    Claims that find nothing new leave the cursor row alone: a rewrite per claim left versions
-    that the open transaction's snapshot keeps from vacuum, and claims grew dearer with its age."""
+    """While a writer's transaction stays open its id is a hole, read again only when a
+    transaction running when it was found ends. Claims that find nothing new leave the cursor row
+    alone: a rewrite per claim left versions that the open transaction's snapshot keeps from
+    vacuum, and claims grew dearer with its age."""
     writer = await asyncpg.connect(database_url)
     try:
         tx = writer.transaction()
@@ -660,6 +661,9 @@ async def test_claims_beside_an_open_writer_do_not_rewrite_the_cursor(
         assert by_key(batch) == {"a": ids}
         assert batch is not None
         await settle(pool, batch, [Result(Outcome.PUBLISHED)])
+        # (a new hole is read once more by the next claim, which records that only the open
+        # writer can still fill it: one rewrite; from then on, none)
+        assert await claimer(pool, make_settings()).claim() is None
         before = await conn.fetchrow("SELECT ctid, hole_lo FROM outbox_cursor")
         assert list(before["hole_lo"]) == [held]
         for _ in range(20):

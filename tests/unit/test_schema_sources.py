@@ -62,11 +62,15 @@ def test_the_check_fails_on_a_hand_edited_schema_and_on_an_engine_change_no_step
     assert edited.returncode == 1 and "schema/schema.sql is not what" in edited.stderr
     subprocess.run([sys.executable, str(schema / "build.py")], check=True, capture_output=True)
     # (a function no step carries yet: an unreleased step's functions follow their sources)
-    late = schema / "engine" / "settle_late.sql"
-    late.write_text(late.read_text().replace("v_keys text[];", "v_keys text[]; -- changed"))
+    (schema / "engine" / "extra.sql").write_text(
+        "CREATE OR REPLACE FUNCTION ${schema}.${table}_extra() RETURNS integer\n"
+        "    LANGUAGE sql\nAS $fn$\nSELECT 1;\n$fn$;\n"
+    )
+    tables = schema / "tables.sql"
+    tables.write_text(tables.read_text() + "\n-- @engine extra\n")
     subprocess.run([sys.executable, str(schema / "build.py")], check=False, capture_output=True)
     missed = subprocess.run(build, capture_output=True, text=True, check=False)
-    assert missed.returncode == 1 and "schema/engine/settle_late.sql differs" in missed.stderr
+    assert missed.returncode == 1 and "schema/engine/extra.sql differs" in missed.stderr
 
 
 @pytest.mark.parametrize("name", ["bad name", "Upper"])
