@@ -21,7 +21,6 @@ import time
 import uuid
 
 import asyncpg
-
 import common
 
 LIMIT, MAX_KEYS, SCAN, LEASE = 500, 500, 1000, 30.0
@@ -34,7 +33,7 @@ INSERT = (
 )
 SLOW_CLAIM = common.CLAIM_C0
 SETTLE_C0 = common.SETTLE_C0
-C1_CLAIM_F = f'SELECT * FROM "public".outbox_c1_claim($1, $2, $3, $4, $5)'
+C1_CLAIM_F = 'SELECT * FROM "public".outbox_c1_claim($1, $2, $3, $4, $5)'
 C1_SETTLE_F = 'SELECT * FROM "public".outbox_c1_settle($1, $2, $3, $4)'
 C3_CALL = 'SELECT * FROM "public".outbox_c3_settle_claim($1, $2, $3, $4, $5, $6, $7, $8)'
 
@@ -45,7 +44,10 @@ class Engine:
     def __init__(self, name: str, conn: asyncpg.Connection, pid: int):
         self.name, self.c, self.pid = name, conn, pid
         self.claim_p, self.settle_p = common.c1_statements()
-        self.t = {k: [] for k in ("claim", "empty", "settle", "settle_claim", "settle_claim_empty", "slow")}
+        self.t = {
+            k: []
+            for k in ("claim", "empty", "settle", "settle_claim", "settle_claim_empty", "slow")
+        }
         self.slow = 0
         self.why = {}
 
@@ -57,13 +59,17 @@ class Engine:
         # The slow path: today's claim, with the plan cache back on auto for it.
         async with self.c.transaction():
             await self.c.execute("SET LOCAL plan_cache_mode = auto; SET LOCAL enable_seqscan = on")
-            return await self.c.fetch(SLOW_CLAIM, LIMIT, MAX_KEYS, OWNER, LEASE, token, False, 10, SCAN)
+            return await self.c.fetch(
+                SLOW_CLAIM, LIMIT, MAX_KEYS, OWNER, LEASE, token, False, 10, SCAN
+            )
 
     async def claim(self):
         token = uuid.uuid4()
         a = self.cpu()
         if self.name == "C0":
-            rows = await self.c.fetch(SLOW_CLAIM, LIMIT, MAX_KEYS, OWNER, LEASE, token, False, 10, SCAN)
+            rows = await self.c.fetch(
+                SLOW_CLAIM, LIMIT, MAX_KEYS, OWNER, LEASE, token, False, 10, SCAN
+            )
         else:
             q = self.claim_p if self.name == "C1p" else C1_CLAIM_F
             rows = await self.c.fetch(q, LIMIT, token, OWNER, LEASE, False)
@@ -82,8 +88,19 @@ class Engine:
         a = self.cpu()
         if self.name == "C0":
             n = len(rows)
-            await self.c.fetch(SETTLE_C0, token, OWNER, ids, keys, ["published"] * n, [None] * n,
-                               [0.0] * n, [0] * n, False, False)
+            await self.c.fetch(
+                SETTLE_C0,
+                token,
+                OWNER,
+                ids,
+                keys,
+                ["published"] * n,
+                [None] * n,
+                [0.0] * n,
+                [0] * n,
+                False,
+                False,
+            )
         elif self.name == "C1p":
             await self.c.fetch(self.settle_p, token, ids, keys, OWNER)
         else:
@@ -120,9 +137,12 @@ async def connect_dispatcher(db: str, cand: str):
     c = await asyncpg.connect(common.dsn(db, "disp"), server_settings=settings)
     if os.environ.get("CAND_AUTO_EXPLAIN"):
         # (diagnosis only) plans of slow calls into the server log
-        await c.execute("LOAD 'auto_explain'; SET auto_explain.log_min_duration = "
-                        + os.environ["CAND_AUTO_EXPLAIN"] + "; SET auto_explain.log_nested_statements = on;"
-                        " SET auto_explain.log_analyze = on; SET auto_explain.log_buffers = on")
+        await c.execute(
+            "LOAD 'auto_explain'; SET auto_explain.log_min_duration = "
+            + os.environ["CAND_AUTO_EXPLAIN"]
+            + "; SET auto_explain.log_nested_statements = on;"
+            " SET auto_explain.log_analyze = on; SET auto_explain.log_buffers = on"
+        )
     return c, await c.fetchval("SELECT pg_backend_pid()")
 
 
@@ -135,7 +155,9 @@ async def stats(adm, dbname):
                   coalesce(sum(wal_bytes) FILTER (WHERE u.rolname = 'disp' AND toplevel), 0) AS disp_wal,
                   coalesce(sum(wal_bytes) FILTER (WHERE u.rolname = 'writer' AND toplevel), 0) AS writer_wal
              FROM pg_stat_statements s JOIN pg_roles u ON u.oid = s.userid
-            WHERE s.dbid = (SELECT oid FROM pg_database WHERE datname = $1)""", dbname)
+            WHERE s.dbid = (SELECT oid FROM pg_database WHERE datname = $1)""",
+        dbname,
+    )
     return dict(r)
 
 
@@ -143,12 +165,16 @@ def med(v):
     return round(statistics.median(v) / 1e3) if v else None
 
 
-async def loop_run(regime: str, cand: str, mode: str, rate: int, rows_per_tx: int, secs: float, keys: int = 1000):
+async def loop_run(
+    regime: str, cand: str, mode: str, rate: int, rows_per_tx: int, secs: float, keys: int = 1000
+):
     template = regime + {"C4": "_c4", "C4c": "_c4c"}.get(cand, "")
-    db = f"cand_run"
+    db = "cand_run"
     common.new_db(template, db)
     adm = await asyncpg.connect(common.dsn(db))
-    w = await asyncpg.connect(common.dsn(db, "writer"), server_settings={"application_name": "writer"})
+    w = await asyncpg.connect(
+        common.dsn(db, "writer"), server_settings={"application_name": "writer"}
+    )
     wpid = await w.fetchval("SELECT pg_backend_pid()")
     d, dpid = await connect_dispatcher(db, cand)
     eng = Engine("C1f" if cand in ("C3", "C4", "C4c") else cand, d, dpid)
@@ -175,7 +201,9 @@ async def loop_run(regime: str, cand: str, mode: str, rate: int, rows_per_tx: in
             delay = t0 + i / tx_per_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            await w.execute(INSERT, [f"k{rng.randrange(keys)}" for _ in range(rows_per_tx)], PAYLOAD, HEADERS)
+            await w.execute(
+                INSERT, [f"k{rng.randrange(keys)}" for _ in range(rows_per_tx)], PAYLOAD, HEADERS
+            )
             inserted += rows_per_tx
             wake.set()
         done.set()
@@ -211,7 +239,7 @@ async def loop_run(regime: str, cand: str, mode: str, rate: int, rows_per_tx: in
                     # settle and claim in one call.
                     try:
                         await asyncio.wait_for(wake.wait(), 0.1)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
                 if combined and (mode == "poll" or full or wake.is_set()):
                     wake.clear()
@@ -243,18 +271,31 @@ async def loop_run(regime: str, cand: str, mode: str, rate: int, rows_per_tx: in
     work_left = await adm.fetchval("SELECT count(*) FROM outbox_work")
     # autovacuum is left at its defaults: a run on a fresh database may see the first
     # autoanalyze of outbox (which ends the no-statistics regime); seconds after the run's start.
-    av = await adm.fetch("SELECT relname || coalesce(' analyze@' || round(extract(epoch FROM last_autoanalyze - $1)::numeric, 1), '')"
-                         " || coalesce(' vacuum@' || round(extract(epoch FROM last_autovacuum - $1)::numeric, 1), '') AS relname"
-                         " FROM pg_stat_user_tables"
-                         " WHERE relname IN ('outbox', 'outbox_work', 'outbox_cursor')"
-                         " AND (last_autoanalyze > $1 OR last_autovacuum > $1)", ts0)
+    av = await adm.fetch(
+        "SELECT relname || coalesce(' analyze@' || round(extract(epoch FROM last_autoanalyze - $1)::numeric, 1), '')"
+        " || coalesce(' vacuum@' || round(extract(epoch FROM last_autovacuum - $1)::numeric, 1), '') AS relname"
+        " FROM pg_stat_user_tables"
+        " WHERE relname IN ('outbox', 'outbox_work', 'outbox_cursor')"
+        " AND (last_autoanalyze > $1 OR last_autovacuum > $1)",
+        ts0,
+    )
     order_ok = await check_order(adm)
     for c in (adm, w, d):
         await c.close()
     ev = inserted
     res = {
-        "run": "loop", "regime": regime, "cand": cand, "mode": mode, "rate": rate, "rows_per_tx": rows_per_tx,
-        "events": ev, "wall_s": round(wall, 1), "cycles": cycles, "empty_claims": empties, "slow_calls": eng.slow, "slow_why": eng.why,
+        "run": "loop",
+        "regime": regime,
+        "cand": cand,
+        "mode": mode,
+        "rate": rate,
+        "rows_per_tx": rows_per_tx,
+        "events": ev,
+        "wall_s": round(wall, 1),
+        "cycles": cycles,
+        "empty_claims": empties,
+        "slow_calls": eng.slow,
+        "slow_why": eng.why,
         "cpu_ms_per_1k": round(cpu / 1e6 / ev * 1000, 1),
         "writer_us_per_row": round(wcpu / 1e3 / ev, 1),
         "stmts_per_cycle": round(st["disp_calls"] / cycles, 2),
@@ -263,11 +304,17 @@ async def loop_run(regime: str, cand: str, mode: str, rate: int, rows_per_tx: in
         "plans": st["disp_plans"],
         "wal_B_per_event_beyond_writer": round((wal - st["writer_wal"]) / ev),
         "disp_wal_B_per_event": round(st["disp_wal"] / ev),
-        "us_claim": med(eng.t["claim"]), "us_settle": med(eng.t["settle"]), "us_empty": med(eng.t["empty"]),
-        "us_settle_claim": med(eng.t["settle_claim"]), "us_settle_claim_empty": med(eng.t["settle_claim_empty"]),
+        "us_claim": med(eng.t["claim"]),
+        "us_settle": med(eng.t["settle"]),
+        "us_empty": med(eng.t["empty"]),
+        "us_settle_claim": med(eng.t["settle_claim"]),
+        "us_settle_claim_empty": med(eng.t["settle_claim_empty"]),
         "us_slow": med(eng.t["slow"]),
-        "n_claim": len(eng.t["claim"]), "n_settle_claim": len(eng.t["settle_claim"]),
-        "pending_left": left, "work_left": work_left, "order_ok": order_ok,
+        "n_claim": len(eng.t["claim"]),
+        "n_settle_claim": len(eng.t["settle_claim"]),
+        "pending_left": left,
+        "work_left": work_left,
+        "order_ok": order_ok,
         "autovacuum": [r["relname"] for r in av],
     }
     return res
@@ -277,7 +324,8 @@ async def check_order(adm) -> bool:
     # Per key, publication times never go down with the id (published in one settle: equal).
     bad = await adm.fetchval(
         """SELECT count(*) FROM (SELECT published_at < lag(published_at) OVER (PARTITION BY ordering_key ORDER BY id) AS b
-                                   FROM outbox WHERE published_at IS NOT NULL) s WHERE b""")
+                                   FROM outbox WHERE published_at IS NOT NULL) s WHERE b"""
+    )
     return bad == 0
 
 
@@ -288,7 +336,8 @@ async def drain_run(regime: str, cand: str, n: int = 50_000, keys: int = 1000):
     adm = await asyncpg.connect(common.dsn(db))
     await adm.execute(
         f"INSERT INTO outbox (topic, ordering_key, payload, headers) SELECT 'orders', 'k' || (g % {keys}),"
-        f" convert_to(repeat('x', 512), 'UTF8'), '{HEADERS}' FROM generate_series(1, {n}) g")
+        f" convert_to(repeat('x', 512), 'UTF8'), '{HEADERS}' FROM generate_series(1, {n}) g"
+    )
     d, dpid = await connect_dispatcher(db, cand)
     eng = Engine("C1f" if cand in ("C3", "C4", "C4c") else cand, d, dpid)
     await adm.execute("SELECT pg_stat_statements_reset()")
@@ -316,12 +365,24 @@ async def drain_run(regime: str, cand: str, n: int = 50_000, keys: int = 1000):
     order_ok = await check_order(adm)
     await adm.close()
     await d.close()
-    return {"run": "drain", "regime": regime, "cand": cand, "events": n, "settled": settled, "cycles": cycles,
-            "wall_s": round(wall, 1), "cpu_ms_per_1k": round(cpu / 1e6 / n * 1000, 1),
-            "wal_B_per_event": round(wal / n), "disp_wal_B_per_event": round(st["disp_wal"] / n),
-            "stmts_per_cycle": round(st["disp_calls"] / max(cycles, 1), 2),
-            "plan_ms_per_cycle": round(st["disp_plan_ms"] / max(cycles, 1), 3),
-            "slow_calls": eng.slow, "slow_why": eng.why, "pending_left": left, "order_ok": order_ok}
+    return {
+        "run": "drain",
+        "regime": regime,
+        "cand": cand,
+        "events": n,
+        "settled": settled,
+        "cycles": cycles,
+        "wall_s": round(wall, 1),
+        "cpu_ms_per_1k": round(cpu / 1e6 / n * 1000, 1),
+        "wal_B_per_event": round(wal / n),
+        "disp_wal_B_per_event": round(st["disp_wal"] / n),
+        "stmts_per_cycle": round(st["disp_calls"] / max(cycles, 1), 2),
+        "plan_ms_per_cycle": round(st["disp_plan_ms"] / max(cycles, 1), 3),
+        "slow_calls": eng.slow,
+        "slow_why": eng.why,
+        "pending_left": left,
+        "order_ok": order_ok,
+    }
 
 
 def emit(res):

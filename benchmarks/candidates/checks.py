@@ -13,13 +13,14 @@ Per round and table, in turn: a one-row writer INSERT, a ten-row writer INSERT, 
 a ten-row mark; backend CPU from /proc/<pid>/schedstat around each; medians in microseconds.
 """
 
+from __future__ import annotations
+
 import asyncio
 import json
 import statistics
 import sys
 
 import asyncpg
-
 import common
 
 SETUP = """
@@ -66,7 +67,10 @@ TABLES = ["checks", "trigger", "domains", "none", "side"]
 async def main(rounds: int) -> None:
     common.new_db("fresh", "cand_checks")
     common.psql("cand_checks", SETUP)
-    w = await asyncpg.connect(common.dsn("cand_checks", "writer"), server_settings={"synchronous_commit": "off", **common.CAND_SETTINGS})
+    w = await asyncpg.connect(
+        common.dsn("cand_checks", "writer"),
+        server_settings={"synchronous_commit": "off", **common.CAND_SETTINGS},
+    )
     pid = await w.fetchval("SELECT pg_backend_pid()")
     await w.execute("SELECT pg_stat_statements_reset()")
 
@@ -76,20 +80,26 @@ async def main(rounds: int) -> None:
 
     t = {(tb, op): [] for tb in TABLES for op in ("insert1", "insert10", "mark1", "mark10")}
     for r in range(rounds):
-        order = TABLES[r % len(TABLES):] + TABLES[:r % len(TABLES)]
+        order = TABLES[r % len(TABLES) :] + TABLES[: r % len(TABLES)]
         for tb in order:
             src = "t_side_src" if tb == "side" else f"t_{tb}"
-            ins = (f"INSERT INTO {src} (topic, ordering_key, payload, headers)"
-                   " SELECT 'orders', k, $2, $3::jsonb FROM unnest($1::text[]) k RETURNING id")
+            ins = (
+                f"INSERT INTO {src} (topic, ordering_key, payload, headers)"
+                " SELECT 'orders', k, $2, $3::jsonb FROM unnest($1::text[]) k RETURNING id"
+            )
             a = cpu()
             one = await w.fetch(ins, [f"k{r}"], b"x" * 512, '{"type": "OrderPaid"}')
             t[(tb, "insert1")].append(cpu() - a)
             a = cpu()
-            ten = await w.fetch(ins, [f"k{r}-{j}" for j in range(10)], b"x" * 512, '{"type": "OrderPaid"}')
+            ten = await w.fetch(
+                ins, [f"k{r}-{j}" for j in range(10)], b"x" * 512, '{"type": "OrderPaid"}'
+            )
             t[(tb, "insert10")].append(cpu() - a)
             if tb == "side":
-                mark = ("INSERT INTO t_side (id, published_at, lease_owner)"
-                        " SELECT i, now(), 'o' FROM unnest($1::bigint[]) i")
+                mark = (
+                    "INSERT INTO t_side (id, published_at, lease_owner)"
+                    " SELECT i, now(), 'o' FROM unnest($1::bigint[]) i"
+                )
             else:
                 mark = f"UPDATE t_{tb} SET published_at = now(), lease_owner = 'o' WHERE id = ANY ($1::bigint[])"
             a = cpu()
@@ -102,11 +112,21 @@ async def main(rounds: int) -> None:
         """SELECT regexp_replace(query, '^(INSERT INTO|UPDATE) (t_[a-z_]+).*$', '\\1 \\2') AS q,
                   sum(wal_bytes)::float8 / sum(rows) AS wal_per_row
              FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
-              AND query ~ '^(INSERT INTO|UPDATE) t_' GROUP BY 1 ORDER BY 1""")
-    res = {tb: {op: round(statistics.median(t[(tb, op)][rounds // 5:]) / 1e3) for op in
-                ("insert1", "insert10", "mark1", "mark10")} for tb in TABLES}
-    out = {"run": "checks", "rounds": rounds, "us_median": res,
-           "wal_B_per_row": {r["q"]: round(r["wal_per_row"]) for r in wal}}
+              AND query ~ '^(INSERT INTO|UPDATE) t_' GROUP BY 1 ORDER BY 1"""
+    )
+    res = {
+        tb: {
+            op: round(statistics.median(t[(tb, op)][rounds // 5 :]) / 1e3)
+            for op in ("insert1", "insert10", "mark1", "mark10")
+        }
+        for tb in TABLES
+    }
+    out = {
+        "run": "checks",
+        "rounds": rounds,
+        "us_median": res,
+        "wal_B_per_row": {r["q"]: round(r["wal_per_row"]) for r in wal},
+    }
     line = json.dumps(out)
     print(line)
     with open(common.HERE / "results.jsonl", "a") as f:

@@ -7,8 +7,6 @@ import re
 import subprocess
 from pathlib import Path
 
-import asyncpg
-
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 HOST = os.environ.get("CAND_PGHOST", "/tmp/cand-pg-sock")
@@ -27,7 +25,7 @@ TEMPLATES = {
 }
 
 CLAIM_C0 = (
-    'SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts, reclaimed'
+    "SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts, reclaimed"
     ' FROM "public"."outbox_claim_work"($1, $2, $3, $4, $5, $6, $7, $8)'
 )
 SETTLE_C0 = 'SELECT * FROM "public"."outbox_settle_work"($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)'
@@ -45,8 +43,24 @@ def dsn(db: str, user: str = "postgres") -> str:
 
 def psql(db: str, sql: str) -> str:
     r = subprocess.run(
-        [PSQL, "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", HOST, "-p", str(PORT), "-U", "postgres", "-d", db],
-        input=sql, text=True, capture_output=True,
+        [
+            PSQL,
+            "-X",
+            "-q",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-h",
+            HOST,
+            "-p",
+            str(PORT),
+            "-U",
+            "postgres",
+            "-d",
+            db,
+        ],
+        input=sql,
+        text=True,
+        capture_output=True,
     )
     if r.returncode:
         raise RuntimeError(r.stderr)
@@ -60,7 +74,9 @@ def rendered_schema(domains: bool = False) -> str:
         # wants the declared result types (text, jsonb) exactly.
         old = "SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers,"
         assert s.count(old) == 2
-        s = s.replace(old, "SELECT o.id, o.topic::text, o.ordering_key::text, o.payload, o.headers::jsonb,")
+        s = s.replace(
+            old, "SELECT o.id, o.topic::text, o.ordering_key::text, o.payload, o.headers::jsonb,"
+        )
     return s.replace("${schema}", '"public"').replace("${table}", "outbox")
 
 
@@ -93,7 +109,7 @@ def c1_functions() -> str:
     claim, settle = sec["claim"].rstrip(), sec["settle"].rstrip()
     settle_plain = re.sub(r"\nRETURNING o\.id\s*$", "", settle)
     return f"""
-{sec['setup']}
+{sec["setup"]}
 CREATE FUNCTION "public".outbox_c1_claim(p_limit integer, p_token uuid, p_owner text,
         p_lease double precision, p_block boolean) RETURNS TABLE ({COLS})
     LANGUAGE plpgsql VOLATILE AS $fn$
@@ -142,19 +158,25 @@ def build_templates(history: int = 100_000) -> None:
     for name, (variant, analyzed) in TEMPLATES.items():
         db = f"cand_t_{name}"
         psql("postgres", f"DROP DATABASE IF EXISTS {db}; CREATE DATABASE {db} TEMPLATE template0;")
-        sql = ("CREATE EXTENSION IF NOT EXISTS pg_stat_statements;\n" + rendered_schema(variant == "domains")
-               + c1_functions())
+        sql = (
+            "CREATE EXTENSION IF NOT EXISTS pg_stat_statements;\n"
+            + rendered_schema(variant == "domains")
+            + c1_functions()
+        )
         if variant != "base":
             sql += sections(HERE / "c4.sql")[variant]
         psql(db, sql)
         if analyzed:
-            psql(db, f"""
+            psql(
+                db,
+                f"""
 INSERT INTO outbox (topic, ordering_key, payload, headers, published_at)
 SELECT 'orders', 'old-' || g, convert_to(repeat('x', 512), 'UTF8'), '{{"type": "OrderPaid"}}', now()
   FROM generate_series(1, {history}) g;
 UPDATE outbox_cursor SET position = (SELECT max(id) FROM outbox);
 VACUUM ANALYZE;
-""")
+""",
+            )
         psql("postgres", f"ALTER DATABASE {db} WITH ALLOW_CONNECTIONS false; CHECKPOINT;")
         print("template", db, "ready", flush=True)
 
