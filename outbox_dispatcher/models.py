@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,8 +58,8 @@ class OutboxRecord(NamedTuple):
 
     @classmethod
     def from_row(cls, row: Any) -> OutboxRecord:
-        """From a claim's result row (its columns are this tuple's fields, in order)."""
-        return cls._make(row)
+        """From a claim's result row (its first columns are this tuple's fields, in order)."""
+        return cls._make(itertools.islice(row, len(cls._fields)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +76,13 @@ class Part:
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """The rows of one claim; they share one lease token."""
+    """The rows of one claim; they share one lease token. `drained`: the claim saw no new row
+    left right after them (the steady path's claim), so a loop that announced its wait can wait
+    for the next notification instead of claiming again at once."""
 
     token: uuid.UUID
     records: list[OutboxRecord]
+    drained: bool = False
 
 
 class Outcome(enum.StrEnum):

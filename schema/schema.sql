@@ -178,6 +178,10 @@ CREATE TABLE ${schema}.${table}_work (
     -- The claim's last row (version 16): a row that commits late below the key's head lowers
     -- head_id while the claim still holds rows above it up to here.
     claim_last bigint,
+    -- The highest id a discovery passed while this key had a work row (version 16): written by
+    -- the claim that passes it, so that the key's settle, which locks this row after that claim,
+    -- sees it although its snapshot is older (the steady path's one-statement settle).
+    last_seen bigint,
     PRIMARY KEY (ordering_key, keyless),
     CONSTRAINT ${table}_work_state_valid CHECK (state IN ('r', 'w', 'p', 'b', 'x'))
 );
@@ -339,15 +343,19 @@ SELECT coalesce(pg_sequence_last_value(
 $fn$;
 
 -- The transactions running now, other than the caller's: each holds the lock on its own virtual
--- transaction id from its start, with or without an xid (pg_locks: readable by any role). A hole
--- keeps the list of those running when it was found (see <table>_discover).
+-- transaction id from its start, with or without an xid (pg_locks: readable by any role); and
+-- prepared transactions (two-phase commit), which hold none, by their xid. A hole keeps the list
+-- of those running when it was found (see <table>_discover).
 CREATE OR REPLACE FUNCTION ${schema}.${table}_running() RETURNS text[]
     LANGUAGE sql VOLATILE
 AS $fn$
-SELECT coalesce(array_agg(l.virtualxid ORDER BY l.virtualxid), '{}')
-  FROM pg_catalog.pg_locks l
- WHERE l.locktype = 'virtualxid' AND l.mode = 'ExclusiveLock' AND l.granted
-   AND l.pid IS DISTINCT FROM pg_catalog.pg_backend_pid();
+SELECT coalesce(array_agg(r.t ORDER BY r.t), '{}')
+  FROM (SELECT l.virtualxid AS t
+          FROM pg_catalog.pg_locks l
+         WHERE l.locktype = 'virtualxid' AND l.mode = 'ExclusiveLock' AND l.granted
+           AND l.pid IS DISTINCT FROM pg_catalog.pg_backend_pid()
+        UNION ALL
+        SELECT 'prepared ' || p.transaction::text FROM pg_catalog.pg_prepared_xacts p) r;
 $fn$;
 
 -- Discovery, by the claim that holds the cursor row (`c`: its position, hole_count and
@@ -594,15 +602,21 @@ BEGIN
            FOR SHARE OF w
     ),
     lowered AS (
+        -- Every known key records the highest id passed (last_seen: the steady path's
+        -- one-statement settle locks this row after this claim and sees it, although its
+        -- snapshot is older); a row that came late lowers its head.
         UPDATE ${schema}.${table}_work w
-           SET head_id = least(g.first, w.head_id),
-               state = CASE WHEN w.state IN ('b', 'x') OR w.claim_token IS NOT NULL THEN w.state
-                            ELSE 'r' END,
-               not_before = CASE WHEN w.state IN ('b', 'x') OR w.claim_token IS NOT NULL
-                                 THEN w.not_before ELSE '-infinity' END
+           SET head_id = CASE WHEN g.first < k.head_id OR g.touched
+                              THEN least(g.first, w.head_id) ELSE w.head_id END,
+               state = CASE WHEN NOT (g.first < k.head_id OR g.touched)
+                                 OR w.state IN ('b', 'x') OR w.claim_token IS NOT NULL
+                            THEN w.state ELSE 'r' END,
+               not_before = CASE WHEN NOT (g.first < k.head_id OR g.touched)
+                                      OR w.state IN ('b', 'x') OR w.claim_token IS NOT NULL
+                                 THEN w.not_before ELSE '-infinity' END,
+               last_seen = greatest(coalesce(w.last_seen, 0), g.last)
           FROM g JOIN known k ON k.ordering_key = g.wk AND k.keyless = g.kl
          WHERE w.ordering_key = g.wk AND w.keyless = g.kl
-           AND (g.first < k.head_id OR g.touched)
     ),
     unknown AS (
         -- Under dead_letter_policy = block a key with a dead row is not leased here (the claim
@@ -1020,7 +1034,7 @@ BEGIN
         UPDATE ${schema}.${table}_work x
            SET claim_token = p_token, claim_owner = p_owner,
                claim_expires_at = now() + p_lease_seconds * interval '1 second',
-               claim_first = s.first, claim_last = s.last,
+               claim_first = s.first, claim_last = s.last, last_seen = NULL,
                head_id = CASE WHEN s.kl THEN s.first ELSE s.last + 1 END,
                state = 'r', not_before = '-infinity'
           FROM span s

@@ -177,6 +177,10 @@ CREATE TABLE ${schema}.${table}_work (
     -- The claim's last row (version 16): a row that commits late below the key's head lowers
     -- head_id while the claim still holds rows above it up to here.
     claim_last bigint,
+    -- The highest id a discovery passed while this key had a work row (version 16): written by
+    -- the claim that passes it, so that the key's settle, which locks this row after that claim,
+    -- sees it although its snapshot is older (the steady path's one-statement settle).
+    last_seen bigint,
     PRIMARY KEY (ordering_key, keyless),
     CONSTRAINT ${table}_work_state_valid CHECK (state IN ('r', 'w', 'p', 'b', 'x'))
 );

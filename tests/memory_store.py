@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Literal, Unpack, cast
 
 from outbox_dispatcher.models import OutboxRecord, Outcome
 from outbox_dispatcher.store.arguments import ClaimArguments, SettleArguments
-from outbox_dispatcher.store.dispatch import DispatchStore
+from outbox_dispatcher.store.dispatch import Claimed, DispatchStore
 
 if TYPE_CHECKING:
     from outbox_dispatcher.store.base import Row
@@ -148,7 +148,7 @@ class InMemoryDispatchStore(DispatchStore):
             r.ordering_key == work and r.state == "dead" for r in self.rows.values()
         )
 
-    async def claim(self, **arguments: Unpack[ClaimArguments]) -> list[Row]:
+    async def claim(self, **arguments: Unpack[ClaimArguments]) -> Claimed:
         """Up to `limit` rows of at most `max_keys` keys that can go, oldest head first; each
         key its share of the batch, the room left to the oldest heads, a takeover's orphans before
         all (the engine's sharing, minus its candidate queues and discovery, which can lease more
@@ -194,7 +194,9 @@ class InMemoryDispatchStore(DispatchStore):
             ClaimedRow((*(getattr(r, f) for f in fields), old))
             for r, old in sorted(took, key=lambda t: t[0].id)
         ]
-        return cast("list[Row]", claimed)  # read by name, position and iteration, as a Record is
+        # (read by name, position and iteration, as a Record is; never `drained`: the fake has no
+        # steady path)
+        return Claimed(cast("list[Row]", claimed))
 
     async def release_claim(self, *, token: uuid.UUID) -> int:
         """Give back the keys (and keyless rows) a claim with a lost reply holds: uncounted."""

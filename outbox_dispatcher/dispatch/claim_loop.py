@@ -77,6 +77,10 @@ class ClaimLoop:
         self._waiting = waiting
         self._backoff = config.backoff_initial_seconds
         self._runs: dict[asyncio.Future[float], BatchRun] = {}  # this loop's batches being run
+        # The last batch was partial and its claim saw nothing left after it: the next turn
+        # waits for a notification (one that came meanwhile is kept by Wakeup) instead of
+        # claiming at once, which would almost always be empty.
+        self._drained = False
 
     async def run(self) -> None:
         shared = self._shared
@@ -99,6 +103,11 @@ class ClaimLoop:
     async def _turn(self) -> None:
         """Claim once, then wait for rows, or run the batch."""
         c = self._config
+        if self._drained:
+            self._drained = False
+            await self._wait_for_rows()
+            if self._shared.stopping.is_set():
+                return
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
@@ -135,6 +144,8 @@ class ClaimLoop:
         c, shared, m = self._config, self._shared, self._metrics
         shared.last_batch = asyncio.get_running_loop().time()
         full = len(batch.records) >= c.batch_size
+        # (only while writers notify: the wait announced, see Waiting)
+        self._drained = batch.drained and not full and self._waiting is not None
         if self._waiting is not None and full:
             # A full batch: a backlog, so the loops will not wait soon; writers can stop
             # notifying. After a partial batch the announcement stays: the loop is about to

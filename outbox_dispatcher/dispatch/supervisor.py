@@ -112,7 +112,7 @@ class Dispatcher:
         try:
             async with pool.acquire() as conn:
                 if s.delivery is DeliveryMode.EXACTLY_ONCE:
-                    await migrations.check_version(
+                    version = await migrations.check_version(
                         conn,
                         s.db_schema,
                         s.table,
@@ -120,9 +120,12 @@ class Dispatcher:
                         who_needs="exactly-once delivery (OUTBOX_DELIVERY) needs",
                     )
                 else:
-                    await migrations.check_version(conn, s.db_schema, s.table)
+                    version = await migrations.check_version(conn, s.db_schema, s.table)
                 await db.require_read_committed(conn)
-            store = DispatchStore(pool, self.statements)  # the one store every component is handed
+            # The one store every component is handed; the steady path from version 16 on.
+            store = DispatchStore(
+                pool, self.statements, steady=version >= migrations.STEADY_VERSION
+            )
             if (cache := await store.id_cache()) > 1:
                 # Runs anyway (nothing is lost: the sweep finds such rows), but out of order.
                 log.warning(

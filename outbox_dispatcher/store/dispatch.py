@@ -14,19 +14,53 @@ from typing import Unpack
 
 import asyncpg
 
+from outbox_dispatcher.store import db
 from outbox_dispatcher.store.arguments import ClaimArguments, SettleArguments
 from outbox_dispatcher.store.base import Row, StoreBase
+from outbox_dispatcher.store.statements import Statements
 
 # Raised by a claim when the server's lock table or memory is short (SQLSTATE 53200).
 OutOfMemoryError = asyncpg.OutOfMemoryError
 
 
-class DispatchStore(StoreBase):
-    """The hot path and the upkeep of one outbox table."""
+class Claimed(list[Row]):
+    """A claim's rows, and whether the claim saw nothing left to take right after them
+    (`drained`: only the steady path's claim knows; the claim function's answer says False)."""
 
-    async def claim(self, **arguments: Unpack[ClaimArguments]) -> list[Row]:
+    def __init__(self, rows: list[Row], *, drained: bool = False) -> None:
+        super().__init__(rows)
+        self.drained = drained
+
+
+class DispatchStore(StoreBase):
+    """The hot path and the upkeep of one outbox table. `steady` (schema version 16 on): the
+    claim and the settle try the steady path's one statement first (dispatch.sql
+    `claim_steady`, `settle_steady`), and run the engine's functions only when it says so."""
+
+    def __init__(
+        self, executor: asyncpg.Pool | db.Executor, statements: Statements, *, steady: bool = False
+    ) -> None:
+        super().__init__(executor, statements)
+        self.steady = steady
+
+    async def claim(self, **arguments: Unpack[ClaimArguments]) -> Claimed:
         """The rows leased (ClaimArguments says what is asked)."""
-        return await self._fetch("claim", **arguments)
+        if self.steady:
+            rows = await self._fetch(
+                "claim_steady",
+                limit=arguments["limit"],
+                token=arguments["token"],
+                owner=arguments["owner"],
+                lease_seconds=arguments["lease_seconds"],
+                block_on_dead=arguments["block_on_dead"],
+            )
+            if not rows:
+                return Claimed(rows, drained=True)
+            if rows[-1]["id"] is not None:
+                return Claimed(rows, drained=not rows[0]["more"])
+            # Not steady: the marker row only, nothing was leased; the claim function's turn,
+            # under the same token.
+        return Claimed(await self._fetch("claim", **arguments))
 
     async def outbox_identity(self) -> str:
         """The database and the table's oid (exactly-once's progress records name it)."""
@@ -43,6 +77,42 @@ class DispatchStore(StoreBase):
     async def settle(self, **arguments: Unpack[SettleArguments]) -> list[int]:
         """Record one batch's outcomes and release its keys; the ids of the rows that were still
         ours."""
+        if not self.steady or arguments["delete_published"]:
+            return await self._settle(arguments)
+        if any(outcome != "published" for outcome in arguments["outcomes"]):
+            return await self._settle(arguments)
+        marked = [
+            int(row[0])
+            for row in await self._fetch(
+                "settle_steady",
+                token=arguments["token"],
+                owner=arguments["owner"],
+                ids=arguments["ids"],
+                keys=arguments["keys"],
+                counted=arguments["counted"],
+            )
+        ]
+        if len(marked) == len(arguments["ids"]):
+            return marked
+        # Rows not marked: of keys no longer ours (nothing happens to them), or dead-lettered by
+        # the reclaimer under this lease, whose publication the settle function records.
+        done = set(marked)
+        rest = [i for i, row_id in enumerate(arguments["ids"]) if row_id not in done]
+        remaining = SettleArguments(
+            token=arguments["token"],
+            owner=arguments["owner"],
+            ids=[arguments["ids"][i] for i in rest],
+            keys=[arguments["keys"][i] for i in rest],
+            outcomes=[arguments["outcomes"][i] for i in rest],
+            errors=[arguments["errors"][i] for i in rest],
+            delays=[arguments["delays"][i] for i in rest],
+            counted=[arguments["counted"][i] for i in rest],
+            delete_published=False,
+            block_on_dead=arguments["block_on_dead"],
+        )
+        return marked + await self._settle(remaining)
+
+    async def _settle(self, arguments: SettleArguments) -> list[int]:
         return [int(row[0]) for row in await self._fetch("settle", **arguments)]
 
     async def already_settled(

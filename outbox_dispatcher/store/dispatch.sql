@@ -10,6 +10,162 @@ SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts
   FROM {claim_fn}($limit, $max_keys, $owner, $lease_seconds, $token, $block_on_dead,
                   $max_attempts, $scan)
 
+-- claim_steady --
+-- The steady path's claim (schema version 16; docs/design/claim-engine.md, "The steady path"):
+-- one statement, for the common case only. Steady means no holes, an empty change log, no
+-- pause, and no known work a claim would take (an expired lease, a due retry, a registered or
+-- resumed key, a blocked key this dispatcher takes): each an index's first entry. Then the new
+-- rows right above the cursor, as long as their ids run on without a gap and are due, are
+-- leased to token $token: new keys get a work row; a key that has one (its claim is in flight,
+-- or it waits) is not taken, and its work row records the highest id passed (last_seen) for its
+-- settle, which locks that row after this claim. When the state is not steady, or there are new
+-- rows but none at the cursor's next id, it returns one row with a NULL id and nothing else: the
+-- dispatcher then runs the claim function (`claim`). OutboxRecord's fields, in its order, then
+-- `more`: whether new rows were left above the ones taken (a gap, a row that cannot go now, the
+-- limit); without, the loop may wait for the next notification instead of claiming again at once.
+WITH c AS (
+    SELECT x.position, x.hole_count FROM {cursor} x WHERE x.one
+),
+probe AS (
+    SELECT c.hole_count = 0
+           AND (SELECT y.seq FROM {changed} y ORDER BY y.seq LIMIT 1) IS NULL
+           AND (SELECT p.topic FROM {paused} p ORDER BY p.topic LIMIT 1) IS NULL
+           AND (SELECT w.head_id FROM {work} w
+                 WHERE w.claim_token IS NULL AND w.state = 'r' ORDER BY w.head_id LIMIT 1) IS NULL
+           AND coalesce((SELECT w.not_before FROM {work} w
+                          WHERE w.claim_token IS NULL AND w.state = 'w'
+                          ORDER BY w.not_before LIMIT 1) > now(), true)
+           AND coalesce((SELECT w.claim_expires_at FROM {work} w
+                          WHERE w.claim_token IS NOT NULL
+                          ORDER BY w.claim_expires_at LIMIT 1) > now(), true)
+           AND (SELECT w.paused_gen FROM {work} w
+                 WHERE w.claim_token IS NULL AND w.state = 'p'
+                 ORDER BY w.paused_gen LIMIT 1) IS NULL
+           AND ($block_on_dead::boolean OR (SELECT w.head_id FROM {work} w
+                                             WHERE w.claim_token IS NULL AND w.state = 'b'
+                                             ORDER BY w.head_id LIMIT 1) IS NULL) AS steady,
+           (SELECT o.id FROM {table} o WHERE o.id > c.position ORDER BY o.id LIMIT 1) AS next_id,
+           c.position
+      FROM c
+),
+cur AS (
+    -- Locked only when there is something to take (an empty claim takes no xid and writes
+    -- nothing); held by another claim: nothing for this one. The lock reads the latest version.
+    SELECT x.position FROM {cursor} x, probe p
+     WHERE x.one AND p.steady AND p.next_id = p.position + 1
+       FOR UPDATE OF x SKIP LOCKED
+),
+new AS (
+    SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
+           o.attempts, o.published_at IS NULL AND o.dead_at IS NULL AS pending,
+           -- 0 while the ids run on from the cursor: a gap may be a writer still open, whose
+           -- hole the claim function keeps
+           o.id - cur.position - row_number() OVER (ORDER BY o.id) AS gap,
+           -- The run stops at a row written with a delay (by the clock, not the statement's
+           -- start) and, under dead_letter_policy = block, at a row of a key with a dead row
+           -- (the claim function's): the cursor never passes a row nobody takes or registers.
+           bool_and(o.published_at IS NOT NULL OR o.dead_at IS NOT NULL
+                    OR (o.next_attempt_at <= clock_timestamp()
+                        AND NOT ($block_on_dead::boolean AND o.ordering_key IS NOT NULL
+                                 AND EXISTS (SELECT 1 FROM {table} d
+                                              WHERE d.ordering_key = o.ordering_key
+                                                AND d.dead_at IS NOT NULL))))
+               OVER (ORDER BY o.id) AS run
+      FROM cur CROSS JOIN LATERAL (
+          SELECT * FROM {table} o WHERE o.id > cur.position ORDER BY o.id LIMIT $limit) o
+),
+take AS (
+    SELECT * FROM new WHERE gap = 0 AND run
+),
+g AS (
+    SELECT coalesce(t.ordering_key, t.id::text) AS wk, t.ordering_key IS NULL AS kl,
+           min(t.id) AS first, max(t.id) AS last
+      FROM take t WHERE t.pending GROUP BY 1, 2
+),
+leased AS (
+    -- DO UPDATE, not DO NOTHING: the upsert locks and writes the latest version of a key's
+    -- work row, also one this statement's snapshot does not see, so that its settle sees
+    -- last_seen (review 3's floor: a settle's "no more rows" read in an older snapshot).
+    INSERT INTO {work} AS w (keyless, ordering_key, head_id, claim_token, claim_owner,
+                             claim_expires_at, claim_first, claim_last)
+    SELECT g.kl, g.wk, CASE WHEN g.kl THEN g.first ELSE g.last + 1 END, $token::uuid,
+           $owner::text, now() + $lease_seconds::float8 * interval '1 second', g.first, g.last
+      FROM g ORDER BY g.wk, g.kl
+    ON CONFLICT (ordering_key, keyless) DO UPDATE
+       SET last_seen = greatest(coalesce(w.last_seen, 0), excluded.claim_last)
+    RETURNING w.ordering_key, w.keyless, w.claim_token IS NOT DISTINCT FROM $token::uuid AS mine
+),
+moved AS (
+    UPDATE {cursor} x SET position = m.top
+      FROM (SELECT max(t.id) AS top FROM take t) m
+     WHERE x.one AND m.top IS NOT NULL AND EXISTS (SELECT 1 FROM cur)
+)
+SELECT t.id, t.topic, t.ordering_key, t.payload, t.headers, t.event_id, t.created_at,
+       t.attempts, false AS reclaimed,
+       (SELECT count(*) FROM new) > (SELECT count(*) FROM take)
+       OR (SELECT count(*) FROM new) >= $limit AS more
+  FROM take t
+  JOIN leased l ON l.mine AND l.ordering_key = coalesce(t.ordering_key, t.id::text)
+               AND l.keyless = (t.ordering_key IS NULL)
+ WHERE t.pending
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+  FROM probe p
+ WHERE NOT p.steady
+    OR (p.next_id IS NOT NULL AND EXISTS (SELECT 1 FROM cur) AND NOT EXISTS (SELECT 1 FROM take))
+    OR (p.next_id IS NOT NULL AND p.next_id <> p.position + 1)
+ORDER BY 1
+
+-- settle_steady --
+-- The steady path's settle (schema version 16): one statement for a batch whose rows were all
+-- published (any other outcome, or delete-on-publish: `settle`). Fenced by $token: the batch's
+-- work rows are locked in key order, each by its primary key; a key with a pending row left at
+-- or below the cursor (or one a steady claim passed meanwhile: last_seen, seen in the locked
+-- version) stays as ready work from its head, the others are dropped. Returns the rows marked;
+-- the dispatcher hands any others to `settle` (a row the reclaimer dead-lettered under this
+-- lease, whose publication stands).
+WITH k AS (
+    SELECT coalesce(u.k, u.id::text) AS wk, u.k IS NULL AS kl
+      FROM unnest($ids::bigint[], $keys::text[]) AS u(id, k)
+     GROUP BY 1, 2 ORDER BY 1, 2
+),
+mine AS MATERIALIZED (
+    SELECT w.ordering_key, w.keyless, w.head_id, w.last_seen
+      FROM k CROSS JOIN LATERAL (
+           SELECT w.ordering_key, w.keyless, w.head_id, w.last_seen FROM {work} w
+            WHERE w.ordering_key = k.wk AND w.keyless = k.kl AND w.claim_token = $token::uuid
+              FOR UPDATE OF w) w
+),
+decide AS (
+    SELECT m.ordering_key, m.keyless,
+           NOT m.keyless AND (coalesce(m.last_seen, 0) >= m.head_id OR EXISTS (
+               SELECT 1 FROM {table} o
+                WHERE o.ordering_key >= m.ordering_key AND o.ordering_key <= m.ordering_key
+                  AND o.id >= m.head_id
+                  AND o.id <= (SELECT x.position FROM {cursor} x WHERE x.one)
+                  AND o.published_at IS NULL AND o.dead_at IS NULL)) AS more
+      FROM mine m
+),
+gone AS (
+    DELETE FROM {work} w USING decide d
+     WHERE w.ordering_key = d.ordering_key AND w.keyless = d.keyless AND NOT d.more
+),
+kept AS (
+    UPDATE {work} w
+       SET claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
+           claim_last = NULL, last_seen = NULL, state = 'r', not_before = '-infinity'
+      FROM decide d
+     WHERE w.ordering_key = d.ordering_key AND w.keyless = d.keyless AND d.more
+)
+UPDATE {table} o
+   SET published_at = now(), lease_owner = $owner::text, attempts = o.attempts + u.counted
+  FROM (SELECT u.id, u.counted
+          FROM unnest($ids::bigint[], $keys::text[], $counted::integer[]) AS u(id, k, counted)
+          JOIN mine m ON m.ordering_key = coalesce(u.k, u.id::text)
+                     AND m.keyless = (u.k IS NULL)) u
+ WHERE o.id = u.id AND o.dead_at IS NULL
+RETURNING o.id
+
 -- settle --
 -- Record the outcome of one published batch and release its keys, fenced by the batch's lease
 -- token: a dispatcher that lost its lease changes nothing. Returns the rows that were still ours.

@@ -98,6 +98,10 @@ DELIVERY_VERSION = 14
 # Exactly-once's version (15): each dispatcher records its transactional ids, which a takeover
 # fences. An exactly-once dispatcher needs it; an at-least-once one runs from OLDEST_SUPPORTED on.
 TRANSACTIONAL_IDS_VERSION = 15
+# Claim engine v4's version (16): the steady path's one-statement claim and settle (dispatch.sql
+# `claim_steady`, `settle_steady`) read its columns; on older versions the dispatcher runs the
+# engine's functions alone.
+STEADY_VERSION = 16
 # Steps that a dispatcher older than 10 cannot run beside: `migrate` applies them only once no
 # such dispatcher beats (docs/operations.md, "Upgrading").
 CONTRACT_STEPS = frozenset({11})

@@ -341,7 +341,7 @@ BEGIN
         UPDATE ${schema}.${table}_work x
            SET claim_token = p_token, claim_owner = p_owner,
                claim_expires_at = now() + p_lease_seconds * interval '1 second',
-               claim_first = s.first, claim_last = s.last,
+               claim_first = s.first, claim_last = s.last, last_seen = NULL,
                head_id = CASE WHEN s.kl THEN s.first ELSE s.last + 1 END,
                state = 'r', not_before = '-infinity'
           FROM span s

@@ -62,6 +62,10 @@ $fn$;
 -- step: the view then reads up to the head as before.
 ALTER TABLE ${schema}.${table}_work ADD COLUMN claim_last bigint;
 
+-- The steady path (docs/design/claim-engine.md): the highest id a discovery passed while the key
+-- had a work row, for the key's one-statement settle.
+ALTER TABLE ${schema}.${table}_work ADD COLUMN last_seen bigint;
+
 CREATE OR REPLACE VIEW ${schema}.${table}_leases AS
 SELECT o.id, o.topic, o.ordering_key, w.claim_token AS lease_token, w.claim_owner AS lease_owner,
        w.claim_expires_at AS lease_expires_at, w.state = 'x' AS crash_looping

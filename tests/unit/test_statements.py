@@ -167,6 +167,21 @@ async def test_each_store_method_binds_its_keywords_to_the_placeholders_of_the_s
                 statement = by_sql[sql]
                 assert [list(arg) for arg in args] == [[p] for p in statement.params], name  # type: ignore[call-overload]
                 reached.add(statement.name)
+    # The steady path (schema version 16): claim and settle try their one statement first.
+    executor = RecordingExecutor()
+    steady = DispatchStore(executor, STATEMENTS, steady=True)  # type: ignore[arg-type]
+    for name in ("claim", "settle"):
+        method = getattr(steady, name)
+        (keywords,) = _calls(name, method)
+        if name == "settle":  # only a batch published whole, without delete-on-publish
+            keywords |= {"outcomes": ["published"], "delete_published": False}
+        with pytest.raises(ReachedError):
+            await method(**keywords)
+        sql, args = executor.runs.pop()
+        statement = by_sql[sql]
+        assert statement.name == f"{name}_steady"
+        assert [list(arg) for arg in args] == [[p] for p in statement.params], name  # type: ignore[call-overload]
+        reached.add(statement.name)
     assert NAMES - reached == {"inbox_record"}
 
 
