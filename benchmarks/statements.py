@@ -78,7 +78,7 @@ async def prepare(admin_url: str) -> Counting:
     """Check the extension (creating it in the bench's database if this role may) and the
     dispatcher's role (created if missing); sets COUNTING."""
     COUNTING.admin_url = admin_url
-    COUNTING.why_not = await _prepare(admin_url)
+    COUNTING.why_not = " ".join((await _prepare(admin_url)).split())  # one line: a table cell
     if COUNTING.why_not:
         print(f"statements per cycle: not measured: {COUNTING.why_not}", flush=True)
     else:
