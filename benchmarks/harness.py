@@ -27,11 +27,12 @@ from typing import Any
 
 import uvloop
 
-from benchmarks import baselines, handwritten
+from benchmarks import baselines, handwritten, statements
 from benchmarks.claims import STUCK_KINDS as STUCK_WORK_KINDS
 from benchmarks.claims import claim_cost
 from benchmarks.drains import burst, drain, drain_beside_at_least_once, hot_key, open_writer
 from benchmarks.goals import goals, goals_table
+from benchmarks.incidents import orphans_killed, pause_readers, scaling_new_keys
 from benchmarks.load import KEYS, PAYLOAD, STUCK_KEY_KINDS, prefill
 from benchmarks.stack import RESULTS, Stack, drop_template, fresh, make_template, settings_for
 from benchmarks.steady import idle, sustained
@@ -39,6 +40,9 @@ from benchmarks.writers import writer_cost, writer_cost_parts
 
 BROKER_DELAY = 0.02  # latency the proxy adds each way (40 ms a round trip): scaling_processes_*
 LATENCY_KEYS = 10_000  # more keys than 4 processes x 2 claim loops x 500 rows per batch
+NEW_KEYS_RATE = 2_000.0  # rows/s of new keys written during scaling_new_keys_*' drain
+# The steady scenarios whose dispatcher's statements are counted (issue 34).
+COUNTED = ("sustained_100_per_s_1_per_tx", "sustained_1000_per_s_10_per_tx")
 
 
 @dataclass
@@ -58,14 +62,17 @@ class Sizes:
     burst: int  # the rows of burst_*
     stuck_work: int  # claim_cost_*: paused keys, keyless rows in backoff
     claims: int  # claim_cost_*: empty claims timed (a fifth as many full ones)
+    orphans: int  # orphans_killed: the backlog of new keys' rows
+    pause_seconds: float  # pause_readers: the load before and after the pause
 
 
 FULL = Sizes(
     200_000, 50_000, 10_000, 200_000, 10.0, 30.0, 30.0, 5.0, 3, 50_000, 100_000, 20_000, 50_000,
-    1_000_000, 100,
+    1_000_000, 100, 50_000, 4.0,
 )  # fmt: skip
 QUICK = Sizes(
-    3_000, 1_000, 300, 3_000, 1.5, 3.0, 2.0, 1.0, 1, 1_000, 2_000, 1_000, 3_000, 20_000, 20
+    3_000, 1_000, 300, 3_000, 1.5, 3.0, 2.0, 1.0, 1, 1_000, 2_000, 1_000, 3_000, 20_000, 20,
+    2_000, 2.0,
 )  # fmt: skip
 
 
@@ -121,6 +128,11 @@ def plan(stack: Stack, sizes: Sizes) -> dict[str, Scenario]:
         "baseline_postgres_only": lambda: pg_ceiling(stack, s.drain),
         "baseline_handwritten": lambda: handwritten_pattern(stack, s.handwritten),
         "drain": lambda: drain(stack, s.drain, KEYS),
+        # Issue 34's drain: 50k rows committed at once (one INSERT) before the dispatcher starts.
+        "drain_50k": lambda: drain(stack, s.burst, KEYS),
+        # Issue 34: a process killed under a backlog of new keys; a pause waiting for a reader.
+        "orphans_killed": lambda: orphans_killed(stack, s.orphans),
+        "pause_readers": lambda: pause_readers(stack, 200, s.pause_seconds),
         "hot_key": lambda: hot_key(stack, s.hot_key),
         # A burst committed while the dispatcher waits, into a table whose statistics are those
         # of the empty table, and the same with an ANALYZE in the burst's transaction.
@@ -146,6 +158,16 @@ def plan(stack: Stack, sizes: Sizes) -> dict[str, Scenario]:
     for n in (1, 2, 4):
         scenarios[f"scaling_processes_latency_{n}"] = functools.partial(
             drain, stack, s.scaling_latency, LATENCY_KEYS, processes=n, broker_delay=BROKER_DELAY
+        )
+    # New keys arriving faster than one process drains (issue 34 point 3), same slow broker.
+    for n in (1, 4):
+        scenarios[f"scaling_new_keys_{n}"] = functools.partial(
+            scaling_new_keys,
+            stack,
+            s.scaling_latency,
+            n,
+            broker_delay=BROKER_DELAY,
+            rate=NEW_KEYS_RATE,
         )
     # A key that cannot move, with many pending rows written first; the other keys' drain and
     # their latency at a steady 1k/s, each also measured without it ("none").
@@ -184,11 +206,16 @@ def plan(stack: Stack, sizes: Sizes) -> dict[str, Scenario]:
     scenarios["sustained_1000_per_s_10_per_tx_exactly_once"] = functools.partial(
         sustained, stack, 1_000, 10, s.sustained_seconds, **eos
     )
-    scenarios["sustained_100_per_s_1_per_tx"] = lambda: sustained(stack, 100, 1, s.slow_seconds)
+    scenarios["sustained_100_per_s_1_per_tx"] = functools.partial(
+        sustained, stack, 100, 1, s.slow_seconds, count_statements="sustained_100_per_s_1_per_tx"
+    )
     for rate in (1_000, 2_000, 5_000, 15_000, None):
         for per_tx in (10, 1):
             name = f"sustained_{rate or 'max'}_per_s_{per_tx}_per_tx"
-            scenarios[name] = functools.partial(sustained, stack, rate, per_tx, s.sustained_seconds)
+            counted = name if name in COUNTED else ""
+            scenarios[name] = functools.partial(
+                sustained, stack, rate, per_tx, s.sustained_seconds, count_statements=counted
+            )
     return scenarios
 
 
@@ -200,11 +227,17 @@ def ratios(results: dict[str, dict[str, float]]) -> dict[str, float]:
         return results.get(name, {}).get(figure, float("nan"))
 
     checked = [f["rows_stranded"] for f in results.values() if "rows_stranded" in f]
+    reordered = [f["rows_reordered"] for f in results.values() if "rows_reordered" in f]
     derived = {
         # Every drain and steady scenario counts the rows it left pending (or never saw
         # consumed) once nothing had moved for a while.
         "rows_stranded": math.fsum(checked) if checked else float("nan"),
         "rows_stranded_scenarios_checked": float(len(checked)) if checked else float("nan"),
+        # Issue 34: stranded or reordered (the hot key's consumer checks the order).
+        "rows_stranded_or_reordered": math.fsum(checked) + math.fsum(reordered)
+        if checked
+        else float("nan"),
+        "rows_reordered_scenarios_checked": float(len(reordered)) if reordered else float("nan"),
         "drain_vs_kafka_only": fig("drain") / fig("baseline_kafka_only"),
         "kafka_batch_api_vs_send": fig("baseline_kafka_batch_api") / fig("baseline_kafka_only"),
         "drain_vs_postgres_only": fig("drain") / fig("baseline_postgres_only"),
@@ -216,6 +249,7 @@ def ratios(results: dict[str, dict[str, float]]) -> dict[str, float]:
         / fig("scaling_processes_latency_1"),
         "processes_latency_4_vs_1": fig("scaling_processes_latency_4")
         / fig("scaling_processes_latency_1"),
+        "new_keys_4_vs_1": fig("scaling_new_keys_4") / fig("scaling_new_keys_1"),
         # The median over runs of each run's ratio to the drain run just before it.
         "drain_exactly_once_vs_at_least_once": fig("drain_exactly_once", "vs_at_least_once"),
         "drain_exactly_once_postgres_cpu_vs_at_least_once": fig(
@@ -271,8 +305,13 @@ def table(
         lines.append(f"| ratio {name} | {value:.2f} |")
     return (
         "\n".join(lines)
-        + "\n\n### Goals (issues 21 and 23; issue 10's still measured)\n\n"
+        + "\n\n### Goals (issue 34; issues 21 and 23; issue 10's still measured)\n\n"
         + goals_table(verdicts)
+        + "".join(
+            "\n\n" + statements.top_table(name, runs[-1])
+            for name, runs in statements.REPORTS.items()
+            if name in results and runs
+        )
     )
 
 
@@ -288,6 +327,8 @@ async def main_async(args: argparse.Namespace) -> int:
         return 2
     RESULTS.mkdir(parents=True, exist_ok=True)
     await make_template(stack)
+    if any(name in COUNTED for name in chosen):
+        await statements.prepare(stack.admin_url)
     results: dict[str, dict[str, float]] = {}
     try:
         for name in chosen:
@@ -297,7 +338,7 @@ async def main_async(args: argparse.Namespace) -> int:
     finally:
         await drop_template(stack)
     derived = ratios(results)
-    verdicts = goals(results, derived)
+    verdicts = goals(results, derived, statements.WHY_NOT)
     report = {
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),
@@ -306,6 +347,9 @@ async def main_async(args: argparse.Namespace) -> int:
         "results": results,
         "ratios": derived,
         "goals": verdicts,
+        # Issue 34: each counted scenario's top statements, per run; why a figure is missing.
+        "statements": statements.REPORTS,
+        "not_measured": statements.WHY_NOT,
     }
     out = Path(args.out) if args.out else RESULTS / "latest.json"
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -211,6 +211,10 @@ log_truncate_on_rotation = on
 log_rotation_age = 1d
 log_rotation_size = 0
 log_line_prefix = '%m [%p] %q%u@%d '
+# make bench counts the dispatcher's statements, nested ones too (issue 34: statements per
+# steady cycle); loading the library needs a restart (pg-stop, pg-start), not a reload.
+shared_preload_libraries = 'pg_stat_statements'
+pg_stat_statements.track = all
 $ssl_lines" && changed=0
 
   pg_write_file "$PGDATA/pg_hba.conf" "\
@@ -252,6 +256,10 @@ ALTER DATABASE $PG_APP_DB OWNER TO $PG_APP_USER;
 -- logical replication's apply do (PostgreSQL 15+: a grant instead of superuser).
 GRANT SET ON PARAMETER session_replication_role TO $PG_APP_USER;
 SQL
+  # make bench reads the dispatcher's statements from the app database (creating the extension
+  # needs a superuser); the test databases are created from template1 and do not get it.
+  as_pg "$PG_BIN/psql" -X -q -v ON_ERROR_STOP=1 -h "$PG_SOCKET_DIR" -p "$PG_PORT" \
+    -U "$PG_SUPERUSER" -d "$PG_APP_DB" -c 'CREATE EXTENSION IF NOT EXISTS pg_stat_statements'
 }
 
 pg_start() {
