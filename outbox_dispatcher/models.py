@@ -83,6 +83,8 @@ class Batch:
     token: uuid.UUID
     records: list[OutboxRecord]
     drained: bool = False
+    # Claimed by the steady path's claim: its settle may be the steady path's one statement.
+    steady: bool = False
 
 
 class Outcome(enum.StrEnum):

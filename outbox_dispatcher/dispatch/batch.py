@@ -232,7 +232,7 @@ class BatchRun:
         # The delivery's records: the batch's, and in exactly-once the rows a lost claim
         # committed beyond a takeover's batch (kafka/transactions.py adopts them).
         records = self.delivery.records
-        return Batch(self.batch.token, [records[i] for i in part.indices])
+        return Batch(self.batch.token, [records[i] for i in part.indices], steady=self.batch.steady)
 
 
 def log_failures(records: list[OutboxRecord], results: list[Result]) -> None:

@@ -58,7 +58,8 @@ class Claimer:
             self._max_keys = self._limit  # the next rows may be anyone's
             return None
         self._fit(rows)
-        return Batch(token, list(map(OutboxRecord.from_row, rows)), drained=rows.drained)
+        records = list(map(OutboxRecord.from_row, rows))
+        return Batch(token, records, drained=rows.drained, steady=rows.steady)
 
     def arguments(self, token: uuid.UUID) -> ClaimArguments:
         """The claim's parameters for a claim under `token`."""

@@ -43,6 +43,7 @@ class Settler:
             counted=counted,
             delete_published=self.delete_on_publish,
             block_on_dead=self.block_on_dead,
+            steady=batch.steady,
         )
 
     async def settle(self, batch: Batch, results: Sequence[Result]) -> int:

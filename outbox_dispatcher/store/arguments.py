@@ -4,7 +4,7 @@ the component that builds them and the store that binds them by name share one d
 from __future__ import annotations
 
 import uuid
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 
 class ClaimArguments(TypedDict):
@@ -22,7 +22,9 @@ class ClaimArguments(TypedDict):
 
 
 class SettleArguments(TypedDict):
-    """dispatch.sql `settle`: one batch's outcomes, aligned with `ids` (and each row's key)."""
+    """dispatch.sql `settle`: one batch's outcomes, aligned with `ids` (and each row's key).
+    `steady`: the batch was claimed by the steady path's claim (only such a batch may be settled
+    by its one statement, `settle_steady`); not a statement parameter."""
 
     token: uuid.UUID
     owner: str
@@ -34,6 +36,7 @@ class SettleArguments(TypedDict):
     counted: list[int]
     delete_published: bool
     block_on_dead: bool
+    steady: NotRequired[bool]
 
 
 class AuditOpenArguments(TypedDict):

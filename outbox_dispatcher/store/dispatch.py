@@ -24,11 +24,13 @@ OutOfMemoryError = asyncpg.OutOfMemoryError
 
 
 class Claimed(list[Row]):
-    """A claim's rows, and whether the claim saw nothing left to take right after them
-    (`drained`: only the steady path's claim knows; the claim function's answer says False)."""
+    """A claim's rows; whether the steady path's claim took them (`steady`: only then may the
+    batch be settled by the steady path's one statement), and whether that claim saw nothing
+    left to take right after them (`drained`)."""
 
-    def __init__(self, rows: list[Row], *, drained: bool = False) -> None:
+    def __init__(self, rows: list[Row], *, steady: bool = False, drained: bool = False) -> None:
         super().__init__(rows)
+        self.steady = steady
         self.drained = drained
 
 
@@ -57,7 +59,7 @@ class DispatchStore(StoreBase):
             if not rows:
                 return Claimed(rows, drained=True)
             if rows[-1]["id"] is not None:
-                return Claimed(rows, drained=not rows[0]["more"])
+                return Claimed(rows, steady=True, drained=not rows[0]["more"])
             # Not steady: the marker row only, nothing was leased; the claim function's turn,
             # under the same token.
         return Claimed(await self._fetch("claim", **arguments))
@@ -77,7 +79,12 @@ class DispatchStore(StoreBase):
     async def settle(self, **arguments: Unpack[SettleArguments]) -> list[int]:
         """Record one batch's outcomes and release its keys; the ids of the rows that were still
         ours."""
-        if not self.steady or arguments["delete_published"]:
+        # (a batch of the claim function: its keys' work may have been passed by a discovery
+        # that only share-locked it; the settle function reads their next rows in a snapshot
+        # taken after its locks)
+        arguments = arguments.copy()
+        steady = arguments.pop("steady", False)
+        if not (self.steady and steady) or arguments["delete_published"]:
             return await self._settle(arguments)
         if any(outcome != "published" for outcome in arguments["outcomes"]):
             return await self._settle(arguments)

@@ -19,10 +19,11 @@ SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts
 -- leased to token $token: new keys get a work row; a key that has one (its claim is in flight,
 -- or it waits) is not taken, and its work row records the highest id passed (last_seen) for its
 -- settle, which locks that row after this claim. When the state is not steady, or there are new
--- rows but none at the cursor's next id, it returns one row with a NULL id and nothing else: the
--- dispatcher then runs the claim function (`claim`). OutboxRecord's fields, in its order, then
--- `more`: whether new rows were left above the ones taken (a gap, a row that cannot go now, the
--- limit); without, the loop may wait for the next notification instead of claiming again at once.
+-- rows but none at the cursor's next id, or a backlog (a batch's worth of new rows or more), it
+-- returns one row with a NULL id and nothing else: the dispatcher then runs the claim function
+-- (`claim`). OutboxRecord's fields, in its order, then `more`: whether new rows were left above
+-- the ones taken (a gap, a row that cannot go now); without, the loop may wait for the next
+-- notification instead of claiming again at once.
 WITH c AS (
     SELECT x.position, x.hole_count FROM {cursor} x WHERE x.one
 ),
@@ -75,7 +76,9 @@ new AS (
           SELECT * FROM {table} o WHERE o.id > cur.position ORDER BY o.id LIMIT $limit) o
 ),
 take AS (
-    SELECT * FROM new WHERE gap = 0 AND run
+    -- A batch's worth of new rows or more is a backlog: the claim function takes it (each key's
+    -- run in one lease, where this statement would lease a key per row: review 3's drain cost)
+    SELECT * FROM new WHERE gap = 0 AND run AND (SELECT count(*) FROM new) < $limit
 ),
 g AS (
     SELECT coalesce(t.ordering_key, t.id::text) AS wk, t.ordering_key IS NULL AS kl,
@@ -86,13 +89,17 @@ leased AS (
     -- DO UPDATE, not DO NOTHING: the upsert locks and writes the latest version of a key's
     -- work row, also one this statement's snapshot does not see, so that its settle sees
     -- last_seen (review 3's floor: a settle's "no more rows" read in an older snapshot).
+    -- A key this statement leases gets last_seen 0: a steady claim's key, whose settle is one
+    -- statement and must see what a passing claim saw; a claim function's key has none (its
+    -- settle is the settle function's two statements), and passing it writes nothing.
     INSERT INTO {work} AS w (keyless, ordering_key, head_id, claim_token, claim_owner,
-                             claim_expires_at, claim_first, claim_last)
+                             claim_expires_at, claim_first, claim_last, last_seen)
     SELECT g.kl, g.wk, CASE WHEN g.kl THEN g.first ELSE g.last + 1 END, $token::uuid,
-           $owner::text, now() + $lease_seconds::float8 * interval '1 second', g.first, g.last
+           $owner::text, now() + $lease_seconds::float8 * interval '1 second', g.first, g.last, 0
       FROM g ORDER BY g.wk, g.kl
     ON CONFLICT (ordering_key, keyless) DO UPDATE
-       SET last_seen = greatest(coalesce(w.last_seen, 0), excluded.claim_last)
+       SET last_seen = greatest(w.last_seen, excluded.claim_last)
+     WHERE w.last_seen IS NOT NULL
     RETURNING w.ordering_key, w.keyless, w.claim_token IS NOT DISTINCT FROM $token::uuid AS mine
 ),
 moved AS (
@@ -138,7 +145,8 @@ mine AS MATERIALIZED (
 ),
 decide AS (
     SELECT m.ordering_key, m.keyless,
-           NOT m.keyless AND (coalesce(m.last_seen, 0) >= m.head_id OR EXISTS (
+           -- (no last_seen: not a steady claim's key; kept, its next claim looks)
+           NOT m.keyless AND (coalesce(m.last_seen >= m.head_id, true) OR EXISTS (
                SELECT 1 FROM {table} o
                 WHERE o.ordering_key >= m.ordering_key AND o.ordering_key <= m.ordering_key
                   AND o.id >= m.head_id

@@ -643,9 +643,10 @@ BEGIN
            FOR SHARE OF w
     ),
     lowered AS (
-        -- Every known key records the highest id passed (last_seen: the steady path's
-        -- one-statement settle locks this row after this claim and sees it, although its
-        -- snapshot is older); a row that came late lowers its head.
+        -- A row that came late lowers its key's head. A key a steady claim holds (last_seen
+        -- set) records the highest id passed: its one-statement settle locks this row after
+        -- this claim and sees it, although its snapshot is older. (Other keys' settles read
+        -- their next rows in a snapshot taken after their locks: FOR SHARE above suffices.)
         UPDATE ${schema}.${table}_work w
            SET head_id = CASE WHEN g.first < k.head_id OR g.touched
                               THEN least(g.first, w.head_id) ELSE w.head_id END,
@@ -655,9 +656,11 @@ BEGIN
                not_before = CASE WHEN NOT (g.first < k.head_id OR g.touched)
                                       OR w.state IN ('b', 'x') OR w.claim_token IS NOT NULL
                                  THEN w.not_before ELSE '-infinity' END,
-               last_seen = greatest(coalesce(w.last_seen, 0), g.last)
+               last_seen = CASE WHEN w.last_seen IS NOT NULL
+                                THEN greatest(w.last_seen, g.last) END
           FROM g JOIN known k ON k.ordering_key = g.wk AND k.keyless = g.kl
          WHERE w.ordering_key = g.wk AND w.keyless = g.kl
+           AND (g.first < k.head_id OR g.touched OR w.last_seen IS NOT NULL)
     ),
     unknown AS (
         -- Under dead_letter_policy = block a key with a dead row is not leased here (the claim

@@ -55,6 +55,7 @@ def settle_arguments(
         counted=[1] * n,
         delete_published=False,
         block_on_dead=False,
+        steady=True,  # (batches of the steady path's claim here)
     )
 
 

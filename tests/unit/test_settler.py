@@ -32,4 +32,5 @@ def test_settle_arguments_carry_every_row_with_its_key() -> None:
         "counted": [0, 1, 0, 0],
         "delete_published": True,
         "block_on_dead": False,
+        "steady": False,
     }
