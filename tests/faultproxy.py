@@ -75,7 +75,7 @@ class FaultProxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self._restored = asyncio.Event()
         self._restored.set()
-        self._pattern: bytes | None = None
+        self._pattern: tuple[bytes, ...] | None = None
         self._pattern_drops = False
         self._pattern_after = False
         self.tripped = asyncio.Event()  # set when fault_on's pattern went by
@@ -135,11 +135,13 @@ class FaultProxy:
         self.mode = Mode.STALL
         self._restored.clear()
 
-    def fault_on(self, pattern: bytes | None, *, drop: bool = False, after: bool = False) -> None:
-        """Stall (drop=False) or blackhole (drop=True) as soon as the client sends `pattern`;
-        with after=True, blackhole just behind that chunk (it is delivered, the reply is lost).
-        None disarms. Fires once."""
-        self._pattern = pattern
+    def fault_on(
+        self, pattern: bytes | tuple[bytes, ...] | None, *, drop: bool = False, after: bool = False
+    ) -> None:
+        """Stall (drop=False) or blackhole (drop=True) as soon as the client sends `pattern`
+        (or any of a tuple of them); with after=True, blackhole just behind that chunk (it is
+        delivered, the reply is lost). None disarms. Fires once."""
+        self._pattern = (pattern,) if isinstance(pattern, bytes) else pattern
         self._pattern_drops = drop
         self._pattern_after = after
 
@@ -216,7 +218,7 @@ class FaultProxy:
     ) -> None:
         with contextlib.suppress(OSError, ConnectionError):
             while data := await reader.read(CHUNK):
-                if from_client and self._pattern and self._pattern in data:
+                if from_client and self._pattern and any(p in data for p in self._pattern):
                     self._pattern = None
                     if self._pattern_after:
                         # Blackhole first, so that the reply cannot slip through, then deliver

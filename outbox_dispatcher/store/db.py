@@ -98,13 +98,20 @@ def server_settings(settings: Settings) -> dict[str, str]:
 # 0.3), and JIT compiled their inflated estimates (hundreds of ms a claim on a table without
 # statistics: benchmarks/candidates/README.md). A generic plan is made once per connection,
 # possibly while the table is empty: with sequential scans disabled it still reads by index
-# when the table has grown (review 3, P7). A pooler in transaction mode drops these startup
-# settings (and prepared statements); the statements then run planned each time, correct.
-HOT_PATH_SETTINGS = {
-    "jit": "off",
-    "plan_cache_mode": "force_generic_plan",
-    "enable_seqscan": "off",
-}
+# when the table has grown (review 3, P7). Set once per connection by a statement, not as
+# startup parameters: a pooler refuses startup parameters it does not know (PgBouncer's
+# ignore_startup_parameters), and users' pooler configurations must keep working. Only with
+# prepared statements (OUTBOX_STATEMENT_CACHE_SIZE above 0): a transaction pooler, which needs it
+# 0, would carry a SET over to other clients; there every statement is planned each time.
+HOT_PATH_SETTINGS = (
+    "SET jit = off; SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off"
+)
+
+
+async def init_hot_connection(conn: asyncpg.Connection) -> None:
+    """A pool connection of the dispatcher's hot path (see HOT_PATH_SETTINGS)."""
+    await init_connection(conn)
+    await conn.execute(HOT_PATH_SETTINGS)
 
 
 async def require_read_committed(conn: asyncpg.Connection | PoolConnectionProxy[Any]) -> None:
@@ -217,9 +224,9 @@ async def create_pool(settings: Settings) -> asyncpg.Pool:
             settings.database_url.get_secret_value(),
             min_size=1,
             max_size=settings.effective_pool_size,
-            init=init_connection,
+            init=init_hot_connection if settings.statement_cache_size > 0 else init_connection,
             reset=_keep_session,
-            server_settings=server_settings(settings) | HOT_PATH_SETTINGS,
+            server_settings=server_settings(settings),
             command_timeout=60,
             timeout=10,
             statement_cache_size=settings.statement_cache_size,

@@ -190,7 +190,9 @@ async def test_database_cut_while_marking_lets_another_dispatcher_take_over_fenc
     a_port = urlsplit(database_url).port
     assert a_port is not None
     async with FaultProxy("127.0.0.1", a_port) as proxy:
-        proxy.fault_on(b'"outbox_settle_work"(', drop=fault == "blackhole")
+        # The mark: the settle function, or the steady path's one statement (its batch unnest)
+        mark = (b'"outbox_settle_work"(', b"AS u(id, k, counted)")
+        proxy.fault_on(mark, drop=fault == "blackhole")
         common: dict[str, Any] = {
             "lease_seconds": LEASE,
             "batch_size": 500,
