@@ -146,6 +146,20 @@ def claims_made(dispatcher: Dispatcher) -> float:
     )
 
 
+async def claims_for_a_trickle(
+    dispatcher: Dispatcher, conn: asyncpg.Connection, topic: str
+) -> float:
+    """The claims made while 30 rows are written one by one over 3 s (after a first row)."""
+    await conn.fetchval("SELECT outbox_enqueue($1, 'k', 'v'::bytea)", topic)
+    await wait_all_settled(conn, 20)
+    before = claims_made(dispatcher)
+    for _ in range(30):
+        await conn.fetchval("SELECT outbox_enqueue($1, 'k', 'v'::bytea)", topic)
+        await asyncio.sleep(0.1)
+    await wait_all_settled(conn, 20)
+    return claims_made(dispatcher) - before
+
+
 async def test_a_steady_trickle_is_claimed_on_notifications_not_by_fast_polling(
     conn: asyncpg.Connection, topic: str, make_settings: Any
 ) -> None:
@@ -153,14 +167,7 @@ async def test_a_steady_trickle_is_claimed_on_notifications_not_by_fast_polling(
     every 10 ms for a second after each batch instead, about 100 mostly empty claims a second
     per loop at any steady rate: a cost per claim the database paid whatever the rate."""
     async with running(make_settings(claim_tasks=2)) as dispatcher:
-        await conn.fetchval("SELECT outbox_enqueue($1, 'k', 'v'::bytea)", topic)
-        await wait_all_settled(conn, 20)
-        before = claims_made(dispatcher)
-        for _ in range(30):
-            await conn.fetchval("SELECT outbox_enqueue($1, 'k', 'v'::bytea)", topic)
-            await asyncio.sleep(0.1)
-        await wait_all_settled(conn, 20)
-        made = claims_made(dispatcher) - before
+        made = await claims_for_a_trickle(dispatcher, conn, topic)
     # About two claims per notification (the batch, then one that finds nothing) and the
     # polling fallback of two loops (every 0.2 s here): some 90 for 3 s; polling fast made 600.
     assert made < 200, f"{made:.0f} claims for 30 rows written over 3 s"
@@ -174,14 +181,7 @@ async def test_a_loop_waits_for_the_next_notification_after_a_batch_that_drained
     kept) instead of claiming again at once, a claim that finds nothing (engine review 3: 12 %
     of a steady cycle). One claim per row of a trickle, not two; every row goes out."""
     async with running(make_settings(claim_tasks=1, poll_interval_seconds=5.0)) as dispatcher:
-        await conn.fetchval("SELECT outbox_enqueue($1, 'k', 'v'::bytea)", topic)
-        await wait_all_settled(conn, 20)
-        before = claims_made(dispatcher)
-        for _ in range(30):
-            await conn.fetchval("SELECT outbox_enqueue($1, 'k', 'v'::bytea)", topic)
-            await asyncio.sleep(0.1)
-        await wait_all_settled(conn, 20)
-        made = claims_made(dispatcher) - before
+        made = await claims_for_a_trickle(dispatcher, conn, topic)
     # 30 notifications, one claim each (two each before: the batch, then an empty claim).
     assert made <= 36, f"{made:.0f} claims for 30 rows written over 3 s"
 

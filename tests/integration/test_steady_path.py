@@ -17,6 +17,7 @@ from outbox_dispatcher.store import DispatchStore, Statements
 from outbox_dispatcher.store.arguments import ClaimArguments, SettleArguments
 
 from .helpers import sessions_waiting_on_a_lock, wait_until
+from .test_engine_review_3 import insert
 
 pytestmark = pytest.mark.integration
 
@@ -57,15 +58,6 @@ def settle_arguments(
         block_on_dead=False,
         steady=True,  # (batches of the steady path's claim here)
     )
-
-
-async def insert(conn: asyncpg.Connection, key: str | None, topic: str = "t") -> int:
-    row_id: int = await conn.fetchval(
-        "INSERT INTO outbox (topic, ordering_key, payload) VALUES ($1, $2, 'x') RETURNING id",
-        topic,
-        key,
-    )
-    return row_id
 
 
 async def engine_functions_off(conn: asyncpg.Connection) -> None:
