@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from typing import Unpack
+from typing import Any, Unpack
 
 import asyncpg
 
@@ -83,10 +83,9 @@ class DispatchStore(StoreBase):
         # that only share-locked it; the settle function reads their next rows in a snapshot
         # taken after its locks)
         arguments = arguments.copy()
-        steady = arguments.pop("steady", False)
-        if not (self.steady and steady) or arguments["delete_published"]:
-            return await self._settle(arguments)
-        if any(outcome != "published" for outcome in arguments["outcomes"]):
+        steady = arguments.pop("steady", False) and self.steady
+        published = all(outcome == "published" for outcome in arguments["outcomes"])
+        if not steady or not published or arguments["delete_published"]:
             return await self._settle(arguments)
         marked = [
             int(row[0])
@@ -105,15 +104,19 @@ class DispatchStore(StoreBase):
         # the reclaimer under this lease, whose publication the settle function records.
         done = set(marked)
         rest = [i for i, row_id in enumerate(arguments["ids"]) if row_id not in done]
+
+        def only_rest(column: list[Any]) -> list[Any]:
+            return [column[i] for i in rest]
+
         remaining = SettleArguments(
             token=arguments["token"],
             owner=arguments["owner"],
-            ids=[arguments["ids"][i] for i in rest],
-            keys=[arguments["keys"][i] for i in rest],
-            outcomes=[arguments["outcomes"][i] for i in rest],
-            errors=[arguments["errors"][i] for i in rest],
-            delays=[arguments["delays"][i] for i in rest],
-            counted=[arguments["counted"][i] for i in rest],
+            ids=only_rest(arguments["ids"]),
+            keys=only_rest(arguments["keys"]),
+            outcomes=only_rest(arguments["outcomes"]),
+            errors=only_rest(arguments["errors"]),
+            delays=only_rest(arguments["delays"]),
+            counted=only_rest(arguments["counted"]),
             delete_published=False,
             block_on_dead=arguments["block_on_dead"],
         )
