@@ -54,6 +54,23 @@ pg_pick_bindir() {
     [[ -n $ver ]] || die "no PostgreSQL server binaries under /usr/lib/postgresql"
   fi
   PG_BIN="/usr/lib/postgresql/$ver/bin"
+  PG_MAJOR=$ver
+}
+
+# plpgsql_check: the static check of the engine's PL/pgSQL (tests/integration/test_plpgsql_check.py,
+# which fails on this stack without it), from Debian's package for the server's major version.
+pg_plpgsql_check_installed() {
+  [[ -f /usr/share/postgresql/$PG_MAJOR/extension/plpgsql_check.control ]]
+}
+
+pg_ensure_plpgsql_check() {
+  pg_plpgsql_check_installed && return 0
+  if ! is_root; then
+    log "plpgsql_check is missing (apt-get install postgresql-$PG_MAJOR-plpgsql-check as root): test_plpgsql_check will fail"
+    return 0
+  fi
+  apt_install "postgresql-$PG_MAJOR-plpgsql-check"
+  pg_plpgsql_check_installed || die "postgresql-$PG_MAJOR-plpgsql-check installed but no plpgsql_check.control"
 }
 
 # Decide where the cluster lives (see header). The decision is made once, when
@@ -260,12 +277,22 @@ SQL
   # needs a superuser); the test databases are created from template1 and do not get it.
   as_pg "$PG_BIN/psql" -X -q -v ON_ERROR_STOP=1 -h "$PG_SOCKET_DIR" -p "$PG_PORT" \
     -U "$PG_SUPERUSER" -d "$PG_APP_DB" -c 'CREATE EXTENSION IF NOT EXISTS pg_stat_statements'
+  # The static check runs from the app database too, in a schema of its own (its functions stay
+  # out of public); creating it needs a superuser. It loads on use: no restart.
+  pg_plpgsql_check_installed || return 0
+  as_pg "$PG_BIN/psql" -X -q -v ON_ERROR_STOP=1 -h "$PG_SOCKET_DIR" -p "$PG_PORT" \
+    -U "$PG_SUPERUSER" -d "$PG_APP_DB" <<SQL
+CREATE SCHEMA IF NOT EXISTS plpgsql_check;
+CREATE EXTENSION IF NOT EXISTS plpgsql_check SCHEMA plpgsql_check;
+GRANT USAGE ON SCHEMA plpgsql_check TO $PG_APP_USER;
+SQL
 }
 
 pg_start() {
   pg_ensure_installed
   pg_resolve_paths create
   pg_pick_bindir
+  pg_ensure_plpgsql_check
   tls_ensure
   if pg_running; then
     if pg_write_config; then
