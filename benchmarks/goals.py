@@ -129,6 +129,7 @@ def _issue_34() -> list[Goal]:
             "s",
             also=(
                 "orphans_killed.orphan_keys",
+                "orphans_killed.p99_first_republished_s",
                 "orphans_killed.orphan_keys_late",
                 "orphans_killed.orphan_keys_unpublished",
             ),

@@ -30,6 +30,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
+def tcp_ports(pid: int) -> set[int]:
+    """The local ports of a process's IPv4/IPv6 TCP sockets, from /proc (Linux): its database
+    connections are the backends whose client_port is one of them."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = str(fd.readlink())
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                ports.add(int(fields[1].rpartition(":")[2], 16))
+    return ports
+
+
 @dataclass
 class Dispatchers:
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
