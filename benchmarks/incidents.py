@@ -141,13 +141,18 @@ async def _held_rows(conn: asyncpg.Connection, pid: int) -> list[int]:
 async def _freeze_holding(conn: asyncpg.Connection, victim: subprocess.Popen[bytes]) -> Frozen:
     """SIGSTOP the victim and read what it holds from the database; a stop that finds it between
     batches is undone (SIGCONT) and tried again. Stopping first makes the held leases exact: a
-    process killed while the scenario reads them may settle them meanwhile."""
+    running process settles what it holds between any read and its kill (the scenario once
+    found 0 orphans that way)."""
     for _ in range(100):
         at = await conn.fetchval("SELECT clock_timestamp()")
         victim.send_signal(signal.SIGSTOP)
-        await _quiesce(conn, tcp_ports(victim.pid))
-        if rows := await _held_rows(conn, victim.pid):
-            return Frozen(at, rows, *await _table_state(conn))
+        try:
+            await _quiesce(conn, tcp_ports(victim.pid))
+            if rows := await _held_rows(conn, victim.pid):
+                return Frozen(at, rows, *await _table_state(conn))
+        except BaseException:
+            victim.send_signal(signal.SIGCONT)  # so that the group's SIGTERM can stop it
+            raise
         victim.send_signal(signal.SIGCONT)
         await asyncio.sleep(0.05)
     msg = "the victim held no lease at any of 100 stops"
