@@ -19,9 +19,11 @@ import random
 import statistics
 import time
 import uuid
+from typing import Any
 
 import asyncpg
-import common
+
+from benchmarks.candidates import common
 
 LIMIT, MAX_KEYS, SCAN, LEASE = 500, 500, 1000, 30.0
 OWNER = "cand"
@@ -41,21 +43,21 @@ C3_CALL = 'SELECT * FROM "public".outbox_c3_settle_claim($1, $2, $3, $4, $5, $6,
 class Engine:
     """How a candidate claims and settles; every call timed in backend CPU."""
 
-    def __init__(self, name: str, conn: asyncpg.Connection, pid: int):
+    def __init__(self, name: str, conn: asyncpg.Connection, pid: int) -> None:
         self.name, self.c, self.pid = name, conn, pid
         self.claim_p, self.settle_p = common.c1_statements()
-        self.t = {
+        self.t: dict[str, list[int]] = {
             k: []
             for k in ("claim", "empty", "settle", "settle_claim", "settle_claim_empty", "slow")
         }
         self.slow = 0
-        self.why = {}
+        self.why: dict[str, int] = {}
 
     def cpu(self) -> int:
         with open(f"/proc/{self.pid}/schedstat") as f:
             return int(f.read().split()[0])
 
-    async def _slow(self, token):
+    async def _slow(self, token: uuid.UUID) -> list[asyncpg.Record]:
         # The slow path: today's claim, with the plan cache back on auto for it.
         async with self.c.transaction():
             await self.c.execute("SET LOCAL plan_cache_mode = auto; SET LOCAL enable_seqscan = on")
@@ -63,7 +65,7 @@ class Engine:
                 SLOW_CLAIM, LIMIT, MAX_KEYS, OWNER, LEASE, token, False, 10, SCAN
             )
 
-    async def claim(self):
+    async def claim(self) -> tuple[uuid.UUID, list[asyncpg.Record]]:
         token = uuid.uuid4()
         a = self.cpu()
         if self.name == "C0":
@@ -82,7 +84,7 @@ class Engine:
         self.t["claim" if rows else "empty"].append(self.cpu() - a)
         return token, rows
 
-    async def settle(self, token, rows):
+    async def settle(self, token: uuid.UUID, rows: list[asyncpg.Record]) -> None:
         ids = [r["id"] for r in rows]
         keys = [r["ordering_key"] for r in rows]
         a = self.cpu()
@@ -107,7 +109,9 @@ class Engine:
             await self.c.fetch(C1_SETTLE_F, token, ids, keys, OWNER)
         self.t["settle"].append(self.cpu() - a)
 
-    async def settle_claim(self, token, rows):
+    async def settle_claim(
+        self, token: uuid.UUID, rows: list[asyncpg.Record]
+    ) -> tuple[uuid.UUID, list[asyncpg.Record]]:
         """C3/C4: settle this batch and claim the next in one call."""
         ids = [r["id"] for r in rows]
         keys = [r["ordering_key"] for r in rows]
@@ -126,7 +130,7 @@ class Engine:
         return new, got
 
 
-async def connect_dispatcher(db: str, cand: str):
+async def connect_dispatcher(db: str, cand: str) -> tuple[asyncpg.Connection, int]:
     settings = {
         "application_name": "outbox-dispatcher",
         "synchronous_commit": "off",
@@ -146,7 +150,7 @@ async def connect_dispatcher(db: str, cand: str):
     return c, await c.fetchval("SELECT pg_backend_pid()")
 
 
-async def stats(adm, dbname):
+async def stats(adm: asyncpg.Connection, dbname: str) -> dict[str, Any]:
     r = await adm.fetchrow(
         """SELECT coalesce(sum(calls) FILTER (WHERE u.rolname = 'disp'), 0) AS disp_calls,
                   coalesce(sum(calls) FILTER (WHERE u.rolname = 'disp' AND toplevel), 0) AS disp_top,
@@ -158,16 +162,17 @@ async def stats(adm, dbname):
             WHERE s.dbid = (SELECT oid FROM pg_database WHERE datname = $1)""",
         dbname,
     )
+    assert r is not None
     return dict(r)
 
 
-def med(v):
+def med(v: list[int]) -> int | None:
     return round(statistics.median(v) / 1e3) if v else None
 
 
 async def loop_run(
     regime: str, cand: str, mode: str, rate: int, rows_per_tx: int, secs: float, keys: int = 1000
-):
+) -> dict[str, Any]:
     template = regime + {"C4": "_c4", "C4c": "_c4c"}.get(cand, "")
     db = "cand_run"
     common.new_db(template, db)
@@ -193,7 +198,7 @@ async def loop_run(
     wcpu0 = int(open(f"/proc/{wpid}/schedstat").read().split()[0])
     tx_per_s = rate / rows_per_tx
 
-    async def writer():
+    async def writer() -> None:
         nonlocal inserted
         t0 = time.monotonic()
         n = int(secs * tx_per_s)
@@ -209,10 +214,10 @@ async def loop_run(
         done.set()
         wake.set()
 
-    async def publish(rows):
+    async def publish(rows: list[asyncpg.Record]) -> None:
         await asyncio.sleep(0.001)
 
-    async def claimer():
+    async def claimer() -> None:
         nonlocal settled, empties, cycles
         while True:
             if mode in ("event", "lazy"):
@@ -320,16 +325,16 @@ async def loop_run(
     return res
 
 
-async def check_order(adm) -> bool:
+async def check_order(adm: asyncpg.Connection) -> bool:
     # Per key, publication times never go down with the id (published in one settle: equal).
     bad = await adm.fetchval(
         """SELECT count(*) FROM (SELECT published_at < lag(published_at) OVER (PARTITION BY ordering_key ORDER BY id) AS b
                                    FROM outbox WHERE published_at IS NOT NULL) s WHERE b"""
     )
-    return bad == 0
+    return bool(bad == 0)
 
 
-async def drain_run(regime: str, cand: str, n: int = 50_000, keys: int = 1000):
+async def drain_run(regime: str, cand: str, n: int = 50_000, keys: int = 1000) -> dict[str, Any]:
     template = regime + {"C4": "_c4", "C4c": "_c4c"}.get(cand, "")
     db = "cand_run"
     common.new_db(template, db)
@@ -385,14 +390,14 @@ async def drain_run(regime: str, cand: str, n: int = 50_000, keys: int = 1000):
     }
 
 
-def emit(res):
+def emit(res: dict[str, Any]) -> None:
     line = json.dumps(res, default=str)
     print(line, flush=True)
     with open(common.HERE / "results.jsonl", "a") as f:
         f.write(line + "\n")
 
 
-async def main():
+async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=["templates", "loop", "drain"])
     ap.add_argument("--regime", default="fresh")

@@ -21,7 +21,8 @@ import statistics
 import sys
 
 import asyncpg
-import common
+
+from benchmarks.candidates import common
 
 SETUP = """
 CREATE DOMAIN t_topic AS text CHECK (
@@ -78,7 +79,9 @@ async def main(rounds: int) -> None:
         with open(f"/proc/{pid}/schedstat") as f:
             return int(f.read().split()[0])
 
-    t = {(tb, op): [] for tb in TABLES for op in ("insert1", "insert10", "mark1", "mark10")}
+    t: dict[tuple[str, str], list[int]] = {
+        (tb, op): [] for tb in TABLES for op in ("insert1", "insert10", "mark1", "mark10")
+    }
     for r in range(rounds):
         order = TABLES[r % len(TABLES) :] + TABLES[: r % len(TABLES)]
         for tb in order:

@@ -11,7 +11,8 @@ import sys
 import uuid
 
 import asyncpg
-import common
+
+from benchmarks.candidates import common
 
 
 async def main(regime: str, rows: int) -> None:

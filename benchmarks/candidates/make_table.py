@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
-import common
+from benchmarks.candidates import common
 
 path = sys.argv[1] if len(sys.argv) > 1 else str(common.HERE / "results.jsonl")
 rows = [json.loads(x) for x in open(path) if x.strip()]
 loops = [r for r in rows if r["run"] == "loop"]
 
 
-def base(r):
+def base(r: dict[str, Any]) -> dict[str, Any] | None:
     mode = "event" if r["mode"] == "lazy" else r["mode"]
     for b in loops:
         if (
@@ -22,16 +23,16 @@ def base(r):
             and b["tag"] == r["tag"]
             and b["mode"] in (mode, r["mode"])
         ):
-            return b
+            return dict(b)
     return None
 
 
-def f(v):
+def f(v: object) -> str:
     return "–" if v is None else str(v)
 
 
-def aa(r):
-    a = [x for x in r["autovacuum"] if x.startswith("outbox analyze")]
+def aa(r: dict[str, Any]) -> str:
+    a: list[str] = [x for x in r["autovacuum"] if x.startswith("outbox analyze")]
     return a[0].split("@")[1].split()[0] + " s" if a else "none"
 
 

@@ -3,7 +3,7 @@
 # (one database per run, C0 first as the same-run baseline), then C3/C4 with the lazy settle
 # against C0 (whose lazy mode is its event mode), then the drains and the CHECK micro-benchmark.
 set -e
-PY=${PY:-/work/main/.venv/bin/python}
+PY=${PY:-../../.venv/bin/python}
 SECS=${SECS:-10}
 TAG=${TAG:-matrix}
 for regime in fresh analyzed; do

@@ -11,19 +11,20 @@ import sys
 import uuid
 
 import asyncpg
-import common
+
+from benchmarks.candidates import common
 
 INS = "INSERT INTO outbox (topic, ordering_key, payload) VALUES ('orders', $1, 'x') RETURNING id"
-failed = []
+failed: list[str] = []
 
 
-def check(name, ok, detail):
+def check(name: str, ok: bool, detail: str) -> None:
     print(("ok   " if ok else "FAIL ") + name + ": " + detail)
     if not ok:
         failed.append(name)
 
 
-async def fresh():
+async def fresh() -> list[asyncpg.Connection]:
     common.new_db("fresh", "cand_traps")
     conns = [
         await asyncpg.connect(
@@ -34,12 +35,11 @@ async def fresh():
     return conns
 
 
-async def main():
+async def main() -> None:
     claim, settle = common.c1_statements()
 
-    async def c1(conn, token=None):
-        rows = await conn.fetch(claim, 500, token or uuid.uuid4(), "o", 30.0, False)
-        return rows
+    async def c1(conn: asyncpg.Connection, token: uuid.UUID | None = None) -> list[asyncpg.Record]:
+        return await conn.fetch(claim, 500, token or uuid.uuid4(), "o", 30.0, False)
 
     # 1. A gap: id drawn by a writer still open. The claim must not move past it.
     d, w1, w2 = await fresh()
@@ -97,7 +97,7 @@ async def main():
                 f"cursor {pos}, work {[tuple(x) for x in work]}: row 2 left to the slow claim as ready work",
             )
             rows = await c1(d)
-            slow = rows and rows[-1]["id"] is None
+            slow = bool(rows) and rows[-1]["id"] is None
             if slow:
                 rows = await d.fetch(
                     common.CLAIM_C0, 500, 500, "o", 30.0, uuid.uuid4(), False, 10, 1000
