@@ -282,6 +282,7 @@ SQL
   pg_plpgsql_check_installed || return 0
   as_pg "$PG_BIN/psql" -X -q -v ON_ERROR_STOP=1 -h "$PG_SOCKET_DIR" -p "$PG_PORT" \
     -U "$PG_SUPERUSER" -d "$PG_APP_DB" <<SQL
+SET client_min_messages = warning;
 CREATE SCHEMA IF NOT EXISTS plpgsql_check;
 CREATE EXTENSION IF NOT EXISTS plpgsql_check SCHEMA plpgsql_check;
 GRANT USAGE ON SCHEMA plpgsql_check TO $PG_APP_USER;
