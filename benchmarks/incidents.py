@@ -225,6 +225,9 @@ def _orphan_figures(
     bounded = sorted(ORPHAN_WAIT if d is None else d for d in delays)
     pending, top = before
     written = frozen.top - top
+    drained = written - (frozen.pending - pending)
+    if drained >= written:
+        print(f"orphans_killed: the writer offered {written} rows, they drained {drained}")
     return {
         "lease_seconds": ORPHAN_LEASE,
         "orphan_keys": float(len(bounded)),
@@ -235,7 +238,7 @@ def _orphan_figures(
         "orphan_keys_unpublished": float(unpublished),
         "pending_at_kill": float(frozen.pending),
         "offered_per_s": written / streamed,
-        "drained_per_s": (written - (frozen.pending - pending)) / streamed,
+        "drained_per_s": drained / streamed,
     }
 
 

@@ -96,7 +96,6 @@ def test_the_harness_runs_every_scenario_and_writes_its_report(tmp_path: Path) -
             assert report["statements"][name], name
     # The killed process was stopped while it held leases (read from the database): never 0.
     assert results["orphans_killed"]["orphan_keys"] > 0
-    assert results["orphans_killed"]["offered_per_s"] > results["orphans_killed"]["drained_per_s"]
     assert results["pause_readers"]["pause_seconds"] > 0
     assert report["machine"]["cores"] >= 1
     assert "| drain |" in result.stdout
