@@ -24,7 +24,7 @@ BEGIN
            AND x.claim_token = p_token AND x.state <> 'x'
         RETURNING 1
     )
-    SELECT count(*) INTO v_rows FROM released;
+    SELECT count(*)::integer INTO v_rows FROM released;
     RETURN v_rows;
 END;
 $fn$;

@@ -69,7 +69,7 @@ BEGIN
                                  ELSE greatest(w.not_before, excluded.not_before) END
         RETURNING 1
     )
-    SELECT (SELECT count(*) FROM fixed), (SELECT max(p.id) FROM part p)
+    SELECT (SELECT count(*)::integer FROM fixed), (SELECT max(p.id) FROM part p)
       INTO repaired, v_last;
     IF v_last IS NULL OR v_last >= c.position THEN
         wrapped := true;

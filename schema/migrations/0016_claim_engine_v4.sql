@@ -873,7 +873,7 @@ BEGIN
            AND x.claim_token = p_token AND x.state <> 'x'
         RETURNING 1
     )
-    SELECT count(*) INTO v_rows FROM released;
+    SELECT count(*)::integer INTO v_rows FROM released;
     RETURN v_rows;
 END;
 $fn$;
@@ -1139,7 +1139,7 @@ BEGIN
                                  ELSE greatest(w.not_before, excluded.not_before) END
         RETURNING 1
     )
-    SELECT (SELECT count(*) FROM fixed), (SELECT max(p.id) FROM part p)
+    SELECT (SELECT count(*)::integer FROM fixed), (SELECT max(p.id) FROM part p)
       INTO repaired, v_last;
     IF v_last IS NULL OR v_last >= c.position THEN
         wrapped := true;

@@ -54,10 +54,6 @@ ALLOWED = (
         r'unused parameter "p_hole_margin"',
         "no longer read, kept so that the dispatchers' call keeps its signature (discover.sql)",
     ),
-    # A count(*) (bigint) stored into an integer result: an assignment cast, and the count is
-    # bounded by one call's batch.
-    Allowed("release_work", r"target type is different type than source type", "count(*)"),
-    Allowed("sweep", r"target type is different type than source type", "count(*)"),
 )
 
 
