@@ -9,6 +9,7 @@
 #   stop         stop PgBouncer, Kafka (with the cluster and the Kafka 3 broker), then PostgreSQL
 #   status       report whether each service is up (exit 0 only if all are)
 #   pg-start     | pg-stop      only PostgreSQL
+#   pg-crash     PostgreSQL stopped immediately, as a crash (unflushed commits are lost)
 #   kafka-start  | kafka-stop   only Kafka (tests use these to simulate an outage;
 #                               kafka-start never reformats existing storage)
 #   env          print the environment variables a test run needs
@@ -147,6 +148,7 @@ main() {
     pgbouncer-stop)  take_lock; pgbouncer_stop ;;
     pg-start)    take_lock; pg_start ;;
     pg-stop)     take_lock; pg_stop ;;
+    pg-crash)    take_lock; pg_crash ;;
     kafka-start) take_lock; kafka_start ;;
     kafka-stop)  take_lock; kafka_stop ;;
     env)         print_env ;;

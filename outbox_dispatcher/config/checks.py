@@ -32,6 +32,8 @@ class Choices(Protocol):
     @property
     def transaction_timeout_seconds(self) -> float: ...
     @property
+    def synchronous_commit(self) -> str | None: ...
+    @property
     def kafka_security_protocol(self) -> str: ...
     @property
     def kafka_sasl_mechanism(self) -> str | None: ...
@@ -111,6 +113,13 @@ def relations(s: Choices) -> None:
         msg = (
             "OUTBOX_TRANSACTION_TIMEOUT_SECONDS must be < OUTBOX_LEASE_SECONDS: a batch's "
             "transaction has to end before its lease"
+        )
+        raise ValueError(msg)
+    if s.delivery == "exactly-once" and s.synchronous_commit == "off":
+        msg = (
+            "OUTBOX_SYNCHRONOUS_COMMIT=off cannot be used with OUTBOX_DELIVERY=exactly-once: a "
+            "mark a database crash loses would send its batch again (a second copy to "
+            "read_committed consumers); unset it (exactly-once then runs with on)"
         )
         raise ValueError(msg)
     if s.kafka_sasl_mechanism and not (s.kafka_sasl_username and s.kafka_sasl_password):

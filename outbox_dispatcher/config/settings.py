@@ -180,9 +180,11 @@ class Settings(BaseSettings):
     listen_database_url: SecretStr | None = None
     """Direct URL for LISTEN when database_url goes through a transaction pooler (a secret: use
     OUTBOX_LISTEN_DATABASE_URL_FILE)."""
-    synchronous_commit: Literal["on", "off", "local"] = "off"
-    """synchronous_commit for the dispatcher's own transactions; a lost mark after a database
-    crash only means a re-publish, which at-least-once delivery allows."""
+    synchronous_commit: Literal["on", "off", "local"] | None = None
+    """synchronous_commit for the dispatcher's own transactions. Unset: off with at-least-once
+    (a mark a database crash loses only means a re-publish, which it allows), on with
+    exactly-once (a batch's progress record forgets it once it is marked: a lost mark would send
+    it again). exactly-once refuses off."""
 
     delete_on_publish: bool = False
     """Delete rows once the broker acknowledged them instead of marking them published: less
@@ -300,6 +302,13 @@ class Settings(BaseSettings):
     @classmethod
     def _check_topics(cls, value: str | None, info: ValidationInfo) -> str | None:
         return checks.topic_setting(value, template=info.field_name == "topic_template")
+
+    @property
+    def commit_durability(self) -> str:
+        """The synchronous_commit the dispatcher's sessions run with (see synchronous_commit)."""
+        if self.synchronous_commit is not None:
+            return self.synchronous_commit
+        return "on" if self.delivery is DeliveryMode.EXACTLY_ONCE else "off"
 
     @model_validator(mode="after")
     def _check_relations(self) -> Settings:

@@ -122,6 +122,8 @@ class Dispatcher:
                 else:
                     version = await migrations.check_version(conn, s.db_schema, s.table)
                 await db.require_read_committed(conn)
+                if s.delivery is DeliveryMode.EXACTLY_ONCE:
+                    await db.require_durable_commits(conn)
             # The one store every component is handed; the steady path from version 16 on.
             store = DispatchStore(
                 pool, self.statements, steady=version >= migrations.STEADY_VERSION

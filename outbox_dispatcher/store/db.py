@@ -86,7 +86,7 @@ def _encode_jsonb(value: Any) -> str:
 def server_settings(settings: Settings) -> dict[str, str]:
     return {
         "application_name": APPLICATION_NAME,
-        "synchronous_commit": settings.synchronous_commit,
+        "synchronous_commit": settings.commit_durability,
         # No dispatcher statement may hold locks for long, whatever happens.
         "idle_in_transaction_session_timeout": "10000",
     }
@@ -126,6 +126,21 @@ async def require_read_committed(conn: asyncpg.Connection | PoolConnectionProxy[
             "database's or role's default_transaction_isolation); its claims need 'read "
             "committed': give the dispatcher's role its own default with ALTER ROLE <role> SET "
             "default_transaction_isolation = 'read committed' (writers keep theirs)"
+        )
+
+
+async def require_durable_commits(conn: asyncpg.Connection | PoolConnectionProxy[Any]) -> None:
+    """exactly-once: a batch's progress record forgets the batch once it is marked, so a mark
+    that a database crash loses would send the batch again. The dispatcher asks for
+    synchronous_commit on, but a pooler drops that startup setting and the role's or server's
+    default applies: off is refused."""
+    mode = await conn.fetchval("SELECT current_setting('synchronous_commit')")
+    if mode == "off":
+        raise errors.ConfigurationError(
+            "the dispatcher's database sessions run with synchronous_commit = off (the server's, "
+            "database's or role's default, reaching them through a pooler); exactly-once needs "
+            "its marks durable: ALTER ROLE <role> SET synchronous_commit = on, or use "
+            "at-least-once delivery"
         )
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -153,3 +154,28 @@ def test_an_argument_error_is_one_line_not_the_usage(capsys: pytest.CaptureFixtu
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.startswith("outbox-dispatcher dead list: error: argument --since: 'yesterday' is")
+
+
+@pytest.mark.parametrize(
+    ("delivery", "chosen", "in_effect"),
+    [
+        ("at-least-once", None, "off"),
+        ("exactly-once", None, "on"),
+        ("at-least-once", "on", "on"),
+        ("exactly-once", "local", "local"),
+    ],
+)
+def test_commits_are_durable_unless_a_lost_mark_is_harmless(
+    delivery: str, chosen: str | None, in_effect: str
+) -> None:
+    """At-least-once may lose a mark in a database crash (a re-publish); exactly-once may not:
+    its progress record forgets a batch once it is marked (test_exactly_once_durability)."""
+    values: dict[str, Any] = {"delivery": delivery}
+    if chosen is not None:
+        values["synchronous_commit"] = chosen
+    assert Settings(**values).commit_durability == in_effect
+
+
+def test_exactly_once_refuses_synchronous_commit_off() -> None:
+    with pytest.raises(ValidationError, match="OUTBOX_SYNCHRONOUS_COMMIT=off cannot be used"):
+        Settings(delivery="exactly-once", synchronous_commit="off")

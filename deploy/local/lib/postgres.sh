@@ -334,6 +334,20 @@ pg_stop() {
   fi
 }
 
+# An immediate stop (SIGQUIT, no shutdown checkpoint): what a crash leaves. Commits whose WAL no
+# process wrote out yet are gone after the restart's recovery, as after a power loss (tests of
+# durability: tests/integration/test_exactly_once_durability.py).
+pg_crash() {
+  pg_resolve_paths
+  pg_pick_bindir
+  if pg_running; then
+    log "stopping PostgreSQL immediately (as a crash)"
+    as_pg "$PG_BIN/pg_ctl" stop -D "$PGDATA" -m immediate -w -t 60 -s
+  else
+    log "PostgreSQL not running"
+  fi
+}
+
 pg_status() {
   pg_resolve_paths
   if [[ -f $PGDATA/PG_VERSION ]]; then
