@@ -35,8 +35,9 @@ Connect = Callable[[str], Awaitable[db.Connection]]
 DISCOVERY_SECONDS = 2.0
 # undefined_table, invalid_schema_name: a schema dropped between the catalogue read and a check.
 DROPPED = frozenset({"42P01", "3F000"})
-# A pending outbox (being migrated, most likely) is read again after at most this many intervals.
-PENDING_RECHECK = 2
+# A pending outbox (being migrated, most likely) is read again after at most this many intervals:
+# a tenant caught mid-migration is served within two intervals of its migration (4 s by default).
+PENDING_RECHECK = 1
 # What makes a whole database back off: away, refusing us (credentials, a database that does not
 # exist or takes no connections), or a catalogue that cannot be read.
 DATABASE_FAILURES: tuple[type[BaseException], ...] = (

@@ -19,11 +19,12 @@ import asyncpg
 import pytest
 from structlog.testing import capture_logs
 
-from outbox_dispatcher.sources.fleet import FleetMember
+from outbox_dispatcher.sources.fleet import FleetMember, outbox_key
+from outbox_dispatcher.sources.registry import SourceRegistry
 from outbox_dispatcher.store.fleet import FleetStore
 
 from .helpers import Services
-from .sources_helpers import execute, fresh_database, plain_connect
+from .sources_helpers import execute, fresh_database, migrate, plain_connect, source
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -181,3 +182,66 @@ async def test_a_member_keeps_its_last_view_while_the_home_database_is_away(
     finally:
         await conn.close()
     await one.leave()
+
+
+async def test_two_members_each_with_its_registry_serve_every_outbox_once(
+    services: Services, home: str
+) -> None:
+    """Two members in one process, each with its own registry and connections, over tenant
+    schemas of two databases: their shares partition the ready outboxes, a tenant added is
+    served by exactly one of them, and when one leaves the other serves everything."""
+    async with (
+        fresh_database(services.database_url) as a,
+        fresh_database(services.database_url) as b,
+    ):
+        await migrate(a, *(f"tenant_{n}" for n in range(6)))
+        await migrate(b, "tenant_x", "tenant_y")
+        sources = [source(a, "tenant_*"), source(b, "tenant_*", name="shard_b")]
+        members = {
+            n: FleetMember(home, plain_connect, lease_seconds=LEASE, member_id=n)
+            for n in ("left", "right")
+        }
+        registries = {
+            n: SourceRegistry(sources, plain_connect, interval=0.2, jitter=False) for n in members
+        }
+        stopping = {n: asyncio.Event() for n in members}
+        tasks = [
+            asyncio.create_task(task)
+            for n in members
+            for task in (members[n].run(stopping[n]), registries[n].run(stopping[n]))
+        ]
+
+        def shares(names: tuple[str, ...]) -> dict[str, set[str]]:
+            return {
+                n: {outbox_key(o) for o in members[n].view().mine(registries[n].view().ready())}
+                for n in names
+            }
+
+        async def partition(names: tuple[str, ...], total: int) -> dict[str, set[str]]:
+            for _ in range(200):
+                got = shares(names)
+                if (
+                    all(members[n].view().members == names for n in names)
+                    and sum(map(len, got.values())) == total
+                    and len(set().union(*got.values())) == total
+                ):
+                    return got
+                await asyncio.sleep(0.05)
+            msg = f"no partition of {total} outboxes among {names}: {shares(names)}"
+            raise AssertionError(msg)
+
+        try:
+            both = await partition(("left", "right"), 8)
+            assert all(both.values())
+            await migrate(b, "tenant_z")
+            after = await partition(("left", "right"), 9)
+            [owner] = [n for n in after if any(k.endswith("/tenant_z.outbox") for k in after[n])]
+            assert after[owner] - both[owner] == {next(k for k in after[owner] if "tenant_z" in k)}
+            stopping["right"].set()
+            await asyncio.sleep(0)
+            alone = await partition(("left",), 9)
+            assert len(alone["left"]) == 9
+        finally:
+            for event in stopping.values():
+                event.set()
+            await asyncio.wait_for(asyncio.gather(*tasks), 15)
