@@ -11,9 +11,10 @@ import sys
 
 import structlog
 
-from outbox_dispatcher import errors, tracing
+from outbox_dispatcher import display, errors, tracing
 from outbox_dispatcher.cli.flags import BATCHED, CONNECT, EVERY, Commands, command, switch
-from outbox_dispatcher.cli.terminal import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+from outbox_dispatcher.cli.terminal import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, err, out
+from outbox_dispatcher.config.outboxes import sources_given, sources_of
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import Dispatcher
 from outbox_dispatcher.operate import schema
@@ -105,7 +106,11 @@ async def _migrate(settings: Settings, ns: argparse.Namespace) -> int:
 
     Create or upgrade the outbox schema; safe to run concurrently. A step that dispatchers of
     an older version cannot run beside waits until none of them runs (run migrate again after
-    the rollout)."""
+    the rollout). With OUTBOX_SOURCES, every schema of every source (each pattern's matching
+    schemas), or only --schema NAME's, each on its own: the exit code says whether any failed;
+    and the fleet's membership table in OUTBOX_DATABASE_URL's database."""
+    if sources_given():
+        return await _migrate_sources(settings, ns)
     done = await schema.migrate(settings, contract=ns.contract_now)
     applied, version = done.applied, done.version
     log.info("schema_ready", version=version, applied=applied)
@@ -113,12 +118,45 @@ async def _migrate(settings: Settings, ns: argparse.Namespace) -> int:
     what = f"applied {', '.join(map(str, applied))}" if applied else "nothing to apply"
     sys.stdout.write(f"schema {where} is at version {version} ({what})\n")
     if done.waiting is not None:
-        sys.stdout.write(
-            f"version {done.waiting} waits: {done.older} dispatcher(s) older than version "
-            f"{schema.OLDEST_SUPPORTED} still run beside this schema, and it would stop "
-            "them. Run `outbox-dispatcher migrate` again once every dispatcher is upgraded (the "
-            "upgraded ones keep working meanwhile), or with --contract-now to apply it anyway\n"
+        sys.stdout.write(_waits(done.waiting, done.older))
+    return EXIT_OK
+
+
+def _waits(waiting: int, older: int) -> str:
+    return (
+        f"version {waiting} waits: {older} dispatcher(s) older than version "
+        f"{schema.OLDEST_SUPPORTED} still run beside this schema, and it would stop "
+        "them. Run `outbox-dispatcher migrate` again once every dispatcher is upgraded (the "
+        "upgraded ones keep working meanwhile), or with --contract-now to apply it anyway\n"
+    )
+
+
+async def _migrate_sources(settings: Settings, ns: argparse.Namespace) -> int:
+    """`migrate` of OUTBOX_SOURCES: one line per schema, failures on stderr too."""
+    only = settings.db_schema if "db_schema" in settings.model_fields_set else None
+    sources = sources_of(settings)
+    done = await schema.migrate_sources(
+        settings, sources, only_schema=only, contract=ns.contract_now
+    )
+    for one in done.schemas:
+        where = f"schema {one.schema}.{one.table} of {one.database} (source {one.label})"
+        if one.error is not None:
+            out(f"{where} FAILED: {display.inert(one.error)}")
+            continue
+        what = f"applied {', '.join(map(str, one.applied))}" if one.applied else "nothing to apply"
+        out(f"{where} is at version {one.version} ({what})")
+        if one.waiting is not None:
+            sys.stdout.write(_waits(one.waiting, one.older))
+    fleet = "FAILED: " + display.inert(done.fleet) if done.fleet_failed else done.fleet
+    out(f"fleet membership table {done.fleet_table} of the home database: {fleet}")
+    failed = len(done.failed) + done.fleet_failed
+    log.info("sources_migrated", schemas=len(done.schemas), failed=failed)
+    if failed:
+        err(
+            f"{failed} of {len(done.schemas) + 1} migrations failed (see above): fix them and run "
+            "`outbox-dispatcher migrate` again (what succeeded stays done)"
         )
+        return EXIT_FAILED
     return EXIT_OK
 
 

@@ -84,7 +84,7 @@ def trusted_proxies(value: str | None) -> None:
 def schema(value: str) -> str:
     validate_identifier(value, "OUTBOX_SCHEMA")
     if value in RESERVED_SCHEMAS or value.startswith("pg_"):
-        msg = f"OUTBOX_SCHEMA {value!r} is a system schema; choose another"
+        msg = f"OUTBOX_SCHEMA {value!r} is a system schema (or the fleet's); choose another"
         raise ValueError(msg)
     return value
 

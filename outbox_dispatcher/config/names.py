@@ -11,7 +11,9 @@ import urllib.parse
 # Lowercase only, so that derived names (outbox_claim, outbox_schema_version, ...) stay valid,
 # unquoted-equivalent identifiers; short enough that every derived name fits in 63 bytes.
 IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,39}$")
-RESERVED_SCHEMAS = frozenset({"pg_catalog", "information_schema", "pg_toast"})
+# The home database's schema of the fleet's membership table (store/fleet.sql): never an outbox's.
+FLEET_SCHEMA = "outbox_fleet"
+RESERVED_SCHEMAS = frozenset({"pg_catalog", "information_schema", "pg_toast", FLEET_SCHEMA})
 # A schema pattern of OUTBOX_SOURCES: identifier characters and '*', which matches any run of them.
 PATTERN = re.compile(r"^[a-z_*][a-z0-9_*]*$")
 STAR = "[a-z0-9_]*"
@@ -38,7 +40,10 @@ def schema_or_pattern(value: str) -> str:
         )
         raise ValueError(msg)
     if value in RESERVED_SCHEMAS or value.startswith("pg_"):
-        msg = f"schema {value!r} is a system schema (or only matches them); choose another"
+        msg = (
+            f"schema {value!r} is a system schema (or only matches them) or the fleet's "
+            f"{FLEET_SCHEMA}: choose another"
+        )
         raise ValueError(msg)
     return value
 

@@ -159,6 +159,11 @@ def sources_of(settings: Defaults, environ: Mapping[str, str] | None = None) -> 
     return parse_sources(*found, settings)
 
 
+def sources_given(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether OUTBOX_SOURCES is set (in any of its places), rather than the one table."""
+    return _read(os.environ if environ is None else environ) is not None
+
+
 def _read(env: Mapping[str, str]) -> tuple[str, str] | None:
     if VARIABLE in env:
         return env[VARIABLE], VARIABLE
