@@ -111,7 +111,7 @@ async def _migrate(settings: Settings, ns: argparse.Namespace) -> int:
     the rollout). With OUTBOX_SOURCES, every schema of every source (each pattern's matching
     schemas), or only --schema NAME's, each on its own: the exit code says whether any failed;
     and the fleet's membership table in OUTBOX_DATABASE_URL's database."""
-    if sources_given():
+    if settings.sources is not None or sources_given():
         return await _migrate_sources(settings, ns)
     done = await schema.migrate(settings, contract=ns.contract_now)
     applied, version = done.applied, done.version
