@@ -17,6 +17,7 @@ from outbox_dispatcher.cli.terminal import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, er
 from outbox_dispatcher.config.names import FLEET_SCHEMA
 from outbox_dispatcher.config.outboxes import sources_given, sources_of
 from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.dispatch.fleet import FleetDispatcher
 from outbox_dispatcher.dispatch.supervisor import Dispatcher
 from outbox_dispatcher.operate import schema
 from outbox_dispatcher.operate.check import unknown_variables
@@ -51,7 +52,11 @@ async def _run(settings: Settings, _: argparse.Namespace) -> int:
     for variable, close in unknown_variables(os.environ):
         # What `check` fails on: the setting meant is not in effect.
         log.warning("unknown_setting_variable", variable=variable, did_you_mean=close)
-    dispatcher = Dispatcher(settings)
+    dispatcher: Dispatcher | FleetDispatcher = (
+        Dispatcher(settings)
+        if settings.sources is None
+        else FleetDispatcher(settings, sources_of(settings))
+    )
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
 
@@ -74,7 +79,7 @@ async def _run(settings: Settings, _: argparse.Namespace) -> int:
             loop.remove_signal_handler(signum)
 
 
-async def _dispatch(dispatcher: Dispatcher) -> int:
+async def _dispatch(dispatcher: Dispatcher | FleetDispatcher) -> int:
     code = EXIT_OK
     try:
         await dispatcher.run()
