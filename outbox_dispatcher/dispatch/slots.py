@@ -37,7 +37,7 @@ class ClaimSlots:
         """A new outbox: active at once (it may have a backlog)."""
         self.outboxes[runtime.key] = runtime
         self.scheduler.add(runtime.key, runtime.outbox.source.weight)
-        self.wake(runtime.key)
+        self._activate(runtime.key)
 
     def forget(self, key: Key) -> None:
         """Let go: no slot is granted to it again (a claim of it in flight ends as it would)."""
@@ -47,12 +47,16 @@ class ClaimSlots:
         self._woken_in_flight.discard(key)
 
     def wake(self, key: Key) -> None:
-        """It has work (or may): into the ring, unless it backs off or is gone."""
+        """It has work, or may (a notification, a poll): into the ring, unless it backs off or
+        is gone. One that comes while its claim runs brings one more claim after it."""
         flow = self.scheduler.flows.get(key)
-        if flow is None or self._retry_at.get(key, 0.0) > time.monotonic():
-            return
-        if flow.in_flight:
+        if flow is not None and flow.in_flight:
             self._woken_in_flight.add(key)
+        self._activate(key)
+
+    def _activate(self, key: Key) -> None:
+        if key not in self.scheduler.flows or self._retry_at.get(key, 0.0) > time.monotonic():
+            return
         self.scheduler.wake(key)
         self._changed.set()
 
@@ -93,9 +97,9 @@ class ClaimSlots:
             self._back_off(key, runtime.retry_in)
         elif rows >= self._batch_size or key in self._woken_in_flight:
             self._woken_in_flight.discard(key)
-            self.wake(key)  # a full batch: probably more
+            self._activate(key)  # a full batch (probably more), or notified meanwhile
         elif await runtime.idle():
-            self.wake(key)  # a fresh announcement: rows committed before it sent no notification
+            self._activate(key)  # a fresh announcement: rows committed before it sent none
         if runtime.outage:
             await pause(self._stopping, runtime.outage)  # the broker is away: for every outbox
 
@@ -106,7 +110,7 @@ class ClaimSlots:
 
     def _retry(self, key: Key) -> None:
         self._retry_at.pop(key, None)
-        self.wake(key)
+        self._activate(key)
 
 
 async def _either(one: asyncio.Event, other: asyncio.Event, seconds: float) -> None:
