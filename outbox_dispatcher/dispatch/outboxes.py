@@ -96,6 +96,10 @@ class OutboxRuntime:
         """Claim one batch and run it to its end; the rows claimed. A failure of this outbox
         sets `retry_in` instead of raising."""
         self.retry_in, self.outage = None, 0.0
+        with structlog.contextvars.bound_contextvars(source=self.label):  # every line of it
+            return await self._turn(heartbeat)
+
+    async def _turn(self, heartbeat: Callable[[], None]) -> int:
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
@@ -173,6 +177,7 @@ class OutboxRuntime:
         restarts on its backoff, instead of stopping the process; it ends when the outbox is let
         go (cancelled)."""
         backoff = Backoff(self.shared.settings.backoff_initial_seconds, 60.0)
+        structlog.contextvars.bind_contextvars(source=self.label)  # this task's lines only
         while True:
             try:
                 await make()

@@ -278,6 +278,40 @@ async def test_a_50k_row_backlog_does_not_starve_a_quiet_source(
     assert (verdict.delivered, verdict.lost, verdict.reordered) == (30, [], [])
 
 
+async def test_two_processes_serving_the_same_sources_publish_every_row_in_order(
+    services: Services,
+    databases: tuple[str, str],
+    make_topic: MakeTopic,
+    make_settings: Any,
+    tmp_path: Path,
+) -> None:
+    """Without the fleet's membership (not built), every process serves every outbox: the
+    claim engine's per-key leases keep that safe, as for several single-table dispatchers."""
+    a, _ = databases
+    await migrate(a, "tenant_a", "tenant_b")
+    tenants = [Tenant(a, s, await make_topic()) for s in ("tenant_a", "tenant_b")]
+    settings = fleet_settings(make_settings, a, [{"schema": "tenant_*"}], batch_size=20)
+    logs = [tmp_path / f"fleet{i}.log" for i in range(2)]
+    processes = [spawn(settings, log) for log in logs]
+    try:
+        await wait_started(logs)
+        for tenant in tenants:
+            await tenant.insert(keys=40, per_key=50)
+        for tenant in tenants:
+            await tenant.all_published()
+    finally:
+        codes = stop_all(processes)
+    assert codes == [0, 0], [log.read_text()[-3000:] for log in logs]
+    owners: set[str] = set()
+    for tenant in tenants:
+        verdict = await tenant.verdict(services)
+        assert verdict.delivered >= 2000, verdict.summary()
+        assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], [])
+        async with tenant.connect() as conn:
+            owners |= {r[0] for r in await conn.fetch("SELECT DISTINCT lease_owner FROM outbox")}
+    assert len(owners) == 2, f"both processes published: {owners}"
+
+
 def test_exactly_once_with_sources_is_refused_at_start(
     make_settings: Any, tmp_path: Path, databases: tuple[str, str]
 ) -> None:
