@@ -16,6 +16,7 @@ from outbox_dispatcher.cli.flags import BATCHED, CONNECT, EVERY, Commands, comma
 from outbox_dispatcher.cli.terminal import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, err, out
 from outbox_dispatcher.config.outboxes import sources_given, sources_of
 from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.dispatch.fleet import FleetDispatcher
 from outbox_dispatcher.dispatch.supervisor import Dispatcher
 from outbox_dispatcher.operate import schema
 from outbox_dispatcher.operate.check import unknown_variables
@@ -49,7 +50,11 @@ async def _run(settings: Settings, _: argparse.Namespace) -> int:
     for variable, close in unknown_variables(os.environ):
         # What `check` fails on: the setting meant is not in effect.
         log.warning("unknown_setting_variable", variable=variable, did_you_mean=close)
-    dispatcher = Dispatcher(settings)
+    dispatcher: Dispatcher | FleetDispatcher = (
+        Dispatcher(settings)
+        if settings.sources is None
+        else FleetDispatcher(settings, sources_of(settings))
+    )
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
 
@@ -72,7 +77,7 @@ async def _run(settings: Settings, _: argparse.Namespace) -> int:
             loop.remove_signal_handler(signum)
 
 
-async def _dispatch(dispatcher: Dispatcher) -> int:
+async def _dispatch(dispatcher: Dispatcher | FleetDispatcher) -> int:
     code = EXIT_OK
     try:
         await dispatcher.run()
@@ -109,7 +114,7 @@ async def _migrate(settings: Settings, ns: argparse.Namespace) -> int:
     the rollout). With OUTBOX_SOURCES, every schema of every source (each pattern's matching
     schemas), or only --schema NAME's, each on its own: the exit code says whether any failed;
     and the fleet's membership table in OUTBOX_DATABASE_URL's database."""
-    if sources_given():
+    if settings.sources is not None or sources_given():
         return await _migrate_sources(settings, ns)
     done = await schema.migrate(settings, contract=ns.contract_now)
     applied, version = done.applied, done.version

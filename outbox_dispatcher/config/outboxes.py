@@ -53,6 +53,15 @@ class Defaults(Protocol):
     def table(self) -> str: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class SourceDefaults:
+    """The single-table settings as the `sources` setting's validator has them."""
+
+    database_url: SecretStr
+    db_schema: str
+    table: str
+
+
 def _url(value: SecretStr | None) -> SecretStr | None:
     if value is not None and (problem := database_url_problem(value.get_secret_value())):
         msg = (
@@ -151,7 +160,12 @@ def bounded(label: str) -> str:
 
 def sources_of(settings: Defaults, environ: Mapping[str, str] | None = None) -> tuple[Source, ...]:
     """The sources: OUTBOX_SOURCES, else the file of OUTBOX_SOURCES_FILE, else OUTBOX_SOURCES in
-    OUTBOX_SECRETS_DIR (as every setting); without any, the one table of the settings."""
+    OUTBOX_SECRETS_DIR (as every setting); without any, the one table of the settings. The
+    `sources` setting (read from the same places, or a flag) is what counts when `environ` is
+    not given."""
+    given = getattr(settings, "sources", None)
+    if environ is None and isinstance(given, SecretStr):
+        return parse_sources(given.get_secret_value(), VARIABLE, settings)
     env = os.environ if environ is None else environ
     found = _read(env)
     if found is None:

@@ -17,10 +17,16 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from outbox_dispatcher.config import checks
 from outbox_dispatcher.config.names import validate_identifier
+from outbox_dispatcher.config.outboxes import SourceDefaults, parse_sources
 from outbox_dispatcher.config.sources import FileVariablesSource, SecretsDirSource
 
 CONSOLE_TOKEN_MIN_LENGTH = 16
@@ -66,6 +72,13 @@ class Settings(BaseSettings):
     """Schema of the outbox table."""
     table: str = "outbox"
     """Name of the outbox table."""
+    sources: Annotated[SecretStr | None, NoDecode] = None
+    """Many outboxes (issue 36): a JSON list of sources, each {"schema": a name or a pattern
+    like "tenant_*", "table", "database_url", "name", "weight"}; unset: the one table above. A
+    secret when it holds a database URL: use OUTBOX_SOURCES_FILE or OUTBOX_SECRETS_DIR."""
+    max_connections: int = Field(default=0, ge=0, le=10_000)
+    """With OUTBOX_SOURCES: the most PostgreSQL connections of the process over every database
+    (pools, LISTEN and discovery); 0 means claim_tasks + 4 per database."""
     kafka_bootstrap_servers: str = "127.0.0.1:9092"
     """Comma-separated Kafka bootstrap servers."""
     kafka_client_id: str = "outbox-dispatcher"
@@ -288,6 +301,18 @@ class Settings(BaseSettings):
     @classmethod
     def _check_trusted_proxies(cls, value: str | None) -> str | None:
         checks.trusted_proxies(value)
+        return value
+
+    @field_validator("sources")
+    @classmethod
+    def _check_sources(cls, value: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
+        """Parsed here so that a bad list fails at start, with config/outboxes.py's messages
+        (a ConfigurationError, never a ValidationError: pydantic's text quotes the input)."""
+        if value is not None and {"database_url", "db_schema", "table"} <= info.data.keys():
+            defaults = SourceDefaults(
+                info.data["database_url"], info.data["db_schema"], info.data["table"]
+            )
+            parse_sources(value.get_secret_value(), "OUTBOX_SOURCES", defaults)
         return value
 
     _check_schema = field_validator("db_schema")(checks.schema)

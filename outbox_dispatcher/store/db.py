@@ -233,12 +233,28 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     session state behind (transaction-level advisory locks only, no LISTEN, no SET)."""
 
 
-async def create_pool(settings: Settings) -> asyncpg.Pool:
+# A pool of many outboxes (OUTBOX_SOURCES) closes a connection idle this long: an idle outbox
+# holds none.
+IDLE_CONNECTION_SECONDS = 30.0
+
+
+async def create_pool(
+    settings: Settings,
+    *,
+    url: str | None = None,
+    max_size: int | None = None,
+    setting: str = "OUTBOX_DATABASE_URL",
+) -> asyncpg.Pool:
+    """The dispatcher's pool of OUTBOX_DATABASE_URL; or, given `url` (a source's database),
+    one that keeps no idle connection: min_size 0, idle ones closed after
+    IDLE_CONNECTION_SECONDS."""
+    dsn = settings.database_url.get_secret_value() if url is None else url
     try:
         pool = await asyncpg.create_pool(
-            settings.database_url.get_secret_value(),
-            min_size=1,
-            max_size=settings.effective_pool_size,
+            dsn,
+            min_size=1 if url is None else 0,
+            max_size=max_size or settings.effective_pool_size,
+            max_inactive_connection_lifetime=300.0 if url is None else IDLE_CONNECTION_SECONDS,
             init=init_hot_connection if settings.statement_cache_size > 0 else init_connection,
             reset=_keep_session,
             server_settings=server_settings(settings),
@@ -247,7 +263,7 @@ async def create_pool(settings: Settings) -> asyncpg.Pool:
             statement_cache_size=settings.statement_cache_size,
         )
     except Exception as exc:
-        translated = translate(exc, settings.database_url.get_secret_value())
+        translated = translate(exc, dsn, setting)
         if translated is None:
             raise
         # Not chained: the driver's own exception may quote the URL.

@@ -4,7 +4,7 @@ only polls at poll_interval. Losing the connection loses nothing; polling covers
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import structlog
 
@@ -73,3 +73,81 @@ async def listen(settings: Settings, notify: Callable[[], object]) -> None:
                 conn.terminate()
         await asyncio.sleep(pause)
         pause = min(pause * 2, 10.0)
+
+
+class Channels:
+    """The channels one database's LISTEN connection follows (OUTBOX_SOURCES: one connection per
+    database, not per outbox), each with what a notification on it wakes. Changed while the
+    connection lives: `listen_channels` listens to new ones and unlistens gone ones."""
+
+    def __init__(self, database: str) -> None:
+        self.database = database  # named by hosts, ports and name (never the URL), for the logs
+        self.routes: dict[str, Callable[[], object]] = {}
+        self.changed = asyncio.Event()
+
+    def set(self, routes: Mapping[str, Callable[[], object]]) -> None:
+        if routes.keys() != self.routes.keys():
+            self.changed.set()
+        self.routes = dict(routes)
+
+    def wake(self, _conn: object, _pid: int, channel: str, _payload: object) -> None:
+        if (route := self.routes.get(channel)) is not None:
+            route()
+
+    def wake_all(self) -> None:
+        for route in list(self.routes.values()):
+            route()
+
+
+async def listen_channels(dsn: str, settings: Settings, channels: Channels) -> None:
+    """Forever: hold one LISTEN connection to a source database, on every channel of
+    `channels`, reconnecting with backoff; each notification wakes its outbox."""
+    pause = 0.5
+    while True:
+        conn: db.Connection | None = None
+        try:
+            conn = await db.connect(dsn, settings, "OUTBOX_SOURCES")
+            lost = asyncio.Event()
+            conn.add_termination_listener(_setter(lost))
+            await _follow_channels(conn, channels, lost)
+            log.warning("listen_connection_lost", database=channels.database)
+        except _UNAVAILABLE as exc:
+            log.warning(
+                "listen_unavailable", database=channels.database, error=repr(exc), retry_in=pause
+            )
+        finally:
+            if conn is not None and not conn.is_closed():
+                conn.terminate()
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 10.0)
+
+
+async def _follow_channels(conn: db.Connection, channels: Channels, lost: asyncio.Event) -> None:
+    """Listen to the channels as they change until the connection is lost (pinged every
+    PING_SECONDS: a silently dropped connection is only noticed by using it)."""
+    listening: set[str] = set()
+    first = True
+    while not lost.is_set():
+        channels.changed.clear()
+        wanted = set(channels.routes)
+        for channel in sorted(wanted - listening):
+            await conn.add_listener(channel, channels.wake)
+        for channel in sorted(listening - wanted):
+            await conn.remove_listener(channel, channels.wake)
+        if wanted != listening or first:
+            log.info("listening", database=channels.database, channels=len(wanted))
+        listening = wanted
+        if first:
+            channels.wake_all()  # rows may have arrived while nobody listened
+            first = False
+        changed = asyncio.ensure_future(channels.changed.wait())
+        gone = asyncio.ensure_future(lost.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {changed, gone}, timeout=PING_SECONDS, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            changed.cancel()
+            gone.cancel()
+        if not done:
+            await asyncio.wait_for(conn.execute("SELECT 1"), PING_SECONDS)

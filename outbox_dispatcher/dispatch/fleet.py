@@ -1,0 +1,281 @@
+"""Assembles and supervises a process that serves many outboxes (OUTBOX_SOURCES, issue 36),
+at-least-once: the source registry (which outboxes exist now), one pool and one LISTEN
+connection per database (dispatch/databases.py), one Kafka publisher, the claim slots shared by
+every outbox (dispatch/slots.py), and each outbox's upkeep (dispatch/outboxes.py).
+
+As the single-table supervisor: every loop runs in one TaskGroup, a loop that dies stops the
+process; shutdown stops claiming, lets batches finish within the grace, then cancels. Outboxes
+come and go while it runs, as the registry reports them: a new one is served at once, one let
+go has its loops cancelled (a claim of it in flight ends as it would)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Coroutine, Sequence
+from typing import Any, NoReturn
+
+import structlog
+
+from outbox_dispatcher import errors, metrics
+from outbox_dispatcher.config.outboxes import Outbox, Source
+from outbox_dispatcher.config.settings import DeliveryMode, Settings
+from outbox_dispatcher.dispatch.databases import Databases
+from outbox_dispatcher.dispatch.every import every
+from outbox_dispatcher.dispatch.outboxes import Key, OutboxRuntime, Shared, channel_of, key_of
+from outbox_dispatcher.dispatch.slots import ClaimSlots
+from outbox_dispatcher.dispatch.supervisor import configs_of, instance_id
+from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
+from outbox_dispatcher.kafka.publisher import KafkaPublisher
+from outbox_dispatcher.retries import RetryPolicy
+from outbox_dispatcher.sources.registry import SourceRegistry, State, View
+from outbox_dispatcher.store import db, listen
+
+log = structlog.get_logger(__name__)
+
+# With LISTEN an idle outbox is claimed this often at least (notifications wake it sooner);
+# without, every poll interval.
+IDLE_POLL_SECONDS = 2.0
+Loop = Coroutine[Any, Any, None]
+
+
+class FleetDispatcher:
+    """What `run` starts with OUTBOX_SOURCES: the same face as the single-table Dispatcher."""
+
+    def __init__(
+        self, settings: Settings, sources: Sequence[Source], *, owner: str | None = None
+    ) -> None:
+        s = self.settings = settings
+        self.sources = tuple(sources)
+        self.owner = owner or instance_id()
+        self.stopping = asyncio.Event()
+        self.metrics = metrics.Metrics()
+        self.metrics.delivery.labels(s.delivery.value).set(1)
+        self.heartbeats = Heartbeats(s.liveness_timeout_seconds + s.poll_interval_seconds)
+        self.slots = ClaimSlots(s.claim_tasks, s.batch_size, self.stopping, self.heartbeats)
+        self.metrics.in_flight.set_function(
+            lambda: sum(len(o.in_flight) for o in self.slots.outboxes.values())
+        )
+        self.idle_poll = max(s.poll_interval_seconds, IDLE_POLL_SECONDS if s.listen else 0.0)
+        self._published_let_go = 0
+        self._loops: dict[Key, list[asyncio.Task[None]]] = {}
+        self._listeners: dict[str, asyncio.Task[None]] = {}
+        self._side: list[asyncio.Task[None]] = []
+        self._tg: asyncio.TaskGroup | None = None
+        self._http: HealthServer | None = None
+        self._view: View | None = None
+
+    @property
+    def published(self) -> int:
+        """Rows published since the process started, over every outbox."""
+        served = sum(o.published for o in self.slots.outboxes.values())
+        return self._published_let_go + served
+
+    @property
+    def http_port(self) -> int | None:
+        return None if self._http is None else self._http.port
+
+    def live(self) -> dict[str, object]:
+        stale = self.heartbeats.stale()
+        return {"live": not stale, "stale_loops": stale}
+
+    def stop(self) -> None:
+        if not self.stopping.is_set():
+            log.info("shutdown_requested", outboxes=len(self.slots.outboxes))
+            self.stopping.set()
+
+    async def run(self) -> None:
+        s = self.settings
+        if s.delivery is DeliveryMode.EXACTLY_ONCE:
+            raise errors.SourcesExactlyOnceError
+        databases = Databases(s, self.sources)
+        registry = SourceRegistry.from_settings(self.sources, s)
+        publisher = KafkaPublisher(configs_of(s).publisher)
+        await publisher.start()
+        shared = Shared(
+            s, self.owner, publisher, self.metrics, self.stopping, RetryPolicy(s), self.idle_poll
+        )
+        try:
+            self._view = await registry.refresh()
+            await self._supervise(registry, databases, shared)
+        finally:
+            await publisher.stop()
+            await registry.close()
+            await databases.close()
+        log.info("stopped", published=self.published)
+
+    async def _supervise(
+        self, registry: SourceRegistry, databases: Databases, shared: Shared
+    ) -> None:
+        s = self.settings
+        log.info(
+            "started",
+            owner=self.owner,
+            sources=len(self.sources),
+            databases=len(databases.channels),
+            claim_tasks=s.claim_tasks,
+            batch_size=s.batch_size,
+            pool_size_per_database=databases.pool_size,
+            delivery=s.delivery.value,
+        )
+        async with asyncio.TaskGroup() as tg:
+            self._tg = tg
+            claims = [
+                tg.create_task(
+                    self._guard(self.slots.serve(f"claim-{i}", s.poll_interval_seconds), "claim"),
+                    name=f"claim-{i}",
+                )
+                for i in range(s.claim_tasks)
+            ]
+            for name, loop in self._side_loops(registry, databases, shared).items():
+                self._side.append(tg.create_task(self._guard(loop, name), name=name))
+            tg.create_task(self._shutdown(claims), name="shutdown")
+
+    def _side_loops(
+        self, registry: SourceRegistry, databases: Databases, shared: Shared
+    ) -> dict[str, Loop]:
+        s = self.settings
+        readiness = ReadinessCache(lambda: self._readiness(registry, shared))
+        side: dict[str, Loop] = {
+            "registry": registry.run(self.stopping),
+            "outboxes": self._follow(registry, databases, shared),
+            "idle-poll": self._poll_idle(),
+            "readiness": self._refresh_readiness(readiness),
+        }
+        if s.http_enabled:
+            self._http = HealthServer(
+                s.http_host,
+                s.http_port,
+                live=self.live,
+                ready=readiness,
+                metrics=self.metrics.exposition,
+            )
+            side["http"] = self._http.serve()
+        return side
+
+    async def _follow(
+        self, registry: SourceRegistry, databases: Databases, shared: Shared
+    ) -> NoReturn:
+        """Serve what the registry reports ready, let go what it no longer does."""
+        while True:
+            self._view = registry.view()
+            await self._sync(self._view, databases, shared)
+            await asyncio.sleep(min(registry.interval, 1.0))
+
+    async def _sync(self, view: View, databases: Databases, shared: Shared) -> None:
+        ready = {key_of(o.outbox): o for o in view.outboxes if o.state is State.READY}
+        for key in [k for k in self.slots.outboxes if k not in ready]:
+            self._let_go(key)
+        for key, state in ready.items():
+            if key not in self.slots.outboxes:
+                await self._serve(state.outbox, state.version or 0, databases, shared)
+        self._route_notifications(databases)
+
+    async def _serve(
+        self, outbox: Outbox, version: int, databases: Databases, shared: Shared
+    ) -> None:
+        try:
+            pool = await databases.pool(outbox.database)
+        except db.RETRIABLE_ERRORS as exc:  # the registry's next read says why; tried again
+            log.debug("database_pool_unavailable", database=outbox.database, error=repr(exc))
+            return
+        runtime = OutboxRuntime(outbox, pool, version, shared)
+        self.slots.add(runtime)
+        assert self._tg is not None  # noqa: S101 (served from inside the task group only)
+        self._loops[runtime.key] = [
+            self._tg.create_task(loop, name=f"{name}:{runtime.label}")
+            for name, loop in runtime.loops().items()
+        ]
+        log.info("outbox_served", source=runtime.label, database=outbox.database, version=version)
+
+    def _let_go(self, key: Key) -> None:
+        runtime = self.slots.outboxes[key]
+        self._published_let_go += runtime.published
+        self.slots.forget(key)
+        for task in self._loops.pop(key, []):
+            task.cancel()
+        log.info("outbox_stopped", source=runtime.label, published=runtime.published)
+
+    def _route_notifications(self, databases: Databases) -> None:
+        """Each database's LISTEN channels: its served outboxes'; its LISTEN connection from
+        its first served outbox on."""
+        if not self.settings.listen:
+            return
+        for database, channels in databases.channels.items():
+            routes = {
+                channel_of(o.outbox): functools.partial(self.slots.wake, key)
+                for key, o in self.slots.outboxes.items()
+                if o.outbox.database == database
+            }
+            channels.set(routes)
+            if routes and database not in self._listeners:
+                assert self._tg is not None  # noqa: S101
+                loop = listen.listen_channels(databases.url(database), self.settings, channels)
+                task = self._tg.create_task(self._guard(loop, "listener"), name="listener")
+                self._listeners[database] = task
+                self._side.append(task)
+
+    async def _poll_idle(self) -> NoReturn:
+        while True:
+            await asyncio.sleep(self.idle_poll)
+            self.slots.poll_idle()
+
+    async def _readiness(self, registry: SourceRegistry, shared: Shared) -> Readiness:
+        """Ready while the broker answers and an outbox is served (or none is failing); the
+        detail names each failing outbox and database, never a URL."""
+        view = registry.view()
+        checks: dict[str, str] = {}
+        if self.stopping.is_set():
+            checks["dispatcher"] = "shutting down"
+        checks["broker"] = "ok" if await shared.publisher.reachable(3.0) else "unreachable"
+        for database in view.databases:
+            if not database.reachable:
+                checks[f"database {database.database}"] = f"unreachable: {database.reason}"
+        for failing in view.failing():
+            checks[f"source {failing.label}"] = f"{failing.state.value}: {failing.reason}"
+        served = len(self.slots.outboxes)
+        checks["outboxes"] = f"{served} served, {len(view.failing())} failing"
+        ready = (
+            not self.stopping.is_set()
+            and checks["broker"] == "ok"
+            and (served > 0 or not view.failing())
+        )
+        self.metrics.ready.set(int(ready))
+        return Readiness(ready, checks)
+
+    async def _refresh_readiness(self, readiness: ReadinessCache) -> NoReturn:
+        was: bool | None = None
+
+        async def refresh() -> None:
+            nonlocal was
+            state = await readiness.get()
+            if state.ready != was:
+                (log.info if state.ready else log.warning)(
+                    "ready" if state.ready else "not_ready", checks=state.checks
+                )
+                was = state.ready
+
+        await every(
+            min(self.settings.metrics_interval_seconds, 5.0),
+            refresh,
+            log=log,
+            failed="readiness_failed",
+            tolerated=(),
+            wait_first=False,
+        )
+
+    async def _guard(self, loop: Loop, name: str) -> None:
+        await loop
+        if not self.stopping.is_set():
+            raise errors.LoopDiedError(f"the {name} loop returned unexpectedly")
+
+    async def _shutdown(self, claims: list[asyncio.Task[None]]) -> None:
+        await self.stopping.wait()
+        _, pending = await asyncio.wait(claims, timeout=self.settings.shutdown_grace_seconds)
+        if pending:
+            log.warning("shutdown_grace_expired", cancelling=len(pending))
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending)
+        for task in [*self._side, *(t for loops in self._loops.values() for t in loops)]:
+            task.cancel()

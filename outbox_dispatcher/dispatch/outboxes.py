@@ -1,0 +1,188 @@
+"""One outbox of many (OUTBOX_SOURCES, issue 36): what a single-table dispatcher has per table,
+its store, claimer, settling, waiting announcement and in-flight rows, and its upkeep loops
+(lease keeper, reclaimer, registry heartbeat, retention). A turn claims one batch and runs it to
+its end; the shared claim slots (dispatch/slots.py) decide whose turn it is.
+
+A failure of this outbox (its database away, its schema dropped or broken) is its own: it backs
+off alone, logs one line per streak, and never stops the process; anything else is a bug and
+does."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import structlog
+
+from outbox_dispatcher import cleanup, errors, registry
+from outbox_dispatcher.config.outboxes import Outbox
+from outbox_dispatcher.config.settings import DeadLetterPolicy, Settings
+from outbox_dispatcher.dispatch import leases
+from outbox_dispatcher.dispatch.batch import BatchRun, Publishing, Settling
+from outbox_dispatcher.dispatch.claimer import Claimer
+from outbox_dispatcher.dispatch.every import Warn, every
+from outbox_dispatcher.dispatch.settler import Settler
+from outbox_dispatcher.dispatch.wakeup import Waiting
+from outbox_dispatcher.health import Heartbeats
+from outbox_dispatcher.metrics import Metrics
+from outbox_dispatcher.retries import RetryPolicy
+from outbox_dispatcher.sources.backoff import Backoff
+from outbox_dispatcher.store import DispatchStore, Statements, db, migrations
+
+log = structlog.get_logger(__name__)
+
+Key = tuple[str, str, str]  # (database, schema, table)
+Loop = Coroutine[Any, Any, None]
+
+
+def key_of(outbox: Outbox) -> Key:
+    return (outbox.database, outbox.schema, outbox.table)
+
+
+def channel_of(outbox: Outbox) -> str:
+    """The channel its table's trigger notifies (schema.sql: "<schema>.<table>")."""
+    return f"{outbox.schema}.{outbox.table}"
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What every outbox of the process shares."""
+
+    settings: Settings
+    owner: str
+    publisher: Publishing
+    metrics: Metrics
+    stopping: asyncio.Event
+    retry_policy: RetryPolicy
+    idle_poll_seconds: float  # an idle outbox is claimed at least this often
+
+
+class OutboxRuntime:
+    """One served outbox: its turn (claim, publish, settle) and its upkeep loops."""
+
+    def __init__(self, outbox: Outbox, pool: db.Pool, version: int, shared: Shared) -> None:
+        s = shared.settings
+        self.outbox = outbox
+        self.key = key_of(outbox)
+        self.label = outbox.label
+        self.shared = shared
+        statements = Statements.for_table(outbox.schema, outbox.table)
+        self.store = DispatchStore(pool, statements, steady=version >= migrations.STEADY_VERSION)
+        self.claimer = Claimer(self.store, s, shared.owner)
+        settler = Settler(
+            self.store,
+            retry_for=s.lease_seconds,
+            delete_on_publish=s.delete_on_publish,
+            owner=shared.owner,
+            block_on_dead=s.dead_letter_policy is DeadLetterPolicy.BLOCK,
+        )
+        self.settling = Settling(settler, shared.retry_policy, shared.metrics)
+        ttl = 2 * shared.idle_poll_seconds + 5
+        self.waiting = Waiting(self.store, shared.owner, ttl=ttl) if s.listen else None
+        self.in_flight = leases.InFlight()
+        self.backoff = Backoff(s.backoff_initial_seconds, s.backoff_max_seconds)
+        self.retry_in: float | None = None  # set by a failed turn: back off this long
+        self.outage = 0.0  # set by a turn whose batch met a broker outage
+
+    @property
+    def published(self) -> int:
+        return self.settling.published
+
+    async def turn(self, heartbeat: Callable[[], None]) -> int:
+        """Claim one batch and run it to its end; the rows claimed. A failure of this outbox
+        sets `retry_in` instead of raising."""
+        self.retry_in, self.outage = None, 0.0
+        with structlog.contextvars.bound_contextvars(source=self.label):  # every line of it
+            return await self._turn(heartbeat)
+
+    async def _turn(self, heartbeat: Callable[[], None]) -> int:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            batch = await self.claimer.claim()
+            if batch is None:
+                self.backoff.succeeded()
+                return 0
+            self.shared.metrics.claim_duration.observe(loop.time() - started)
+            self.shared.metrics.claimed.inc(len(batch.records))
+            full = len(batch.records) >= self.shared.settings.batch_size
+            if full and self.waiting is not None:
+                await self.waiting.withdraw()  # a backlog: writers can stop notifying
+            publisher, settling = self.shared.publisher, self.settling
+            run = BatchRun(batch, publisher, settling, self.in_flight, heartbeat, None, started)
+            self.outage = await run.run()
+        except db.PostgresError as exc:  # its schema dropped or broken, a grant missing
+            self._failed(exc)
+            return 0
+        except db.RETRIABLE_ERRORS as exc:  # its database away
+            self._failed(exc)
+            return 0
+        self.backoff.succeeded()
+        return len(batch.records)
+
+    def _failed(self, exc: BaseException) -> None:
+        """Back off alone; one warning per streak of failures (no error storm while a dropped
+        schema waits to be let go at the registry's next read)."""
+        first = self.backoff.failures == 0
+        self.retry_in = self.backoff.failed(time.monotonic())
+        emit = log.warning if first else log.debug
+        emit(
+            "outbox_failed",
+            source=self.label,
+            error=errors.describe(exc),
+            retry_in=round(self.retry_in, 2),
+        )
+
+    async def idle(self) -> bool:
+        """Its last claim found less than a batch: ask writers to notify (True: the
+        announcement is fresh, claim once more, see Waiting.announce)."""
+        return self.waiting is not None and await self.waiting.announce()
+
+    def loops(self) -> dict[str, Loop]:
+        """Its upkeep, by name: what a single-table dispatcher runs beside its claim loops."""
+        s, m = self.shared.settings, self.shared.metrics
+        # Its own liveness book: the process's liveness is its claim slots'.
+        beats = Heartbeats(s.liveness_timeout_seconds)
+        heartbeat = registry.Heartbeat(self.store, s, self.shared.owner, m.totals)
+        found: dict[str, Callable[[], Loop]] = {
+            "lease-keeper": lambda: leases.keep_leases(self.store, s, self.in_flight, beats),
+            "reclaimer": lambda: leases.reclaim(self.store, s, m),
+            "heartbeat": lambda: every(
+                registry.HEARTBEAT_SECONDS,
+                heartbeat.beat,
+                log=registry.log,
+                failed="heartbeat_failed",
+                tolerated=registry.Heartbeat.TOLERATED,
+                wait_first=False,
+                warn=Warn.ONCE,
+                context=lambda: {"hint": registry.Heartbeat.HINT, "source": self.label},
+            ),
+        }
+        if s.retention_seconds > 0 and not s.delete_on_publish:
+            found["retention"] = lambda: every(
+                s.cleanup_interval_seconds,
+                functools.partial(cleanup.retention_step, self.store, s),
+                log=cleanup.log,
+                failed="retention_failed",
+                tolerated=db.RETRIABLE_ERRORS,
+            )
+        return {name: self._isolated(name, make) for name, make in found.items()}
+
+    async def _isolated(self, name: str, make: Callable[[], Loop]) -> NoReturn:
+        """An upkeep loop that a failure of this outbox's table (dropped, broken) pauses and
+        restarts on its backoff, instead of stopping the process; it ends when the outbox is let
+        go (cancelled)."""
+        backoff = Backoff(self.shared.settings.backoff_initial_seconds, 60.0)
+        structlog.contextvars.bind_contextvars(source=self.label)  # this task's lines only
+        while True:
+            try:
+                await make()
+            except db.PostgresError as exc:
+                delay = backoff.failed(time.monotonic())
+                emit = log.warning if backoff.failures == 1 else log.debug
+                emit("outbox_loop_failed", source=self.label, loop=name, error=errors.describe(exc))
+                await asyncio.sleep(delay)

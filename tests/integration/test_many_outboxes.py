@@ -1,0 +1,336 @@
+"""One `outbox-dispatcher run` process serving many outboxes (issue 36, OUTBOX_SOURCES),
+at-least-once, against real PostgreSQL and Kafka: three tenant schemas of a pattern in one
+database and a table in a second database, each row published once and in order per key (the
+checker's verdict per outbox); a tenant schema created and migrated while it runs is served
+without a restart; a schema dropped mid-stream is let go while the process goes on; a 50k-row
+backlog does not starve a quiet source; connections stay within OUTBOX_MAX_CONNECTIONS."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from outbox_dispatcher.store import db
+
+from .helpers import (
+    Services,
+    check,
+    consume,
+    insert_sequenced,
+    log_events,
+    spawn,
+    stop_all,
+    wait_started,
+    wait_until,
+)
+from .sources_helpers import execute, fresh_database, migrate
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MakeTopic = Callable[[], Awaitable[str]]
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One outbox of the test: its database, schema and topic."""
+
+    url: str
+    schema: str
+    topic: str
+
+    @contextlib.asynccontextmanager
+    async def connect(self) -> AsyncIterator[asyncpg.Connection]:
+        conn = await asyncpg.connect(self.url, server_settings={"search_path": self.schema})
+        try:
+            yield conn
+        finally:
+            await conn.close()
+
+    async def insert(self, keys: int, per_key: int, first_seq: int = 0) -> None:
+        async with self.connect() as conn:
+            await insert_sequenced(conn, self.topic, keys, per_key, first_seq=first_seq)
+
+    async def count(self, where: str = "true") -> int:
+        async with self.connect() as conn:
+            return int(await conn.fetchval(f"SELECT count(*) FROM outbox WHERE {where}"))
+
+    async def pending(self) -> int:
+        return await self.count("published_at IS NULL AND dead_at IS NULL")
+
+    async def event_ids(self) -> set[str]:
+        async with self.connect() as conn:
+            return {str(r["event_id"]) for r in await conn.fetch("SELECT event_id FROM outbox")}
+
+    async def all_published(self, timeout: float = 120) -> None:
+        async def done() -> bool:
+            return await self.pending() == 0
+
+        await wait_until(done, timeout, f"every row of {self.schema} published")
+
+    async def verdict(self, services: Services) -> Any:
+        """The checker's verdict on this outbox's topic against its table."""
+        expected = await self.count()
+        records = await consume(services.kafka_bootstrap_servers, self.topic, expected)
+        return check(records, await self.event_ids())
+
+
+@pytest.fixture
+async def databases(services: Services) -> AsyncIterator[tuple[str, str]]:
+    async with (
+        fresh_database(services.database_url) as a,
+        fresh_database(services.database_url) as b,
+    ):
+        yield a, b
+
+
+def fleet_settings(make_settings: Any, url: str, sources: list[dict[str, Any]], **more: Any) -> Any:
+    """Settings of a process serving `sources` (the first database is OUTBOX_DATABASE_URL)."""
+    return make_settings(database_url=url, sources=json.dumps(sources), log_format="json", **more)
+
+
+async def dispatcher_connections(admin_url: str, *urls: str) -> list[str]:
+    """The dispatcher's sessions (application_name: db.APPLICATION_NAME) in the databases of
+    `urls`, each as its database and last statement."""
+    names = [url.rpartition("/")[2] for url in urls]
+    conn = await asyncpg.connect(admin_url)
+    try:
+        rows = await conn.fetch(
+            "SELECT datname, left(query, 60) AS query FROM pg_stat_activity"
+            " WHERE application_name = $1 AND datname = ANY($2::text[])",
+            db.APPLICATION_NAME,
+            names,
+        )
+    finally:
+        await conn.close()
+    return [f"{r['datname']}: {r['query']}" for r in rows]
+
+
+async def test_one_process_serves_three_tenant_schemas_and_a_second_database_in_order(
+    services: Services,
+    databases: tuple[str, str],
+    make_topic: MakeTopic,
+    make_settings: Any,
+    tmp_path: Path,
+) -> None:
+    a, b = databases
+    await migrate(a, "tenant_a", "tenant_b", "tenant_c")
+    await migrate(b, "public")
+    tenants = [Tenant(a, f"tenant_{t}", await make_topic()) for t in "abc"]
+    tenants.append(Tenant(b, "public", await make_topic()))
+    for tenant in tenants:
+        await tenant.insert(keys=20, per_key=25)  # a backlog before the start
+    budget = 8  # two databases: discovery + LISTEN + a pool of 2 each
+    settings = fleet_settings(
+        make_settings,
+        a,
+        [{"schema": "tenant_*"}, {"schema": "public", "database_url": b, "name": "shard_b"}],
+        claim_tasks=2,
+        batch_size=50,
+        max_connections=budget,
+    )
+    log = tmp_path / "fleet.log"
+    process = spawn(settings, log)
+    most: list[str] = []
+    try:
+        await wait_started([log])
+        for tenant in tenants:  # and rows while it runs, after the backlog's
+            await tenant.insert(keys=20, per_key=25, first_seq=25)
+        for tenant in tenants:
+
+            async def published(t: Tenant = tenant) -> bool:
+                nonlocal most
+                most = max(most, await dispatcher_connections(services.database_url, a, b), key=len)
+                return await t.pending() == 0
+
+            await wait_until(published, 120, f"every row of {tenant.schema} published")
+        most = max(most, await dispatcher_connections(services.database_url, a, b), key=len)
+    finally:
+        codes = stop_all([process])
+    assert codes == [0], log.read_text()[-3000:]
+    for tenant in tenants:
+        verdict = await tenant.verdict(services)
+        assert verdict.delivered == 1000, (tenant.schema, verdict.summary())
+        assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], [])
+        assert verdict.duplicates == 0, (tenant.schema, verdict.summary())
+    served = {e["source"] for e in log_events(log, "outbox_served")}
+    assert served == {"tenant_a.outbox", "tenant_b.outbox", "tenant_c.outbox", "shard_b"}
+    assert 0 < len(most) <= budget, "\n".join(sorted(most))
+
+
+async def test_a_tenant_schema_migrated_while_it_runs_is_served_without_a_restart(
+    services: Services,
+    databases: tuple[str, str],
+    make_topic: MakeTopic,
+    make_settings: Any,
+    tmp_path: Path,
+) -> None:
+    a, _ = databases
+    await migrate(a, "tenant_a")
+    first = Tenant(a, "tenant_a", await make_topic())
+    settings = fleet_settings(make_settings, a, [{"schema": "tenant_*"}])
+    log = tmp_path / "fleet.log"
+    process = spawn(settings, log)
+    try:
+        await wait_started([log])
+        await first.insert(keys=5, per_key=10)
+        await first.all_published()
+        await execute(a, "CREATE SCHEMA tenant_new")  # created, not migrated: not an outbox yet
+        await migrate(a, "tenant_new")
+        new = Tenant(a, "tenant_new", await make_topic())
+        await new.insert(keys=10, per_key=30)
+        await new.all_published()
+        assert process.poll() is None, "the same process, never restarted"
+    finally:
+        codes = stop_all([process])
+    assert codes == [0], log.read_text()[-3000:]
+    verdict = await new.verdict(services)
+    assert (verdict.delivered, verdict.lost, verdict.reordered) == (300, [], [])
+    assert len(log_events(log, "started")) == 1
+
+
+async def test_a_schema_dropped_mid_stream_is_let_go_and_the_others_go_on(
+    services: Services,
+    databases: tuple[str, str],
+    make_topic: MakeTopic,
+    make_settings: Any,
+    tmp_path: Path,
+) -> None:
+    a, _ = databases
+    await migrate(a, "tenant_a", "tenant_b")
+    kept, dropped = [Tenant(a, s, await make_topic()) for s in ("tenant_a", "tenant_b")]
+    await dropped.insert(keys=50, per_key=200)  # 10k rows, published slowly (linger)
+    settings = fleet_settings(
+        make_settings, a, [{"schema": "tenant_*"}], batch_size=50, kafka_linger_ms=50
+    )
+    log = tmp_path / "fleet.log"
+    process = spawn(settings, log)
+    try:
+
+        async def some_published() -> bool:
+            return await dropped.count("published_at IS NOT NULL") > 0
+
+        await wait_until(some_published, 60, "some rows of tenant_b published")
+        assert await dropped.pending() > 0, "dropped mid-stream"
+        await execute(a, "DROP SCHEMA tenant_b CASCADE")
+
+        async def let_go() -> bool:
+            return bool(log_events(log, "outbox_stopped"))
+
+        await wait_until(let_go, 60, "tenant_b let go")
+        await kept.insert(keys=10, per_key=20)
+        await kept.all_published()
+        assert process.poll() is None, "the process goes on"
+    finally:
+        codes = stop_all([process])
+    assert codes == [0], log.read_text()[-3000:]
+    verdict = await kept.verdict(services)
+    assert (verdict.delivered, verdict.lost, verdict.reordered) == (200, [], [])
+    stopped = log_events(log, "outbox_stopped")
+    assert [e["source"] for e in stopped] == ["tenant_b.outbox"]
+    # No error storm: a failure of the dropped table is one line per streak, per loop.
+    complaints = [
+        e
+        for e in log_events(log)
+        if e.get("level") in ("warning", "error") and e.get("source") == "tenant_b.outbox"
+    ]
+    assert len(complaints) <= 6, complaints
+    assert not log_events(log, "loop_died")
+
+
+async def test_a_50k_row_backlog_does_not_starve_a_quiet_source(
+    services: Services,
+    databases: tuple[str, str],
+    make_topic: MakeTopic,
+    make_settings: Any,
+    tmp_path: Path,
+) -> None:
+    a, _ = databases
+    await migrate(a, "tenant_big", "tenant_quiet")
+    big, quiet = [Tenant(a, s, await make_topic()) for s in ("tenant_big", "tenant_quiet")]
+    await big.insert(keys=500, per_key=100)
+    settings = fleet_settings(make_settings, a, [{"schema": "tenant_*"}], batch_size=100)
+    log = tmp_path / "fleet.log"
+    process = spawn(settings, log)
+    try:
+
+        async def draining() -> bool:
+            return await big.count("published_at IS NOT NULL") > 0
+
+        await wait_until(draining, 60, "the backlog draining")
+        for seq in range(10):  # ten small transactions, one row per key each
+            await quiet.insert(keys=3, per_key=1, first_seq=seq)
+        await quiet.all_published()
+        backlog_left = await big.pending()
+        await big.all_published(300)
+    finally:
+        codes = stop_all([process])
+    assert codes == [0], log.read_text()[-3000:]
+    assert backlog_left > 0, "the quiet source waited for the whole backlog"
+    verdict = await quiet.verdict(services)
+    assert (verdict.delivered, verdict.lost, verdict.reordered) == (30, [], [])
+
+
+async def test_two_processes_serving_the_same_sources_publish_every_row_in_order(
+    services: Services,
+    databases: tuple[str, str],
+    make_topic: MakeTopic,
+    make_settings: Any,
+    tmp_path: Path,
+) -> None:
+    """Without the fleet's membership (not built), every process serves every outbox: the
+    claim engine's per-key leases keep that safe, as for several single-table dispatchers."""
+    a, _ = databases
+    await migrate(a, "tenant_a", "tenant_b")
+    tenants = [Tenant(a, s, await make_topic()) for s in ("tenant_a", "tenant_b")]
+    settings = fleet_settings(make_settings, a, [{"schema": "tenant_*"}], batch_size=20)
+    logs = [tmp_path / f"fleet{i}.log" for i in range(2)]
+    processes = [spawn(settings, log) for log in logs]
+    try:
+        await wait_started(logs)
+        for tenant in tenants:
+            await tenant.insert(keys=40, per_key=50)
+        for tenant in tenants:
+            await tenant.all_published()
+    finally:
+        codes = stop_all(processes)
+    assert codes == [0, 0], [log.read_text()[-3000:] for log in logs]
+    owners: set[str] = set()
+    for tenant in tenants:
+        verdict = await tenant.verdict(services)
+        assert verdict.delivered >= 2000, verdict.summary()
+        assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], [])
+        async with tenant.connect() as conn:
+            owners |= {r[0] for r in await conn.fetch("SELECT DISTINCT lease_owner FROM outbox")}
+    assert len(owners) == 2, f"both processes published: {owners}"
+
+
+def test_exactly_once_with_sources_is_refused_at_start(
+    make_settings: Any, tmp_path: Path, databases: tuple[str, str]
+) -> None:
+    a, _ = databases
+    settings = fleet_settings(
+        make_settings,
+        a,
+        [{"schema": "tenant_*"}],
+        delivery="exactly-once",
+        transaction_timeout_seconds=2.0,
+    )
+    log = tmp_path / "fleet.log"
+    process = spawn(settings, log)
+    try:
+        code = process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        stop_all([process])
+        raise
+    assert code == 2
+    (error,) = log_events(log, "configuration_error")
+    assert "at-least-once only" in error["error"]
+    assert "postgresql://" not in log.read_text()

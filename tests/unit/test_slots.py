@@ -1,0 +1,168 @@
+"""The claim slots shared by many outboxes (dispatch/slots.py) against scripted outboxes (our
+own seam: OutboxRuntime's turn, idle and failure fields), and the connection budget's split."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import pytest
+from pydantic import SecretStr
+
+from outbox_dispatcher import errors
+from outbox_dispatcher.config.outboxes import Outbox, Source
+from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.dispatch.databases import pool_size_of
+from outbox_dispatcher.dispatch.fleet import FleetDispatcher
+from outbox_dispatcher.dispatch.outboxes import OutboxRuntime, key_of
+from outbox_dispatcher.dispatch.slots import ClaimSlots
+from outbox_dispatcher.health import Heartbeats
+
+BATCH = 10
+ORDER: list[str] = []  # the schemas of the turns taken, in order
+URL = SecretStr("postgresql://u:p@db:5432/app")
+
+
+@dataclass
+class Scripted:
+    """An outbox whose turns return the rows of `script` in order (then 0); a negative entry
+    is a failure of the outbox (retry_in set)."""
+
+    schema: str
+    script: list[int]
+    weight: int = 1
+    turns: int = 0
+    announced: int = 0
+    retry_in: float | None = None
+    outage: float = 0.0
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.outbox = Outbox(Source(URL, "tenant_*", "outbox", weight=self.weight), self.schema)
+        self.key = key_of(self.outbox)
+        self.label = self.outbox.label
+        self.gate.set()
+
+    async def turn(self, heartbeat: Any) -> int:
+        await self.gate.wait()
+        await asyncio.sleep(0)  # a real turn waits for the database and the broker
+        ORDER.append(self.schema)
+        rows = self.script[self.turns] if self.turns < len(self.script) else 0
+        self.turns += 1
+        self.retry_in = 0.05 if rows < 0 else None
+        return max(rows, 0)
+
+    async def idle(self) -> bool:
+        self.announced += 1
+        return self.announced == 1  # the first announcement is fresh: claim once more
+
+
+@contextlib.asynccontextmanager
+async def serving(slots: ClaimSlots, count: int = 2) -> AsyncIterator[None]:
+    stopping = slots._stopping
+    tasks = [asyncio.create_task(slots.serve(f"claim-{i}", 0.01)) for i in range(count)]
+    try:
+        yield
+    finally:
+        stopping.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+
+
+def slots_of(*outboxes: Scripted, budget: int = 2) -> ClaimSlots:
+    slots = ClaimSlots(budget, BATCH, asyncio.Event(), Heartbeats(60))
+    for outbox in outboxes:
+        slots.add(cast(OutboxRuntime, outbox))
+    return slots
+
+
+async def until(check: Any, seconds: float = 5.0) -> None:
+    async with asyncio.timeout(seconds):
+        while not check():  # noqa: ASYNC110 - polls a fake's counters, no event to wait on
+            await asyncio.sleep(0.005)
+
+
+async def test_a_backlog_is_claimed_while_full_then_idles_after_one_more_claim() -> None:
+    busy = Scripted("tenant_a", [BATCH, BATCH, BATCH, 3])
+    slots = slots_of(busy)
+    async with serving(slots):
+        await until(lambda: busy.announced >= 2)
+        settled = busy.turns
+        await asyncio.sleep(0.2)
+        # idle: no slot claims it again (two slots must not wake each other for ever)
+        assert busy.turns == settled
+    # the script's four claims, one empty claim after the fresh announcement, and at most one
+    # empty claim of the other slot that ran beside the last
+    assert 5 <= busy.turns <= 6
+    assert slots.scheduler.active == []
+
+
+async def test_a_quiet_outbox_is_claimed_while_another_has_a_backlog() -> None:
+    ORDER.clear()
+    endless = Scripted("tenant_big", [BATCH] * 10_000)
+    slots = slots_of(endless)
+    async with serving(slots):
+        await until(lambda: endless.turns >= 20)
+        quiet = Scripted("tenant_quiet", [2])
+        at = len(ORDER)
+        slots.add(cast(OutboxRuntime, quiet))  # it wakes while the backlog drains
+        await until(lambda: quiet.turns >= 1)
+    # the quiet one is claimed within a round of the ring (two slots: at most one claim of the
+    # backlog started before it, and one in flight)
+    assert ORDER.index("tenant_quiet") - at <= 2, ORDER[at - 2 : at + 10]
+
+
+async def test_a_failing_outbox_backs_off_alone() -> None:
+    failing = Scripted("tenant_bad", [-1] * 1000)
+    healthy = Scripted("tenant_ok", [BATCH] * 50)
+    slots = slots_of(failing, healthy)
+    async with serving(slots):
+        await until(lambda: healthy.turns >= 50)
+    assert failing.turns < 10, "a failing outbox waits out its backoff, not a claim per slot"
+
+
+async def test_a_notification_during_its_claim_brings_one_more_claim() -> None:
+    outbox = Scripted("tenant_a", [2, 0])
+    outbox.announced = 1  # announced already: its next idle() is not fresh
+    slots = slots_of(outbox)
+    outbox.gate.clear()
+    async with serving(slots, count=1):
+        await until(lambda: slots.scheduler.flows[outbox.key].in_flight == 1)
+        slots.wake(outbox.key)  # a notification while its claim runs
+        outbox.gate.set()
+        await until(lambda: outbox.turns >= 2)
+
+
+async def test_an_outbox_let_go_during_its_claim_is_never_granted_again() -> None:
+    outbox = Scripted("tenant_a", [BATCH] * 100)
+    slots = slots_of(outbox)
+    outbox.gate.clear()
+    async with serving(slots, count=1):
+        await until(lambda: slots.scheduler.in_flight == 1)
+        slots.forget(outbox.key)
+        outbox.gate.set()
+        await until(lambda: slots.scheduler.in_flight == 0)
+        slots.wake(outbox.key)  # a late notification for it: ignored
+        await asyncio.sleep(0.05)
+    assert outbox.turns == 1
+
+
+def test_the_connection_budget_is_split_between_databases() -> None:
+    settings = Settings(max_connections=10, claim_tasks=2)
+    assert pool_size_of(settings, 1) == 4  # pool_size: claim_tasks + 2, under 10 - 2
+    assert pool_size_of(settings, 2) == 3  # 5 each: discovery, LISTEN and 3 pooled
+    assert pool_size_of(Settings(max_connections=0), 7) == Settings().effective_pool_size
+    with pytest.raises(errors.ConfigurationError, match="OUTBOX_MAX_CONNECTIONS=10 is too few"):
+        pool_size_of(settings, 4)
+
+
+async def test_exactly_once_with_sources_is_refused_before_connecting_anything() -> None:
+    settings = Settings(delivery="exactly-once", transaction_timeout_seconds=2.0)
+    fleet = FleetDispatcher(settings, [Source(URL, "tenant_*", "outbox")])
+    with pytest.raises(errors.SourcesExactlyOnceError) as refused:
+        await fleet.run()
+    assert refused.value.retriable is False
+    assert isinstance(refused.value, errors.OutboxDispatcherError)
+    assert "OUTBOX_DELIVERY=at-least-once" in str(refused.value)
