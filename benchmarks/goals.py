@@ -158,9 +158,63 @@ def _issue_34() -> list[Goal]:
     ]
 
 
+def _issue_36() -> list[Goal]:
+    """Many outboxes: tenant schemas of one database served by OUTBOX_SOURCES processes."""
+    return [
+        Goal(
+            "quiet tenants' p99 commit-to-consume at 20 events/s each, while one tenant drains "
+            "a 200k-row backlog (issue 36)",
+            False,
+            50,
+            "fleet_quiet_beside_backlog.p99_ms",
+            "ms",
+            also=(
+                "fleet_quiet_beside_backlog.backlog_left_when_writers_stopped",
+                "fleet_quiet_alone.p99_ms",
+            ),
+        ),
+        Goal(
+            "quiet tenants' p99 beside the backlog vs without it (issue 36)",
+            False,
+            2,
+            "ratio.fleet_quiet_p99_beside_backlog_vs_alone",
+            "x",
+        ),
+        Goal(
+            "a tenant schema migrated while the fleet runs: its first row published (issue 36)",
+            False,
+            5,
+            "fleet_new_tenant.first_row_published_s_max",
+            "s",
+        ),
+        Goal(
+            "500 tenant schemas, 2 processes: connections per process (issue 36)",
+            False,
+            10,
+            "fleet_idle.connections_per_process_max",
+            also=("fleet_idle.outboxes",),
+        ),
+        Goal(
+            "500 idle tenant schemas, 2 processes: PostgreSQL backend CPU of the fleet (issue 36)",
+            False,
+            2,
+            "fleet_idle.postgres_cpu_percent_of_one_core",
+            "% of a core",
+        ),
+        Goal(
+            "one tenant's drain beside 499 idle ones vs the one-table drain (issue 36)",
+            True,
+            0.9,
+            "ratio.fleet_drain_beside_idle_vs_one_table",
+            "x",
+            also=("fleet_drain_beside_idle.events_per_second", "drain.events_per_second"),
+        ),
+    ]
+
+
 def _goals() -> list[Goal]:
     steady_1k, steady_2k, steady_100 = STEADY_1K, STEADY_2K, STEADY_100
-    goals = _issue_34()
+    goals = _issue_34() + _issue_36()
     goals += [
         Goal(
             "rows stranded, over every scenario of the run (pending or never consumed when "

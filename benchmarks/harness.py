@@ -27,7 +27,7 @@ from typing import Any
 
 import uvloop
 
-from benchmarks import baselines, handwritten, statements
+from benchmarks import baselines, fleet, handwritten, statements
 from benchmarks.claims import STUCK_KINDS as STUCK_WORK_KINDS
 from benchmarks.claims import claim_cost
 from benchmarks.drains import burst, drain, drain_beside_at_least_once, hot_key, open_writer
@@ -64,6 +64,8 @@ class Sizes:
     claims: int  # claim_cost_*: empty claims timed (a fifth as many full ones)
     orphans: int  # orphans_killed: the backlog of new keys' rows
     pause_seconds: float  # pause_readers: the load before and after the pause
+    fleet_outboxes: int = 500  # fleet_*: tenant schemas of one database (issue 36)
+    fleet_quiet: int = 20  # fleet_quiet_*: tenants written at 20 events/s each
 
 
 FULL = Sizes(
@@ -72,7 +74,7 @@ FULL = Sizes(
 )  # fmt: skip
 QUICK = Sizes(
     3_000, 1_000, 300, 3_000, 1.5, 3.0, 2.0, 1.0, 1, 1_000, 2_000, 1_000, 3_000, 20_000, 20,
-    2_000, 2.0,
+    2_000, 2.0, fleet_outboxes=10, fleet_quiet=3,
 )  # fmt: skip
 
 
@@ -133,6 +135,18 @@ def plan(stack: Stack, sizes: Sizes) -> dict[str, Scenario]:
         # Issue 34: a process killed under a backlog of new keys; a pause waiting for a reader.
         "orphans_killed": lambda: orphans_killed(stack, s.orphans),
         "pause_readers": lambda: pause_readers(stack, 200, s.pause_seconds),
+        # Issue 36: tenant schemas served by OUTBOX_SOURCES processes.
+        "fleet_idle": lambda: fleet.idle(stack, s.fleet_outboxes, 2, s.idle_seconds),
+        "fleet_quiet_alone": lambda: fleet.quiet_beside(
+            stack, s.fleet_quiet, s.fleet_outboxes - s.fleet_quiet - 1, 0, s.sustained_seconds
+        ),
+        "fleet_quiet_beside_backlog": lambda: fleet.quiet_beside(
+            stack, s.fleet_quiet, s.fleet_outboxes - s.fleet_quiet - 1, s.drain, s.sustained_seconds
+        ),
+        "fleet_drain_beside_idle": lambda: fleet.drain_beside_idle(
+            stack, s.drain, s.fleet_outboxes - 1
+        ),
+        "fleet_new_tenant": lambda: fleet.new_tenant(stack, s.fleet_quiet),
         "hot_key": lambda: hot_key(stack, s.hot_key),
         # A burst committed while the dispatcher waits, into a table whose statistics are those
         # of the empty table, and the same with an ANALYZE in the burst's transaction.
@@ -250,6 +264,9 @@ def ratios(results: dict[str, dict[str, float]]) -> dict[str, float]:
         "processes_latency_4_vs_1": fig("scaling_processes_latency_4")
         / fig("scaling_processes_latency_1"),
         "new_keys_4_vs_1": fig("scaling_new_keys_4") / fig("scaling_new_keys_1"),
+        "fleet_quiet_p99_beside_backlog_vs_alone": fig("fleet_quiet_beside_backlog", "p99_ms")
+        / fig("fleet_quiet_alone", "p99_ms"),
+        "fleet_drain_beside_idle_vs_one_table": fig("fleet_drain_beside_idle") / fig("drain"),
         # The median over runs of each run's ratio to the drain run just before it.
         "drain_exactly_once_vs_at_least_once": fig("drain_exactly_once", "vs_at_least_once"),
         "drain_exactly_once_postgres_cpu_vs_at_least_once": fig(
