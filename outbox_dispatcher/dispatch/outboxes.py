@@ -87,6 +87,10 @@ class OutboxRuntime:
         self.backoff = Backoff(s.backoff_initial_seconds, s.backoff_max_seconds)
         self.retry_in: float | None = None  # set by a failed turn: back off this long
         self.outage = 0.0  # set by a turn whose batch met a broker outage
+        # The last batch's claim saw nothing left after it (the steady claim says so): the
+        # outbox may wait for a notification; otherwise, as a claim loop does, it claims again
+        # at once (a claim function's partial batch under a backlog: a key's share, a slot held).
+        self.drained = False
 
     @property
     def published(self) -> int:
@@ -95,7 +99,7 @@ class OutboxRuntime:
     async def turn(self, heartbeat: Callable[[], None]) -> int:
         """Claim one batch and run it to its end; the rows claimed. A failure of this outbox
         sets `retry_in` instead of raising."""
-        self.retry_in, self.outage = None, 0.0
+        self.retry_in, self.outage, self.drained = None, 0.0, False
         with structlog.contextvars.bound_contextvars(source=self.label):  # every line of it
             return await self._turn(heartbeat)
 
@@ -110,6 +114,7 @@ class OutboxRuntime:
             self.shared.metrics.claim_duration.observe(loop.time() - started)
             self.shared.metrics.claimed.inc(len(batch.records))
             full = len(batch.records) >= self.shared.settings.batch_size
+            self.drained = batch.drained and not full
             if full and self.waiting is not None:
                 await self.waiting.withdraw()  # a backlog: writers can stop notifying
             publisher, settling = self.shared.publisher, self.settling

@@ -26,7 +26,6 @@ class ClaimSlots:
     ) -> None:
         self.scheduler: DeficitRoundRobin[Key] = DeficitRoundRobin(budget, batch_size)
         self.outboxes: dict[Key, OutboxRuntime] = {}
-        self._batch_size = batch_size
         self._stopping = stopping
         self._heartbeats = heartbeats
         self._changed = asyncio.Event()
@@ -95,9 +94,9 @@ class ClaimSlots:
             return
         if runtime.retry_in is not None:
             self._back_off(key, runtime.retry_in)
-        elif rows >= self._batch_size or key in self._woken_in_flight:
+        elif (rows and not runtime.drained) or key in self._woken_in_flight:
             self._woken_in_flight.discard(key)
-            self._activate(key)  # a full batch (probably more), or notified meanwhile
+            self._activate(key)  # rows, and the claim saw no end to them; or notified meanwhile
         elif await runtime.idle():
             self._activate(key)  # a fresh announcement: rows committed before it sent none
         if runtime.outage:

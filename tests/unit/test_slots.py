@@ -29,7 +29,8 @@ URL = SecretStr("postgresql://u:p@db:5432/app")
 @dataclass
 class Scripted:
     """An outbox whose turns return the rows of `script` in order (then 0); a negative entry
-    is a failure of the outbox (retry_in set)."""
+    is a failure of the outbox (retry_in set). A partial batch's claim saw nothing left after it
+    (drained, as the steady claim says) unless `more_after_partial`."""
 
     schema: str
     script: list[int]
@@ -38,6 +39,8 @@ class Scripted:
     announced: int = 0
     retry_in: float | None = None
     outage: float = 0.0
+    more_after_partial: bool = False
+    drained: bool = False
     gate: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -53,6 +56,7 @@ class Scripted:
         rows = self.script[self.turns] if self.turns < len(self.script) else 0
         self.turns += 1
         self.retry_in = 0.05 if rows < 0 else None
+        self.drained = 0 < rows < BATCH and not self.more_after_partial
         return max(rows, 0)
 
     async def idle(self) -> bool:
@@ -97,6 +101,17 @@ async def test_a_backlog_is_claimed_while_full_then_idles_after_one_more_claim()
     # empty claim of the other slot that ran beside the last
     assert 5 <= busy.turns <= 6
     assert slots.scheduler.active == []
+
+
+async def test_a_partial_batch_whose_claim_saw_more_is_followed_by_a_claim_at_once() -> None:
+    """A claim function's batch under a backlog can be partial (each key's share, keys another
+    claim holds) without the backlog being over: the outbox stays active, as a claim loop claims
+    again, instead of waiting for a poll (a 200k-row drain beside idle tenants ran at 1.6k/s)."""
+    busy = Scripted("tenant_a", [3, 3, 3, 3], more_after_partial=True)
+    slots = slots_of(busy)
+    async with serving(slots):
+        await until(lambda: busy.turns >= 5)  # the four, then the empty claim that ends it
+    assert busy.turns >= 5
 
 
 async def test_a_quiet_outbox_is_claimed_while_another_has_a_backlog() -> None:
