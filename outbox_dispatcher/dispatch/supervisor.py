@@ -163,6 +163,11 @@ class Dispatcher:
         async def pending(ids: list[int]) -> list[OutboxRecord]:
             return [OutboxRecord.from_row(row) for row in await store.pending_rows(ids=ids)]
 
+        async def reconciled(keys: list[tuple[str, bool]]) -> None:
+            await store.reconciled(
+                owner=self.owner, keys=[k for k, _ in keys], keyless=[kl for _, kl in keys]
+            )
+
         # Registered before its ids are recorded in its row, and those before the first
         # transaction of each: a takeover fences what it finds there (kafka/takeover.py).
         await registry.Heartbeat(store, s, self.owner).beat()
@@ -175,6 +180,7 @@ class Dispatcher:
             self.owner,
             Registry(live, record),
             pending,
+            reconciled,
             lane_count=s.claim_tasks,
             renewed=lambda reason: self.metrics.lanes_renewed.labels(reason).inc(),
         )

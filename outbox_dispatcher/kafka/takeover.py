@@ -4,6 +4,11 @@ lane of its own dispatcher, reads the committed progress to its end; its rows a 
 committed are published already (marked, not sent again), and so are that claim's committed
 rows of the same keys beyond this batch (adopted). If the progress cannot be read, nothing of
 the batch is decided: its rows stay leased for the next takeover.
+
+The duty to reconcile is durable (the key's work row keeps `reconcile_owner` from the claim that
+found its lease expired): a claim returns a key's rows as reclaimed until a takeover read the
+progress and cleared it (`Reconciling`), so a pause, a cancel or a lost claim reply in between
+leaves the next claim of the key a takeover too.
 """
 
 from __future__ import annotations
@@ -41,6 +46,18 @@ class Reconciled(Protocol):
 
 
 PendingRows = Callable[[list[int]], Awaitable[Sequence[OutboxRecord]]]
+# The keys (the work rows' keys: a row without one is keyed by its id) whose reconcile duty a
+# takeover did, under this dispatcher's live leases (store.DispatchStore.reconciled).
+Reconciling = Callable[[list[tuple[str, bool]]], Awaitable[object]]
+
+
+def work_keys(records: Sequence[OutboxRecord]) -> list[tuple[str, bool]]:
+    """The work rows' keys of `records`: (key, False), or (id, True) for a row without one."""
+    keys = (
+        (r.ordering_key, False) if r.ordering_key is not None else (str(r.id), True)
+        for r in records
+    )
+    return list(dict.fromkeys(keys))
 
 
 @dataclass(frozen=True)
@@ -50,6 +67,7 @@ class Takeover:
     owner: str
     registry: Registry
     pending: PendingRows
+    reconciled: Reconciling
     fence_seconds: float  # a fence that takes longer: the id's markers cannot be written yet
 
     async def fence_others(self) -> None:
@@ -95,6 +113,16 @@ class Takeover:
             done |= {r.id for r in rows}
         if done:
             log.info("takeover_found_committed", rows=len(done), reclaimed=len(reclaimed))
+        await self._reconciled([r for r in d.records if r.reclaimed])
+
+    async def _reconciled(self, records: Sequence[OutboxRecord]) -> None:
+        """The keys' duty is done: every row of theirs a lost claim committed is decided. If the
+        database does not answer, the duty stays (the next claim of a key reads the progress
+        again, which finds this one's commit): only a cost."""
+        try:
+            await self.reconciled(work_keys(records))
+        except Exception as exc:  # the database is away: the duty stays
+            log.warning("takeover_duty_kept", keys=len(records), error=errors.describe(exc))
 
     async def committed(self, own: Sequence[Lane]) -> set[int]:
         """The ids of every committed transaction not seen marked: this dispatcher's lanes whose

@@ -28,7 +28,7 @@ from outbox_dispatcher.kafka.progress import ProgressConfig, ProgressUnavailable
 from outbox_dispatcher.kafka.publisher import PublisherConfig
 from outbox_dispatcher.kafka.records import RecordEncoder
 from outbox_dispatcher.kafka.stalls import Holds, PartitionStalledError, TopicPartition
-from outbox_dispatcher.kafka.takeover import KAFKA_TROUBLE, PendingRows, Takeover
+from outbox_dispatcher.kafka.takeover import KAFKA_TROUBLE, PendingRows, Reconciling, Takeover
 from outbox_dispatcher.kafka.topics import ClaimLookups
 from outbox_dispatcher.kafka.transactional_delivery import (
     TransactionAbortedError,
@@ -61,6 +61,7 @@ class TransactionalPublisher:
         owner: str,
         registry: Registry,
         pending: PendingRows,
+        reconciled: Reconciling,
         lane_count: int = lanes.LANES,
         renewed: Callable[[str], None] = lambda reason: None,
     ) -> None:
@@ -79,7 +80,7 @@ class TransactionalPublisher:
         self._connection = producer.connection
         fence_seconds = max(progress_config.timeout_seconds, 10.0)
         self._takeover = Takeover(
-            progress_config, producer, owner, registry, pending, fence_seconds
+            progress_config, producer, owner, registry, pending, reconciled, fence_seconds
         )
         self._encoder = RecordEncoder(config.records)
         self._tracer = Tracer(config.tracing)

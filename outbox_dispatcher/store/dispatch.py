@@ -72,6 +72,13 @@ class DispatchStore(StoreBase):
         """Those of `ids` still pending, in a claim's columns (OutboxRecord's fields)."""
         return await self._fetch("pending_rows", ids=list(ids))
 
+    async def reconciled(self, *, owner: str, keys: Sequence[str], keyless: Sequence[bool]) -> int:
+        """A takeover read the progress for these work keys under `owner`'s live leases: their
+        reconcile duty is done (dispatch.sql `reconciled`); how many keys had it."""
+        return int(
+            await self._value("reconciled", owner=owner, keys=list(keys), keyless=list(keyless))
+        )
+
     async def release_claim(self, *, token: uuid.UUID) -> int:
         """Give back what a claim under `token` leased; keys (and rows without one) released."""
         return int(await self._value("release_claim", token=token))

@@ -245,6 +245,30 @@ SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts
  WHERE id = ANY($ids::bigint[]) AND published_at IS NULL AND dead_at IS NULL
  ORDER BY id
 
+-- reconciled --
+-- exactly-once: a takeover read the progress and decided every row of these keys ($keys,
+-- $keyless: the work rows' keys) a lost claim committed, under this dispatcher's ($owner) live
+-- leases: their reconcile duty (<table>_work.reconcile_owner) is done. A lease that expired
+-- meanwhile keeps it (its next claim sets it anew from the expiry). Locked in key order, as
+-- every claim and settle locks work. Returns the keys cleared.
+WITH mine AS (
+    SELECT w.ordering_key, w.keyless
+      FROM {work} w
+      JOIN unnest($keys::text[], $keyless::boolean[]) AS u(k, kl)
+        ON w.ordering_key = u.k AND w.keyless = u.kl
+     WHERE w.claim_owner = $owner::text AND w.claim_expires_at > now() AND w.state <> 'x'
+       AND w.reconcile_owner IS NOT NULL
+     ORDER BY w.ordering_key, w.keyless
+       FOR UPDATE OF w
+),
+cleared AS (
+    UPDATE {work} w SET reconcile_owner = NULL
+      FROM mine m
+     WHERE w.ordering_key = m.ordering_key AND w.keyless = m.keyless
+    RETURNING 1
+)
+SELECT count(*) FROM cleared
+
 -- schema_version --
 SELECT greatest((SELECT coalesce(max(version), 0) FROM {version_table}),
                 (SELECT coalesce(max(version), 0) FROM {steps_table}))

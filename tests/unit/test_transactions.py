@@ -190,7 +190,7 @@ async def test_a_split_claim_lists_every_committed_row_until_every_part_is_marke
 
     configs = configs_of(Settings(delivery="exactly-once"))
     publisher = TransactionalPublisher(
-        configs.publisher, CONFIG, "o", Registry(nothing, keep), nothing
+        configs.publisher, CONFIG, "o", Registry(nothing, keep), nothing, keep
     )
     lane = publisher.lanes[0]
     d = TransactionalDelivery(publisher, lane, [record(i) for i in range(4)], 0.0)
