@@ -164,9 +164,12 @@ class Dispatcher:
             return [OutboxRecord.from_row(row) for row in await store.pending_rows(ids=ids)]
 
         async def reconciled(keys: list[tuple[str, bool]]) -> None:
-            await store.reconciled(
-                owner=self.owner, keys=[k for k, _ in keys], keyless=[kl for _, kl in keys]
-            )
+            try:
+                await store.reconciled(
+                    owner=self.owner, keys=[k for k, _ in keys], keyless=[kl for _, kl in keys]
+                )
+            except db.RETRIABLE_ERRORS as exc:
+                raise errors.DatabaseUnavailableError(errors.describe(exc)) from exc
 
         # Registered before its ids are recorded in its row, and those before the first
         # transaction of each: a takeover fences what it finds there (kafka/takeover.py).

@@ -121,7 +121,7 @@ class Takeover:
         again, which finds this one's commit): only a cost."""
         try:
             await self.reconciled(work_keys(records))
-        except Exception as exc:  # the database is away: the duty stays
+        except errors.OutboxDispatcherError as exc:  # the database is away: the duty stays
             log.warning("takeover_duty_kept", keys=len(records), error=errors.describe(exc))
 
     async def committed(self, own: Sequence[Lane]) -> set[int]:

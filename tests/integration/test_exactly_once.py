@@ -397,7 +397,11 @@ async def test_a_takeover_that_cannot_read_the_progress_leaves_the_rows_leased(
     configs = configs_of(good.settings)
     registry = Registry(unreachable, good.registry("owner-b").record)
     b = TransactionalPublisher(
-        configs.publisher, configs.progress, "owner-b", registry, good.pending,
+        configs.publisher,
+        configs.progress,
+        "owner-b",
+        registry,
+        good.pending,
         good.reconciler("owner-b"),
     )
     await b.start()

@@ -29,7 +29,7 @@ from outbox_dispatcher.store.arguments import ClaimArguments
 from outbox_dispatcher.store.dispatch import Claimed
 
 from .helpers import Services, count, insert_sequenced
-from .test_exactly_once import (  # noqa: F401 (fixtures)
+from .test_exactly_once import (
     STATEMENTS,
     Owners,
     eos_settings,
@@ -40,6 +40,7 @@ from .test_exactly_once import (  # noqa: F401 (fixtures)
 )
 
 pytestmark = pytest.mark.integration
+FIXTURES = (eos_settings, owners)  # test_exactly_once.py's, used here by name
 
 DUTY = "SELECT ordering_key, reconcile_owner FROM outbox_work ORDER BY ordering_key"
 
