@@ -186,6 +186,7 @@ class Dispatcher:
             reconciled,
             lane_count=s.claim_tasks,
             renewed=lambda reason: self.metrics.lanes_renewed.labels(reason).inc(),
+            waiting=lambda reason: self.metrics.takeovers_waiting.labels(reason).inc(),
         )
         self.metrics.partitions_held.set_function(lambda: len(made.holds.held))
         return made

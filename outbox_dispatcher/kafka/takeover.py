@@ -34,6 +34,10 @@ log = structlog.get_logger(__name__)
 # error (a fence) ended.
 KAFKA_TROUBLE = (kafka_errors.KafkaError, kafka_errors.IllegalOperation, OSError, TimeoutError)
 FENCES_AT_ONCE = 8
+# A transaction nobody fenced is aborted by the broker within its timeout plus the broker's sweep
+# (transaction.abort.timed.out.transaction.cleanup.interval.ms, 10 s by default): a read of the
+# progress waits that long for one open before the end it reads to.
+END_MARGIN_SECONDS = 15.0
 
 
 class Reconciled(Protocol):
@@ -132,6 +136,8 @@ class Takeover:
             for lane in own:
                 await lane.producers.replace_if_broken()
             values = await self.read(own)
+        except ProgressUnavailableError:
+            raise
         except (*KAFKA_TROUBLE, errors.BrokerUnavailableError) as exc:
             raise ProgressUnavailableError(errors.describe(exc)) from exc
         mine = {i for lane in own for ids in lane.unmarked.values() for i in ids}
@@ -139,7 +145,9 @@ class Takeover:
 
     async def read(self, own: Sequence[Lane]) -> list[bytes | None]:
         """The progress topic's committed records (its partitions as a serving lane's producer
-        knows them)."""
+        knows them), to its high watermark: a transaction open there is waited for as long as
+        an unfenced one can live (its timeout and the broker's abort sweep, END_MARGIN_SECONDS),
+        then ProgressEndUnreachedError."""
         serving = [lane for lane in own if lane.producers.serving]
         if not serving:
             msg = "no lane's producer is started (a new id could not be started yet)"
@@ -148,5 +156,9 @@ class Takeover:
         partitions = await serving[0].producers.current().partitions_for(topic)
         connection = self.producer.connection
         return await progress.read_committed(
-            connection, topic, partitions, max(connection.request_timeout_seconds, 10.0)
+            connection,
+            topic,
+            partitions,
+            max(connection.request_timeout_seconds, 10.0),
+            end_seconds=self.progress.timeout_seconds + END_MARGIN_SECONDS,
         )

@@ -24,7 +24,11 @@ from outbox_dispatcher.kafka import failures, internals, lanes, progress
 from outbox_dispatcher.kafka.batches import Answer, Batches
 from outbox_dispatcher.kafka.endings import Endings, Stall, cause_of, failure_of
 from outbox_dispatcher.kafka.lanes import Lane, Registry
-from outbox_dispatcher.kafka.progress import ProgressConfig, ProgressUnavailableError
+from outbox_dispatcher.kafka.progress import (
+    ProgressConfig,
+    ProgressEndUnreachedError,
+    ProgressUnavailableError,
+)
 from outbox_dispatcher.kafka.publisher import PublisherConfig
 from outbox_dispatcher.kafka.records import RecordEncoder
 from outbox_dispatcher.kafka.stalls import Holds, PartitionStalledError, TopicPartition
@@ -64,9 +68,11 @@ class TransactionalPublisher:
         reconciled: Reconciling,
         lane_count: int = lanes.LANES,
         renewed: Callable[[str], None] = lambda reason: None,
+        waiting: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self.owner = owner
         self._progress = progress_config
+        self._waiting = waiting  # a takeover that could not read the progress (a metric)
         # No linger: a transaction's records are all handed at once and its commit waits for
         # them; only the progress record (send(), not a closed batch) would linger.
         producer = dataclasses.replace(
@@ -205,7 +211,11 @@ class TransactionalPublisher:
                     await self._takeover.reconcile(d, self.lanes)
                 await self._send_and_commit(d, indices, known)
         except ProgressUnavailableError as exc:
-            log.warning("takeover_waits_for_progress", rows=len(d.records), error=str(exc))
+            reason = "end_unreached" if isinstance(exc, ProgressEndUnreachedError) else "unread"
+            self._waiting(reason)
+            log.warning(
+                "takeover_waits_for_progress", rows=len(d.records), reason=reason, error=str(exc)
+            )
             # every row unknown: leased until a takeover can read the progress
         finally:
             d.lane.given.discard(d)

@@ -67,6 +67,7 @@ class Owners:
         self.store = DispatchStore(pool, STATEMENTS)
         self.publishers: dict[str, TransactionalPublisher] = {}
         self.ids: dict[str, list[str]] = {}  # the registry: each owner's recorded ids
+        self.waited: list[str] = []  # takeovers that could not read the progress, why
 
     def registry(self, owner: str) -> Registry:
         async def live() -> list[Registered]:
@@ -87,6 +88,7 @@ class Owners:
             self.pending,
             self.reconciler(owner),
             lane_count=lanes,
+            waiting=self.waited.append,
         )
         await made.start()
         self.publishers[owner] = made
