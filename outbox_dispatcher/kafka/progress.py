@@ -12,32 +12,19 @@ or its commit in progress finished, and no later one can start under the old pro
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
-import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka import errors as kafka_errors
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.kafka import tls
 from outbox_dispatcher.kafka.producers import ProducerConfig, Producers
 from outbox_dispatcher.kafka.tls import ConnectionConfig
 
-log = structlog.get_logger(__name__)
-
-# Compacted: the last record of each transactional id is kept for ever; small segments, so that
-# what a takeover reads past the compacted part stays short.
-TOPIC_CONFIG = {
-    "cleanup.policy": "compact",
-    "segment.ms": "600000",
-    "min.cleanable.dirty.ratio": "0.1",
-}
 VERSION = 1
 
 
@@ -89,24 +76,6 @@ def committed_ids(config: ProgressConfig, values: Iterable[bytes | None]) -> set
         for ids in batches.values()
         for i in ids
     }
-
-
-async def ensure_topic(connection: ConnectionConfig, topic: str) -> None:
-    """Create the progress topic, compacted and replicated like the cluster allows (up to 3
-    copies, 2 in sync), unless it exists."""
-    admin = AIOKafkaAdminClient(**client_options(connection))
-    await admin.start()
-    try:
-        if topic in await admin.list_topics():
-            return
-        brokers = len((await admin.describe_cluster())["brokers"])
-        replicas = min(3, brokers)
-        config = TOPIC_CONFIG | {"min.insync.replicas": "2" if replicas >= 3 else "1"}
-        with contextlib.suppress(kafka_errors.TopicAlreadyExistsError):
-            await admin.create_topics([NewTopic(topic, 1, replicas, topic_configs=config)])
-            log.info("progress_topic_created", topic=topic, replicas=replicas)
-    finally:
-        await admin.close()
 
 
 async def fence(producer_config: ProducerConfig, transactional_id: str, seconds: float) -> None:

@@ -22,7 +22,7 @@ import structlog
 from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import lanes, progress
+from outbox_dispatcher.kafka import lanes, progress, progress_topic
 from outbox_dispatcher.kafka.lanes import Lane, Registry
 from outbox_dispatcher.kafka.producers import ProducerConfig
 from outbox_dispatcher.kafka.progress import ProgressConfig, ProgressUnavailableError
@@ -153,6 +153,7 @@ class Takeover:
             msg = "no lane's producer is started (a new id could not be started yet)"
             raise ProgressUnavailableError(msg)
         topic = self.progress.topic
+        await progress_topic.check(self.producer.connection, topic)  # not made again since
         partitions = await serving[0].producers.current().partitions_for(topic)
         connection = self.producer.connection
         return await progress.read_committed(

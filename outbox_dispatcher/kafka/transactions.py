@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 import structlog
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import failures, internals, lanes, progress
+from outbox_dispatcher.kafka import failures, internals, lanes, progress, progress_topic
 from outbox_dispatcher.kafka.batches import Answer, Batches
 from outbox_dispatcher.kafka.endings import Endings, Stall, cause_of, failure_of
 from outbox_dispatcher.kafka.lanes import Lane, Registry
@@ -115,7 +115,7 @@ class TransactionalPublisher:
         internals.quicken_transaction_retries()
         await self.lanes.start()
         try:
-            await progress.ensure_topic(self._connection, self._progress.topic)
+            await progress_topic.ensure(self._connection, self._progress.topic)
         except BaseException as exc:
             await self.lanes.stop()
             if isinstance(exc, KAFKA_TROUBLE):

@@ -9,14 +9,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import asyncpg
 import orjson
 import pytest
 from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from .helpers import Services, insert_sequenced
+from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.kafka.progress_topic import ProgressTopicError
+
+from .helpers import Services, count, insert_sequenced, kill9, log_events, spawn
 from .test_exactly_once import Owners, eos_settings, expire, owners, read_all, run
 
 pytestmark = pytest.mark.integration
@@ -118,3 +123,79 @@ async def test_a_commit_without_an_answer_is_resolved_past_an_open_transaction(
         await ending
     assert resolved, "the commit is found in the progress"
     assert len(await read_all(bootstrap, topic, "read_committed")) == 6
+
+
+# --- the progress topic checked (review E10) ---------------------------------------------------
+
+
+async def test_a_misconfigured_progress_topic_stops_the_mode_at_start(
+    conn: asyncpg.Connection,
+    services: Services,
+    topic: str,
+    eos_settings: Callable[..., Settings],
+    tmp_path: Path,
+) -> None:
+    """An operator made the progress topic with 3 partitions and cleanup.policy=delete: the
+    dispatcher refuses to start in exactly-once mode and says what to do; no row is sent.
+    Before issue 35 it started and published, its progress at the mercy of retention."""
+    settings = eos_settings(log_format="json", http_port=0)
+    await insert_sequenced(conn, topic, keys=1, per_key=3)
+    admin = AIOKafkaAdminClient(bootstrap_servers=services.kafka_bootstrap_servers)
+    await admin.start()
+    try:
+        config = {"cleanup.policy": "delete", "retention.ms": "60000"}
+        await admin.create_topics([NewTopic(settings.progress_topic, 3, 1, topic_configs=config)])
+    finally:
+        await admin.close()
+    log = tmp_path / "d.log"
+    process = spawn(settings, log)
+    try:
+        code = await asyncio.to_thread(process.wait, 90)
+    finally:
+        if process.poll() is None:
+            kill9(process)
+    failed = log_events(log, "failed")
+    assert code != 0 and failed, log.read_text()[-3000:]
+    assert failed[-1]["error_type"] == "ProgressTopicError"
+    message = failed[-1]["error"]
+    assert "3 partitions (1 needed)" in message and "cleanup.policy=delete" in message
+    assert "OUTBOX_PROGRESS_TOPIC" in message, "it says what to do"
+    assert await count(conn, "published_at IS NOT NULL") == 0
+    assert await read_all(services.kafka_bootstrap_servers, topic, "read_committed") == []
+
+
+async def test_a_progress_topic_made_again_while_running_stops_the_takeover(
+    conn: asyncpg.Connection, owners: Owners, topic: str, services: Services
+) -> None:
+    """The progress topic is deleted after owner-a committed 10 rows (its record is gone), and
+    owner-a's next transaction makes it again with the broker's defaults (auto-creation): the
+    takeover of owner-a's rows refuses to decide from it (ProgressTopicError), sends nothing.
+    Before issue 35 it read the new topic, found nothing, and sent the 10 rows again."""
+    bootstrap = services.kafka_bootstrap_servers
+    a = await owners.publisher("owner-a")
+    b = await owners.publisher("owner-b")
+    await insert_sequenced(conn, topic, keys=2, per_key=5)
+    lost = await owners.claim("owner-a")
+    assert (await run(a.publish(lost.records))).outcomes == [None] * 10
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.delete_topics([owners.progress.topic])
+        await asyncio.sleep(2.0)
+    finally:
+        await admin.close()
+    await conn.execute(
+        "INSERT INTO outbox (topic, ordering_key, payload) VALUES ($1, 'other', '{}')", topic
+    )
+    other = await owners.claim("owner-a")
+    for _ in range(10):  # the first sends wait for the topic to be made again
+        if (await run(a.publish(other.records))).outcomes == [None]:
+            break
+    else:
+        raise AssertionError("owner-a's transactions never committed on the new topic")
+    await expire(conn)
+    taken = await owners.claim("owner-b")
+    assert {r.id for r in lost.records} <= {r.id for r in taken.records}
+    with pytest.raises(ProgressTopicError, match=r"cleanup\.policy=delete"):
+        await run(b.publish(taken.records))
+    assert len(await read_all(bootstrap, topic, "read_committed")) == 11, "nothing again"
