@@ -342,7 +342,12 @@ class TransactionalPublisher:
                 self._progress.topic, value, key=lane.transactional_id.encode()
             )
         except KAFKA_TROUBLE as exc:
-            await asyncio.gather(*submissions, return_exceptions=True)  # their answers, read
+            # Their answers read before an abort (none of the epoch left in flight), within the
+            # stall bound (review E15): a partition that keeps answering NotEnoughReplicas is
+            # retried by aiokafka without end, and the lane's turn (every takeover's) with it.
+            if unanswered := await answered_within(submissions, self.stall_seconds):
+                stalled = {batches.where[s] for s in unanswered}
+                return Stall(stalled, progress=False, unanswered=unanswered)
             return None, exc
         waiting: set[asyncio.Future[object]] = {acked, *submissions}
         _, missing = await asyncio.wait(waiting, timeout=self.stall_seconds)
@@ -358,3 +363,13 @@ class TransactionalPublisher:
             return None
         submission, cause = min(failed, key=lambda found: not failures.is_rejection(found[1]))
         return next(i for i in handed if answers[i] is submission), cause
+
+
+async def answered_within(
+    futures: Sequence[asyncio.Future[object]], seconds: float
+) -> set[asyncio.Future[object]]:
+    """Wait for every future's answer, `seconds` at most; those still unanswered then."""
+    if not futures:
+        return set()
+    _, missing = await asyncio.wait(futures, timeout=seconds)
+    return missing
