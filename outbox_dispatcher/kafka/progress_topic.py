@@ -15,10 +15,9 @@ from dataclasses import dataclass
 import structlog
 from aiokafka import errors as kafka_errors
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import progress
+from outbox_dispatcher.kafka import internals, progress
 from outbox_dispatcher.kafka.tls import ConnectionConfig
 
 log = structlog.get_logger(__name__)
@@ -105,10 +104,7 @@ async def _check(admin: AIOKafkaAdminClient, topic: str, needed: Needed) -> None
         raise ProgressTopicError(_advice(topic, needed, ["it does not exist (deleted?)"]))
     partitions = described["partitions"]
     replicas = min(len(p["replicas"]) for p in partitions)
-    resource = ConfigResource(ConfigResourceType.TOPIC, topic)
-    [response] = await admin.describe_configs([resource])
-    entries = response.to_object()["resources"][0]["config_entries"]
-    config = {e["config_names"]: e["config_value"] for e in entries}
+    config = await internals.topic_config(admin, topic)
     if found := needed.problems(len(partitions), replicas, config):
         raise ProgressTopicError(_advice(topic, needed, found))
 
