@@ -213,3 +213,22 @@ async def test_the_crash_loop_reclaimer_keeps_the_duty_of_the_key(
     later = await owners.claim("owner-b", settings)
     assert len(later.records) == 1 and later.records[0].reclaimed
     assert uuid.UUID(str(later.token))
+
+
+async def test_only_the_live_lease_holder_clears_the_duty(
+    conn: asyncpg.Connection, owners: Owners, topic: str
+) -> None:
+    """`reconciled` clears a key's duty only under the caller's live lease: another owner, or
+    the holder once its lease expired (its taker must read the progress again), clears nothing."""
+    await insert_sequenced(conn, topic, keys=1, per_key=2)
+    await owners.claim("owner-a")
+    await expire(conn)
+    await owners.claim("owner-b")
+    clear = owners.store.reconciled
+    assert await clear(owner="owner-c", keys=["key-0"], keyless=[False]) == 0, "not its lease"
+    await expire(conn)
+    assert await clear(owner="owner-b", keys=["key-0"], keyless=[False]) == 0, "expired"
+    assert await duties(conn) == {"key-0": "owner-a"}
+    await owners.claim("owner-c")
+    assert await clear(owner="owner-c", keys=["key-0"], keyless=[False]) == 1
+    assert await duties(conn) == {"key-0": None}
