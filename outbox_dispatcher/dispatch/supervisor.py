@@ -72,6 +72,8 @@ class Dispatcher:
         self.in_flight = leases.InFlight()
         self.retry_policy = RetryPolicy(settings)
         self._settling: Settling | None = None  # made with the pool (see _supervise)
+        # Exactly-once: which crash-loop rows a lost claim committed (leases.settle_crash_loops).
+        self._committed_of: leases.CommittedOf | None = None
         self.wakeup = Wakeup()
         self.metrics = metrics.Metrics()
         self.metrics.delivery.labels(settings.delivery.value).set(1)
@@ -203,6 +205,8 @@ class Dispatcher:
             block_on_dead=configs.settle.block_on_dead,
         )
         settling = self._settling = Settling(settler, self.retry_policy, self.metrics)
+        if isinstance(publisher, TransactionalPublisher):
+            self._committed_of = publisher.committed_of
         readiness = ReadinessCache(lambda: self._readiness(store, publisher))
         # Without LISTEN nobody hears a notification: writers are never asked to send one.
         waiting = (
@@ -247,7 +251,7 @@ class Dispatcher:
         s = self.settings
         side: dict[str, Coroutine[Any, Any, None]] = {
             "lease-keeper": leases.keep_leases(store, s, self.in_flight, self.heartbeats),
-            "reclaimer": leases.reclaim(store, s, self.metrics),
+            "reclaimer": leases.reclaim(store, s, self.metrics, self._committed_of),
             "metrics": self._sample_gauges(store),
             "readiness": self._refresh_readiness(readiness),
             "heartbeat": self._beat(store),

@@ -160,6 +160,16 @@ class TransactionalPublisher:
         if final and delivery.marked_every_row:
             delivery.lane.unmarked.pop(delivery.tag, None)
 
+    async def committed_of(self, ids: Sequence[int]) -> set[int]:
+        """Which of `ids` a lost claim committed (review E13: rows the crash-loop reclaimer
+        dead-lettered): read as a takeover reads, after fencing the other dispatchers and
+        holding every lane. ProgressUnavailableError when it cannot be read (nothing decided)."""
+        await self._takeover.fence_others()
+        async with contextlib.AsyncExitStack() as turns:
+            for lane in self.lanes:
+                await turns.enter_async_context(lane.turn)
+            return set(ids) & await self._takeover.committed(self.lanes)
+
     async def read_progress(self) -> list[bytes | None]:
         """The progress topic's committed records (tests and the operator read them too)."""
         return await self._takeover.read(self.lanes)

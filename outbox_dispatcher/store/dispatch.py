@@ -72,6 +72,14 @@ class DispatchStore(StoreBase):
         """Those of `ids` still pending, in a claim's columns (OutboxRecord's fields)."""
         return await self._fetch("pending_rows", ids=list(ids))
 
+    async def crash_loops_unsettled(self, *, limit: int) -> list[Row]:
+        """Crash-loop dead rows whose lost claim's outcome nobody read (exactly-once)."""
+        return await self._fetch("crash_loops_unsettled", limit=limit)
+
+    async def crash_loops_checked(self, *, ids: Sequence[int]) -> int:
+        """These crash-loop rows are not in the progress: dead for good."""
+        return int(await self._value("crash_loops_checked", ids=list(ids)))
+
     async def reconciled(self, *, owner: str, keys: Sequence[str], keyless: Sequence[bool]) -> int:
         """A takeover read the progress for these work keys under `owner`'s live leases: their
         reconcile duty is done (dispatch.sql `reconciled`); how many keys had it."""

@@ -245,6 +245,26 @@ SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts
  WHERE id = ANY($ids::bigint[]) AND published_at IS NULL AND dead_at IS NULL
  ORDER BY id
 
+-- crash_loops_unsettled --
+-- exactly-once: rows the crash-loop reclaimer dead-lettered whose lost claim's outcome nobody
+-- has read yet (the reclaim function keeps the lease's token on them; a late mark, or
+-- `crash_loops_checked`, clears it), at most $limit, oldest first.
+SELECT id, ordering_key, lease_token, lease_owner
+  FROM {table}
+ WHERE dead_at IS NOT NULL AND lease_token IS NOT NULL
+ ORDER BY id LIMIT $limit
+
+-- crash_loops_checked --
+-- exactly-once: the progress was read after a fence and these crash-loop rows ($ids) are not in
+-- it: their lost claim never committed them (and, fenced, never will): dead for good, no late
+-- mark is waited for. Returns how many.
+WITH checked AS (
+    UPDATE {table} SET lease_token = NULL
+     WHERE id = ANY($ids::bigint[]) AND dead_at IS NOT NULL AND lease_token IS NOT NULL
+    RETURNING 1
+)
+SELECT count(*) FROM checked
+
 -- reconciled --
 -- exactly-once: a takeover read the progress and decided every row of these keys ($keys,
 -- $keyless: the work rows' keys) a lost claim committed, under this dispatcher's ($owner) live

@@ -19,7 +19,7 @@ import pytest
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.batch import BatchRun, Settling
 from outbox_dispatcher.dispatch.claimer import Claimer
-from outbox_dispatcher.dispatch.leases import InFlight
+from outbox_dispatcher.dispatch.leases import InFlight, settle_crash_loops
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.metrics import Metrics
 from outbox_dispatcher.models import PUBLISHED, Batch, Outcome, Result
@@ -234,3 +234,34 @@ async def test_only_the_live_lease_holder_clears_the_duty(
     await owners.claim("owner-c")
     assert await clear(owner="owner-c", keys=["key-0"], keyless=[False]) == 1
     assert await duties(conn) == {"key-0": None}
+
+
+async def test_crash_loop_rows_a_lost_claim_committed_are_published_not_dead(
+    conn: asyncpg.Connection,
+    owners: Owners,
+    eos_settings: Callable[..., Settings],
+    topic: str,
+    services: Services,
+) -> None:
+    """E13: owner-a committed key-0's rows and died before its mark, at their last attempt; it
+    claimed key-1's too and sent nothing of them. The reclaimer dead-letters all of them (a
+    crash loop); the exactly-once step after it fences, reads the progress and marks key-0's
+    published (status no longer says dead, `dead requeue` has nothing to send again); key-1's
+    stay dead, for good (their token cleared)."""
+    settings = eos_settings(max_attempts=2)
+    await insert_sequenced(conn, topic, keys=2, per_key=3)
+    a = await owners.publisher("owner-a")
+    b = await owners.publisher("owner-b")
+    lost = await owners.claim("owner-a", settings)
+    sent = [r for r in lost.records if r.ordering_key == "key-0"]
+    assert (await run(a.publish(sent))).outcomes == [None] * 3
+    await conn.execute("UPDATE outbox SET attempts = 1")
+    await expire(conn)
+    dead = await owners.store.dead_letter_crash_loops(max_attempts=2, block_on_dead=False)
+    assert len(dead) == 6
+    await settle_crash_loops(owners.store, settings, b.committed_of)
+    published = "published_at IS NOT NULL AND dead_at IS NULL"
+    assert await count(conn, f"ordering_key = 'key-0' AND {published}") == 3
+    assert await count(conn, "ordering_key = 'key-1' AND dead_at IS NOT NULL") == 3
+    assert await count(conn, "lease_token IS NOT NULL") == 0, "every one decided"
+    assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 3
