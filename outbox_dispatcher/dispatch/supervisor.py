@@ -189,6 +189,7 @@ class Dispatcher:
             lane_count=s.claim_tasks,
             renewed=lambda reason: self.metrics.lanes_renewed.labels(reason).inc(),
             waiting=lambda reason: self.metrics.takeovers_waiting.labels(reason).inc(),
+            unsettled=store.unsettled_work,
         )
         self.metrics.partitions_held.set_function(lambda: len(made.holds.held))
         return made

@@ -4,12 +4,15 @@ dead owner's last record is kept however late its takeover comes), replicated up
 with min.insync.replicas 2 (1 below 3 brokers). Created so when missing at start; checked at
 start and before every read of it (a takeover, a commit without an answer): a topic deleted
 while dispatchers run is made again by their next send with the broker's defaults, and what it
-held is gone, so the mode stops with ProgressTopicError rather than decide from it.
+held is gone, so the mode stops with ProgressTopicError rather than decide from it. At start a
+missing topic is created only while no key of the table is leased or holds the reconcile duty
+(`unsettled`): otherwise it was deleted or renamed with batches in it that a takeover needs.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import structlog
@@ -71,13 +74,24 @@ class Needed:
         return found
 
 
-async def ensure(connection: ConnectionConfig, topic: str) -> None:
-    """At start: create the topic if it is missing, else check it."""
+async def ensure(
+    connection: ConnectionConfig, topic: str, unsettled: Callable[[], Awaitable[int]]
+) -> None:
+    """At start: create the topic if it is missing and nothing needs what it held (no key
+    leased or holding the reconcile duty: `unsettled`), else check it."""
     admin = AIOKafkaAdminClient(**progress.client_options(connection))
     await admin.start()
     try:
         needed = Needed(len((await admin.describe_cluster())["brokers"]))
         if topic not in await admin.list_topics():
+            if keys := await unsettled():
+                missing = (
+                    f"it does not exist, while {keys} keys of the table are leased or hold the "
+                    "reconcile duty (their committed batches were in it: deleted, or "
+                    "OUTBOX_PROGRESS_TOPIC changed?). If no dispatcher ever used it (a first "
+                    "start beside dispatchers of at-least-once), create it yourself"
+                )
+                raise ProgressTopicError(_advice(topic, needed, [missing]))
             with contextlib.suppress(kafka_errors.TopicAlreadyExistsError):
                 new = NewTopic(topic, 1, needed.replicas, topic_configs=needed.config())
                 await admin.create_topics([new])

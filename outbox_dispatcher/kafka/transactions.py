@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 
 import structlog
 
@@ -69,10 +69,14 @@ class TransactionalPublisher:
         lane_count: int = lanes.LANES,
         renewed: Callable[[str], None] = lambda reason: None,
         waiting: Callable[[str], None] = lambda reason: None,
+        unsettled: Callable[[], Awaitable[int]] | None = None,
     ) -> None:
         self.owner = owner
         self._progress = progress_config
         self._waiting = waiting  # a takeover that could not read the progress (a metric)
+        # Keys leased or holding the reconcile duty (a missing progress topic is then not made
+        # again at start: kafka/progress_topic.py); None: the table is taken as new.
+        self._unsettled = unsettled or nothing_unsettled
         # No linger: a transaction's records are all handed at once and its commit waits for
         # them; only the progress record (send(), not a closed batch) would linger.
         producer = dataclasses.replace(
@@ -115,7 +119,7 @@ class TransactionalPublisher:
         internals.quicken_transaction_retries()
         await self.lanes.start()
         try:
-            await progress_topic.ensure(self._connection, self._progress.topic)
+            await progress_topic.ensure(self._connection, self._progress.topic, self._unsettled)
         except BaseException as exc:
             await self.lanes.stop()
             if isinstance(exc, KAFKA_TROUBLE):
@@ -383,3 +387,7 @@ async def answered_within(
         return set()
     _, missing = await asyncio.wait(futures, timeout=seconds)
     return missing
+
+
+async def nothing_unsettled() -> int:
+    return 0

@@ -72,6 +72,10 @@ class DispatchStore(StoreBase):
         """Those of `ids` still pending, in a claim's columns (OutboxRecord's fields)."""
         return await self._fetch("pending_rows", ids=list(ids))
 
+    async def unsettled_work(self) -> int:
+        """Keys leased, or holding the reconcile duty (exactly-once's start: dispatch.sql)."""
+        return int(await self._value("unsettled_work"))
+
     async def crash_loops_unsettled(self, *, limit: int) -> list[Row]:
         """Crash-loop dead rows whose lost claim's outcome nobody read (exactly-once)."""
         return await self._fetch("crash_loops_unsettled", limit=limit)

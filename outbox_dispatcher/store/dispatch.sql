@@ -265,6 +265,13 @@ WITH checked AS (
 )
 SELECT count(*) FROM checked
 
+-- unsettled_work --
+-- exactly-once, at start when the progress topic is missing: keys whose rows a claim holds or
+-- held (a lease, live or expired) or whose lost owner's outcome nobody read (the reconcile duty).
+-- Their committed batches are in the progress, so a missing topic then was deleted (or renamed
+-- by a changed OUTBOX_PROGRESS_TOPIC), and creating it would forget them.
+SELECT count(*) FROM {work} w WHERE w.claim_token IS NOT NULL OR w.reconcile_owner IS NOT NULL
+
 -- reconciled --
 -- exactly-once: a takeover read the progress and decided every row of these keys ($keys,
 -- $keyless: the work rows' keys) a lost claim committed, under this dispatcher's ($owner) live
