@@ -69,6 +69,7 @@ NAMES = (
     "outbox_table_sampled_timestamp_seconds",
     "outbox_paused",
     "outbox_lanes_renewed_total",
+    "outbox_takeovers_waiting_total",
     "outbox_partitions_held",
 )
 
@@ -255,6 +256,16 @@ class Metrics:
         )
         for reason in ("stalled", "fenced", "abort_unanswered"):  # exported at 0 from the start
             self.lanes_renewed.labels(reason)
+        self.takeovers_waiting = Counter(
+            "outbox_takeovers_waiting",
+            "Exactly-once: takeovers that decided nothing because the progress could not be read "
+            "(unread: the broker; end_unreached: a transaction open on the progress partition "
+            "did not end in time, a hanging one if it keeps rising): their rows wait, leased.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("unread", "end_unreached"):
+            self.takeovers_waiting.labels(reason)
 
     def _register_durations(self, r: CollectorRegistry) -> None:
         self.claim_duration = Histogram(

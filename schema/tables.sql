@@ -181,6 +181,12 @@ CREATE TABLE ${schema}.${table}_work (
     -- the claim that passes it, so that the key's settle, which locks this row after that claim,
     -- sees it although its snapshot is older (the steady path's one-statement settle).
     last_seen bigint,
+    -- The reconcile duty (version 16; docs/design/exactly-once.md): not NULL once a claim found
+    -- the key's lease expired, the owner whose outcome is then unknown (the first such owner
+    -- while the duty stands). Every claim of the key returns its rows as reclaimed until an
+    -- exactly-once takeover read the progress under a live lease of the key and cleared it
+    -- (dispatch.sql `reconciled`); no pause, block, release, settle or reclaim clears it.
+    reconcile_owner text,
     PRIMARY KEY (ordering_key, keyless),
     CONSTRAINT ${table}_work_state_valid CHECK (state IN ('r', 'w', 'p', 'b', 'x'))
 );

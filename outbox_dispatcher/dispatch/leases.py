@@ -9,10 +9,12 @@ bookkeeping.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable, Sequence
 from typing import NoReturn
 
 import structlog
 
+from outbox_dispatcher import errors
 from outbox_dispatcher.config.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.dispatch.every import every
 from outbox_dispatcher.health import Heartbeats
@@ -82,8 +84,14 @@ async def keep_leases(
     )
 
 
-async def reclaim(store: DispatchStore, settings: Settings, metrics: Metrics) -> NoReturn:
-    """Dead-letter rows whose leases keep expiring; report expired leases awaiting takeover."""
+async def reclaim(
+    store: DispatchStore,
+    settings: Settings,
+    metrics: Metrics,
+    committed_of: CommittedOf | None = None,
+) -> NoReturn:
+    """Dead-letter rows whose leases keep expiring; report expired leases awaiting takeover.
+    Exactly-once (`committed_of`): then mark published those its lost claim had committed."""
 
     async def step() -> None:
         dead = await store.dead_letter_crash_loops(
@@ -92,6 +100,8 @@ async def reclaim(store: DispatchStore, settings: Settings, metrics: Metrics) ->
         )
         expired = await store.count_expired_leases()
         report_crash_loops(dead, metrics)
+        if committed_of is not None:
+            await settle_crash_loops(store, settings, committed_of)
         if expired:
             log.info("expired_leases_awaiting_takeover", leases=expired)
         if settings.sweep_rows:
@@ -104,6 +114,49 @@ async def reclaim(store: DispatchStore, settings: Settings, metrics: Metrics) ->
         failed="reclaim_failed",
         tolerated=db.RETRIABLE_ERRORS,
     )
+
+
+CommittedOf = Callable[[Sequence[int]], Awaitable[set[int]]]
+# Crash-loop rows looked at per reclaimer step (each look fences and reads the progress once).
+CRASH_LOOPS_AT_ONCE = 500
+
+
+async def settle_crash_loops(
+    store: DispatchStore, settings: Settings, committed_of: CommittedOf
+) -> None:
+    """Exactly-once (review E13): the reclaimer dead-lettered a crash loop's rows without
+    knowing whether the lost claim committed them. Their lease token stays on them until the
+    progress is read (durable: a crash meanwhile leaves them to the next step): those in it are
+    published, settled as the lost claim's late mark would be (settle_late: a key they blocked
+    goes on); the others are dead for good. If the progress cannot be read, nothing changes."""
+    rows = await store.crash_loops_unsettled(limit=CRASH_LOOPS_AT_ONCE)
+    if not rows:
+        return
+    try:
+        committed = await committed_of([int(r["id"]) for r in rows])
+    except errors.BrokerUnavailableError as exc:
+        log.warning("crash_loops_wait_for_progress", rows=len(rows), error=str(exc))
+        return
+    by_token: dict[uuid.UUID, list[Row]] = {}
+    for r in rows:
+        if int(r["id"]) in committed:
+            by_token.setdefault(r["lease_token"], []).append(r)
+    for token, found in by_token.items():
+        await store.settle(
+            token=token,
+            owner=str(found[0]["lease_owner"]),
+            ids=[int(r["id"]) for r in found],
+            keys=[r["ordering_key"] for r in found],
+            outcomes=["published"] * len(found),
+            errors=[None] * len(found),
+            delays=[0.0] * len(found),
+            counted=[0] * len(found),
+            delete_published=settings.delete_on_publish,
+            block_on_dead=settings.dead_letter_policy is DeadLetterPolicy.BLOCK,
+        )
+    await store.crash_loops_checked(ids=[int(r["id"]) for r in rows if r["id"] not in committed])
+    if committed:
+        log.warning("crash_loop_rows_found_committed", rows=len(committed))
 
 
 def report_crash_loops(dead: list[Row], metrics: Metrics) -> None:

@@ -72,6 +72,8 @@ class Dispatcher:
         self.in_flight = leases.InFlight()
         self.retry_policy = RetryPolicy(settings)
         self._settling: Settling | None = None  # made with the pool (see _supervise)
+        # Exactly-once: which crash-loop rows a lost claim committed (leases.settle_crash_loops).
+        self._committed_of: leases.CommittedOf | None = None
         self.wakeup = Wakeup()
         self.metrics = metrics.Metrics()
         self.metrics.delivery.labels(settings.delivery.value).set(1)
@@ -165,6 +167,14 @@ class Dispatcher:
         async def pending(ids: list[int]) -> list[OutboxRecord]:
             return [OutboxRecord.from_row(row) for row in await store.pending_rows(ids=ids)]
 
+        async def reconciled(keys: list[tuple[str, bool]]) -> None:
+            try:
+                await store.reconciled(
+                    owner=self.owner, keys=[k for k, _ in keys], keyless=[kl for _, kl in keys]
+                )
+            except db.RETRIABLE_ERRORS as exc:
+                raise errors.DatabaseUnavailableError(errors.describe(exc)) from exc
+
         # Registered before its ids are recorded in its row, and those before the first
         # transaction of each: a takeover fences what it finds there (kafka/takeover.py).
         await registry.Heartbeat(store, s, self.owner).beat()
@@ -177,8 +187,11 @@ class Dispatcher:
             self.owner,
             Registry(live, record),
             pending,
+            reconciled,
             lane_count=s.claim_tasks,
             renewed=lambda reason: self.metrics.lanes_renewed.labels(reason).inc(),
+            waiting=lambda reason: self.metrics.takeovers_waiting.labels(reason).inc(),
+            unsettled=store.unsettled_work,
         )
         self.metrics.partitions_held.set_function(lambda: len(made.holds.held))
         return made
@@ -195,6 +208,8 @@ class Dispatcher:
             block_on_dead=configs.settle.block_on_dead,
         )
         settling = self._settling = Settling(settler, self.retry_policy, self.metrics)
+        if isinstance(publisher, TransactionalPublisher):
+            self._committed_of = publisher.committed_of
         readiness = ReadinessCache(lambda: self._readiness(store, publisher))
         # Without LISTEN nobody hears a notification: writers are never asked to send one.
         waiting = (
@@ -239,7 +254,7 @@ class Dispatcher:
         s = self.settings
         side: dict[str, Coroutine[Any, Any, None]] = {
             "lease-keeper": leases.keep_leases(store, s, self.in_flight, self.heartbeats),
-            "reclaimer": leases.reclaim(store, s, self.metrics),
+            "reclaimer": leases.reclaim(store, s, self.metrics, self._committed_of),
             "metrics": self._sample_gauges(store),
             "readiness": self._refresh_readiness(readiness),
             "heartbeat": self._beat(store),

@@ -17,6 +17,8 @@ from collections.abc import Collection, Iterable
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.client import ConnectionGroup
 from aiokafka.cluster import ClusterMetadata
 from aiokafka.conn import AIOKafkaConnection, create_conn
@@ -32,6 +34,14 @@ ASKED_AT_ONCE = 3
 # every transaction begun right after another paid: 24 ms a transaction, back to back, on one
 # local broker; 5.7 ms with 2 ms (exactly-once, kafka/transactions.py).
 TRANSACTION_RETRY_SECONDS = 0.002
+
+
+async def topic_config(admin: AIOKafkaAdminClient, topic: str) -> dict[str, str]:
+    """A topic's configuration, every entry (aiokafka exports no ConfigResource: the progress
+    topic's check, kafka/progress_topic.py)."""
+    [response] = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
+    entries = response.to_object()["resources"][0]["config_entries"]
+    return {str(e["config_names"]): str(e["config_value"]) for e in entries}
 
 
 def read_fatal_error(producer: AIOKafkaProducer) -> BaseException | None:

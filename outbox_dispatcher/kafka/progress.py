@@ -12,32 +12,19 @@ or its commit in progress finished, and no later one can start under the old pro
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
-import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka import errors as kafka_errors
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.kafka import tls
 from outbox_dispatcher.kafka.producers import ProducerConfig, Producers
 from outbox_dispatcher.kafka.tls import ConnectionConfig
 
-log = structlog.get_logger(__name__)
-
-# Compacted: the last record of each transactional id is kept for ever; small segments, so that
-# what a takeover reads past the compacted part stays short.
-TOPIC_CONFIG = {
-    "cleanup.policy": "compact",
-    "segment.ms": "600000",
-    "min.cleanable.dirty.ratio": "0.1",
-}
 VERSION = 1
 
 
@@ -91,24 +78,6 @@ def committed_ids(config: ProgressConfig, values: Iterable[bytes | None]) -> set
     }
 
 
-async def ensure_topic(connection: ConnectionConfig, topic: str) -> None:
-    """Create the progress topic, compacted and replicated like the cluster allows (up to 3
-    copies, 2 in sync), unless it exists."""
-    admin = AIOKafkaAdminClient(**client_options(connection))
-    await admin.start()
-    try:
-        if topic in await admin.list_topics():
-            return
-        brokers = len((await admin.describe_cluster())["brokers"])
-        replicas = min(3, brokers)
-        config = TOPIC_CONFIG | {"min.insync.replicas": "2" if replicas >= 3 else "1"}
-        with contextlib.suppress(kafka_errors.TopicAlreadyExistsError):
-            await admin.create_topics([NewTopic(topic, 1, replicas, topic_configs=config)])
-            log.info("progress_topic_created", topic=topic, replicas=replicas)
-    finally:
-        await admin.close()
-
-
 async def fence(producer_config: ProducerConfig, transactional_id: str, seconds: float) -> None:
     """Fence `transactional_id` within `seconds`: a producer under it initialises (the broker
     aborts the id's open transaction, or first finishes its commit in progress, and refuses the
@@ -127,11 +96,21 @@ async def fence(producer_config: ProducerConfig, transactional_id: str, seconds:
 
 
 async def read_committed(
-    connection: ConnectionConfig, topic: str, partitions: Iterable[int], seconds: float
+    connection: ConnectionConfig,
+    topic: str,
+    partitions: Iterable[int],
+    seconds: float,
+    end_seconds: float | None = None,
 ) -> list[bytes | None]:
     """Every committed record of the progress topic (of its `partitions`), in log order per
-    partition, up to its end as a read_committed consumer sees it (the last stable offset) when
-    the read starts."""
+    partition, up to its high watermark when the read starts (review E4): every record written
+    before then is read once its transaction ended, not only those below the last stable offset
+    (an older open transaction there, another outbox's or a hanging one, would hide a committed
+    record). The read takes `seconds` at most, and waits for such a transaction to end
+    `end_seconds` at most (by default the same): past that, ProgressEndUnreachedError (what was
+    committed is unknown; the caller decides nothing)."""
+    tps = [TopicPartition(topic, p) for p in partitions]
+    ends = await high_watermarks(connection, tps, seconds)
     consumer = AIOKafkaConsumer(
         **client_options(connection),
         isolation_level="read_committed",
@@ -139,25 +118,76 @@ async def read_committed(
         auto_offset_reset="earliest",
     )
     await consumer.start()
+    reader = _Reader(consumer, tps, ends)
     try:
-        async with asyncio.timeout(seconds):
-            return await _read_to_end(consumer, [TopicPartition(topic, p) for p in partitions])
+        async with asyncio.timeout(max(seconds, end_seconds or 0.0)):
+            return await reader.read(end_seconds or seconds)
+    except TimeoutError:
+        raise reader.unreached() from None
     finally:
         await consumer.stop()
 
 
-async def _read_to_end(consumer: AIOKafkaConsumer, tps: list[TopicPartition]) -> list[bytes | None]:
-    consumer.assign(tps)
-    await consumer.seek_to_beginning(*tps)
-    ends = await consumer.end_offsets(tps)
-    values: list[bytes | None] = []
-    waiting = {tp for tp in tps if ends[tp] > 0}
-    while waiting:
-        batches = await consumer.getmany(*waiting, timeout_ms=500)
-        for messages in batches.values():
-            values.extend(m.value for m in messages)
-        waiting = {tp for tp in waiting if await consumer.position(tp) < ends[tp]}
-    return values
+async def high_watermarks(
+    connection: ConnectionConfig, tps: list[TopicPartition], seconds: float
+) -> dict[TopicPartition, int]:
+    """Each partition's high watermark (a read_uncommitted ListOffsets: past every record
+    written, committed or not; a read_committed one answers the last stable offset)."""
+    consumer = AIOKafkaConsumer(
+        **client_options(connection), isolation_level="read_uncommitted", enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        async with asyncio.timeout(seconds):
+            ends: dict[TopicPartition, int] = await consumer.end_offsets(tps)
+            return ends
+    finally:
+        await consumer.stop()
+
+
+class _Reader:
+    """A read_committed read to given end offsets; where it stopped, if it did not get there."""
+
+    def __init__(
+        self, consumer: AIOKafkaConsumer, tps: list[TopicPartition], ends: dict[TopicPartition, int]
+    ) -> None:
+        self.consumer = consumer
+        self.tps = tps
+        self.ends = ends
+        self.positions: dict[TopicPartition, int] = dict.fromkeys(tps, 0)
+
+    async def read(self, end_seconds: float) -> list[bytes | None]:
+        self.consumer.assign(self.tps)
+        await self.consumer.seek_to_beginning(*self.tps)
+        values: list[bytes | None] = []
+        waiting = {tp for tp in self.tps if self.ends[tp] > 0}
+        # Once nothing more comes below the end (an open transaction holds the last stable
+        # offset there), the wait for it is bounded by end_seconds.
+        stuck_since: float | None = None
+        loop = asyncio.get_running_loop()
+        while waiting:
+            batches = await self.consumer.getmany(*waiting, timeout_ms=500)
+            for messages in batches.values():
+                values.extend(m.value for m in messages)
+            before = dict(self.positions)
+            for tp in waiting:
+                self.positions[tp] = await self.consumer.position(tp)
+            waiting = {tp for tp in waiting if self.positions[tp] < self.ends[tp]}
+            if batches or self.positions != before:
+                stuck_since = None
+            elif stuck_since is None:
+                stuck_since = loop.time()
+            elif loop.time() - stuck_since > end_seconds:
+                raise self.unreached()
+        return values
+
+    def unreached(self) -> ProgressEndUnreachedError:
+        behind = {
+            tp: (self.positions[tp], self.ends[tp])
+            for tp in self.tps
+            if self.positions[tp] < self.ends[tp]
+        }
+        return ProgressEndUnreachedError(behind)
 
 
 def client_options(connection: ConnectionConfig) -> dict[str, Any]:
@@ -178,3 +208,23 @@ def client_options(connection: ConnectionConfig) -> dict[str, Any]:
 class ProgressUnavailableError(errors.BrokerUnavailableError):
     """The progress of the other dispatchers could not be read (the broker is away): the rows a
     takeover found wait, leased, for the next try."""
+
+
+class ProgressEndUnreachedError(ProgressUnavailableError):
+    """The progress could not be read to its end: a transaction open on the progress partition
+    (before the end the read aims at) did not end in time, so a committed record after it may be
+    hidden. Nothing is decided: the rows wait, leased. A transaction that never ends is a hanging
+    one (KIP-664): the operator aborts it."""
+
+    def __init__(self, behind: Mapping[TopicPartition, tuple[int, int]]) -> None:
+        where = ", ".join(
+            f"{tp.topic}[{tp.partition}] read to offset {at} of {end}"
+            for tp, (at, end) in behind.items()
+        )
+        super().__init__(
+            f"the progress topic could not be read to its end ({where or 'nothing read'}): a "
+            "transaction open there holds it. If it does not end within the transaction "
+            "timeout, it hangs: list it with `kafka-transactions.sh find-hanging` and end it "
+            "with `kafka-transactions.sh abort` (the rows wait, leased, until then)"
+        )
+        self.behind = dict(behind)

@@ -4,6 +4,11 @@ lane of its own dispatcher, reads the committed progress to its end; its rows a 
 committed are published already (marked, not sent again), and so are that claim's committed
 rows of the same keys beyond this batch (adopted). If the progress cannot be read, nothing of
 the batch is decided: its rows stay leased for the next takeover.
+
+The duty to reconcile is durable (the key's work row keeps `reconcile_owner` from the claim that
+found its lease expired): a claim returns a key's rows as reclaimed until a takeover read the
+progress and cleared it (`Reconciling`), so a pause, a cancel or a lost claim reply in between
+leaves the next claim of the key a takeover too.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import structlog
 from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import lanes, progress
+from outbox_dispatcher.kafka import lanes, progress, progress_topic
 from outbox_dispatcher.kafka.lanes import Lane, Registry
 from outbox_dispatcher.kafka.producers import ProducerConfig
 from outbox_dispatcher.kafka.progress import ProgressConfig, ProgressUnavailableError
@@ -29,6 +34,10 @@ log = structlog.get_logger(__name__)
 # error (a fence) ended.
 KAFKA_TROUBLE = (kafka_errors.KafkaError, kafka_errors.IllegalOperation, OSError, TimeoutError)
 FENCES_AT_ONCE = 8
+# A transaction nobody fenced is aborted by the broker within its timeout plus the broker's sweep
+# (transaction.abort.timed.out.transaction.cleanup.interval.ms, 10 s by default): a read of the
+# progress waits that long for one open before the end it reads to.
+END_MARGIN_SECONDS = 15.0
 
 
 class Reconciled(Protocol):
@@ -41,6 +50,18 @@ class Reconciled(Protocol):
 
 
 PendingRows = Callable[[list[int]], Awaitable[Sequence[OutboxRecord]]]
+# The keys (the work rows' keys: a row without one is keyed by its id) whose reconcile duty a
+# takeover did, under this dispatcher's live leases (store.DispatchStore.reconciled).
+Reconciling = Callable[[list[tuple[str, bool]]], Awaitable[object]]
+
+
+def work_keys(records: Sequence[OutboxRecord]) -> list[tuple[str, bool]]:
+    """The work rows' keys of `records`: (key, False), or (id, True) for a row without one."""
+    keys = (
+        (r.ordering_key, False) if r.ordering_key is not None else (str(r.id), True)
+        for r in records
+    )
+    return list(dict.fromkeys(keys))
 
 
 @dataclass(frozen=True)
@@ -50,6 +71,7 @@ class Takeover:
     owner: str
     registry: Registry
     pending: PendingRows
+    reconciled: Reconciling
     fence_seconds: float  # a fence that takes longer: the id's markers cannot be written yet
 
     async def fence_others(self) -> None:
@@ -95,6 +117,16 @@ class Takeover:
             done |= {r.id for r in rows}
         if done:
             log.info("takeover_found_committed", rows=len(done), reclaimed=len(reclaimed))
+        await self._reconciled([r for r in d.records if r.reclaimed])
+
+    async def _reconciled(self, records: Sequence[OutboxRecord]) -> None:
+        """The keys' duty is done: every row of theirs a lost claim committed is decided. If the
+        database does not answer, the duty stays (the next claim of a key reads the progress
+        again, which finds this one's commit): only a cost."""
+        try:
+            await self.reconciled(work_keys(records))
+        except errors.OutboxDispatcherError as exc:  # the database is away: the duty stays
+            log.warning("takeover_duty_kept", keys=len(records), error=errors.describe(exc))
 
     async def committed(self, own: Sequence[Lane]) -> set[int]:
         """The ids of every committed transaction not seen marked: this dispatcher's lanes whose
@@ -104,6 +136,8 @@ class Takeover:
             for lane in own:
                 await lane.producers.replace_if_broken()
             values = await self.read(own)
+        except ProgressUnavailableError:
+            raise
         except (*KAFKA_TROUBLE, errors.BrokerUnavailableError) as exc:
             raise ProgressUnavailableError(errors.describe(exc)) from exc
         mine = {i for lane in own for ids in lane.unmarked.values() for i in ids}
@@ -111,14 +145,21 @@ class Takeover:
 
     async def read(self, own: Sequence[Lane]) -> list[bytes | None]:
         """The progress topic's committed records (its partitions as a serving lane's producer
-        knows them)."""
+        knows them), to its high watermark: a transaction open there is waited for as long as
+        an unfenced one can live (its timeout and the broker's abort sweep, END_MARGIN_SECONDS),
+        then ProgressEndUnreachedError."""
         serving = [lane for lane in own if lane.producers.serving]
         if not serving:
             msg = "no lane's producer is started (a new id could not be started yet)"
             raise ProgressUnavailableError(msg)
         topic = self.progress.topic
+        await progress_topic.check(self.producer.connection, topic)  # not made again since
         partitions = await serving[0].producers.current().partitions_for(topic)
         connection = self.producer.connection
         return await progress.read_committed(
-            connection, topic, partitions, max(connection.request_timeout_seconds, 10.0)
+            connection,
+            topic,
+            partitions,
+            max(connection.request_timeout_seconds, 10.0),
+            end_seconds=self.progress.timeout_seconds + END_MARGIN_SECONDS,
         )

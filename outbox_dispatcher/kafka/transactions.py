@@ -15,20 +15,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 
 import structlog
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import failures, internals, lanes, progress
+from outbox_dispatcher.kafka import failures, internals, lanes, progress, progress_topic
 from outbox_dispatcher.kafka.batches import Answer, Batches
 from outbox_dispatcher.kafka.endings import Endings, Stall, cause_of, failure_of
 from outbox_dispatcher.kafka.lanes import Lane, Registry
-from outbox_dispatcher.kafka.progress import ProgressConfig, ProgressUnavailableError
+from outbox_dispatcher.kafka.progress import (
+    ProgressConfig,
+    ProgressEndUnreachedError,
+    ProgressUnavailableError,
+)
 from outbox_dispatcher.kafka.publisher import PublisherConfig
 from outbox_dispatcher.kafka.records import RecordEncoder
 from outbox_dispatcher.kafka.stalls import Holds, PartitionStalledError, TopicPartition
-from outbox_dispatcher.kafka.takeover import KAFKA_TROUBLE, PendingRows, Takeover
+from outbox_dispatcher.kafka.takeover import KAFKA_TROUBLE, PendingRows, Reconciling, Takeover
 from outbox_dispatcher.kafka.topics import ClaimLookups
 from outbox_dispatcher.kafka.transactional_delivery import (
     TransactionAbortedError,
@@ -61,11 +65,18 @@ class TransactionalPublisher:
         owner: str,
         registry: Registry,
         pending: PendingRows,
+        reconciled: Reconciling,
         lane_count: int = lanes.LANES,
         renewed: Callable[[str], None] = lambda reason: None,
+        waiting: Callable[[str], None] = lambda reason: None,
+        unsettled: Callable[[], Awaitable[int]] | None = None,
     ) -> None:
         self.owner = owner
         self._progress = progress_config
+        self._waiting = waiting  # a takeover that could not read the progress (a metric)
+        # Keys leased or holding the reconcile duty (a missing progress topic is then not made
+        # again at start: kafka/progress_topic.py); None: the table is taken as new.
+        self._unsettled = unsettled or nothing_unsettled
         # No linger: a transaction's records are all handed at once and its commit waits for
         # them; only the progress record (send(), not a closed batch) would linger.
         producer = dataclasses.replace(
@@ -79,7 +90,7 @@ class TransactionalPublisher:
         self._connection = producer.connection
         fence_seconds = max(progress_config.timeout_seconds, 10.0)
         self._takeover = Takeover(
-            progress_config, producer, owner, registry, pending, fence_seconds
+            progress_config, producer, owner, registry, pending, reconciled, fence_seconds
         )
         self._encoder = RecordEncoder(config.records)
         self._tracer = Tracer(config.tracing)
@@ -108,7 +119,7 @@ class TransactionalPublisher:
         internals.quicken_transaction_retries()
         await self.lanes.start()
         try:
-            await progress.ensure_topic(self._connection, self._progress.topic)
+            await progress_topic.ensure(self._connection, self._progress.topic, self._unsettled)
         except BaseException as exc:
             await self.lanes.stop()
             if isinstance(exc, KAFKA_TROUBLE):
@@ -152,6 +163,16 @@ class TransactionalPublisher:
         delivery.marked_every_row = delivery.marked_every_row and every_row
         if final and delivery.marked_every_row:
             delivery.lane.unmarked.pop(delivery.tag, None)
+
+    async def committed_of(self, ids: Sequence[int]) -> set[int]:
+        """Which of `ids` a lost claim committed (review E13: rows the crash-loop reclaimer
+        dead-lettered): read as a takeover reads, after fencing the other dispatchers and
+        holding every lane. ProgressUnavailableError when it cannot be read (nothing decided)."""
+        await self._takeover.fence_others()
+        async with contextlib.AsyncExitStack() as turns:
+            for lane in self.lanes:
+                await turns.enter_async_context(lane.turn)
+            return set(ids) & await self._takeover.committed(self.lanes)
 
     async def read_progress(self) -> list[bytes | None]:
         """The progress topic's committed records (tests and the operator read them too)."""
@@ -204,7 +225,11 @@ class TransactionalPublisher:
                     await self._takeover.reconcile(d, self.lanes)
                 await self._send_and_commit(d, indices, known)
         except ProgressUnavailableError as exc:
-            log.warning("takeover_waits_for_progress", rows=len(d.records), error=str(exc))
+            reason = "end_unreached" if isinstance(exc, ProgressEndUnreachedError) else "unread"
+            self._waiting(reason)
+            log.warning(
+                "takeover_waits_for_progress", rows=len(d.records), reason=reason, error=str(exc)
+            )
             # every row unknown: leased until a takeover can read the progress
         finally:
             d.lane.given.discard(d)
@@ -331,7 +356,12 @@ class TransactionalPublisher:
                 self._progress.topic, value, key=lane.transactional_id.encode()
             )
         except KAFKA_TROUBLE as exc:
-            await asyncio.gather(*submissions, return_exceptions=True)  # their answers, read
+            # Their answers read before an abort (none of the epoch left in flight), within the
+            # stall bound (review E15): a partition that keeps answering NotEnoughReplicas is
+            # retried by aiokafka without end, and the lane's turn (every takeover's) with it.
+            if unanswered := await answered_within(submissions, self.stall_seconds):
+                stalled = {batches.where[s] for s in unanswered}
+                return Stall(stalled, progress=False, unanswered=unanswered)
             return None, exc
         waiting: set[asyncio.Future[object]] = {acked, *submissions}
         _, missing = await asyncio.wait(waiting, timeout=self.stall_seconds)
@@ -347,3 +377,17 @@ class TransactionalPublisher:
             return None
         submission, cause = min(failed, key=lambda found: not failures.is_rejection(found[1]))
         return next(i for i in handed if answers[i] is submission), cause
+
+
+async def answered_within(
+    futures: Sequence[asyncio.Future[object]], seconds: float
+) -> set[asyncio.Future[object]]:
+    """Wait for every future's answer, `seconds` at most; those still unanswered then."""
+    if not futures:
+        return set()
+    _, missing = await asyncio.wait(futures, timeout=seconds)
+    return missing
+
+
+async def nothing_unsettled() -> int:
+    return 0

@@ -72,6 +72,25 @@ class DispatchStore(StoreBase):
         """Those of `ids` still pending, in a claim's columns (OutboxRecord's fields)."""
         return await self._fetch("pending_rows", ids=list(ids))
 
+    async def unsettled_work(self) -> int:
+        """Keys leased, or holding the reconcile duty (exactly-once's start: dispatch.sql)."""
+        return int(await self._value("unsettled_work"))
+
+    async def crash_loops_unsettled(self, *, limit: int) -> list[Row]:
+        """Crash-loop dead rows whose lost claim's outcome nobody read (exactly-once)."""
+        return await self._fetch("crash_loops_unsettled", limit=limit)
+
+    async def crash_loops_checked(self, *, ids: Sequence[int]) -> int:
+        """These crash-loop rows are not in the progress: dead for good."""
+        return int(await self._value("crash_loops_checked", ids=list(ids)))
+
+    async def reconciled(self, *, owner: str, keys: Sequence[str], keyless: Sequence[bool]) -> int:
+        """A takeover read the progress for these work keys under `owner`'s live leases: their
+        reconcile duty is done (dispatch.sql `reconciled`); how many keys had it."""
+        return int(
+            await self._value("reconciled", owner=owner, keys=list(keys), keyless=list(keyless))
+        )
+
     async def release_claim(self, *, token: uuid.UUID) -> int:
         """Give back what a claim under `token` leased; keys (and rows without one) released."""
         return int(await self._value("release_claim", token=token))

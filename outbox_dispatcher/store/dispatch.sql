@@ -245,6 +245,57 @@ SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts
  WHERE id = ANY($ids::bigint[]) AND published_at IS NULL AND dead_at IS NULL
  ORDER BY id
 
+-- crash_loops_unsettled --
+-- exactly-once: rows the crash-loop reclaimer dead-lettered whose lost claim's outcome nobody
+-- has read yet (the reclaim function keeps the lease's token on them; a late mark, or
+-- `crash_loops_checked`, clears it), at most $limit, oldest first.
+SELECT id, ordering_key, lease_token, lease_owner
+  FROM {table}
+ WHERE dead_at IS NOT NULL AND lease_token IS NOT NULL
+ ORDER BY id LIMIT $limit
+
+-- crash_loops_checked --
+-- exactly-once: the progress was read after a fence and these crash-loop rows ($ids) are not in
+-- it: their lost claim never committed them (and, fenced, never will): dead for good, no late
+-- mark is waited for. Returns how many.
+WITH checked AS (
+    UPDATE {table} SET lease_token = NULL
+     WHERE id = ANY($ids::bigint[]) AND dead_at IS NOT NULL AND lease_token IS NOT NULL
+    RETURNING 1
+)
+SELECT count(*) FROM checked
+
+-- unsettled_work --
+-- exactly-once, at start when the progress topic is missing: keys whose rows a claim holds or
+-- held (a lease, live or expired) or whose lost owner's outcome nobody read (the reconcile duty).
+-- Their committed batches are in the progress, so a missing topic then was deleted (or renamed
+-- by a changed OUTBOX_PROGRESS_TOPIC), and creating it would forget them.
+SELECT count(*) FROM {work} w WHERE w.claim_token IS NOT NULL OR w.reconcile_owner IS NOT NULL
+
+-- reconciled --
+-- exactly-once: a takeover read the progress and decided every row of these keys ($keys,
+-- $keyless: the work rows' keys) a lost claim committed, under this dispatcher's ($owner) live
+-- leases: their reconcile duty (<table>_work.reconcile_owner) is done. A lease that expired
+-- meanwhile keeps it (its next claim sets it anew from the expiry). Locked in key order, as
+-- every claim and settle locks work. Returns the keys cleared.
+WITH mine AS (
+    SELECT w.ordering_key, w.keyless
+      FROM {work} w
+      JOIN unnest($keys::text[], $keyless::boolean[]) AS u(k, kl)
+        ON w.ordering_key = u.k AND w.keyless = u.kl
+     WHERE w.claim_owner = $owner::text AND w.claim_expires_at > now() AND w.state <> 'x'
+       AND w.reconcile_owner IS NOT NULL
+     ORDER BY w.ordering_key, w.keyless
+       FOR UPDATE OF w
+),
+cleared AS (
+    UPDATE {work} w SET reconcile_owner = NULL
+      FROM mine m
+     WHERE w.ordering_key = m.ordering_key AND w.keyless = m.keyless
+    RETURNING 1
+)
+SELECT count(*) FROM cleared
+
 -- schema_version --
 SELECT greatest((SELECT coalesce(max(version), 0) FROM {version_table}),
                 (SELECT coalesce(max(version), 0) FROM {steps_table}))

@@ -12,6 +12,12 @@
 --    the oldest heads. Each key is then
 --    leased with one write, or, when it yielded nothing, given the state of the row it stopped at,
 --    or dropped when it has no pending row.
+-- The reconcile duty (reconcile_owner, version 16; docs/design/exactly-once.md): a key whose
+-- lease this claim finds expired keeps, whatever becomes of it here (leased, parked, blocked,
+-- left as a crash loop), the owner whose outcome is unknown; every later claim of the key returns
+-- its rows as reclaimed until an exactly-once takeover has read the progress and cleared it
+-- (dispatch.sql `reconciled`). No path of the engine clears it; the work row goes only with the
+-- key's last pending row.
 CREATE OR REPLACE FUNCTION ${schema}.${table}_claim_work(
     p_limit integer,
     p_max_keys integer,
@@ -41,6 +47,7 @@ DECLARE
     v_keyless boolean[];
     v_heads bigint[];
     v_old boolean[];
+    v_duty boolean[];
     v_ends bigint[];
     v_room integer := p_limit;
     v_known bigint;
@@ -124,21 +131,23 @@ BEGIN
     WITH expired AS (
         -- (lost_end: the lost claim held the key's rows below it, its orphans)
         SELECT w.keyless, w.ordering_key, least(w.claim_first, w.head_id) AS head_id, true AS old,
-               greatest(w.head_id, w.claim_last + 1) AS lost_end
+               greatest(w.head_id, w.claim_last + 1) AS lost_end, true AS duty
           FROM ${schema}.${table}_work w
          WHERE w.claim_token IS NOT NULL AND w.claim_expires_at <= now() AND w.state <> 'x'
          ORDER BY w.claim_expires_at LIMIT p_max_keys
            FOR UPDATE SKIP LOCKED
     ),
     due AS (
-        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint
+        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint,
+               w.reconcile_owner IS NOT NULL
           FROM ${schema}.${table}_work w
          WHERE w.claim_token IS NULL AND w.state = 'w' AND w.not_before <= now()
          ORDER BY w.not_before LIMIT p_max_keys
            FOR UPDATE SKIP LOCKED
     ),
     ready AS (
-        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint
+        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint,
+               w.reconcile_owner IS NOT NULL
           FROM ${schema}.${table}_work w
          WHERE w.claim_token IS NULL AND w.state = 'r'
          ORDER BY w.head_id LIMIT p_max_keys
@@ -146,7 +155,8 @@ BEGIN
     ),
     resumed AS (
         -- Parked under older pauses, and its topic is not paused now.
-        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint
+        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint,
+               w.reconcile_owner IS NOT NULL
           FROM ${schema}.${table}_work w
          WHERE w.claim_token IS NULL AND w.state = 'p' AND w.paused_gen < v_gen
            AND (v_paused IS NULL OR w.head_topic <> ALL (v_paused))
@@ -155,7 +165,8 @@ BEGIN
     ),
     unblocked AS (
         -- Blocked by a dead row, and this dispatcher does not block.
-        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint
+        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint,
+               w.reconcile_owner IS NOT NULL
           FROM ${schema}.${table}_work w
          WHERE NOT p_block_on_dead AND w.claim_token IS NULL AND w.state = 'b'
          ORDER BY w.head_id LIMIT p_max_keys
@@ -167,8 +178,8 @@ BEGIN
     )
     SELECT array_agg(c.ordering_key ORDER BY c.head_id), array_agg(c.keyless ORDER BY c.head_id),
            array_agg(c.head_id ORDER BY c.head_id), array_agg(c.old ORDER BY c.head_id),
-           array_agg(c.lost_end ORDER BY c.head_id)
-      INTO v_keys, v_keyless, v_heads, v_old, v_ends
+           array_agg(c.lost_end ORDER BY c.head_id), array_agg(c.duty ORDER BY c.head_id)
+      INTO v_keys, v_keyless, v_heads, v_old, v_ends, v_duty
       FROM cand c;
     IF v_keys IS NULL THEN
         RETURN;
@@ -290,7 +301,8 @@ BEGIN
          WHERE q.rn <= (SELECT rows FROM room)
     ),
     span AS (
-        SELECT t.k, t.kl, min(t.id) AS first, max(t.id) AS last FROM took t GROUP BY 1, 2
+        SELECT t.k, t.kl, bool_or(t.old) AS old, min(t.id) AS first, max(t.id) AS last
+          FROM took t GROUP BY 1, 2
     ),
     idle AS (
         SELECT w.k, w.kl, w.old, w.blocked, h.id, h.topic, h.next_attempt_at, h.looping
@@ -311,7 +323,9 @@ BEGIN
         UPDATE ${schema}.${table}_work x
            SET state = 'b', not_before = '-infinity',
                claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
-               claim_last = NULL
+               claim_last = NULL,
+               reconcile_owner = CASE WHEN i.old THEN coalesce(x.reconcile_owner, x.claim_owner)
+                                      ELSE x.reconcile_owner END
           FROM idle i
          WHERE x.ordering_key = i.k AND x.keyless = i.kl AND i.blocked
     ),
@@ -333,7 +347,9 @@ BEGIN
                claim_owner = CASE WHEN i.looping THEN x.claim_owner END,
                claim_expires_at = CASE WHEN i.looping THEN x.claim_expires_at END,
                claim_first = CASE WHEN i.looping THEN x.claim_first END,
-               claim_last = CASE WHEN i.looping THEN x.claim_last END
+               claim_last = CASE WHEN i.looping THEN x.claim_last END,
+               reconcile_owner = CASE WHEN i.old THEN coalesce(x.reconcile_owner, x.claim_owner)
+                                      ELSE x.reconcile_owner END
           FROM idle i
          WHERE x.ordering_key = i.k AND x.keyless = i.kl AND i.id IS NOT NULL AND NOT i.blocked
     ),
@@ -343,7 +359,9 @@ BEGIN
                claim_expires_at = now() + p_lease_seconds * interval '1 second',
                claim_first = s.first, claim_last = s.last, last_seen = NULL,
                head_id = CASE WHEN s.kl THEN s.first ELSE s.last + 1 END,
-               state = 'r', not_before = '-infinity'
+               state = 'r', not_before = '-infinity',
+               reconcile_owner = CASE WHEN s.old THEN coalesce(x.reconcile_owner, x.claim_owner)
+                                      ELSE x.reconcile_owner END
           FROM span s
          WHERE x.ordering_key = s.k AND x.keyless = s.kl
     ),
@@ -356,7 +374,7 @@ BEGIN
         RETURNING o.id, o.attempts
     )
     SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
-           coalesce(b.attempts, o.attempts), t.old
+           coalesce(b.attempts, o.attempts), t.old OR v_duty[t.n]
       FROM took t
       JOIN ${schema}.${table} o ON o.id = t.id
       LEFT JOIN bumped b ON b.id = t.id

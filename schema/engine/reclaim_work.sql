@@ -3,7 +3,8 @@
 -- last attempt before any claim came by): its rows of that lease at their last attempt are
 -- dead-lettered,
 -- keeping the lease token (a late mark of an owner that was only slow may still record the
--- publication); the key then goes on (skip) or stays blocked (block).
+-- publication); the key then goes on (skip) or stays blocked (block), keeping the reconcile
+-- duty (reconcile_owner: its later rows' claims read the progress first).
 CREATE OR REPLACE FUNCTION ${schema}.${table}_reclaim_work(p_max_attempts integer, p_block_on_dead boolean)
 RETURNS TABLE (id bigint, event_id uuid, topic text, ordering_key text, lease_owner text)
     LANGUAGE plpgsql VOLATILE
@@ -67,7 +68,8 @@ BEGIN
            SET state = CASE WHEN p_block_on_dead AND NOT l.keyless THEN 'b' ELSE 'r' END,
                head_id = least(l.claim_first, l.head_id), not_before = '-infinity',
                claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
-               claim_last = NULL
+               claim_last = NULL,
+               reconcile_owner = coalesce(x.reconcile_owner, l.claim_owner)
           FROM looping l
          WHERE x.ordering_key = l.ordering_key AND x.keyless = l.keyless
     )

@@ -1,6 +1,8 @@
 -- A claim whose reply never arrived (the connection dropped after the commit): its dispatcher
 -- knows the token it chose and gives the work back at once, instead of stalling its keys for a
 -- whole lease and counting an attempt. Returns how many keys (and rows without one) it held.
+-- The reconcile duty (reconcile_owner) stays: a claim that took over an expired lease and whose
+-- reply was lost leaves the key to a claim that still reads the progress first.
 CREATE OR REPLACE FUNCTION ${schema}.${table}_release_work(p_token uuid) RETURNS integer
     LANGUAGE plpgsql VOLATILE
     SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off

@@ -47,6 +47,12 @@ $fn$;
 --    the oldest heads. Each key is then
 --    leased with one write, or, when it yielded nothing, given the state of the row it stopped at,
 --    or dropped when it has no pending row.
+-- The reconcile duty (reconcile_owner, version 16; docs/design/exactly-once.md): a key whose
+-- lease this claim finds expired keeps, whatever becomes of it here (leased, parked, blocked,
+-- left as a crash loop), the owner whose outcome is unknown; every later claim of the key returns
+-- its rows as reclaimed until an exactly-once takeover has read the progress and cleared it
+-- (dispatch.sql `reconciled`). No path of the engine clears it; the work row goes only with the
+-- key's last pending row.
 CREATE OR REPLACE FUNCTION ${schema}.${table}_claim_work(
     p_limit integer,
     p_max_keys integer,
@@ -76,6 +82,7 @@ DECLARE
     v_keyless boolean[];
     v_heads bigint[];
     v_old boolean[];
+    v_duty boolean[];
     v_ends bigint[];
     v_room integer := p_limit;
     v_known bigint;
@@ -159,21 +166,23 @@ BEGIN
     WITH expired AS (
         -- (lost_end: the lost claim held the key's rows below it, its orphans)
         SELECT w.keyless, w.ordering_key, least(w.claim_first, w.head_id) AS head_id, true AS old,
-               greatest(w.head_id, w.claim_last + 1) AS lost_end
+               greatest(w.head_id, w.claim_last + 1) AS lost_end, true AS duty
           FROM ${schema}.${table}_work w
          WHERE w.claim_token IS NOT NULL AND w.claim_expires_at <= now() AND w.state <> 'x'
          ORDER BY w.claim_expires_at LIMIT p_max_keys
            FOR UPDATE SKIP LOCKED
     ),
     due AS (
-        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint
+        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint,
+               w.reconcile_owner IS NOT NULL
           FROM ${schema}.${table}_work w
          WHERE w.claim_token IS NULL AND w.state = 'w' AND w.not_before <= now()
          ORDER BY w.not_before LIMIT p_max_keys
            FOR UPDATE SKIP LOCKED
     ),
     ready AS (
-        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint
+        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint,
+               w.reconcile_owner IS NOT NULL
           FROM ${schema}.${table}_work w
          WHERE w.claim_token IS NULL AND w.state = 'r'
          ORDER BY w.head_id LIMIT p_max_keys
@@ -181,7 +190,8 @@ BEGIN
     ),
     resumed AS (
         -- Parked under older pauses, and its topic is not paused now.
-        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint
+        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint,
+               w.reconcile_owner IS NOT NULL
           FROM ${schema}.${table}_work w
          WHERE w.claim_token IS NULL AND w.state = 'p' AND w.paused_gen < v_gen
            AND (v_paused IS NULL OR w.head_topic <> ALL (v_paused))
@@ -190,7 +200,8 @@ BEGIN
     ),
     unblocked AS (
         -- Blocked by a dead row, and this dispatcher does not block.
-        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint
+        SELECT w.keyless, w.ordering_key, w.head_id, false, NULL::bigint,
+               w.reconcile_owner IS NOT NULL
           FROM ${schema}.${table}_work w
          WHERE NOT p_block_on_dead AND w.claim_token IS NULL AND w.state = 'b'
          ORDER BY w.head_id LIMIT p_max_keys
@@ -202,8 +213,8 @@ BEGIN
     )
     SELECT array_agg(c.ordering_key ORDER BY c.head_id), array_agg(c.keyless ORDER BY c.head_id),
            array_agg(c.head_id ORDER BY c.head_id), array_agg(c.old ORDER BY c.head_id),
-           array_agg(c.lost_end ORDER BY c.head_id)
-      INTO v_keys, v_keyless, v_heads, v_old, v_ends
+           array_agg(c.lost_end ORDER BY c.head_id), array_agg(c.duty ORDER BY c.head_id)
+      INTO v_keys, v_keyless, v_heads, v_old, v_ends, v_duty
       FROM cand c;
     IF v_keys IS NULL THEN
         RETURN;
@@ -325,7 +336,8 @@ BEGIN
          WHERE q.rn <= (SELECT rows FROM room)
     ),
     span AS (
-        SELECT t.k, t.kl, min(t.id) AS first, max(t.id) AS last FROM took t GROUP BY 1, 2
+        SELECT t.k, t.kl, bool_or(t.old) AS old, min(t.id) AS first, max(t.id) AS last
+          FROM took t GROUP BY 1, 2
     ),
     idle AS (
         SELECT w.k, w.kl, w.old, w.blocked, h.id, h.topic, h.next_attempt_at, h.looping
@@ -346,7 +358,9 @@ BEGIN
         UPDATE ${schema}.${table}_work x
            SET state = 'b', not_before = '-infinity',
                claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
-               claim_last = NULL
+               claim_last = NULL,
+               reconcile_owner = CASE WHEN i.old THEN coalesce(x.reconcile_owner, x.claim_owner)
+                                      ELSE x.reconcile_owner END
           FROM idle i
          WHERE x.ordering_key = i.k AND x.keyless = i.kl AND i.blocked
     ),
@@ -368,7 +382,9 @@ BEGIN
                claim_owner = CASE WHEN i.looping THEN x.claim_owner END,
                claim_expires_at = CASE WHEN i.looping THEN x.claim_expires_at END,
                claim_first = CASE WHEN i.looping THEN x.claim_first END,
-               claim_last = CASE WHEN i.looping THEN x.claim_last END
+               claim_last = CASE WHEN i.looping THEN x.claim_last END,
+               reconcile_owner = CASE WHEN i.old THEN coalesce(x.reconcile_owner, x.claim_owner)
+                                      ELSE x.reconcile_owner END
           FROM idle i
          WHERE x.ordering_key = i.k AND x.keyless = i.kl AND i.id IS NOT NULL AND NOT i.blocked
     ),
@@ -378,7 +394,9 @@ BEGIN
                claim_expires_at = now() + p_lease_seconds * interval '1 second',
                claim_first = s.first, claim_last = s.last, last_seen = NULL,
                head_id = CASE WHEN s.kl THEN s.first ELSE s.last + 1 END,
-               state = 'r', not_before = '-infinity'
+               state = 'r', not_before = '-infinity',
+               reconcile_owner = CASE WHEN s.old THEN coalesce(x.reconcile_owner, x.claim_owner)
+                                      ELSE x.reconcile_owner END
           FROM span s
          WHERE x.ordering_key = s.k AND x.keyless = s.kl
     ),
@@ -391,7 +409,7 @@ BEGIN
         RETURNING o.id, o.attempts
     )
     SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
-           coalesce(b.attempts, o.attempts), t.old
+           coalesce(b.attempts, o.attempts), t.old OR v_duty[t.n]
       FROM took t
       JOIN ${schema}.${table} o ON o.id = t.id
       LEFT JOIN bumped b ON b.id = t.id
@@ -775,7 +793,8 @@ $fn$;
 -- last attempt before any claim came by): its rows of that lease at their last attempt are
 -- dead-lettered,
 -- keeping the lease token (a late mark of an owner that was only slow may still record the
--- publication); the key then goes on (skip) or stays blocked (block).
+-- publication); the key then goes on (skip) or stays blocked (block), keeping the reconcile
+-- duty (reconcile_owner: its later rows' claims read the progress first).
 CREATE OR REPLACE FUNCTION ${schema}.${table}_reclaim_work(p_max_attempts integer, p_block_on_dead boolean)
 RETURNS TABLE (id bigint, event_id uuid, topic text, ordering_key text, lease_owner text)
     LANGUAGE plpgsql VOLATILE
@@ -839,7 +858,8 @@ BEGIN
            SET state = CASE WHEN p_block_on_dead AND NOT l.keyless THEN 'b' ELSE 'r' END,
                head_id = least(l.claim_first, l.head_id), not_before = '-infinity',
                claim_token = NULL, claim_owner = NULL, claim_expires_at = NULL, claim_first = NULL,
-               claim_last = NULL
+               claim_last = NULL,
+               reconcile_owner = coalesce(x.reconcile_owner, l.claim_owner)
           FROM looping l
          WHERE x.ordering_key = l.ordering_key AND x.keyless = l.keyless
     )
@@ -850,6 +870,8 @@ $fn$;
 -- A claim whose reply never arrived (the connection dropped after the commit): its dispatcher
 -- knows the token it chose and gives the work back at once, instead of stalling its keys for a
 -- whole lease and counting an attempt. Returns how many keys (and rows without one) it held.
+-- The reconcile duty (reconcile_owner) stays: a claim that took over an expired lease and whose
+-- reply was lost leaves the key to a claim that still reads the progress first.
 CREATE OR REPLACE FUNCTION ${schema}.${table}_release_work(p_token uuid) RETURNS integer
     LANGUAGE plpgsql VOLATILE
     SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
@@ -1189,6 +1211,12 @@ ALTER TABLE ${schema}.${table}_work ADD COLUMN claim_last bigint;
 -- The steady path (docs/design/claim-engine.md): the highest id a discovery passed while the key
 -- had a work row, for the key's one-statement settle.
 ALTER TABLE ${schema}.${table}_work ADD COLUMN last_seen bigint;
+
+-- Exactly-once v2 (E1-E3, E13): the reconcile duty. Set by a claim that finds a key's lease
+-- expired (the lost owner's outcome is unknown), cleared only by a takeover that read the
+-- progress (dispatch.sql `reconciled`); until then every claim of the key returns its rows as
+-- reclaimed. See <table>_work in tables.sql.
+ALTER TABLE ${schema}.${table}_work ADD COLUMN reconcile_owner text;
 
 CREATE OR REPLACE VIEW ${schema}.${table}_leases AS
 SELECT o.id, o.topic, o.ordering_key, w.claim_token AS lease_token, w.claim_owner AS lease_owner,

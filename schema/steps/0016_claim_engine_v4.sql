@@ -66,6 +66,12 @@ ALTER TABLE ${schema}.${table}_work ADD COLUMN claim_last bigint;
 -- had a work row, for the key's one-statement settle.
 ALTER TABLE ${schema}.${table}_work ADD COLUMN last_seen bigint;
 
+-- Exactly-once v2 (E1-E3, E13): the reconcile duty. Set by a claim that finds a key's lease
+-- expired (the lost owner's outcome is unknown), cleared only by a takeover that read the
+-- progress (dispatch.sql `reconciled`); until then every claim of the key returns its rows as
+-- reclaimed. See <table>_work in tables.sql.
+ALTER TABLE ${schema}.${table}_work ADD COLUMN reconcile_owner text;
+
 CREATE OR REPLACE VIEW ${schema}.${table}_leases AS
 SELECT o.id, o.topic, o.ordering_key, w.claim_token AS lease_token, w.claim_owner AS lease_owner,
        w.claim_expires_at AS lease_expires_at, w.state = 'x' AS crash_looping

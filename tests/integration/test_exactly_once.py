@@ -67,6 +67,7 @@ class Owners:
         self.store = DispatchStore(pool, STATEMENTS)
         self.publishers: dict[str, TransactionalPublisher] = {}
         self.ids: dict[str, list[str]] = {}  # the registry: each owner's recorded ids
+        self.waited: list[str] = []  # takeovers that could not read the progress, why
 
     def registry(self, owner: str) -> Registry:
         async def live() -> list[Registered]:
@@ -85,7 +86,9 @@ class Owners:
             owner,
             self.registry(owner),
             self.pending,
+            self.reconciler(owner),
             lane_count=lanes,
+            waiting=self.waited.append,
         )
         await made.start()
         self.publishers[owner] = made
@@ -93,6 +96,16 @@ class Owners:
 
     async def pending(self, ids: list[int]) -> list[OutboxRecord]:
         return [OutboxRecord.from_row(r) for r in await self.store.pending_rows(ids=ids)]
+
+    def reconciler(self, owner: str) -> Callable[[list[tuple[str, bool]]], Any]:
+        """The owner's takeover clears its keys' reconcile duty (as the supervisor wires it)."""
+
+        async def reconciled(keys: list[tuple[str, bool]]) -> int:
+            return await self.store.reconciled(
+                owner=owner, keys=[k for k, _ in keys], keyless=[kl for _, kl in keys]
+            )
+
+        return reconciled
 
     async def claim(self, owner: str, settings: Settings | None = None) -> Batch:
         batch = await Claimer(self.store, settings or self.settings, owner).claim()
@@ -386,7 +399,12 @@ async def test_a_takeover_that_cannot_read_the_progress_leaves_the_rows_leased(
     configs = configs_of(good.settings)
     registry = Registry(unreachable, good.registry("owner-b").record)
     b = TransactionalPublisher(
-        configs.publisher, configs.progress, "owner-b", registry, good.pending
+        configs.publisher,
+        configs.progress,
+        "owner-b",
+        registry,
+        good.pending,
+        good.reconciler("owner-b"),
     )
     await b.start()
     try:

@@ -17,6 +17,7 @@ from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka import progress
 from outbox_dispatcher.kafka.batches import Answer, Batches
+from outbox_dispatcher.kafka.endings import Stall
 from outbox_dispatcher.kafka.lanes import Registry
 from outbox_dispatcher.kafka.progress import ProgressConfig
 from outbox_dispatcher.kafka.records import RecordEncoder
@@ -190,7 +191,7 @@ async def test_a_split_claim_lists_every_committed_row_until_every_part_is_marke
 
     configs = configs_of(Settings(delivery="exactly-once"))
     publisher = TransactionalPublisher(
-        configs.publisher, CONFIG, "o", Registry(nothing, keep), nothing
+        configs.publisher, CONFIG, "o", Registry(nothing, keep), nothing, keep
     )
     lane = publisher.lanes[0]
     d = TransactionalDelivery(publisher, lane, [record(i) for i in range(4)], 0.0)
@@ -208,3 +209,57 @@ async def test_a_split_claim_lists_every_committed_row_until_every_part_is_marke
     assert fine.tag in lane.unmarked, "not before the final part"
     publisher.marked(fine, every_row=True)
     assert fine.tag not in lane.unmarked
+
+
+class _NeverAnswered:
+    """A transaction's batches, one submitted to a partition that never answers (a partition
+    that keeps answering NotEnoughReplicas: aiokafka retries it without end)."""
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self.where = {self.future: ("t", 0)}
+
+    def encode(self, indices: Any) -> None:
+        pass
+
+    def send(self, pending: list[int], answers: list[Answer], *_: Any) -> list[int]:
+        for i in pending:
+            answers[i] = self.future
+        return []
+
+
+class _RefusesProgress:
+    async def send(self, *_: Any, **__: Any) -> Any:
+        from aiokafka import errors as kafka_errors
+
+        raise kafka_errors.MessageSizeTooLargeError("the progress record is too large")
+
+
+async def test_a_failed_progress_send_waits_for_the_submissions_within_the_stall_bound() -> None:
+    """Review E15: the progress record's send() raised while a submission never answers; the
+    transaction's answers are waited for stall_seconds at most, then it is given up as a stall
+    (the lane's turn, which every takeover needs, is not held for the fault's duration)."""
+
+    async def nothing() -> list[Any]:
+        return []
+
+    async def keep(ids: Any) -> None:
+        pass
+
+    configs = configs_of(Settings(delivery="exactly-once"))
+    publisher = TransactionalPublisher(
+        configs.publisher, CONFIG, "o", Registry(nothing, keep), nothing, keep
+    )
+    publisher.stall_seconds = 0.2
+    lane = publisher.lanes[0]
+    lane.producers.current = lambda: _RefusesProgress()  # type: ignore[method-assign]
+    d = TransactionalDelivery(publisher, lane, [record(0)], 0.0)
+    batches = _NeverAnswered()
+    answers: list[Answer] = [None]
+    found = await asyncio.wait_for(
+        publisher._send_all(d, batches, [0], answers, {}),  # type: ignore[arg-type]
+        5.0,
+    )
+    assert isinstance(found, Stall), found
+    assert found.partitions == {("t", 0)} and not found.progress
+    batches.future.cancel()
