@@ -60,12 +60,13 @@ class ClaimSlots:
         self._changed.set()
 
     def poll_idle(self) -> None:
-        """Wake every idle outbox (the fallback for a lost notification, and what keeps its
-        announcement fresh)."""
-        active = set(self.scheduler.active)
+        """Look at every idle outbox once (the fallback for a lost notification, and what keeps
+        its announcement fresh), in the scheduler's lane of polls: after the outboxes with work,
+        never ahead of them."""
         for key in list(self.outboxes):
-            if key not in active:
-                self.wake(key)
+            if self._retry_at.get(key, 0.0) <= time.monotonic():
+                self.scheduler.probe(key)
+        self._changed.set()
 
     async def serve(self, name: str, poll: float) -> None:
         """One slot, until the process stops: take the next grant, claim and run one batch."""

@@ -9,6 +9,12 @@ them before the pointer moves on, so over every round the grants follow the weig
 whatever the budget. An outbox that is idle or backing off is out of the ring: it is never
 visited, holds no slot and gathers no credit to burst with later. Each decision is O(1).
 
+Polls (an idle outbox looked at in case a notification was lost) are not work: they wait in a
+lane of their own and take a slot only when no outbox in the ring wants one, or every
+PROBE_EVERY-th grant while the ring stays busy (so a lost notification is still found under a
+backlog). Without that lane, 500 idle tenants polled every 2 s filled the ring, and a notified
+quiet tenant waited behind hundreds of empty claims (p99 7 s in `make bench`'s fleet_quiet_*).
+
 There is no per-outbox cap of slots: with a small budget a cap would override the weights (two
 slots, one each, is 1:1 whatever the weights). The latency bound comes from the ring instead: an
 outbox that wakes is granted once every outbox ahead of it in the ring has spent one quantum.
@@ -22,6 +28,9 @@ from collections.abc import Hashable
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
+
+# While outboxes with work hold the ring, one grant in this many goes to a waiting poll.
+PROBE_EVERY = 4
 
 
 @dataclasses.dataclass
@@ -46,6 +55,8 @@ class DeficitRoundRobin(Generic[K]):
         self.batch_size = batch_size
         self.flows: dict[K, Flow] = {}
         self._ring: collections.deque[K] = collections.deque()
+        self._probes: collections.deque[K] = collections.deque()  # polls waiting for a slot
+        self._grants = 0
         self._credited = False  # whether the ring's head has had its quantum for this visit
         self.in_flight = 0
         self.visits = 0  # ring positions looked at by `grant` (its cost, for tests)
@@ -74,9 +85,19 @@ class DeficitRoundRobin(Generic[K]):
             raise KeyError(msg)
         if key not in self._ring:
             self._ring.append(key)
+        if key in self._probes:
+            self._probes.remove(key)
+
+    def probe(self, key: K) -> None:
+        """Look at an idle outbox once, when no outbox with work wants the slot (see the module
+        docstring); nothing if it is in the ring or already waiting."""
+        if key in self.flows and key not in self._ring and key not in self._probes:
+            self._probes.append(key)
 
     def sleep(self, key: K) -> None:
         """The outbox is idle or backing off: out of the ring, no credit kept."""
+        if key in self._probes:
+            self._probes.remove(key)
         if key not in self._ring:
             return
         if self._ring[0] == key:
@@ -92,8 +113,11 @@ class DeficitRoundRobin(Generic[K]):
     def grant(self) -> K | None:
         """The outbox the next free slot claims for, or None (no slot free, or nobody has work).
         The slot is held until `finished`."""
-        if self.in_flight >= self.budget or not self._ring:
+        if self.in_flight >= self.budget or not (self._ring or self._probes):
             return None
+        self._grants += 1
+        if self._probes and (not self._ring or self._grants % PROBE_EVERY == 0):
+            return self._hold(self._probes.popleft())
         while True:  # at most two steps: a fresh credit is always at least one claim
             self.visits += 1
             key = self._ring[0]
@@ -103,12 +127,16 @@ class DeficitRoundRobin(Generic[K]):
                 self._credited = True
             if flow.deficit >= self.batch_size:
                 flow.deficit -= self.batch_size
-                flow.in_flight += 1
-                flow.granted += 1
-                self.in_flight += 1
-                return key
+                return self._hold(key)
             self._ring.rotate(-1)
             self._credited = False
+
+    def _hold(self, key: K) -> K:
+        flow = self.flows[key]
+        flow.in_flight += 1
+        flow.granted += 1
+        self.in_flight += 1
+        return key
 
     def finished(self, key: K, rows: int) -> None:
         """A claim of `key` ended with `rows` rows: its slot is free again. Fewer rows than a

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from outbox_dispatcher.sources.fairness import DeficitRoundRobin
+from outbox_dispatcher.sources.fairness import PROBE_EVERY, DeficitRoundRobin
 
 BATCH = 100
 
@@ -195,3 +195,40 @@ def test_property_a_huge_backlog_never_takes_more_than_its_share_while_others_ha
             assert counts["noisy"] <= min(counts[q] for q in waiting) + 1
     for n, b in enumerate(quiet):
         assert sim.rows[f"q{n}"] == b * BATCH
+
+
+def test_polls_take_a_slot_only_after_outboxes_with_work() -> None:
+    """An idle outbox polled in case a notification was lost waits in the polls' lane: a slot
+    goes to an outbox with work first, and to a poll only when none wants it or once every
+    PROBE_EVERY grants while they keep the ring busy."""
+    drr: DeficitRoundRobin[str] = DeficitRoundRobin(1, BATCH)
+    for key in ("busy", "idle-1", "idle-2", "quiet"):
+        drr.add(key)
+    drr.wake("busy")
+    drr.probe("idle-1")
+    drr.probe("idle-2")
+    drr.probe("busy")  # in the ring already: not a poll
+    granted = []
+    for _ in range(2 * PROBE_EVERY):
+        key = drr.grant()
+        assert key is not None
+        granted.append(key)
+        drr.finished(key, BATCH if key == "busy" else 0)
+        if key == "busy":
+            drr.wake("busy")
+        if len(granted) == 2:
+            drr.wake("quiet")  # notified: out of the polls' lane if it was in it, into the ring
+    assert granted.count("idle-1") == granted.count("idle-2") == 1
+    assert granted.index("idle-1") == PROBE_EVERY - 1
+    assert granted.index("quiet") <= 3  # within a round of the busy outbox, before the polls
+    # With the ring empty, polls go at once; a woken outbox leaves the polls' lane.
+    drr.sleep("busy")
+    drr.sleep("quiet")
+    drr.probe("idle-1")
+    drr.probe("quiet")
+    drr.wake("quiet")
+    assert drr.grant() == "quiet"
+    drr.finished("quiet", 0)
+    assert drr.grant() == "idle-1"
+    drr.finished("idle-1", 0)
+    assert drr.grant() is None

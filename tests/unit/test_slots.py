@@ -129,6 +129,27 @@ async def test_a_quiet_outbox_is_claimed_while_another_has_a_backlog() -> None:
     assert ORDER.index("tenant_quiet") - at <= 2, ORDER[at - 2 : at + 10]
 
 
+async def test_a_notified_outbox_goes_before_the_polls_of_idle_ones() -> None:
+    """500 idle tenants polled at once (the fallback for lost notifications) queue behind
+    nothing: a quiet tenant notified meanwhile takes the next free slot (the polls wait in the
+    scheduler's lane of their own)."""
+    ORDER.clear()
+    idle = [Scripted(f"tenant_{i:03d}", []) for i in range(60)]
+    for outbox in idle:
+        outbox.announced = 1  # announced already: a poll that finds nothing does not re-claim
+    quiet = Scripted("tenant_quiet", [1])
+    quiet.announced = 1
+    slots = slots_of(*idle, quiet)
+    async with serving(slots):
+        await until(lambda: sum(o.turns for o in idle) >= 60)  # the first claim of each (add)
+        ORDER.clear()
+        slots.poll_idle()
+        slots.wake(quiet.key)
+        await until(lambda: quiet.turns >= 1)
+        await until(lambda: sum(o.turns for o in idle) >= 120)
+    assert ORDER.index("tenant_quiet") <= 2, ORDER[:6]
+
+
 async def test_a_failing_outbox_backs_off_alone() -> None:
     failing = Scripted("tenant_bad", [-1] * 1000)
     healthy = Scripted("tenant_ok", [BATCH] * 50)
