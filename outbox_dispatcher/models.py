@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import itertools
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple, TypeVar, cast
@@ -107,3 +107,13 @@ class Result:
 
 
 PUBLISHED = Result(Outcome.PUBLISHED)  # shared by every acknowledged row: results are immutable
+
+
+def work_keys(records: Sequence[OutboxRecord]) -> list[tuple[str, bool]]:
+    """The work rows' keys of `records` (schema/tables.sql `<table>_work`): (key, False), or
+    (id, True) for a row without one; each once, in order."""
+    keys = (
+        (r.ordering_key, False) if r.ordering_key is not None else (str(r.id), True)
+        for r in records
+    )
+    return list(dict.fromkeys(keys))

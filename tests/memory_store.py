@@ -198,6 +198,10 @@ class InMemoryDispatchStore(DispatchStore):
         # steady path)
         return Claimed(cast("list[Row]", claimed))
 
+    async def reconciled(self, *, owner: str, keys: Sequence[str], keyless: Sequence[bool]) -> int:
+        """No reconcile duty is modelled here: a claim flags rows reclaimed at its takeover only."""
+        return 0
+
     async def release_claim(self, *, token: uuid.UUID) -> int:
         """Give back the keys (and keyless rows) a claim with a lost reply holds: uncounted."""
         mine = [work for work, lease in self.leases.items() if lease.token == token]

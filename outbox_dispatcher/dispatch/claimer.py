@@ -7,8 +7,8 @@ import uuid
 
 import structlog
 
-from outbox_dispatcher.config.settings import DeadLetterPolicy, Settings
-from outbox_dispatcher.models import Batch, OutboxRecord
+from outbox_dispatcher.config.settings import DeadLetterPolicy, DeliveryMode, Settings
+from outbox_dispatcher.models import Batch, OutboxRecord, work_keys
 from outbox_dispatcher.store import DispatchStore, OutOfMemoryError, Row, db
 from outbox_dispatcher.store.arguments import ClaimArguments
 
@@ -27,6 +27,9 @@ class Claimer:
         self._lease = s.lease_seconds
         self._block = s.dead_letter_policy is DeadLetterPolicy.BLOCK
         self._max_attempts = s.max_attempts
+        # exactly-once reads the progress of a key whose lease expired (the reconcile duty, kept
+        # in its work row until then); at-least-once has nothing to read and clears it at once.
+        self._clears_duty = s.delivery is DeliveryMode.AT_LEAST_ONCE
         # Keys asked for per claim, fitted by _fit: batch_size while keys are shallow, a few under
         # a backlog of deep keys (one hot key: one).
         self._max_keys = s.batch_size
@@ -59,7 +62,20 @@ class Claimer:
             return None
         self._fit(rows)
         records = list(map(OutboxRecord.from_row, rows))
+        if self._clears_duty and any(r.reclaimed for r in records):
+            await self._clear_duty([r for r in records if r.reclaimed])
         return Batch(token, records, drained=rows.drained, steady=rows.steady)
+
+    async def _clear_duty(self, records: list[OutboxRecord]) -> None:
+        """At-least-once: the keys taken over need no progress read; without this their later
+        claims would keep returning their rows as reclaimed (outbox_lease_reclaims_total)."""
+        keys = work_keys(records)
+        try:
+            await self._store.reconciled(
+                owner=self._owner, keys=[k for k, _ in keys], keyless=[kl for _, kl in keys]
+            )
+        except db.RETRIABLE_ERRORS as exc:  # only the metric overcounts until the next takeover
+            log.debug("reconcile_duty_kept", keys=len(keys), error=repr(exc))
 
     def arguments(self, token: uuid.UUID) -> ClaimArguments:
         """The claim's parameters for a claim under `token`."""

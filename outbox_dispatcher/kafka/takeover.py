@@ -26,7 +26,7 @@ from outbox_dispatcher.kafka import lanes, progress, progress_topic
 from outbox_dispatcher.kafka.lanes import Lane, Registry
 from outbox_dispatcher.kafka.producers import ProducerConfig
 from outbox_dispatcher.kafka.progress import ProgressConfig, ProgressUnavailableError
-from outbox_dispatcher.models import OutboxRecord
+from outbox_dispatcher.models import OutboxRecord, work_keys
 
 log = structlog.get_logger(__name__)
 
@@ -53,15 +53,6 @@ PendingRows = Callable[[list[int]], Awaitable[Sequence[OutboxRecord]]]
 # The keys (the work rows' keys: a row without one is keyed by its id) whose reconcile duty a
 # takeover did, under this dispatcher's live leases (store.DispatchStore.reconciled).
 Reconciling = Callable[[list[tuple[str, bool]]], Awaitable[object]]
-
-
-def work_keys(records: Sequence[OutboxRecord]) -> list[tuple[str, bool]]:
-    """The work rows' keys of `records`: (key, False), or (id, True) for a row without one."""
-    keys = (
-        (r.ordering_key, False) if r.ordering_key is not None else (str(r.id), True)
-        for r in records
-    )
-    return list(dict.fromkeys(keys))
 
 
 @dataclass(frozen=True)

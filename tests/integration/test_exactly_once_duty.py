@@ -265,3 +265,28 @@ async def test_crash_loop_rows_a_lost_claim_committed_are_published_not_dead(
     assert await count(conn, "ordering_key = 'key-1' AND dead_at IS NOT NULL") == 3
     assert await count(conn, "lease_token IS NOT NULL") == 0, "every one decided"
     assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 3
+
+
+async def test_at_least_once_clears_the_duty_at_its_takeover(
+    conn: asyncpg.Connection, pool: Any, make_settings: Callable[..., Settings], topic: str
+) -> None:
+    """At-least-once reads no progress: its takeover claim clears the key's duty at once, so the
+    key's later claims are not reclaims again (outbox_lease_reclaims_total counted every claim
+    of the key until it drained)."""
+    settings = make_settings(batch_size=2)
+    store = DispatchStore(pool, STATEMENTS)
+    await insert_sequenced(conn, topic, keys=1, per_key=4)
+    lost = await Claimer(store, settings, "owner-a").claim()
+    assert lost is not None and len(lost.records) == 2
+    await expire(conn)
+    b = Claimer(store, settings, "owner-b")
+    taken = await b.claim()
+    assert taken is not None and all(r.reclaimed for r in taken.records)
+    assert await duties(conn) == {"key-0": None}
+    settled = await Settler(store, retry_for=1.0, owner="owner-b").settle(
+        taken, [PUBLISHED] * len(taken.records)
+    )
+    assert settled == len(taken.records)
+    after = await b.claim()
+    assert after is not None and after.records
+    assert not any(r.reclaimed for r in after.records)
