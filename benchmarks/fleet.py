@@ -139,7 +139,7 @@ async def second_topic(stack: Stack, topic: str) -> AsyncIterator[str]:
 
 
 async def quiet_beside(
-    stack: Stack, quiet: int, idle_ones: int, backlog_rows: int, seconds: float
+    stack: Stack, quiet: int, idle_ones: int, backlog_rows: int, seconds: float, **opts: Any
 ) -> dict[str, float]:
     """`quiet` tenants written at QUIET_RATE events/s each (one-row transactions) for
     `seconds`, beside a tenant with `backlog_rows` committed before the process starts (none:
@@ -175,7 +175,7 @@ async def quiet_beside(
                         if received.setdefault(event_id, now) == now:
                             quiet_since = now
 
-        async with dispatchers(fleet_settings(url, stack)) as group:
+        async with dispatchers(fleet_settings(url, stack, **opts)) as group:
             await wait_ready(url, group)
             reader = asyncio.create_task(consume())
             try:

@@ -42,7 +42,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def _pgbouncer_port() -> int:
-    return int(os.environ.get("OUTBOX_TEST_PGBOUNCER_PORT", "6432"))
+    """OUTBOX_TEST_PGBOUNCER_PORT, else services.sh's (a second clone's services run on their
+    own ports: OUTBOX_SERVICES_PGBOUNCER_PORT)."""
+    return int(
+        os.environ.get("OUTBOX_TEST_PGBOUNCER_PORT")
+        or os.environ.get("OUTBOX_SERVICES_PGBOUNCER_PORT", "6432")
+    )
 
 
 def _through_pgbouncer(url: str) -> str:
