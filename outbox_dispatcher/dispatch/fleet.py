@@ -37,6 +37,8 @@ log = structlog.get_logger(__name__)
 # without, every poll interval.
 IDLE_POLL_SECONDS = 2.0
 Loop = Coroutine[Any, Any, None]
+# A database away or refusing us (e.g. not accepting connections) when its pool is made.
+POOL_FAILURES: tuple[type[BaseException], ...] = (*db.RETRIABLE_ERRORS, db.PostgresError)
 
 
 class FleetDispatcher:
@@ -176,7 +178,7 @@ class FleetDispatcher:
     ) -> None:
         try:
             pool = await databases.pool(outbox.database)
-        except db.RETRIABLE_ERRORS as exc:  # the registry's next read says why; tried again
+        except POOL_FAILURES as exc:  # the registry's next read says why; tried again
             log.debug("database_pool_unavailable", database=outbox.database, error=repr(exc))
             return
         runtime = OutboxRuntime(outbox, pool, version, shared)

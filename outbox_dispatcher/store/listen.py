@@ -20,6 +20,9 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     *db.CONNECTION_ERRORS,
 )
 
+# A source's database may also refuse us with a server error (e.g. not accepting connections).
+_SOURCE_UNAVAILABLE: tuple[type[BaseException], ...] = (*_UNAVAILABLE, db.PostgresError)
+
 
 def _setter(event: asyncio.Event) -> Callable[[object], None]:
     return lambda _conn: event.set()
@@ -111,7 +114,7 @@ async def listen_channels(dsn: str, settings: Settings, channels: Channels) -> N
             conn.add_termination_listener(_setter(lost))
             await _follow_channels(conn, channels, lost)
             log.warning("listen_connection_lost", database=channels.database)
-        except _UNAVAILABLE as exc:
+        except _SOURCE_UNAVAILABLE as exc:
             log.warning(
                 "listen_unavailable", database=channels.database, error=repr(exc), retry_in=pause
             )

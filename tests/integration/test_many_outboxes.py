@@ -24,6 +24,7 @@ from .helpers import (
     Services,
     check,
     consume,
+    http_get,
     insert_sequenced,
     log_events,
     spawn,
@@ -276,6 +277,63 @@ async def test_a_50k_row_backlog_does_not_starve_a_quiet_source(
     assert backlog_left > 0, "the quiet source waited for the whole backlog"
     verdict = await quiet.verdict(services)
     assert (verdict.delivered, verdict.lost, verdict.reordered) == (30, [], [])
+
+
+async def test_a_database_that_refuses_connections_delays_no_other_and_is_served_again(
+    services: Services,
+    databases: tuple[str, str],
+    make_topic: MakeTopic,
+    make_settings: Any,
+    tmp_path: Path,
+) -> None:
+    a, b = databases
+    await migrate(a, "tenant_a")
+    await migrate(b, "public")
+    kept, away = Tenant(a, "tenant_a", await make_topic()), Tenant(b, "public", await make_topic())
+    settings = fleet_settings(
+        make_settings,
+        a,
+        [{"schema": "tenant_*"}, {"schema": "public", "database_url": b, "name": "shard_b"}],
+    )
+    log = tmp_path / "fleet.log"
+    process = spawn(settings, log)
+    name_b = b.rpartition("/")[2]
+    try:
+        await wait_started([log])
+        await away.insert(keys=5, per_key=10)
+        await away.all_published()
+        await execute(
+            services.database_url,
+            f'ALTER DATABASE "{name_b}" WITH ALLOW_CONNECTIONS false; '
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            f"WHERE datname = '{name_b}'",
+        )
+
+        async def unreachable() -> bool:
+            return bool(log_events(log, "source_database_unreachable"))
+
+        await wait_until(unreachable, 60, "database b found unreachable")
+        await kept.insert(keys=10, per_key=20)
+        await kept.all_published()
+        (listening,) = log_events(log, "http_listening")
+        status, body = await http_get(listening["port"], "/readyz")
+        assert process.poll() is None, "the process goes on"
+        await execute(
+            services.database_url, f'ALTER DATABASE "{name_b}" WITH ALLOW_CONNECTIONS true'
+        )
+        await away.insert(keys=5, per_key=10, first_seq=10)
+        await away.all_published()
+    finally:
+        codes = stop_all([process])
+    assert codes == [0], log.read_text()[-3000:]
+    assert status == 200, body  # an outbox is served: ready, and the detail says what is not
+    checks = json.loads(body)["checks"]
+    assert any(k.startswith("database ") and name_b in k for k in checks), checks
+    assert checks["source shard_b"].startswith("unreachable"), checks
+    for tenant, rows in ((kept, 200), (away, 100)):
+        verdict = await tenant.verdict(services)
+        assert (verdict.delivered, verdict.lost, verdict.reordered) == (rows, [], []), tenant
+    assert "postgresql://" not in log.read_text()
 
 
 async def test_two_processes_serving_the_same_sources_publish_every_row_in_order(
