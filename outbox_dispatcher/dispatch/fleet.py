@@ -90,6 +90,12 @@ class FleetDispatcher:
         s = self.settings
         if s.delivery is DeliveryMode.EXACTLY_ONCE:
             raise errors.SourcesExactlyOnceError
+        if s.listen_database_url is not None:
+            log.warning(
+                "listen_database_url_ignored",
+                detail="with OUTBOX_SOURCES each database is listened to through its source's "
+                "URL: a source behind a transaction pooler needs OUTBOX_LISTEN=false",
+            )
         databases = Databases(s, self.sources)
         registry = SourceRegistry.from_settings(self.sources, s)
         publisher = KafkaPublisher(configs_of(s).publisher)

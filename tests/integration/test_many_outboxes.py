@@ -336,6 +336,33 @@ async def test_a_database_that_refuses_connections_delays_no_other_and_is_served
     assert "postgresql://" not in log.read_text()
 
 
+async def test_sigterm_while_a_backlog_drains_exits_0_and_leaves_nothing_leased(
+    databases: tuple[str, str], make_topic: MakeTopic, make_settings: Any, tmp_path: Path
+) -> None:
+    a, _ = databases
+    await migrate(a, "tenant_a", "tenant_b")
+    tenants = [Tenant(a, s, await make_topic()) for s in ("tenant_a", "tenant_b")]
+    for tenant in tenants:
+        await tenant.insert(keys=100, per_key=100)
+    settings = fleet_settings(
+        make_settings, a, [{"schema": "tenant_*"}], batch_size=100, kafka_linger_ms=100
+    )
+    log = tmp_path / "fleet.log"
+    process = spawn(settings, log)
+    try:
+
+        async def busy() -> bool:
+            return all([await t.count("published_at IS NOT NULL") > 0 for t in tenants])
+
+        await wait_until(busy, 60, "both tenants publishing")
+    finally:
+        codes = stop_all([process])
+    assert codes == [0], log.read_text()[-3000:]
+    assert [await t.pending() > 0 for t in tenants] == [True, True], "stopped mid-stream"
+    for tenant in tenants:
+        assert await tenant.count("id IN (SELECT id FROM outbox_leases)") == 0, tenant.schema
+
+
 async def test_two_processes_serving_the_same_sources_publish_every_row_in_order(
     services: Services,
     databases: tuple[str, str],
