@@ -14,7 +14,6 @@ import structlog
 from outbox_dispatcher import display, errors, tracing
 from outbox_dispatcher.cli.flags import BATCHED, CONNECT, EVERY, Commands, command, switch
 from outbox_dispatcher.cli.terminal import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, err, out
-from outbox_dispatcher.config.names import FLEET_SCHEMA
 from outbox_dispatcher.config.outboxes import sources_given, sources_of
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.fleet import FleetDispatcher
@@ -22,7 +21,6 @@ from outbox_dispatcher.dispatch.supervisor import Dispatcher
 from outbox_dispatcher.operate import schema
 from outbox_dispatcher.operate.check import unknown_variables
 from outbox_dispatcher.operate.session import connected
-from outbox_dispatcher.store.fleet import MEMBER_TABLE
 
 log = structlog.get_logger(__name__)
 
@@ -155,7 +153,7 @@ async def _migrate_sources(settings: Settings, ns: argparse.Namespace) -> int:
         if one.waiting is not None:
             sys.stdout.write(_waits(one.waiting, one.older))
     fleet = "FAILED: " + display.inert(done.fleet) if done.fleet_failed else done.fleet
-    out(f"fleet membership table {FLEET_SCHEMA}.{MEMBER_TABLE} of the home database: {fleet}")
+    out(f"fleet membership table {done.fleet_table} of the home database: {fleet}")
     failed = len(done.failed) + done.fleet_failed
     log.info("sources_migrated", schemas=len(done.schemas), failed=failed)
     if failed:

@@ -7,11 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from outbox_dispatcher import errors
+from outbox_dispatcher.config.names import FLEET_SCHEMA
 from outbox_dispatcher.config.outboxes import Outbox, Source, expand
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.store import db, migrations
 from outbox_dispatcher.store.catalog import CatalogStore
-from outbox_dispatcher.store.fleet import FleetStore
+from outbox_dispatcher.store.fleet import MEMBER_TABLE, FleetStore
 
 OLDEST_SUPPORTED = migrations.OLDEST_SUPPORTED
 
@@ -63,6 +64,7 @@ class SourcesMigration:
     schemas: list[SchemaMigration]
     fleet: str
     fleet_failed: bool = False
+    fleet_table: str = f"{FLEET_SCHEMA}.{MEMBER_TABLE}"
 
     @property
     def failed(self) -> list[SchemaMigration]:

@@ -33,8 +33,11 @@ log = structlog.get_logger(__name__)
 
 Connect = Callable[[str], Awaitable[db.Connection]]
 DISCOVERY_SECONDS = 2.0
-# A pending outbox (being migrated, most likely) is read again after at most this many intervals.
-PENDING_RECHECK = 2
+# undefined_table, invalid_schema_name: a schema dropped between the catalogue read and a check.
+DROPPED = frozenset({"42P01", "3F000"})
+# A pending outbox (being migrated, most likely) is read again after at most this many intervals:
+# a tenant caught mid-migration is served within two intervals of its migration (4 s by default).
+PENDING_RECHECK = 1
 # What makes a whole database back off: away, refusing us (credentials, a database that does not
 # exist or takes no connections), or a catalogue that cannot be read.
 DATABASE_FAILURES: tuple[type[BaseException], ...] = (
@@ -105,6 +108,7 @@ class _Tracked:
     since: float = 0.0
     version: int | None = None
     checked: bool = False  # its version has been read at least once
+    vanished: bool = False  # its last check found a relation missing
 
 
 class _Database:
@@ -267,6 +271,7 @@ class SourceRegistry:
         """Read one outbox's version and settle its state."""
         outbox = tracked.outbox
         tracked.checked = True
+        vanished, tracked.vanished = tracked.vanished, False
         if not present:
             self._set(database, tracked, State.MISSING, _missing(outbox), None)
             return
@@ -281,6 +286,11 @@ class SourceRegistry:
         except db.PostgresError as exc:
             if isinstance(exc, db.CONNECTION_ERRORS):
                 raise
+            if exc.sqlstate in DROPPED and not vanished:
+                # Dropped since the catalogue read, most likely: the next read says so. Twice
+                # in a row, a relation of the schema is missing: broken.
+                tracked.vanished, tracked.checked = True, False
+                return
             reason = f"reading its schema version failed ({errors.describe(exc)})"
             self._set(database, tracked, State.BROKEN, reason, None)
             return

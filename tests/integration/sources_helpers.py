@@ -10,12 +10,15 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 import asyncpg
+from pydantic import SecretStr
 
 from outbox_dispatcher.config.outboxes import Source
 from outbox_dispatcher.sources.registry import SourceRegistry, View
 from outbox_dispatcher.store import db, migrations
 
 from .conftest import drop_database
+
+APPLICATION = "outbox-sources-test"  # the registry's sessions in pg_stat_activity
 
 
 def with_database(url: str, name: str) -> str:
@@ -60,13 +63,13 @@ async def execute(url: str, sql: str) -> None:
 
 
 def source(url: str, schema: str, *, name: str | None = None, table: str = "outbox") -> Source:
-    from pydantic import SecretStr
-
     return Source(SecretStr(url), schema, table, name)
 
 
 async def plain_connect(url: str) -> db.Connection:
-    conn: db.Connection = await asyncpg.connect(url, timeout=5)
+    conn: db.Connection = await asyncpg.connect(
+        url, timeout=5, server_settings={"application_name": APPLICATION}
+    )
     await db.init_connection(conn)
     return conn
 
