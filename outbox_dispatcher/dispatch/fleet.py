@@ -28,6 +28,7 @@ from outbox_dispatcher.dispatch.supervisor import configs_of, instance_id
 from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
 from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.retries import RetryPolicy
+from outbox_dispatcher.sources.fleet import FleetMember
 from outbox_dispatcher.sources.registry import SourceRegistry, State, View
 from outbox_dispatcher.store import db, listen
 
@@ -66,6 +67,7 @@ class FleetDispatcher:
         self._tg: asyncio.TaskGroup | None = None
         self._http: HealthServer | None = None
         self._view: View | None = None
+        self.member: FleetMember | None = None  # made by run
 
     @property
     def published(self) -> int:
@@ -98,6 +100,13 @@ class FleetDispatcher:
             )
         databases = Databases(s, self.sources)
         registry = SourceRegistry.from_settings(self.sources, s)
+        self.member = FleetMember(
+            s.database_url.get_secret_value(),
+            functools.partial(db.connect, settings=s, setting="OUTBOX_DATABASE_URL"),
+            lease_seconds=s.lease_seconds,
+            member_id=self.owner,
+            backoff_initial=s.backoff_initial_seconds,
+        )
         publisher = KafkaPublisher(configs_of(s).publisher)
         await publisher.start()
         shared = Shared(
@@ -137,6 +146,9 @@ class FleetDispatcher:
             ]
             for name, loop in self._side_loops(registry, databases, shared).items():
                 self._side.append(tg.create_task(self._guard(loop, name), name=name))
+            if self.member is not None:  # leaves the fleet by itself once stopping
+                member = self._guard(self.member.run(self.stopping), "fleet-member")
+                tg.create_task(member, name="fleet-member")
             tg.create_task(self._shutdown(claims), name="shutdown")
 
     def _side_loops(
@@ -172,6 +184,9 @@ class FleetDispatcher:
 
     async def _sync(self, view: View, databases: Databases, shared: Shared) -> None:
         ready = {key_of(o.outbox): o for o in view.outboxes if o.state is State.READY}
+        if self.member is not None:  # this member's share (all of them before its first beat)
+            mine = {key_of(o) for o in self.member.view().mine(o.outbox for o in ready.values())}
+            ready = {key: state for key, state in ready.items() if key in mine}
         for key in [k for k in self.slots.outboxes if k not in ready]:
             self._let_go(key)
         for key, state in ready.items():
@@ -241,6 +256,13 @@ class FleetDispatcher:
                 checks[f"database {database.database}"] = f"unreachable: {database.reason}"
         for failing in view.failing():
             checks[f"source {failing.label}"] = f"{failing.state.value}: {failing.reason}"
+        if self.member is not None:
+            fleet = self.member.view()
+            checks["fleet"] = (
+                f"{len(fleet.members)} member(s)"
+                if fleet.stale_since is None
+                else f"view stale since {fleet.stale_since:.0f}: {fleet.reason}"
+            )
         served = len(self.slots.outboxes)
         checks["outboxes"] = f"{served} served, {len(view.failing())} failing"
         ready = (

@@ -19,6 +19,7 @@ import asyncpg
 import pytest
 
 from outbox_dispatcher.store import db
+from outbox_dispatcher.store.fleet import FleetStore
 
 from .helpers import (
     Services,
@@ -85,10 +86,17 @@ class Tenant:
 
 @pytest.fixture
 async def databases(services: Services) -> AsyncIterator[tuple[str, str]]:
+    """Two databases; the first is the home database, with the fleet's membership table (as
+    `migrate` makes it)."""
     async with (
         fresh_database(services.database_url) as a,
         fresh_database(services.database_url) as b,
     ):
+        conn = await asyncpg.connect(a)
+        try:
+            await FleetStore(conn).create()
+        finally:
+            await conn.close()
         yield a, b
 
 
@@ -128,7 +136,7 @@ async def test_one_process_serves_three_tenant_schemas_and_a_second_database_in_
     tenants.append(Tenant(b, "public", await make_topic()))
     for tenant in tenants:
         await tenant.insert(keys=20, per_key=25)  # a backlog before the start
-    budget = 8  # two databases: discovery + LISTEN + a pool of 2 each
+    budget = 9  # membership 1; two databases: discovery + LISTEN + a pool of 2 each
     settings = fleet_settings(
         make_settings,
         a,
@@ -363,38 +371,60 @@ async def test_sigterm_while_a_backlog_drains_exits_0_and_leaves_nothing_leased(
         assert await tenant.count("id IN (SELECT id FROM outbox_leases)") == 0, tenant.schema
 
 
-async def test_two_processes_serving_the_same_sources_publish_every_row_in_order(
+def served_now(log: Path) -> set[str]:
+    """The outboxes a process serves now, by its log: served and not stopped since."""
+    served: set[str] = set()
+    for event in log_events(log):
+        if event.get("event") == "outbox_served":
+            served.add(event["source"])
+        elif event.get("event") == "outbox_stopped":
+            served.discard(event["source"])
+    return served
+
+
+async def test_two_processes_share_the_outboxes_through_the_fleet_membership(
     services: Services,
     databases: tuple[str, str],
     make_topic: MakeTopic,
     make_settings: Any,
     tmp_path: Path,
 ) -> None:
-    """Without the fleet's membership (not built), every process serves every outbox: the
-    claim engine's per-key leases keep that safe, as for several single-table dispatchers."""
+    """Each outbox ends up served by one of the two members (rendezvous hashing over the home
+    database's membership table), every outbox by one of them, and every row arrives in order
+    (for a moment, before a member's first beat, both may serve one: safe, as for several
+    single-table dispatchers)."""
     a, _ = databases
-    await migrate(a, "tenant_a", "tenant_b")
-    tenants = [Tenant(a, s, await make_topic()) for s in ("tenant_a", "tenant_b")]
+    schemas = [f"tenant_{n}" for n in range(6)]
+    await migrate(a, *schemas)
+    tenants = [Tenant(a, s, await make_topic()) for s in schemas]
     settings = fleet_settings(make_settings, a, [{"schema": "tenant_*"}], batch_size=20)
     logs = [tmp_path / f"fleet{i}.log" for i in range(2)]
     processes = [spawn(settings, log) for log in logs]
+    labels = {f"{s}.outbox" for s in schemas}
     try:
         await wait_started(logs)
+
+        async def shared_out() -> bool:
+            first, second = (served_now(log) for log in logs)
+            return not first & second and first | second == labels
+
+        await wait_until(shared_out, 60, "the outboxes shared out between the two members")
         for tenant in tenants:
-            await tenant.insert(keys=40, per_key=50)
+            await tenant.insert(keys=20, per_key=20)
         for tenant in tenants:
             await tenant.all_published()
+        shares = [served_now(log) for log in logs]
     finally:
         codes = stop_all(processes)
     assert codes == [0, 0], [log.read_text()[-3000:] for log in logs]
-    owners: set[str] = set()
+    assert not shares[0] & shares[1] and shares[0] | shares[1] == labels, shares
     for tenant in tenants:
         verdict = await tenant.verdict(services)
-        assert verdict.delivered >= 2000, verdict.summary()
+        assert verdict.delivered == 400, verdict.summary()
         assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], [])
         async with tenant.connect() as conn:
-            owners |= {r[0] for r in await conn.fetch("SELECT DISTINCT lease_owner FROM outbox")}
-    assert len(owners) == 2, f"both processes published: {owners}"
+            owners = await conn.fetchval("SELECT count(DISTINCT lease_owner) FROM outbox")
+        assert owners == 1, f"{tenant.schema}'s rows (inserted once shared) by its one member"
 
 
 def test_exactly_once_with_sources_is_refused_at_start(
