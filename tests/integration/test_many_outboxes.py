@@ -27,6 +27,7 @@ from .helpers import (
     consume,
     http_get,
     insert_sequenced,
+    kill9,
     log_events,
     spawn,
     stop_all,
@@ -425,6 +426,55 @@ async def test_two_processes_share_the_outboxes_through_the_fleet_membership(
         async with tenant.connect() as conn:
             owners = await conn.fetchval("SELECT count(DISTINCT lease_owner) FROM outbox")
         assert owners == 1, f"{tenant.schema}'s rows (inserted once shared) by its one member"
+
+
+async def test_a_member_killed_loses_its_outboxes_to_the_other_which_publishes_every_row(
+    services: Services,
+    databases: tuple[str, str],
+    make_topic: MakeTopic,
+    make_settings: Any,
+    tmp_path: Path,
+) -> None:
+    a, _ = databases
+    schemas = [f"tenant_{n}" for n in range(6)]
+    await migrate(a, *schemas)
+    tenants = [Tenant(a, s, await make_topic()) for s in schemas]
+    settings = fleet_settings(
+        make_settings, a, [{"schema": "tenant_*"}], batch_size=20, kafka_linger_ms=50
+    )
+    logs = [tmp_path / f"fleet{i}.log" for i in range(2)]
+    processes = [spawn(settings, log) for log in logs]
+    labels = {f"{s}.outbox" for s in schemas}
+    try:
+        await wait_started(logs)
+
+        async def shared_out() -> bool:
+            first, second = (served_now(log) for log in logs)
+            return not first & second and first | second == labels
+
+        await wait_until(shared_out, 60, "the outboxes shared out between the two members")
+        victim = max((0, 1), key=lambda i: len(served_now(logs[i])))  # the one serving more
+        survivor = 1 - victim
+        for tenant in tenants:
+            await tenant.insert(keys=20, per_key=20)
+        kill9(processes[victim])
+
+        async def taken_over() -> bool:
+            return served_now(logs[survivor]) == labels
+
+        await wait_until(taken_over, 60, "the survivor serving every outbox")
+        for tenant in tenants:
+            await tenant.insert(keys=20, per_key=20, first_seq=20)
+        for tenant in tenants:
+            await tenant.all_published()
+        alive = processes[survivor].poll() is None
+    finally:
+        codes = stop_all(processes)
+    assert alive and codes[survivor] == 0, logs[survivor].read_text()[-3000:]
+    for tenant in tenants:
+        verdict = await tenant.verdict(services)
+        assert verdict.delivered >= 800, verdict.summary()  # copies: the victim's lost marks
+        assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], [])
 
 
 def test_exactly_once_with_sources_is_refused_at_start(
