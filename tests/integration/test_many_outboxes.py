@@ -175,6 +175,53 @@ async def test_one_process_serves_three_tenant_schemas_and_a_second_database_in_
     assert 0 < len(most) <= budget, "\n".join(sorted(most))
 
 
+async def test_notifications_reach_their_outbox_through_one_listen_connection_per_database(
+    services: Services,
+    databases: tuple[str, str],
+    make_topic: MakeTopic,
+    make_settings: Any,
+    tmp_path: Path,
+) -> None:
+    """With polling all but off (a minute), rows are published because each table's trigger
+    notifies its channel and the database's one LISTEN connection wakes that outbox."""
+    a, b = databases
+    await migrate(a, "tenant_a", "tenant_b")
+    await migrate(b, "public")
+    tenants = [Tenant(a, s, await make_topic()) for s in ("tenant_a", "tenant_b")]
+    tenants.append(Tenant(b, "public", await make_topic()))
+    settings = fleet_settings(
+        make_settings,
+        a,
+        [{"schema": "tenant_*"}, {"schema": "public", "database_url": b, "name": "shard_b"}],
+        poll_interval_seconds=60,
+    )
+    log = tmp_path / "fleet.log"
+    process = spawn(settings, log)
+    try:
+        await wait_started([log])
+
+        async def listening() -> bool:
+            return {e["database"].rpartition("/")[2] for e in log_events(log, "listening")} == {
+                a.rpartition("/")[2],
+                b.rpartition("/")[2],
+            }
+
+        await wait_until(listening, 30, "a LISTEN connection to each database")
+        for rounds in range(3):  # each round's rows wait for a notification (never a poll)
+            for tenant in tenants:
+                await tenant.insert(keys=2, per_key=5, first_seq=5 * rounds)
+            for tenant in tenants:
+                await tenant.all_published(timeout=30)
+    finally:
+        codes = stop_all([process])
+    assert codes == [0], log.read_text()[-3000:]
+    for tenant in tenants:
+        verdict = await tenant.verdict(services)
+        assert (verdict.delivered, verdict.lost, verdict.reordered) == (30, [], [])
+    sessions = [e for e in log_events(log, "listening")]
+    assert {e["channels"] for e in sessions} <= {1, 2}, sessions
+
+
 async def test_a_tenant_schema_migrated_while_it_runs_is_served_without_a_restart(
     services: Services,
     databases: tuple[str, str],
