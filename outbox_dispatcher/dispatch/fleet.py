@@ -66,7 +66,6 @@ class FleetDispatcher:
         self._side: list[asyncio.Task[None]] = []
         self._tg: asyncio.TaskGroup | None = None
         self._http: HealthServer | None = None
-        self._view: View | None = None
         self.member: FleetMember | None = None  # made by run
 
     @property
@@ -113,7 +112,8 @@ class FleetDispatcher:
             s, self.owner, publisher, self.metrics, self.stopping, RetryPolicy(s), self.idle_poll
         )
         try:
-            self._view = await registry.refresh()
+            await registry.refresh()  # the outboxes there are now, served at once
+            await self.member.beat()  # and the members: this one serves only its share
             await self._supervise(registry, databases, shared)
         finally:
             await publisher.stop()
@@ -178,8 +178,7 @@ class FleetDispatcher:
     ) -> NoReturn:
         """Serve what the registry reports ready, let go what it no longer does."""
         while True:
-            self._view = registry.view()
-            await self._sync(self._view, databases, shared)
+            await self._sync(registry.view(), databases, shared)
             await asyncio.sleep(min(registry.interval, 1.0))
 
     async def _sync(self, view: View, databases: Databases, shared: Shared) -> None:

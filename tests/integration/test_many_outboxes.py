@@ -430,6 +430,12 @@ def served_now(log: Path) -> set[str]:
     return served
 
 
+def members_seen(log: Path) -> int:
+    """How many members a process saw at its last change of the fleet's membership."""
+    changes = log_events(log, "fleet_members_changed")
+    return len(changes[-1]["members"]) if changes else 0
+
+
 async def test_two_processes_share_the_outboxes_through_the_fleet_membership(
     services: Services,
     databases: tuple[str, str],
@@ -454,7 +460,8 @@ async def test_two_processes_share_the_outboxes_through_the_fleet_membership(
 
         async def shared_out() -> bool:
             first, second = (served_now(log) for log in logs)
-            return not first & second and first | second == labels
+            both_seen = all(members_seen(log) == 2 for log in logs)
+            return both_seen and not first & second and first | second == labels
 
         await wait_until(shared_out, 60, "the outboxes shared out between the two members")
         for tenant in tenants:
@@ -497,7 +504,8 @@ async def test_a_member_killed_loses_its_outboxes_to_the_other_which_publishes_e
 
         async def shared_out() -> bool:
             first, second = (served_now(log) for log in logs)
-            return not first & second and first | second == labels
+            both_seen = all(members_seen(log) == 2 for log in logs)
+            return both_seen and not first & second and first | second == labels
 
         await wait_until(shared_out, 60, "the outboxes shared out between the two members")
         victim = max((0, 1), key=lambda i: len(served_now(logs[i])))  # the one serving more
