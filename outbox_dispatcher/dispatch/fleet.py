@@ -219,8 +219,9 @@ class FleetDispatcher:
         log.info("outbox_stopped", source=runtime.label, published=runtime.published)
 
     def _route_notifications(self, databases: Databases) -> None:
-        """Each database's LISTEN channels: its served outboxes'; its LISTEN connection from
-        its first served outbox on."""
+        """Each database's LISTEN channels: its served outboxes'. Its LISTEN connection lives
+        while it has one (a database whose outboxes were all let go, e.g. unreachable, holds
+        none and retries nothing)."""
         if not self.settings.listen:
             return
         for database, channels in databases.channels.items():
@@ -230,12 +231,14 @@ class FleetDispatcher:
                 if o.outbox.database == database
             }
             channels.set(routes)
-            if routes and database not in self._listeners:
+            listener = self._listeners.get(database)
+            if routes and listener is None:
                 assert self._tg is not None  # noqa: S101
                 loop = listen.listen_channels(databases.url(database), self.settings, channels)
-                task = self._tg.create_task(self._guard(loop, "listener"), name="listener")
-                self._listeners[database] = task
-                self._side.append(task)
+                self._listeners[database] = self._tg.create_task(loop, name="listener")
+            elif not routes and listener is not None:
+                listener.cancel()
+                del self._listeners[database]
 
     async def _poll_idle(self) -> NoReturn:
         while True:
@@ -306,5 +309,6 @@ class FleetDispatcher:
             for task in pending:
                 task.cancel()
             await asyncio.wait(pending)
-        for task in [*self._side, *(t for loops in self._loops.values() for t in loops)]:
+        loops = (t for tasks in self._loops.values() for t in tasks)
+        for task in [*self._side, *self._listeners.values(), *loops]:
             task.cancel()

@@ -390,6 +390,13 @@ async def test_a_database_that_refuses_connections_delays_no_other_and_is_served
         verdict = await tenant.verdict(services)
         assert (verdict.delivered, verdict.lost, verdict.reordered) == (rows, [], []), tenant
     assert "postgresql://" not in log.read_text()
+    # One line per loop and per change, not per attempt: a handful over the outage.
+    complaints = [
+        line
+        for line in log.read_text().splitlines()
+        if name_b in line and ('"level":"warning"' in line or '"level":"error"' in line)
+    ]
+    assert 1 <= len(complaints) <= 6, complaints
 
 
 async def test_sigterm_while_a_backlog_drains_exits_0_and_leaves_nothing_leased(
