@@ -20,6 +20,7 @@ from outbox_dispatcher.dispatch.fleet import FleetDispatcher
 from outbox_dispatcher.dispatch.outboxes import OutboxRuntime, key_of
 from outbox_dispatcher.dispatch.slots import ClaimSlots
 from outbox_dispatcher.health import Heartbeats
+from outbox_dispatcher.store import listen
 
 BATCH = 10
 ORDER: list[str] = []  # the schemas of the turns taken, in order
@@ -166,3 +167,21 @@ async def test_exactly_once_with_sources_is_refused_before_connecting_anything()
     assert refused.value.retriable is False
     assert isinstance(refused.value, errors.OutboxDispatcherError)
     assert "OUTBOX_DELIVERY=at-least-once" in str(refused.value)
+
+
+def test_a_database_listen_channels_route_each_notification_to_its_outbox() -> None:
+    woken: list[str] = []
+    channels = listen.Channels("db:5432/app")
+    channels.set({"tenant_a.outbox": lambda: woken.append("a")})
+    assert channels.changed.is_set()
+    channels.changed.clear()
+    channels.set({"tenant_a.outbox": lambda: woken.append("a2")})  # same channels: no change
+    assert not channels.changed.is_set()
+    channels.set(
+        {"tenant_a.outbox": lambda: woken.append("a"), "b.outbox": lambda: woken.append("b")}
+    )
+    assert channels.changed.is_set()
+    channels.wake(None, 1, "b.outbox", "")
+    channels.wake(None, 1, "gone.outbox", "")  # an outbox let go: nothing
+    channels.wake(None, 1, "tenant_a.outbox", "")
+    assert woken == ["b", "a"]
