@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import asyncpg
 import pytest
 from pydantic import SecretStr
 
@@ -17,9 +18,11 @@ from outbox_dispatcher.config.outboxes import Outbox, Source
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.databases import pool_size_of
 from outbox_dispatcher.dispatch.fleet import FleetDispatcher
-from outbox_dispatcher.dispatch.outboxes import OutboxRuntime, key_of
+from outbox_dispatcher.dispatch.outboxes import OutboxRuntime, Shared, key_of
 from outbox_dispatcher.dispatch.slots import ClaimSlots
 from outbox_dispatcher.health import Heartbeats
+from outbox_dispatcher.metrics import Metrics
+from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.store import listen
 
 BATCH = 10
@@ -185,3 +188,22 @@ def test_a_database_listen_channels_route_each_notification_to_its_outbox() -> N
     channels.wake(None, 1, "gone.outbox", "")  # an outbox let go: nothing
     channels.wake(None, 1, "tenant_a.outbox", "")
     assert woken == ["b", "a"]
+
+
+class DroppedTable:
+    """A connection to a database whose outbox schema was just dropped."""
+
+    async def fetch(self, query: str, *args: object) -> list[object]:
+        raise asyncpg.UndefinedTableError("relation does not exist")
+
+
+async def test_a_table_dropped_under_an_outbox_is_its_failure_never_the_process() -> None:
+    settings = Settings(backoff_initial_seconds=0.1)
+    shared = Shared(
+        settings, "me", cast(Any, None), Metrics(), asyncio.Event(), RetryPolicy(settings), 2.0
+    )
+    outbox = Outbox(Source(URL, "tenant_*", "outbox"), "tenant_gone")
+    runtime = OutboxRuntime(outbox, cast(Any, DroppedTable()), 16, shared)
+    assert await runtime.turn(lambda: None) == 0
+    assert runtime.retry_in is not None  # backs off alone
+    assert await runtime.idle() is True  # claim once more: that claim backs it off
