@@ -108,9 +108,7 @@ class FleetDispatcher:
         )
         publisher = KafkaPublisher(configs_of(s).publisher)
         await publisher.start()
-        shared = Shared(
-            s, self.owner, publisher, self.metrics, self.stopping, RetryPolicy(s), self.idle_poll
-        )
+        shared = Shared(s, self.owner, publisher, self.metrics, RetryPolicy(s), self.idle_poll)
         try:
             await registry.refresh()  # the outboxes there are now, served at once
             await self.member.beat()  # and the members: this one serves only its share

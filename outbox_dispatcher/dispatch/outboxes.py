@@ -56,7 +56,6 @@ class Shared:
     owner: str
     publisher: Publishing
     metrics: Metrics
-    stopping: asyncio.Event
     retry_policy: RetryPolicy
     idle_poll_seconds: float  # an idle outbox is claimed at least this often
 

@@ -199,9 +199,7 @@ class DroppedTable:
 
 async def test_a_table_dropped_under_an_outbox_is_its_failure_never_the_process() -> None:
     settings = Settings(backoff_initial_seconds=0.1)
-    shared = Shared(
-        settings, "me", cast(Any, None), Metrics(), asyncio.Event(), RetryPolicy(settings), 2.0
-    )
+    shared = Shared(settings, "me", cast(Any, None), Metrics(), RetryPolicy(settings), 2.0)
     outbox = Outbox(Source(URL, "tenant_*", "outbox"), "tenant_gone")
     runtime = OutboxRuntime(outbox, cast(Any, DroppedTable()), 16, shared)
     assert await runtime.turn(lambda: None) == 0
