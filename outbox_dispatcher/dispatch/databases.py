@@ -2,8 +2,9 @@
 created when its first outbox is served, and one LISTEN connection per database on the
 channels of its served outboxes, all within OUTBOX_MAX_CONNECTIONS.
 
-The budget is split, not shared: each database gets its discovery connection (the source
-registry's), its LISTEN connection, and a pool of at most `pool_size_of` connections, so the
+The budget is split, not shared: one connection for the fleet's membership (the home
+database), and each database gets its discovery connection (the source registry's), its LISTEN
+connection, and a pool of at most `pool_size_of` connections, so the
 process never holds more than the budget, whatever the number of outboxes (an outbox borrows a
 connection per statement and holds none while idle)."""
 
@@ -22,6 +23,10 @@ from outbox_dispatcher.store import db, listen
 log = structlog.get_logger(__name__)
 
 
+# The fleet membership's connection to the home database (sources/fleet.py).
+HOME = 1
+
+
 def fixed_per_database(settings: Settings) -> int:
     """Connections a database costs besides its pool: discovery's, and LISTEN's."""
     return 1 + int(settings.listen)
@@ -33,14 +38,15 @@ def pool_size_of(settings: Settings, databases: int) -> int:
     fixed = fixed_per_database(settings)
     if settings.max_connections == 0:
         return settings.effective_pool_size
-    share = settings.max_connections // max(1, databases) - fixed
+    share = (settings.max_connections - HOME) // max(1, databases) - fixed
     if share < 1:
-        least = (fixed + 1) * databases
+        least = (fixed + 1) * databases + HOME
         msg = (
             f"OUTBOX_MAX_CONNECTIONS={settings.max_connections} is too few for the "
             f"{databases} database(s) of OUTBOX_SOURCES: each needs {fixed} connection(s) for "
-            f"discovery{' and LISTEN' if settings.listen else ''} and at least one pooled: set "
-            f"it to {least} or more (or 0: claim_tasks + {fixed + 2} per database)"
+            f"discovery{' and LISTEN' if settings.listen else ''} and at least one pooled, and "
+            f"the fleet's membership takes one: set it to {least} or more (or 0: claim_tasks + "
+            f"{fixed + 2} per database, and one)"
         )
         raise errors.ConfigurationError(msg)
     return min(share, settings.effective_pool_size)

@@ -28,6 +28,7 @@ from outbox_dispatcher.dispatch.supervisor import configs_of, instance_id
 from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
 from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.retries import RetryPolicy
+from outbox_dispatcher.sources.fleet import FleetMember
 from outbox_dispatcher.sources.registry import SourceRegistry, State, View
 from outbox_dispatcher.store import db, listen
 
@@ -37,6 +38,8 @@ log = structlog.get_logger(__name__)
 # without, every poll interval.
 IDLE_POLL_SECONDS = 2.0
 Loop = Coroutine[Any, Any, None]
+# A database away or refusing us (e.g. not accepting connections) when its pool is made.
+POOL_FAILURES: tuple[type[BaseException], ...] = (*db.RETRIABLE_ERRORS, db.PostgresError)
 
 
 class FleetDispatcher:
@@ -63,7 +66,7 @@ class FleetDispatcher:
         self._side: list[asyncio.Task[None]] = []
         self._tg: asyncio.TaskGroup | None = None
         self._http: HealthServer | None = None
-        self._view: View | None = None
+        self.member: FleetMember | None = None  # made by run
 
     @property
     def published(self) -> int:
@@ -88,15 +91,27 @@ class FleetDispatcher:
         s = self.settings
         if s.delivery is DeliveryMode.EXACTLY_ONCE:
             raise errors.SourcesExactlyOnceError
+        if s.listen_database_url is not None:
+            log.warning(
+                "listen_database_url_ignored",
+                detail="with OUTBOX_SOURCES each database is listened to through its source's "
+                "URL: a source behind a transaction pooler needs OUTBOX_LISTEN=false",
+            )
         databases = Databases(s, self.sources)
         registry = SourceRegistry.from_settings(self.sources, s)
+        self.member = FleetMember(
+            s.database_url.get_secret_value(),
+            functools.partial(db.connect, settings=s, setting="OUTBOX_DATABASE_URL"),
+            lease_seconds=s.lease_seconds,
+            member_id=self.owner,
+            backoff_initial=s.backoff_initial_seconds,
+        )
         publisher = KafkaPublisher(configs_of(s).publisher)
         await publisher.start()
-        shared = Shared(
-            s, self.owner, publisher, self.metrics, self.stopping, RetryPolicy(s), self.idle_poll
-        )
+        shared = Shared(s, self.owner, publisher, self.metrics, RetryPolicy(s), self.idle_poll)
         try:
-            self._view = await registry.refresh()
+            await registry.refresh()  # the outboxes there are now, served at once
+            await self.member.beat()  # and the members: this one serves only its share
             await self._supervise(registry, databases, shared)
         finally:
             await publisher.stop()
@@ -129,6 +144,9 @@ class FleetDispatcher:
             ]
             for name, loop in self._side_loops(registry, databases, shared).items():
                 self._side.append(tg.create_task(self._guard(loop, name), name=name))
+            if self.member is not None:  # leaves the fleet by itself once stopping
+                member = self._guard(self.member.run(self.stopping), "fleet-member")
+                tg.create_task(member, name="fleet-member")
             tg.create_task(self._shutdown(claims), name="shutdown")
 
     def _side_loops(
@@ -158,12 +176,14 @@ class FleetDispatcher:
     ) -> NoReturn:
         """Serve what the registry reports ready, let go what it no longer does."""
         while True:
-            self._view = registry.view()
-            await self._sync(self._view, databases, shared)
+            await self._sync(registry.view(), databases, shared)
             await asyncio.sleep(min(registry.interval, 1.0))
 
     async def _sync(self, view: View, databases: Databases, shared: Shared) -> None:
         ready = {key_of(o.outbox): o for o in view.outboxes if o.state is State.READY}
+        if self.member is not None:  # this member's share (all of them before its first beat)
+            mine = {key_of(o) for o in self.member.view().mine(o.outbox for o in ready.values())}
+            ready = {key: state for key, state in ready.items() if key in mine}
         for key in [k for k in self.slots.outboxes if k not in ready]:
             self._let_go(key)
         for key, state in ready.items():
@@ -176,7 +196,7 @@ class FleetDispatcher:
     ) -> None:
         try:
             pool = await databases.pool(outbox.database)
-        except db.RETRIABLE_ERRORS as exc:  # the registry's next read says why; tried again
+        except POOL_FAILURES as exc:  # the registry's next read says why; tried again
             log.debug("database_pool_unavailable", database=outbox.database, error=repr(exc))
             return
         runtime = OutboxRuntime(outbox, pool, version, shared)
@@ -197,8 +217,9 @@ class FleetDispatcher:
         log.info("outbox_stopped", source=runtime.label, published=runtime.published)
 
     def _route_notifications(self, databases: Databases) -> None:
-        """Each database's LISTEN channels: its served outboxes'; its LISTEN connection from
-        its first served outbox on."""
+        """Each database's LISTEN channels: its served outboxes'. Its LISTEN connection lives
+        while it has one (a database whose outboxes were all let go, e.g. unreachable, holds
+        none and retries nothing)."""
         if not self.settings.listen:
             return
         for database, channels in databases.channels.items():
@@ -208,12 +229,14 @@ class FleetDispatcher:
                 if o.outbox.database == database
             }
             channels.set(routes)
-            if routes and database not in self._listeners:
+            listener = self._listeners.get(database)
+            if routes and listener is None:
                 assert self._tg is not None  # noqa: S101
                 loop = listen.listen_channels(databases.url(database), self.settings, channels)
-                task = self._tg.create_task(self._guard(loop, "listener"), name="listener")
-                self._listeners[database] = task
-                self._side.append(task)
+                self._listeners[database] = self._tg.create_task(loop, name="listener")
+            elif not routes and listener is not None:
+                listener.cancel()
+                del self._listeners[database]
 
     async def _poll_idle(self) -> NoReturn:
         while True:
@@ -233,6 +256,13 @@ class FleetDispatcher:
                 checks[f"database {database.database}"] = f"unreachable: {database.reason}"
         for failing in view.failing():
             checks[f"source {failing.label}"] = f"{failing.state.value}: {failing.reason}"
+        if self.member is not None:
+            fleet = self.member.view()
+            checks["fleet"] = (
+                f"{len(fleet.members)} member(s)"
+                if fleet.stale_since is None
+                else f"view stale since {fleet.stale_since:.0f}: {fleet.reason}"
+            )
         served = len(self.slots.outboxes)
         checks["outboxes"] = f"{served} served, {len(view.failing())} failing"
         ready = (
@@ -277,5 +307,6 @@ class FleetDispatcher:
             for task in pending:
                 task.cancel()
             await asyncio.wait(pending)
-        for task in [*self._side, *(t for loops in self._loops.values() for t in loops)]:
+        loops = (t for tasks in self._loops.values() for t in tasks)
+        for task in [*self._side, *self._listeners.values(), *loops]:
             task.cancel()

@@ -56,7 +56,6 @@ class Shared:
     owner: str
     publisher: Publishing
     metrics: Metrics
-    stopping: asyncio.Event
     retry_policy: RetryPolicy
     idle_poll_seconds: float  # an idle outbox is claimed at least this often
 
@@ -145,7 +144,13 @@ class OutboxRuntime:
     async def idle(self) -> bool:
         """Its last claim found less than a batch: ask writers to notify (True: the
         announcement is fresh, claim once more, see Waiting.announce)."""
-        return self.waiting is not None and await self.waiting.announce()
+        if self.waiting is None:
+            return False
+        try:
+            return await self.waiting.announce()
+        except db.PostgresError as exc:  # dropped meanwhile: its next claim backs it off
+            log.debug("waiting_announce_failed", source=self.label, error=errors.describe(exc))
+            return True
 
     def loops(self) -> dict[str, Loop]:
         """Its upkeep, by name: what a single-table dispatcher runs beside its claim loops."""

@@ -20,6 +20,9 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     *db.CONNECTION_ERRORS,
 )
 
+# A source's database may also refuse us with a server error (e.g. not accepting connections).
+_SOURCE_UNAVAILABLE: tuple[type[BaseException], ...] = (*_UNAVAILABLE, db.PostgresError)
+
 
 def _setter(event: asyncio.Event) -> Callable[[object], None]:
     return lambda _conn: event.set()
@@ -101,20 +104,24 @@ class Channels:
 
 async def listen_channels(dsn: str, settings: Settings, channels: Channels) -> None:
     """Forever: hold one LISTEN connection to a source database, on every channel of
-    `channels`, reconnecting with backoff; each notification wakes its outbox."""
+    `channels`, reconnecting with backoff; each notification wakes its outbox. One warning per
+    outage (the registry says why the database is away), not one per attempt."""
     pause = 0.5
+    warned = False
     while True:
         conn: db.Connection | None = None
         try:
             conn = await db.connect(dsn, settings, "OUTBOX_SOURCES")
+            pause, warned = 0.5, False
             lost = asyncio.Event()
             conn.add_termination_listener(_setter(lost))
             await _follow_channels(conn, channels, lost)
             log.warning("listen_connection_lost", database=channels.database)
-        except _UNAVAILABLE as exc:
-            log.warning(
+        except _SOURCE_UNAVAILABLE as exc:
+            (log.debug if warned else log.warning)(
                 "listen_unavailable", database=channels.database, error=repr(exc), retry_in=pause
             )
+            warned = True
         finally:
             if conn is not None and not conn.is_closed():
                 conn.terminate()

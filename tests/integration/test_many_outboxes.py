@@ -19,12 +19,15 @@ import asyncpg
 import pytest
 
 from outbox_dispatcher.store import db
+from outbox_dispatcher.store.fleet import FleetStore
 
 from .helpers import (
     Services,
     check,
     consume,
+    http_get,
     insert_sequenced,
+    kill9,
     log_events,
     spawn,
     stop_all,
@@ -84,10 +87,17 @@ class Tenant:
 
 @pytest.fixture
 async def databases(services: Services) -> AsyncIterator[tuple[str, str]]:
+    """Two databases; the first is the home database, with the fleet's membership table (as
+    `migrate` makes it)."""
     async with (
         fresh_database(services.database_url) as a,
         fresh_database(services.database_url) as b,
     ):
+        conn = await asyncpg.connect(a)
+        try:
+            await FleetStore(conn).create()
+        finally:
+            await conn.close()
         yield a, b
 
 
@@ -127,7 +137,7 @@ async def test_one_process_serves_three_tenant_schemas_and_a_second_database_in_
     tenants.append(Tenant(b, "public", await make_topic()))
     for tenant in tenants:
         await tenant.insert(keys=20, per_key=25)  # a backlog before the start
-    budget = 8  # two databases: discovery + LISTEN + a pool of 2 each
+    budget = 9  # membership 1; two databases: discovery + LISTEN + a pool of 2 each
     settings = fleet_settings(
         make_settings,
         a,
@@ -163,6 +173,53 @@ async def test_one_process_serves_three_tenant_schemas_and_a_second_database_in_
     served = {e["source"] for e in log_events(log, "outbox_served")}
     assert served == {"tenant_a.outbox", "tenant_b.outbox", "tenant_c.outbox", "shard_b"}
     assert 0 < len(most) <= budget, "\n".join(sorted(most))
+
+
+async def test_notifications_reach_their_outbox_through_one_listen_connection_per_database(
+    services: Services,
+    databases: tuple[str, str],
+    make_topic: MakeTopic,
+    make_settings: Any,
+    tmp_path: Path,
+) -> None:
+    """With polling all but off (a minute), rows are published because each table's trigger
+    notifies its channel and the database's one LISTEN connection wakes that outbox."""
+    a, b = databases
+    await migrate(a, "tenant_a", "tenant_b")
+    await migrate(b, "public")
+    tenants = [Tenant(a, s, await make_topic()) for s in ("tenant_a", "tenant_b")]
+    tenants.append(Tenant(b, "public", await make_topic()))
+    settings = fleet_settings(
+        make_settings,
+        a,
+        [{"schema": "tenant_*"}, {"schema": "public", "database_url": b, "name": "shard_b"}],
+        poll_interval_seconds=60,
+    )
+    log = tmp_path / "fleet.log"
+    process = spawn(settings, log)
+    try:
+        await wait_started([log])
+
+        async def listening() -> bool:
+            return {e["database"].rpartition("/")[2] for e in log_events(log, "listening")} == {
+                a.rpartition("/")[2],
+                b.rpartition("/")[2],
+            }
+
+        await wait_until(listening, 30, "a LISTEN connection to each database")
+        for rounds in range(3):  # each round's rows wait for a notification (never a poll)
+            for tenant in tenants:
+                await tenant.insert(keys=2, per_key=5, first_seq=5 * rounds)
+            for tenant in tenants:
+                await tenant.all_published(timeout=30)
+    finally:
+        codes = stop_all([process])
+    assert codes == [0], log.read_text()[-3000:]
+    for tenant in tenants:
+        verdict = await tenant.verdict(services)
+        assert (verdict.delivered, verdict.lost, verdict.reordered) == (30, [], [])
+    sessions = [e for e in log_events(log, "listening")]
+    assert {e["channels"] for e in sessions} <= {1, 2}, sessions
 
 
 async def test_a_tenant_schema_migrated_while_it_runs_is_served_without_a_restart(
@@ -278,38 +335,208 @@ async def test_a_50k_row_backlog_does_not_starve_a_quiet_source(
     assert (verdict.delivered, verdict.lost, verdict.reordered) == (30, [], [])
 
 
-async def test_two_processes_serving_the_same_sources_publish_every_row_in_order(
+async def test_a_database_that_refuses_connections_delays_no_other_and_is_served_again(
     services: Services,
     databases: tuple[str, str],
     make_topic: MakeTopic,
     make_settings: Any,
     tmp_path: Path,
 ) -> None:
-    """Without the fleet's membership (not built), every process serves every outbox: the
-    claim engine's per-key leases keep that safe, as for several single-table dispatchers."""
+    a, b = databases
+    await migrate(a, "tenant_a")
+    await migrate(b, "public")
+    kept, away = Tenant(a, "tenant_a", await make_topic()), Tenant(b, "public", await make_topic())
+    settings = fleet_settings(
+        make_settings,
+        a,
+        [{"schema": "tenant_*"}, {"schema": "public", "database_url": b, "name": "shard_b"}],
+    )
+    log = tmp_path / "fleet.log"
+    process = spawn(settings, log)
+    name_b = b.rpartition("/")[2]
+    try:
+        await wait_started([log])
+        await away.insert(keys=5, per_key=10)
+        await away.all_published()
+        await execute(
+            services.database_url,
+            f'ALTER DATABASE "{name_b}" WITH ALLOW_CONNECTIONS false; '
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            f"WHERE datname = '{name_b}'",
+        )
+
+        async def unreachable() -> bool:
+            return bool(log_events(log, "source_database_unreachable"))
+
+        await wait_until(unreachable, 60, "database b found unreachable")
+        await kept.insert(keys=10, per_key=20)
+        await kept.all_published()
+        (listening,) = log_events(log, "http_listening")
+        status, body = await http_get(listening["port"], "/readyz")
+        assert process.poll() is None, "the process goes on"
+        await execute(
+            services.database_url, f'ALTER DATABASE "{name_b}" WITH ALLOW_CONNECTIONS true'
+        )
+        await away.insert(keys=5, per_key=10, first_seq=10)
+        await away.all_published()
+    finally:
+        codes = stop_all([process])
+    assert codes == [0], log.read_text()[-3000:]
+    assert status == 200, body  # an outbox is served: ready, and the detail says what is not
+    checks = json.loads(body)["checks"]
+    assert any(k.startswith("database ") and name_b in k for k in checks), checks
+    assert checks["source shard_b"].startswith("unreachable"), checks
+    for tenant, rows in ((kept, 200), (away, 100)):
+        verdict = await tenant.verdict(services)
+        assert (verdict.delivered, verdict.lost, verdict.reordered) == (rows, [], []), tenant
+    assert "postgresql://" not in log.read_text()
+    # One line per loop and per change, not per attempt: a handful over the outage.
+    complaints = [
+        line
+        for line in log.read_text().splitlines()
+        if name_b in line and ('"level":"warning"' in line or '"level":"error"' in line)
+    ]
+    assert 1 <= len(complaints) <= 6, complaints
+
+
+async def test_sigterm_while_a_backlog_drains_exits_0_and_leaves_nothing_leased(
+    databases: tuple[str, str], make_topic: MakeTopic, make_settings: Any, tmp_path: Path
+) -> None:
     a, _ = databases
     await migrate(a, "tenant_a", "tenant_b")
     tenants = [Tenant(a, s, await make_topic()) for s in ("tenant_a", "tenant_b")]
+    for tenant in tenants:
+        await tenant.insert(keys=100, per_key=100)
+    settings = fleet_settings(
+        make_settings, a, [{"schema": "tenant_*"}], batch_size=100, kafka_linger_ms=100
+    )
+    log = tmp_path / "fleet.log"
+    process = spawn(settings, log)
+    try:
+
+        async def busy() -> bool:
+            return all([await t.count("published_at IS NOT NULL") > 0 for t in tenants])
+
+        await wait_until(busy, 60, "both tenants publishing")
+    finally:
+        codes = stop_all([process])
+    assert codes == [0], log.read_text()[-3000:]
+    assert [await t.pending() > 0 for t in tenants] == [True, True], "stopped mid-stream"
+    for tenant in tenants:
+        assert await tenant.count("id IN (SELECT id FROM outbox_leases)") == 0, tenant.schema
+
+
+def served_now(log: Path) -> set[str]:
+    """The outboxes a process serves now, by its log: served and not stopped since."""
+    served: set[str] = set()
+    for event in log_events(log):
+        if event.get("event") == "outbox_served":
+            served.add(event["source"])
+        elif event.get("event") == "outbox_stopped":
+            served.discard(event["source"])
+    return served
+
+
+def members_seen(log: Path) -> int:
+    """How many members a process saw at its last change of the fleet's membership."""
+    changes = log_events(log, "fleet_members_changed")
+    return len(changes[-1]["members"]) if changes else 0
+
+
+async def test_two_processes_share_the_outboxes_through_the_fleet_membership(
+    services: Services,
+    databases: tuple[str, str],
+    make_topic: MakeTopic,
+    make_settings: Any,
+    tmp_path: Path,
+) -> None:
+    """Each outbox ends up served by one of the two members (rendezvous hashing over the home
+    database's membership table), every outbox by one of them, and every row arrives in order
+    (for a moment, before a member's first beat, both may serve one: safe, as for several
+    single-table dispatchers)."""
+    a, _ = databases
+    schemas = [f"tenant_{n}" for n in range(6)]
+    await migrate(a, *schemas)
+    tenants = [Tenant(a, s, await make_topic()) for s in schemas]
     settings = fleet_settings(make_settings, a, [{"schema": "tenant_*"}], batch_size=20)
     logs = [tmp_path / f"fleet{i}.log" for i in range(2)]
     processes = [spawn(settings, log) for log in logs]
+    labels = {f"{s}.outbox" for s in schemas}
     try:
         await wait_started(logs)
+
+        async def shared_out() -> bool:
+            first, second = (served_now(log) for log in logs)
+            both_seen = all(members_seen(log) == 2 for log in logs)
+            return both_seen and not first & second and first | second == labels
+
+        await wait_until(shared_out, 60, "the outboxes shared out between the two members")
         for tenant in tenants:
-            await tenant.insert(keys=40, per_key=50)
+            await tenant.insert(keys=20, per_key=20)
         for tenant in tenants:
             await tenant.all_published()
+        shares = [served_now(log) for log in logs]
     finally:
         codes = stop_all(processes)
     assert codes == [0, 0], [log.read_text()[-3000:] for log in logs]
-    owners: set[str] = set()
+    assert not shares[0] & shares[1] and shares[0] | shares[1] == labels, shares
     for tenant in tenants:
         verdict = await tenant.verdict(services)
-        assert verdict.delivered >= 2000, verdict.summary()
+        assert verdict.delivered == 400, verdict.summary()
         assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], [])
         async with tenant.connect() as conn:
-            owners |= {r[0] for r in await conn.fetch("SELECT DISTINCT lease_owner FROM outbox")}
-    assert len(owners) == 2, f"both processes published: {owners}"
+            owners = await conn.fetchval("SELECT count(DISTINCT lease_owner) FROM outbox")
+        assert owners == 1, f"{tenant.schema}'s rows (inserted once shared) by its one member"
+
+
+async def test_a_member_killed_loses_its_outboxes_to_the_other_which_publishes_every_row(
+    services: Services,
+    databases: tuple[str, str],
+    make_topic: MakeTopic,
+    make_settings: Any,
+    tmp_path: Path,
+) -> None:
+    a, _ = databases
+    schemas = [f"tenant_{n}" for n in range(6)]
+    await migrate(a, *schemas)
+    tenants = [Tenant(a, s, await make_topic()) for s in schemas]
+    settings = fleet_settings(
+        make_settings, a, [{"schema": "tenant_*"}], batch_size=20, kafka_linger_ms=50
+    )
+    logs = [tmp_path / f"fleet{i}.log" for i in range(2)]
+    processes = [spawn(settings, log) for log in logs]
+    labels = {f"{s}.outbox" for s in schemas}
+    try:
+        await wait_started(logs)
+
+        async def shared_out() -> bool:
+            first, second = (served_now(log) for log in logs)
+            both_seen = all(members_seen(log) == 2 for log in logs)
+            return both_seen and not first & second and first | second == labels
+
+        await wait_until(shared_out, 60, "the outboxes shared out between the two members")
+        victim = max((0, 1), key=lambda i: len(served_now(logs[i])))  # the one serving more
+        survivor = 1 - victim
+        for tenant in tenants:
+            await tenant.insert(keys=20, per_key=20)
+        kill9(processes[victim])
+
+        async def taken_over() -> bool:
+            return served_now(logs[survivor]) == labels
+
+        await wait_until(taken_over, 60, "the survivor serving every outbox")
+        for tenant in tenants:
+            await tenant.insert(keys=20, per_key=20, first_seq=20)
+        for tenant in tenants:
+            await tenant.all_published()
+        alive = processes[survivor].poll() is None
+    finally:
+        codes = stop_all(processes)
+    assert alive and codes[survivor] == 0, logs[survivor].read_text()[-3000:]
+    for tenant in tenants:
+        verdict = await tenant.verdict(services)
+        assert verdict.delivered >= 800, verdict.summary()  # copies: the victim's lost marks
+        assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], [])
 
 
 def test_exactly_once_with_sources_is_refused_at_start(

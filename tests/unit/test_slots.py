@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import asyncpg
 import pytest
 from pydantic import SecretStr
 
@@ -17,9 +18,12 @@ from outbox_dispatcher.config.outboxes import Outbox, Source
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.databases import pool_size_of
 from outbox_dispatcher.dispatch.fleet import FleetDispatcher
-from outbox_dispatcher.dispatch.outboxes import OutboxRuntime, key_of
+from outbox_dispatcher.dispatch.outboxes import OutboxRuntime, Shared, key_of
 from outbox_dispatcher.dispatch.slots import ClaimSlots
 from outbox_dispatcher.health import Heartbeats
+from outbox_dispatcher.metrics import Metrics
+from outbox_dispatcher.retries import RetryPolicy
+from outbox_dispatcher.store import listen
 
 BATCH = 10
 ORDER: list[str] = []  # the schemas of the turns taken, in order
@@ -187,8 +191,8 @@ async def test_an_outbox_let_go_during_its_claim_is_never_granted_again() -> Non
 
 def test_the_connection_budget_is_split_between_databases() -> None:
     settings = Settings(max_connections=10, claim_tasks=2)
-    assert pool_size_of(settings, 1) == 4  # pool_size: claim_tasks + 2, under 10 - 2
-    assert pool_size_of(settings, 2) == 3  # 5 each: discovery, LISTEN and 3 pooled
+    assert pool_size_of(settings, 1) == 4  # pool_size: claim_tasks + 2, under 10 - 1 - 2
+    assert pool_size_of(settings, 2) == 2  # membership 1; 4 each: discovery, LISTEN, 2 pooled
     assert pool_size_of(Settings(max_connections=0), 7) == Settings().effective_pool_size
     with pytest.raises(errors.ConfigurationError, match="OUTBOX_MAX_CONNECTIONS=10 is too few"):
         pool_size_of(settings, 4)
@@ -202,3 +206,38 @@ async def test_exactly_once_with_sources_is_refused_before_connecting_anything()
     assert refused.value.retriable is False
     assert isinstance(refused.value, errors.OutboxDispatcherError)
     assert "OUTBOX_DELIVERY=at-least-once" in str(refused.value)
+
+
+def test_a_database_listen_channels_route_each_notification_to_its_outbox() -> None:
+    woken: list[str] = []
+    channels = listen.Channels("db:5432/app")
+    channels.set({"tenant_a.outbox": lambda: woken.append("a")})
+    assert channels.changed.is_set()
+    channels.changed.clear()
+    channels.set({"tenant_a.outbox": lambda: woken.append("a2")})  # same channels: no change
+    assert not channels.changed.is_set()
+    channels.set(
+        {"tenant_a.outbox": lambda: woken.append("a"), "b.outbox": lambda: woken.append("b")}
+    )
+    assert channels.changed.is_set()
+    channels.wake(None, 1, "b.outbox", "")
+    channels.wake(None, 1, "gone.outbox", "")  # an outbox let go: nothing
+    channels.wake(None, 1, "tenant_a.outbox", "")
+    assert woken == ["b", "a"]
+
+
+class DroppedTable:
+    """A connection to a database whose outbox schema was just dropped."""
+
+    async def fetch(self, query: str, *args: object) -> list[object]:
+        raise asyncpg.UndefinedTableError("relation does not exist")
+
+
+async def test_a_table_dropped_under_an_outbox_is_its_failure_never_the_process() -> None:
+    settings = Settings(backoff_initial_seconds=0.1)
+    shared = Shared(settings, "me", cast(Any, None), Metrics(), RetryPolicy(settings), 2.0)
+    outbox = Outbox(Source(URL, "tenant_*", "outbox"), "tenant_gone")
+    runtime = OutboxRuntime(outbox, cast(Any, DroppedTable()), 16, shared)
+    assert await runtime.turn(lambda: None) == 0
+    assert runtime.retry_in is not None  # backs off alone
+    assert await runtime.idle() is True  # claim once more: that claim backs it off
