@@ -181,9 +181,13 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
             pytest.skip(found)
         yield from _container_services(found, tmp_path_factory.mktemp("containers"))
         return
+    # Unset: services.sh's ports (OUTBOX_SERVICES_*), so that a second clone with services of
+    # its own on other ports never runs its tests against the first clone's.
+    pg_port = os.environ.get("OUTBOX_SERVICES_PG_PORT", "5432")
+    kafka_port = os.environ.get("OUTBOX_SERVICES_KAFKA_PORT", "9092")
     yield Services(
-        database_url=db_url or "postgresql://outbox:outbox@127.0.0.1:5432/outbox",
-        kafka_bootstrap_servers=kafka or "127.0.0.1:9092",
+        database_url=db_url or f"postgresql://outbox:outbox@127.0.0.1:{pg_port}/outbox",
+        kafka_bootstrap_servers=kafka or f"127.0.0.1:{kafka_port}",
         control=SERVICES_SCRIPT if SERVICES_SCRIPT.exists() else None,
     )
 
