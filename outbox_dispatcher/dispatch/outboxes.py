@@ -10,7 +10,6 @@ does."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -18,13 +17,12 @@ from typing import Any, NoReturn
 
 import structlog
 
-from outbox_dispatcher import cleanup, errors, registry
+from outbox_dispatcher import errors, registry
 from outbox_dispatcher.config.outboxes import Outbox
 from outbox_dispatcher.config.settings import DeadLetterPolicy, Settings
-from outbox_dispatcher.dispatch import leases
+from outbox_dispatcher.dispatch import leases, upkeep
 from outbox_dispatcher.dispatch.batch import BatchRun, Publishing, Settling
 from outbox_dispatcher.dispatch.claimer import Claimer
-from outbox_dispatcher.dispatch.every import Warn, every
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.wakeup import Waiting
 from outbox_dispatcher.health import Heartbeats
@@ -161,25 +159,10 @@ class OutboxRuntime:
         found: dict[str, Callable[[], Loop]] = {
             "lease-keeper": lambda: leases.keep_leases(self.store, s, self.in_flight, beats),
             "reclaimer": lambda: leases.reclaim(self.store, s, m),
-            "heartbeat": lambda: every(
-                registry.HEARTBEAT_SECONDS,
-                heartbeat.beat,
-                log=registry.log,
-                failed="heartbeat_failed",
-                tolerated=registry.Heartbeat.TOLERATED,
-                wait_first=False,
-                warn=Warn.ONCE,
-                context=lambda: {"hint": registry.Heartbeat.HINT, "source": self.label},
-            ),
+            "heartbeat": lambda: upkeep.heartbeat(heartbeat, source=self.label),
         }
-        if s.retention_seconds > 0 and not s.delete_on_publish:
-            found["retention"] = lambda: every(
-                s.cleanup_interval_seconds,
-                functools.partial(cleanup.retention_step, self.store, s),
-                log=cleanup.log,
-                failed="retention_failed",
-                tolerated=db.RETRIABLE_ERRORS,
-            )
+        if upkeep.wants_retention(s):
+            found["retention"] = lambda: upkeep.retention(self.store, s)
         return {name: self._isolated(name, make) for name, make in found.items()}
 
     async def _isolated(self, name: str, make: Callable[[], Loop]) -> NoReturn:

@@ -20,13 +20,13 @@ from typing import Any, NoReturn
 
 import structlog
 
-from outbox_dispatcher import cleanup, errors, metrics, registry
+from outbox_dispatcher import errors, metrics, registry
 from outbox_dispatcher.config.settings import DeadLetterPolicy, DeliveryMode, Settings
-from outbox_dispatcher.dispatch import leases
+from outbox_dispatcher.dispatch import leases, upkeep
 from outbox_dispatcher.dispatch.batch import SettleConfig, Settling
 from outbox_dispatcher.dispatch.claim_loop import ClaimLoop, ClaimLoopConfig, Shared
 from outbox_dispatcher.dispatch.claimer import Claimer
-from outbox_dispatcher.dispatch.every import Warn, every
+from outbox_dispatcher.dispatch.every import every
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.wakeup import Waiting, Wakeup
 from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
@@ -270,14 +270,8 @@ class Dispatcher:
                 metrics=self.metrics.exposition,
             )
             side["http"] = self._http.serve()
-        if s.retention_seconds > 0 and not s.delete_on_publish:
-            side["retention"] = every(
-                s.cleanup_interval_seconds,
-                functools.partial(cleanup.retention_step, store, s),
-                log=cleanup.log,
-                failed="retention_failed",
-                tolerated=db.RETRIABLE_ERRORS,
-            )
+        if upkeep.wants_retention(s):
+            side["retention"] = upkeep.retention(store, s)
         return side
 
     async def _sample_gauges(self, store: DispatchStore) -> NoReturn:
@@ -295,16 +289,7 @@ class Dispatcher:
 
     async def _beat(self, store: DispatchStore) -> NoReturn:
         heartbeat = registry.Heartbeat(store, self.settings, self.owner, self.metrics.totals)
-        await every(
-            registry.HEARTBEAT_SECONDS,
-            heartbeat.beat,
-            log=registry.log,
-            failed="heartbeat_failed",
-            tolerated=registry.Heartbeat.TOLERATED,
-            wait_first=False,
-            warn=Warn.ONCE,
-            context=lambda: {"hint": registry.Heartbeat.HINT},
-        )
+        await upkeep.heartbeat(heartbeat)
 
     async def _readiness(self, store: DispatchStore, publisher: Publisher) -> Readiness:
         checks: dict[str, str] = {}
