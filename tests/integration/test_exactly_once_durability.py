@@ -29,30 +29,16 @@ from tests.checker import verdict_for
 
 from .helpers import Services, count, insert_sequenced, wait_all_settled, wait_until
 from .test_chaos import assert_sound, control, fleet, report, restarts
+from .test_exactly_once_faults import eos
 
 pytestmark = pytest.mark.integration
+FIXTURES = (eos,)  # test_exactly_once_faults.py's, used here by name
 
 
 # Every process that flushes WAL other than a commit's own backend: the WAL writer, the
 # background writer and checkpointer (a dirty page written out flushes the WAL before it), and
 # autovacuum (an ANALYZE of the fresh table commits with the server's synchronous_commit, on).
 WRITERS = ("walwriter", "background writer", "checkpointer", "autovacuum launcher")
-
-
-@pytest.fixture
-def eos(make_settings: Any, topic: str) -> Callable[..., Settings]:
-    def make(**overrides: Any) -> Settings:
-        values: dict[str, Any] = {
-            "log_format": "json",
-            "delivery": "exactly-once",
-            "progress_topic": f"progress-{topic}",
-            "transaction_timeout_seconds": 2.0,
-            "lease_seconds": 4.0,
-        }
-        settings: Settings = make_settings(**(values | overrides))
-        return settings
-
-    return make
 
 
 async def _writers(conn: asyncpg.Connection) -> dict[int, str]:
@@ -121,7 +107,7 @@ async def test_a_database_crash_after_the_marks_sends_nothing_again(
     assert sorted(writers.values()) == sorted(WRITERS), writers
     # One lane, two batches: the second transaction's progress record no longer lists the first
     # batch (marked by then), as under any steady load.
-    settings = eos(claim_tasks=1, batch_size=25)
+    settings = eos(claim_tasks=1, batch_size=25, lease_seconds=4.0)
     bootstrap = services.kafka_bootstrap_servers
     async with restarts(services, "pg"), fleet(settings, tmp_path, 1) as f:
         with stopped(writers):
