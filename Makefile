@@ -155,4 +155,5 @@ chaos: install services
 		tests/integration/test_pgbouncer.py tests/integration/test_long_transactions.py \
 		tests/integration/test_visibility.py tests/integration/test_bad_input.py \
 		tests/integration/test_cluster.py tests/integration/test_exactly_once_faults.py \
+		tests/integration/test_chaos_sources.py \
 		-v -s -rxX $(PYTEST_ARGS)

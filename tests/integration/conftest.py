@@ -414,3 +414,23 @@ def _port_open(host: str, port: int) -> bool:
     with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=2):
         return True
     return False
+
+
+@pytest.fixture
+async def databases(services: Services) -> AsyncIterator[tuple[str, str]]:
+    """Two databases of their own for the many-outboxes tests; the first is the home database,
+    with the fleet's membership table (as `migrate` makes it)."""
+    from outbox_dispatcher.store.fleet import FleetStore
+
+    from .sources_helpers import fresh_database  # it imports this module
+
+    async with (
+        fresh_database(services.database_url) as a,
+        fresh_database(services.database_url) as b,
+    ):
+        conn = await asyncpg.connect(a)
+        try:
+            await FleetStore(conn).create()
+        finally:
+            await conn.close()
+        yield a, b

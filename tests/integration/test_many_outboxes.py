@@ -19,7 +19,6 @@ import asyncpg
 import pytest
 
 from outbox_dispatcher.store import db
-from outbox_dispatcher.store.fleet import FleetStore
 
 from .helpers import (
     Services,
@@ -34,7 +33,7 @@ from .helpers import (
     wait_started,
     wait_until,
 )
-from .sources_helpers import execute, fresh_database, migrate
+from .sources_helpers import execute, migrate
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -83,22 +82,6 @@ class Tenant:
         expected = await self.count()
         records = await consume(services.kafka_bootstrap_servers, self.topic, expected)
         return check(records, await self.event_ids())
-
-
-@pytest.fixture
-async def databases(services: Services) -> AsyncIterator[tuple[str, str]]:
-    """Two databases; the first is the home database, with the fleet's membership table (as
-    `migrate` makes it)."""
-    async with (
-        fresh_database(services.database_url) as a,
-        fresh_database(services.database_url) as b,
-    ):
-        conn = await asyncpg.connect(a)
-        try:
-            await FleetStore(conn).create()
-        finally:
-            await conn.close()
-        yield a, b
 
 
 def fleet_settings(make_settings: Any, url: str, sources: list[dict[str, Any]], **more: Any) -> Any:
