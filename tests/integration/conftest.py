@@ -327,6 +327,8 @@ def make_settings(services: Services, database_url: str) -> Any:
             "log_format": "console",
             "http_port": 0,  # a free port: several dispatchers run at once
         }
+        unknown = set(overrides) - set(Settings.model_fields)
+        assert not unknown, f"not settings (the model ignores them): {sorted(unknown)}"
         values.update(overrides)
         return Settings(**values)
 

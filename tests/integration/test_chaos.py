@@ -16,7 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.store import migrations
 from tests.checker import Verdict, verdict_for
 
 from .helpers import (
@@ -488,70 +489,137 @@ async def test_crashes_kill_9_under_load(
     assert max(since_kill, default=0) <= lease + poll + 5.0, sorted(since_kill)[-5:]
 
 
+@pytest.mark.parametrize("outboxes", [1, 2], ids=["one_outbox", "two_sharing_the_progress"])
 async def test_exactly_once_kill_9_under_load(
+    outboxes: int,
     conn: asyncpg.Connection,
     database_url: str,
     services: Services,
     topic: str,
+    make_topic: Callable[[], Awaitable[str]],
     chaos_settings: Callable[..., Settings],
     tmp_path: Path,
     record_property: Any,
 ) -> None:
     """The crash scenario above in OUTBOX_DELIVERY=exactly-once: no row reaches a
     read_committed consumer twice; a read_uncommitted one sees the killed processes' aborted
-    copies (the same checker finds them: the check can fail)."""
+    copies (the same checker finds them: the check can fail). With two outboxes (a second
+    table in schema `second`, its own fleet, writer and data topic) both write to one progress
+    topic, as the docs allow: each one's takeovers read the other's records and must take none
+    of them for their own."""
     lease, poll = 3.0, 0.2
-    settings = chaos_settings(
-        delivery="exactly-once",
-        progress_topic=f"progress-{topic}",
-        transaction_timeout_seconds=2.0,
-        claim_tasks=2,
-        batch_size=50,
-        lease_seconds=lease,
-        poll_interval_seconds=poll,
-        kafka_linger_ms=200,
-    )
+    common: dict[str, Any] = {
+        "delivery": "exactly-once",
+        "progress_topic": f"progress-{topic}",
+        "transaction_timeout_seconds": 2.0,
+        "claim_tasks": 2,
+        "batch_size": 50,
+        "lease_seconds": lease,
+        "poll_interval_seconds": poll,
+        "kafka_linger_ms": 200,
+    }
     duration = scale(30, 180)
     rng = random.Random(os.getpid())
-    writer = Writer(database_url, topic, [f"key-{k}" for k in range(100)], rate=scale(300, 500))
+    rate = scale(300, 500) / outboxes
+    tables = [Table(database_url, topic, tmp_path / "public", chaos_settings(**common))]
+    if outboxes == 2:
+        await migrations.migrate(conn, "second", "outbox")
+        url = f"{database_url}?search_path=second"
+        settings = chaos_settings(**common, db_schema="second")
+        tables.append(Table(url, await make_topic(), tmp_path / "second", settings))
     kills = 0
-    async with fleet(settings, tmp_path, 3) as f, writing(writer):
+    async with contextlib.AsyncExitStack() as stack:
+        fleets = [
+            await stack.enter_async_context(t.fleet(3 if i == 0 else 2))
+            for i, t in enumerate(tables)
+        ]
+        writers = [
+            await stack.enter_async_context(writing(Writer(t.url, t.topic, t.keys(), rate)))
+            for t in tables
+        ]
         end = time.monotonic() + duration
         while time.monotonic() < end:
             await asyncio.sleep(rng.uniform(2.0, 4.0))
-            slot = await busy_slot(conn, f, rng)
+            which = rng.randrange(len(tables))
+            f, table_conn = fleets[which], await tables[which].connect()
+            try:
+                slot = await busy_slot(table_conn, f, rng)
+            finally:
+                await table_conn.close()
             await asyncio.to_thread(kill9, f.slots[slot])
             kills += 1
             f.start(slot)
-        await writer.finish()
-        await wait_all_settled(conn, scale(120, 300))
-    verdict = await verdict_for(
-        database_url, services.kafka_bootstrap_servers, [topic], timeout=scale(120, 600)
-    )
-    uncommitted = await verdict_for(
-        database_url,
-        services.kafka_bootstrap_servers,
-        [topic],
-        timeout=scale(120, 600),
-        isolation="read_uncommitted",
-    )
-    logs = await asyncio.to_thread(lambda: sorted(tmp_path.glob("d*.log")))
-    found_committed = sum(len(log_events(path, "takeover_found_committed")) for path in logs)
-    report(
-        "exactly_once_crashes",
-        verdict,
-        record_property,
-        events=verdict.delivered,
-        seconds=duration,
-        kills=kills,
-        read_uncommitted_copies=uncommitted.duplicates,
-        takeovers_that_found_committed_batches=found_committed,
-        writer_rows=writer.attempted,
-    )
-    assert_sound(verdict)
+        for w in writers:
+            await w.finish()
+        for t in tables:
+            await t.settled(scale(120, 300))
+    for t, w in zip(tables, writers, strict=True):
+        verdict = await t.verdict(services, "read_committed")
+        uncommitted = await t.verdict(services, "read_uncommitted")
+        logs = await asyncio.to_thread(t.logs_of)
+        found_committed = sum(len(log_events(path, "takeover_found_committed")) for path in logs)
+        report(
+            "exactly_once_crashes" + ("" if outboxes == 1 else f"_two_outboxes:{t.logs.name}"),
+            verdict,
+            record_property,
+            events=verdict.delivered,
+            seconds=duration,
+            kills=kills,
+            read_uncommitted_copies=uncommitted.duplicates,
+            takeovers_that_found_committed_batches=found_committed,
+            writer_rows=w.attempted,
+        )
+        assert_sound(verdict)
+        assert verdict.duplicates == 0, verdict.summary()
+        assert verdict.dead == [], verdict.summary()
     assert kills >= 5
-    assert verdict.duplicates == 0, verdict.summary()
-    assert await count(conn, "dead_at IS NOT NULL") == 0
+
+
+@dataclass
+class Table:
+    """One outbox of a scenario: its URL (search_path set for a second schema), data topic,
+    log folder and dispatcher settings."""
+
+    url: str
+    topic: str
+    logs: Path
+    settings: Settings
+
+    def keys(self) -> list[str]:
+        return [f"key-{k}" for k in range(100)]
+
+    def logs_of(self) -> list[Path]:
+        return sorted(self.logs.glob("d*.log"))
+
+    def fleet(self, n: int) -> contextlib.AbstractAsyncContextManager[Fleet]:
+        self.logs.mkdir(exist_ok=True)
+        return fleet(self.settings, self.logs, n)
+
+    async def connect(self) -> asyncpg.Connection:
+        return await asyncpg.connect(self.url)
+
+    async def settled(self, timeout: float) -> None:
+        conn = await self.connect()
+        try:
+            await wait_all_settled(conn, timeout)
+        except AssertionError as exc:
+            work = await conn.fetch(
+                "SELECT state, claim_token IS NOT NULL AS leased, claim_expires_at < now()"
+                " AS expired, reconcile_owner IS NOT NULL AS duty, count(*) AS keys"
+                " FROM outbox_work GROUP BY 1, 2, 3, 4"
+            )
+            raise AssertionError(f"{self.logs.name}: {[dict(r) for r in work]}") from exc
+        finally:
+            await conn.close()
+
+    async def verdict(self, services: Services, isolation: str) -> Verdict:
+        return await verdict_for(
+            self.url,
+            services.kafka_bootstrap_servers,
+            [self.topic],
+            timeout=scale(120, 600),
+            isolation=isolation,
+        )
 
 
 async def busy_slot(conn: asyncpg.Connection, f: Fleet, rng: random.Random) -> int:
