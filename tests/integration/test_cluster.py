@@ -12,6 +12,7 @@ short version; OUTBOX_CHAOS=full the long one (`make chaos`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import signal
 import socket
@@ -25,13 +26,14 @@ from typing import Any
 import asyncpg
 import orjson
 import pytest
+from aiokafka import AIOKafkaConsumer
 from aiokafka.partitioner import murmur2
 
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka.publisher import KafkaPublisher, all_outcomes
 from outbox_dispatcher.models import OutboxRecord
-from tests.checker import Verdict, verdict_for
+from tests.checker import EVENT_ID_HEADER, Verdict, verdict_for
 from tests.faultproxy import FaultProxy
 
 from .cluster import Cluster, LogBatch
@@ -92,6 +94,64 @@ async def latency_p99(conn: asyncpg.Connection, topic: str, since: float, until:
         until,
     )
     return round(float(value or 0), 2)
+
+
+class ReadTimes:
+    """When each row of a topic became readable to a read_committed consumer (review D1: the
+    mark is not what a consumer sees: an open transaction on a partition hides later committed
+    records there until it ends). Consumes from the start in the background."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.seen: dict[str, float] = {}  # event id: wall clock when first read
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> ReadTimes:
+        consumer = AIOKafkaConsumer(
+            self.topic,
+            bootstrap_servers=self.bootstrap,
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+            isolation_level="read_committed",
+        )
+        await consumer.start()
+        self._task = asyncio.create_task(self._read(consumer))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    async def _read(self, consumer: AIOKafkaConsumer) -> None:
+        try:
+            while True:
+                batch = await consumer.getmany(timeout_ms=200)
+                now = time.time()
+                for records in batch.values():
+                    for r in records:
+                        event_id = dict(r.headers or ()).get(EVENT_ID_HEADER)
+                        if event_id is not None:
+                            self.seen.setdefault(event_id.decode(), now)
+        finally:
+            await consumer.stop()
+
+    async def p99(self, conn: asyncpg.Connection, since: float, until: float) -> float:
+        """p99 of (first read - created_at) over the topic's rows created in [since, until)
+        (epoch seconds); a row never read counts from now."""
+        rows = await conn.fetch(
+            "SELECT event_id::text AS event_id, extract(epoch FROM created_at) AS created"
+            " FROM outbox WHERE topic = $1 AND created_at >= to_timestamp($2)"
+            " AND created_at < to_timestamp($3)",
+            self.topic,
+            since,
+            until,
+        )
+        now = time.time()
+        waits = sorted(self.seen.get(r["event_id"], now) - float(r["created"]) for r in rows)
+        return round(waits[int(0.99 * (len(waits) - 1))], 2) if waits else 0.0
 
 
 # --- a. leader failover ----------------------------------------------------------------------
@@ -295,6 +355,7 @@ async def not_enough_replicas_run(
     outage = scale(20, 120)
     async with (
         fleet(settings, tmp_path, 2) as f,
+        ReadTimes(cluster.bootstrap, other) as other_read,
         writing(strict_writer),
         writing(other_writer),
     ):
@@ -320,6 +381,8 @@ async def not_enough_replicas_run(
         )
         other_p99_before = await latency_p99(conn, other, warm, stopped)
         other_p99_during = await latency_p99(conn, other, stopped + 2, ended - 5)
+        other_read_p99_before = await other_read.p99(conn, warm, stopped)
+        other_read_p99_during = await other_read.p99(conn, stopped + 2, ended - 5)
         await cluster.start(3)
         await cluster.wait_fully_replicated(strict)
         recovered = time.time()
@@ -339,6 +402,8 @@ async def not_enough_replicas_run(
         "other_rows_published_during_outage": other_flowed,
         "other_p99_latency_before_s": other_p99_before,
         "other_p99_latency_during_s": other_p99_during,
+        "other_read_committed_p99_before_s": other_read_p99_before,
+        "other_read_committed_p99_during_s": other_read_p99_during,
         "in_sync_again_after_restart_s": round(recovered - ended, 2),
         "dead_lettered": dead,
         "rows_given_back_after_publish_timeout": given_back(f),
