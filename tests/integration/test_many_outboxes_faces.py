@@ -5,16 +5,24 @@ listing the choices, when it names none or several."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from outbox_dispatcher.cli import EXIT_OK, EXIT_USAGE
+from outbox_dispatcher.config.settings import Settings
+
 from .helpers import (
+    Ran,
     Services,
     http_get,
     log_events,
+    settings_env,
     spawn,
     stop_all,
     wait_started,
@@ -126,3 +134,152 @@ async def test_single_table_metrics_keep_no_source_label(
     exposition = body.decode()
     assert () in samples(exposition, "outbox_pending_rows")
     assert "source=" not in exposition
+
+
+async def command(settings: Settings, *args: str) -> Ran:
+    """`outbox-dispatcher ARGS` with these settings but no OUTBOX_SCHEMA or OUTBOX_TABLE (with
+    OUTBOX_SOURCES, OUTBOX_SCHEMA is a filter, as --schema)."""
+    env = {
+        k: v
+        for k, v in settings_env(settings).items()
+        if k not in ("OUTBOX_SCHEMA", "OUTBOX_TABLE")
+    }
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "outbox_dispatcher",
+        *args,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 120)
+    assert process.returncode is not None
+    return Ran(process.returncode, out.decode(), err.decode())
+
+
+SOURCES = "tenants/tenant_a", "tenants/tenant_b", "shard_b", "billing"
+
+
+async def four_outboxes(
+    databases: tuple[str, str], make_topic: MakeTopic, make_settings: Any
+) -> tuple[Settings, list[Tenant]]:
+    """Two tenant schemas of a pattern and a literal `billing` that is missing in the first
+    database, a named source in the second; rows pending in each table (5, 7 and 3)."""
+    a, b = databases
+    await migrate(a, "tenant_a", "tenant_b")
+    await migrate(b, "public")
+    tenants = [Tenant(a, "tenant_a", await make_topic()), Tenant(a, "tenant_b", await make_topic())]
+    tenants.append(Tenant(b, "public", await make_topic()))
+    for tenant, n in zip(tenants, (5, 7, 3), strict=True):
+        await tenant.insert(keys=n, per_key=1)
+    settings = fleet_settings(
+        make_settings,
+        a,
+        [
+            {"schema": "tenant_*", "name": "tenants"},
+            {"schema": "billing", "name": "billing"},
+            {"schema": "public", "database_url": b, "name": "shard_b"},
+        ],
+    )
+    return settings, tenants
+
+
+async def test_status_lists_every_outbox_of_every_source_and_filters_them(
+    services: Services, databases: tuple[str, str], make_topic: MakeTopic, make_settings: Any
+) -> None:
+    settings, tenants = await four_outboxes(databases, make_topic, make_settings)
+    ran = await command(settings, "status", "--json")
+    assert ran.code == EXIT_OK, ran.err
+    found = json.loads(ran.out)
+    outboxes = {o["source"]: o for o in found["outboxes"]}
+    assert set(outboxes) == set(SOURCES)
+    states = {label: o["state"] for label, o in outboxes.items()}
+    assert states == {
+        "tenants/tenant_a": "ready",
+        "tenants/tenant_b": "ready",
+        "shard_b": "ready",
+        "billing": "missing",
+    }
+    pending = {
+        label: o["status"]["totals"]["pending"] for label, o in outboxes.items() if o["status"]
+    }
+    assert pending == {"tenants/tenant_a": 5, "tenants/tenant_b": 7, "shard_b": 3}
+    assert outboxes["billing"]["status"] is None and "billing" in outboxes["billing"]["reason"]
+    assert outboxes["shard_b"]["schema"] == "public"
+    assert outboxes["tenants/tenant_a"]["status"]["totals"]["oldest_pending_age_seconds"] > 0
+    assert found["totals"]["pending"] == 15
+    assert len(found["databases"]) == 2 and all(d["reachable"] for d in found["databases"])
+    assert "postgresql://" not in ran.out
+    assert "outbox_ready" not in ran.err, ran.err  # the registry's lines are the data printed
+    # --schema (a name or a pattern) and --source filter.
+    ran = await command(settings, "status", "--json", "--schema", "tenant_b")
+    assert [o["source"] for o in json.loads(ran.out)["outboxes"]] == ["tenants/tenant_b"]
+    ran = await command(settings, "status", "--json", "--source", "tenants")
+    labels = [o["source"] for o in json.loads(ran.out)["outboxes"]]
+    assert sorted(labels) == ["tenants/tenant_a", "tenants/tenant_b"]
+    ran = await command(settings, "status", "--source", "shard_b")
+    assert ran.code == EXIT_OK, ran.err
+    lines = ran.out.splitlines()
+    assert lines[1].split()[:4] == ["shard_b", "public.outbox", "of", lines[1].split()[3]]
+    assert tenants[2].topic in ran.out  # one outbox named: its topics as well
+    assert "tenant_a" not in ran.out
+    ran = await command(settings, "status", "--source", "nope")
+    assert ran.code == EXIT_USAGE
+    assert "no outbox matches --source nope: the outboxes are" in ran.err
+    assert all(label in ran.err for label in SOURCES), ran.err
+
+
+async def test_operator_commands_act_on_the_one_outbox_a_filter_names(
+    services: Services,
+    databases: tuple[str, str],
+    make_topic: MakeTopic,
+    make_settings: Any,
+    tmp_path: Path,
+) -> None:
+    settings, tenants = await four_outboxes(databases, make_topic, make_settings)
+    topic_b = tenants[1].topic
+    # None named, several named: refused, with the choices.
+    ran = await command(settings, "pause", "--yes")
+    assert ran.code == EXIT_USAGE
+    assert "no filter matches 4 outboxes" in ran.err and "--source" in ran.err, ran.err
+    ran = await command(settings, "pause", "--yes", "--source", "tenants")
+    assert ran.code == EXIT_USAGE
+    assert "--source tenants matches 2 outboxes (tenants/tenant_a" in ran.err, ran.err
+    assert "shard_b" not in ran.err
+    # One named: it is paused, and no other.
+    ran = await command(
+        settings, "pause", "--yes", "--source", "tenants/tenant_b", "--topic", topic_b
+    )
+    assert ran.code == EXIT_OK, ran.err
+    found = json.loads((await command(settings, "status", "--json")).out)
+    paused = {
+        o["source"]: [p["topic"] for p in o["status"]["pauses"]]
+        for o in found["outboxes"]
+        if o["status"]
+    }
+    assert paused == {"tenants/tenant_a": [], "tenants/tenant_b": [topic_b], "shard_b": []}
+    ran = await command(
+        settings, "resume", "--source", "tenants", "--schema", "tenant_b", "--topic", topic_b
+    )
+    assert ran.code == EXIT_OK, ran.err
+    found = json.loads((await command(settings, "status", "--json")).out)
+    assert not any(o["status"]["pauses"] for o in found["outboxes"] if o["status"])
+    # Published by a fleet process, then replayed in one outbox only.
+    log = tmp_path / "fleet.log"
+    process = spawn(settings, log)
+    try:
+        for tenant in tenants:
+            await tenant.all_published()
+    finally:
+        assert stop_all([process]) == [0], log.read_text()[-3000:]
+    ran = await command(settings, "replay", "--all", "--yes", "--source", "shard_b")
+    assert ran.code == EXIT_OK, ran.err
+    assert [await t.pending() for t in tenants] == [0, 0, 3]
+    ran = await command(settings, "dead", "list", "--json", "--source", "tenants/tenant_a")
+    assert (ran.code, json.loads(ran.out)) == (EXIT_OK, [])
+    # --source without OUTBOX_SOURCES: refused.
+    one = make_settings(database_url=databases[0], db_schema="tenant_a")
+    ran = await command(one, "pause", "--yes", "--source", "shard_b")
+    assert ran.code == EXIT_USAGE and "--source needs OUTBOX_SOURCES" in ran.err, ran.err
