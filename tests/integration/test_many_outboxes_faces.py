@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -159,6 +161,18 @@ async def command(settings: Settings, *args: str) -> Ran:
     return Ran(process.returncode, out.decode(), err.decode())
 
 
+def spawn_with(env: dict[str, str], log: Path, *args: str) -> subprocess.Popen[bytes]:
+    """`outbox-dispatcher ARGS` as a process of its own with `env`, its output in `log`."""
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "outbox_dispatcher", *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
 SOURCES = "tenants/tenant_a", "tenants/tenant_b", "shard_b", "billing"
 
 
@@ -283,3 +297,43 @@ async def test_operator_commands_act_on_the_one_outbox_a_filter_names(
     one = make_settings(database_url=databases[0], db_schema="tenant_a")
     ran = await command(one, "pause", "--yes", "--source", "shard_b")
     assert ran.code == EXIT_USAGE and "--source needs OUTBOX_SOURCES" in ran.err, ran.err
+
+
+async def test_the_console_serves_the_one_outbox_a_filter_names(
+    services: Services,
+    databases: tuple[str, str],
+    make_topic: MakeTopic,
+    make_settings: Any,
+    tmp_path: Path,
+) -> None:
+    settings, _ = await four_outboxes(databases, make_topic, make_settings)
+    ran = await command(settings, "console")
+    assert ran.code == EXIT_USAGE
+    assert "no filter matches 4 outboxes" in ran.err and "shard_b" in ran.err, ran.err
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {
+        k: v
+        for k, v in settings_env(settings).items()
+        if k not in ("OUTBOX_SCHEMA", "OUTBOX_TABLE")
+    }
+    env |= {"OUTBOX_CONSOLE_PORT": str(port), "OUTBOX_CONSOLE_ANONYMOUS_READ": "true"}
+    log = tmp_path / "console.log"
+    console = spawn_with(env, log, "console", "--source", "shard_b")
+    answer: dict[str, Any] = {}
+    try:
+
+        async def answers() -> bool:
+            nonlocal answer
+            try:
+                status, body = await http_get(port, "/api/v1/status")
+            except OSError:
+                return False
+            answer = json.loads(body) if status == 200 else {}
+            return status == 200
+
+        await wait_until(answers, 60, "the console to answer")
+    finally:
+        assert stop_all([console]) == [0], log.read_text()[-3000:]
+    assert answer["totals"]["pending"] == 3, answer  # shard_b's rows, not the tenants'
