@@ -129,8 +129,13 @@ async def test_single_table_metrics_keep_no_source_label(
     process = spawn(settings, log)
     try:
         await wait_started([log])
-        (listening,) = log_events(log, "http_listening")
-        _, body = await http_get(listening["port"], "/metrics")
+
+        async def listening() -> bool:
+            return bool(log_events(log, "http_listening"))
+
+        await wait_until(listening, 30, "the metrics endpoint")
+        (found,) = log_events(log, "http_listening")
+        _, body = await http_get(found["port"], "/metrics")
     finally:
         stop_all([process])
     exposition = body.decode()
