@@ -213,6 +213,7 @@ async def _console(settings: Settings, ns: argparse.Namespace) -> int:
             raise
         raise errors.ConfigurationError(NO_WEB_STACK.format(missing=name)) from None
 
+    fleet = sources_of(settings) if settings.sources is not None else ()
     settings = await sources.target(settings, ns.source)
     # The schema is checked once before serving, so that a wrong database fails at start.
     async with connected(settings):
@@ -226,5 +227,5 @@ async def _console(settings: Settings, ns: argparse.Namespace) -> int:
         trusted_proxies=settings.console_trusted_proxies,
         show_payload=settings.console_show_payload,
     )
-    await console.serve(settings)
+    await console.serve(settings, fleet)
     return EXIT_OK

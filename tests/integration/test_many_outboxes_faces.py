@@ -1,7 +1,8 @@
 """The faces of many outboxes (issue 36, OUTBOX_SOURCES) against real PostgreSQL and Kafka: the
 metrics of a fleet process carry a bounded `source` label; `status` lists every outbox of every
-source and filters them; the operator commands act on the one outbox a filter names and refuse,
-listing the choices, when it names none or several."""
+source and filters them; the operator commands and the console act on the one outbox a filter
+names and refuse, listing the choices, when it names none or several; the console's sources page
+lists every outbox."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from outbox_dispatcher.cli import EXIT_OK, EXIT_USAGE
 from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.console import create_app
 
 from .helpers import (
     Ran,
@@ -339,6 +342,32 @@ async def test_the_console_serves_the_one_outbox_a_filter_names(
             return status == 200
 
         await wait_until(answers, 60, "the console to answer")
+        # Its sources page: every outbox with its state and backlog, the served one marked.
+        status, body = await http_get(port, "/api/v1/sources")
+        listed = json.loads(body)
+        _, page = await http_get(port, "/sources")
     finally:
         assert stop_all([console]) == [0], log.read_text()[-3000:]
     assert answer["totals"]["pending"] == 3, answer  # shard_b's rows, not the tenants'
+    assert status == 200, listed
+    outboxes = {o["source"]: o for o in listed["outboxes"]}
+    assert set(outboxes) == set(SOURCES)
+    assert [label for label, o in outboxes.items() if o["served"]] == ["shard_b"]
+    assert {label: o["state"] for label, o in outboxes.items()}["billing"] == "missing"
+    waiting = {label: o["totals"]["waiting"] for label, o in outboxes.items() if o["totals"]}
+    assert waiting == {"tenants/tenant_a": 5, "tenants/tenant_b": 7, "shard_b": 3}
+    html = page.decode()
+    assert all(label in html for label in SOURCES)
+    assert '<a href="/">shard_b</a>' in html
+    assert "postgresql://" not in body.decode() + html
+
+
+async def test_a_single_table_console_has_no_sources_page(make_settings: Any) -> None:
+    app = create_app(make_settings(console_anonymous_read=True), sample=False)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+        answer = await c.get("/api/v1/sources")
+        page = await c.get("/")
+    assert answer.status_code == 404
+    assert "OUTBOX_SOURCES is not set" in answer.json()["error"]
+    assert 'href="/sources"' not in page.text
