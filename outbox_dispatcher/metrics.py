@@ -4,9 +4,10 @@ Every name has the `outbox_` prefix; labels are limited to topic, reason and ste
 Each Dispatcher owns a registry (several dispatchers in one test process do not mix); the table
 gauges are sampled from the database every metrics_interval_seconds by `sample`.
 
-A process serving many outboxes (OUTBOX_SOURCES) registers the per-outbox families (`PER_SOURCE`)
-with a first label `source`, bounded by `SourceLabels` (source_metrics.py binds one outbox's
-view); the single-table process keeps its series unlabelled, as its dashboards know them.
+A process serving many outboxes (OUTBOX_SOURCES) registers the per-outbox families (listed in
+source_metrics.PER_SOURCE) with a first label `source`, bounded by `SourceLabels`
+(source_metrics.py binds one outbox's view); the single-table process keeps its series
+unlabelled, as its dashboards know them.
 """
 
 from __future__ import annotations
