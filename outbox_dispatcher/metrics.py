@@ -3,15 +3,19 @@
 Every name has the `outbox_` prefix; labels are limited to topic, reason and step, which stay few.
 Each Dispatcher owns a registry (several dispatchers in one test process do not mix); the table
 gauges are sampled from the database every metrics_interval_seconds by `sample`.
+
+A process serving many outboxes (OUTBOX_SOURCES) registers the per-outbox families (listed in
+source_metrics.PER_SOURCE) with a first label `source`, bounded by `SourceLabels`
+(source_metrics.py binds one outbox's view); the single-table process keeps its series
+unlabelled, as its dashboards know them.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
 import platform
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import structlog
 from prometheus_client import (
@@ -22,14 +26,12 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
-from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from outbox_dispatcher import __version__
+from outbox_dispatcher.batch_histogram import BatchHistogram
 from outbox_dispatcher.models import Failure, OutboxRecord, Outcome, Result
 from outbox_dispatcher.store import DispatchStore, db
 
@@ -74,49 +76,101 @@ NAMES = (
 )
 
 
-class BatchHistogram(Collector):
-    """A histogram fed a batch of observations at once. prometheus_client's Histogram takes a
-    lock per observation and walks its buckets in Python, microseconds per row; a settled batch
-    observes hundreds of rows at once from one thread. Exposed as a Histogram is."""
+# The `source` of every outbox beyond OUTBOX_METRICS_MAX_SOURCES (never a source's own label: the
+# name "other" is reserved, and an unnamed source's label has a dot).
+OTHER = "other"
 
-    def __init__(
-        self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry
-    ) -> None:
-        self._name = name
-        self._documentation = documentation
-        self._bounds = [*buckets, math.inf]
-        self._counts = [0] * len(self._bounds)
-        self._sum = 0.0
-        registry.register(self)
+
+class SourceLabels:
+    """Which outboxes have a `source` label of their own: the first `most` to ask, each until
+    it is let go (its series removed, its place free for the next); the rest share OTHER."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.own: set[str] = set()
+
+    def take(self, label: str) -> str:
+        if label in self.own or len(self.own) < self.most:
+            self.own.add(label)
+            return label
+        return OTHER
+
+    def release(self, label: str) -> bool:
+        """Whether `label` had a place of its own (its series are to be removed)."""
+        if label in self.own:
+            self.own.remove(label)
+            return True
+        return False
+
+
+M = TypeVar("M", covariant=True)
+
+
+class Labelled(Protocol[M]):
+    """A family with labels (a source's view of one binds its `source`)."""
+
+    def labels(self, *labelvalues: Any) -> M: ...
+
+
+class ObservesMany(Protocol):
+    def observe_many(self, values: Iterable[float]) -> None: ...
+
+
+class OutboxMetrics(Protocol):
+    """What one outbox's work and sample record into: the single-table process's Metrics, or one
+    outbox's view of a fleet's (source_metrics.SourceMetrics)."""
 
     @property
-    def name(self) -> str:
-        return self._name
-
-    def observe_many(self, values: Iterable[float]) -> None:
-        bounds, counts = self._bounds, self._counts
-        total = 0.0
-        for value in values:
-            counts[bisect.bisect_left(bounds, value)] += 1  # the first bucket with le >= value
-            total += value
-        self._sum += total
-
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        cumulative = 0
-        buckets = []
-        for bound, count in zip(self._bounds, self._counts, strict=True):
-            cumulative += count
-            buckets.append((floatToGoString(bound), cumulative))  # type: ignore[no-untyped-call]
-        yield HistogramMetricFamily(
-            self._name, self._documentation, buckets=buckets, sum_value=self._sum
-        )
+    def pending(self) -> Gauge: ...
+    @property
+    def oldest_pending_age(self) -> Gauge: ...
+    @property
+    def parked_rows(self) -> Labelled[Gauge]: ...
+    @property
+    def oldest_parked_age(self) -> Labelled[Gauge]: ...
+    @property
+    def dead(self) -> Gauge: ...
+    @property
+    def blocked_keys(self) -> Labelled[Gauge]: ...
+    @property
+    def paused(self) -> Labelled[Gauge]: ...
+    @property
+    def sampled(self) -> Gauge: ...
+    @property
+    def claimed(self) -> Counter: ...
+    @property
+    def published(self) -> Labelled[Counter]: ...
+    @property
+    def failures(self) -> Labelled[Counter]: ...
+    @property
+    def dead_lettered(self) -> Labelled[Counter]: ...
+    @property
+    def sweep_repaired(self) -> Counter: ...
+    @property
+    def sweep_passes(self) -> Counter: ...
+    @property
+    def claim_duration(self) -> Histogram: ...
+    @property
+    def publish_duration(self) -> Histogram: ...
+    @property
+    def mark_duration(self) -> Histogram: ...
+    @property
+    def commit_to_ack(self) -> ObservesMany: ...
+    def record_batch(
+        self, records: Sequence[OutboxRecord], results: Sequence[Result], acked_at: float
+    ) -> None: ...
+    def totals(self) -> tuple[int, int]: ...
 
 
 class Metrics:
     """The process's Prometheus registry: the table's gauges (sampled), this dispatcher's
     counters, and the durations of a batch's steps."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_sources: int | None = None) -> None:
+        """`max_sources`: a process of many outboxes (OUTBOX_METRICS_MAX_SOURCES), whose
+        per-outbox families have the `source` label; None: the single-table process."""
+        self.sources = None if max_sources is None else SourceLabels(max_sources)
+        self._by = [] if max_sources is None else ["source"]
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
@@ -159,8 +213,9 @@ class Metrics:
 
     def _register_table_gauges(self, r: CollectorRegistry) -> None:
         """What the sampler reads from the table every metrics interval."""
+        by = self._by
         self.pending = Gauge(
-            "outbox_pending_rows", "Rows neither published nor dead-lettered.", registry=r
+            "outbox_pending_rows", "Rows neither published nor dead-lettered.", by, registry=r
         )
         self.oldest_pending_age = Gauge(
             "outbox_oldest_pending_age_seconds",
@@ -168,6 +223,7 @@ class Metrics:
             "has waited, since it was committed or an operator made it pending again, by the "
             "database's clock (0 when there is none). Rows of paused topics and held rows are "
             "outbox_parked_rows instead.",
+            by,
             registry=r,
         )
         self.parked_rows = Gauge(
@@ -175,75 +231,80 @@ class Metrics:
             "Pending rows waiting on purpose, not counted in the lag: reason=paused (their topic "
             "or the whole table is paused), reason=held (not due and never failed, or of a key "
             "whose head is: `replay --release-held`).",
-            ["reason"],
+            [*by, "reason"],
             registry=r,
         )
         self.oldest_parked_age = Gauge(
             "outbox_oldest_parked_age_seconds",
             "How long the oldest parked row of each reason has waited, measured as the lag is "
             "(0 when there is none).",
-            ["reason"],
+            [*by, "reason"],
             registry=r,
         )
-        self.dead = Gauge("outbox_dead_rows", "Dead-lettered rows in the table.", registry=r)
+        self.dead = Gauge("outbox_dead_rows", "Dead-lettered rows in the table.", by, registry=r)
         self.blocked_keys = Gauge(
             "outbox_blocked_keys",
             "Ordering keys whose next row cannot go now: waiting out a retry backoff, held "
             "without a failure (`replay --release-held`), or behind a dead row under "
             "dead_letter_policy=block.",
-            ["reason"],
+            [*by, "reason"],
             registry=r,
         )
         self.paused = Gauge(
             "outbox_paused",
             "Pauses set by `outbox-dispatcher pause`: scope=table is 1 while the whole table is "
             "paused; scope=topic counts paused topics.",
-            ["scope"],
+            [*by, "scope"],
             registry=r,
         )
         self.sampled = Gauge(
             "outbox_table_sampled_timestamp_seconds",
             "When the table gauges were last read from the database (Unix time).",
+            by,
             registry=r,
         )
 
     def _register_counters(self, r: CollectorRegistry) -> None:
+        by = self._by
         self.claimed = Counter(
-            "outbox_claimed_rows", "Rows claimed by this dispatcher.", registry=r
+            "outbox_claimed_rows", "Rows claimed by this dispatcher.", by, registry=r
         )
         self.published = Counter(
             "outbox_published",
             "Rows acknowledged by the broker and marked published.",
-            ["topic"],
+            [*by, "topic"],
             registry=r,
         )
         self.failures = Counter(
             "outbox_publish_failures",
             "Failed publish attempts by class: permanent (dead at once), row (counted retry), "
             "outage (broker unavailable; never counts towards max_attempts).",
-            ["topic", "reason"],
+            [*by, "topic", "reason"],
             registry=r,
         )
         self.dead_lettered = Counter(
             "outbox_dead_lettered",
             "Rows dead-lettered by this dispatcher, by why: permanent, max_attempts, crash_loop.",
-            ["topic", "reason"],
+            [*by, "topic", "reason"],
             registry=r,
         )
         self.sweep_repaired = Counter(
             "outbox_sweep_repaired",
             "Pending rows the anti-entropy sweep found that no claim knew of (written below the "
             "claim cursor or with triggers off); each was handed to the claims.",
+            by,
             registry=r,
         )
         self.sweep_passes = Counter(
             "outbox_sweep_passes",
             "Passes of the anti-entropy sweep over the whole table this dispatcher finished.",
+            by,
             registry=r,
         )
         self.reclaims = Counter(
             "outbox_lease_reclaims",
             "Rows taken over after their previous owner's lease expired.",
+            by,
             registry=r,
         )
         self.lanes_renewed = Counter(
@@ -268,21 +329,25 @@ class Metrics:
             self.takeovers_waiting.labels(reason)
 
     def _register_durations(self, r: CollectorRegistry) -> None:
+        by = self._by
         self.claim_duration = Histogram(
             "outbox_claim_duration_seconds",
             "One claim round trip.",
+            by,
             buckets=STEP_BUCKETS,
             registry=r,
         )
         self.publish_duration = Histogram(
             "outbox_publish_duration_seconds",
             "Publishing one batch: send to the last acknowledgement.",
+            by,
             buckets=STEP_BUCKETS,
             registry=r,
         )
         self.mark_duration = Histogram(
             "outbox_mark_duration_seconds",
             "Settling one batch (marking published, scheduling retries, dead-lettering).",
+            by,
             buckets=STEP_BUCKETS,
             registry=r,
         )
@@ -292,6 +357,7 @@ class Metrics:
             "broker's acknowledgement (by this host's clock).",
             LAG_BUCKETS,
             r,
+            by,
         )
 
     def exposition(self) -> bytes:
@@ -300,41 +366,50 @@ class Metrics:
     def totals(self) -> tuple[int, int]:
         """Rows published and dead-lettered since this process started (every topic and
         reason), which each heartbeat reports for the console's rates."""
-        return _total(self.published), _total(self.dead_lettered)
+        return total_of(self.published), total_of(self.dead_lettered)
 
     def record_batch(
         self, records: Sequence[OutboxRecord], results: Sequence[Result], acked_at: float
     ) -> None:
         """Counters and the commit-to-ack histogram for one settled batch."""
-        published: dict[str, int] = {}
-        delays: list[float] = []
-        for record, result in zip(records, results, strict=True):
-            topic = record.topic or "(routed)"
-            if result.outcome is Outcome.PUBLISHED:
-                published[topic] = published.get(topic, 0) + 1
-                delays.append(max(0.0, acked_at - record.created_at.timestamp()))
-                continue
-            if result.failure is None:
-                continue  # not attempted: an earlier row of its key failed
-            if result.outcome is Outcome.DEAD:
-                permanent = result.failure is Failure.PERMANENT
-                self.failures.labels(topic, "permanent" if permanent else "row").inc()
-                self.dead_lettered.labels(topic, "permanent" if permanent else "max_attempts").inc()
-            else:
-                outage = result.failure is Failure.TRANSIENT
-                self.failures.labels(topic, "outage" if outage else "row").inc()
-        self.commit_to_ack.observe_many(delays)
-        for topic, n in published.items():
-            self.published.labels(topic).inc(n)
+        record_batch(self, records, results, acked_at)
 
 
-def _total(counter: Counter) -> int:
+def record_batch(
+    m: OutboxMetrics, records: Sequence[OutboxRecord], results: Sequence[Result], acked_at: float
+) -> None:
+    """Counters and the commit-to-ack histogram for one settled batch of an outbox."""
+    published: dict[str, int] = {}
+    delays: list[float] = []
+    for record, result in zip(records, results, strict=True):
+        topic = record.topic or "(routed)"
+        if result.outcome is Outcome.PUBLISHED:
+            published[topic] = published.get(topic, 0) + 1
+            delays.append(max(0.0, acked_at - record.created_at.timestamp()))
+            continue
+        if result.failure is None:
+            continue  # not attempted: an earlier row of its key failed
+        if result.outcome is Outcome.DEAD:
+            permanent = result.failure is Failure.PERMANENT
+            m.failures.labels(topic, "permanent" if permanent else "row").inc()
+            m.dead_lettered.labels(topic, "permanent" if permanent else "max_attempts").inc()
+        else:
+            outage = result.failure is Failure.TRANSIENT
+            m.failures.labels(topic, "outage" if outage else "row").inc()
+    m.commit_to_ack.observe_many(delays)
+    for topic, n in published.items():
+        m.published.labels(topic).inc(n)
+
+
+def total_of(counter: Counter, source: str | None = None) -> int:
+    """The counter's sum over every series (of one `source`'s when given)."""
     return int(
         sum(
             sample.value
             for metric in counter.collect()
             for sample in metric.samples
             if sample.name.endswith("_total")
+            and (source is None or sample.labels.get("source") == source)
         )
     )
 
@@ -347,7 +422,7 @@ SAMPLE_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-async def sample(store: DispatchStore, m: Metrics, *, block_on_dead: bool) -> None:
+async def sample(store: DispatchStore, m: OutboxMetrics, *, block_on_dead: bool) -> None:
     """Read the table gauges (pending, lag, parked, dead, blocked keys) once; the supervisor
     samples every metrics interval.
 

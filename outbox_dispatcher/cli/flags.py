@@ -297,6 +297,18 @@ def filter_flags(parser: argparse.ArgumentParser, *, ids: bool, everything: bool
         switch(parser, "--all", "every row (no filter)")
 
 
+def source_flag(parser: argparse.ArgumentParser, *, acts: bool) -> None:
+    """--source: with OUTBOX_SOURCES, which outboxes (a command that `acts` needs exactly one;
+    --schema narrows it, as it filters `status`)."""
+    what = "the outbox to act on" if acts else "only its outboxes"
+    parser.add_argument(
+        "--source",
+        metavar="NAME",
+        help=f"with OUTBOX_SOURCES: {what}, by the source's name or the outbox's `source` "
+        "label (e.g. tenant_a.outbox); --schema NAME narrows it (a pattern's source to one schema)",
+    )
+
+
 def switch(parser: argparse.ArgumentParser, name: str, help: str) -> None:
     """A flag of the command's own that is off unless given."""
     parser.add_argument(name, action="store_true", help=help)

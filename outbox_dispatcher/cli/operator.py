@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 
 import structlog
 
@@ -23,12 +24,14 @@ from outbox_dispatcher.cli.flags import (
     positive,
     safety_flags,
     seconds,
+    source_flag,
     switch,
     topic_name,
 )
 from outbox_dispatcher.cli.terminal import EXIT_FAILED, EXIT_OK, err, out
+from outbox_dispatcher.config.outboxes import sources_of
 from outbox_dispatcher.config.settings import Settings
-from outbox_dispatcher.operate import listings, reads, text
+from outbox_dispatcher.operate import listings, reads, sources, text
 from outbox_dispatcher.operate.actions import (
     Action,
     ActionResult,
@@ -120,18 +123,47 @@ def _unchanged(result: ActionResult, nothing: str | None = None) -> int:
 def configure_status_parser(commands: Commands) -> None:
     show = command(commands, "status", _status, (*CONNECT, "dead_letter_policy"))
     switch(show, "--json", "print JSON")
+    source_flag(show, acts=False)
 
 
 async def _status(settings: Settings, ns: argparse.Namespace) -> int:
     """pending, in-flight and dead rows per topic
 
-    Pending, in-flight, dead and published rows per topic, oldest pending age."""
+    Pending, in-flight, dead and published rows per topic, oldest pending age. With
+    OUTBOX_SOURCES: every outbox of every source (its state, backlog, lag, pauses, why it is
+    not served), filtered by --source and --schema."""
+    if settings.sources is not None:
+        return await _status_sources(settings, ns)
+    await sources.target(settings, ns.source)  # refuses --source without OUTBOX_SOURCES
     async with connected(settings) as session:
         now = await reads.snapshot(session, settings.dead_letter_policy.value)
     if ns.json:
         terminal.json(now.as_json())
     else:
         out(tables.as_table(now.topics, now.pauses, now.dispatchers, now.policy))
+    return EXIT_OK
+
+
+async def _status_sources(settings: Settings, ns: argparse.Namespace) -> int:
+    only = sources.Filter.of(settings, ns.source)
+    view, found = await sources.statuses(settings, sources_of(settings), only)
+    if not found:
+        raise sources.nothing_matches(only, view)
+    if ns.json:
+        topics = [t for f in found if f.snapshot is not None for t in f.snapshot.topics]
+        terminal.json(
+            {
+                "outboxes": [f.as_json() for f in found],
+                "databases": [dataclasses.asdict(d) for d in view.databases],
+                "totals": reads.totals(topics),
+            }
+        )
+        return EXIT_OK
+    out(tables.sources_table(found))
+    one = found[0].snapshot if len(found) == 1 else None
+    if one is not None:  # one outbox named: its topics too, as without OUTBOX_SOURCES
+        out("")
+        out(tables.as_table(one.topics, one.pauses, one.dispatchers, one.policy))
     return EXIT_OK
 
 
@@ -149,6 +181,7 @@ def configure_dead_parser(commands: Commands) -> None:
     listing = command(actions, "dead list", _dead_list, CONNECT)
     filter_flags(listing, ids=True, everything=False)
     listing.add_argument("--limit", type=positive, default=100, help="at most this many (100)")
+    source_flag(listing, acts=True)
     switch(listing, "--json", "print JSON")
     switch(listing, "--full", "do not cut long keys and errors in the table")
     requeue = command(
@@ -156,17 +189,20 @@ def configure_dead_parser(commands: Commands) -> None:
     )
     filter_flags(requeue, ids=True, everything=True)
     safety_flags(requeue, confirms=False)
+    source_flag(requeue, acts=True)
     discard = command(
         actions, "dead discard", _dead_discard, BATCHED, interrupted=BATCHED_INTERRUPTED
     )
     filter_flags(discard, ids=True, everything=True)
     safety_flags(discard, confirms=True)
+    source_flag(discard, acts=True)
 
 
 async def _dead_list(settings: Settings, ns: argparse.Namespace) -> int:
     """show dead rows
 
     Dead rows."""
+    settings = await sources.target(settings, ns.source)
     filters = filters_of(ns)
     async with connected(settings) as session:
         found = await listings.dead_list(session, filters, ns.limit)
@@ -195,6 +231,7 @@ async def _dead_requeue(settings: Settings, ns: argparse.Namespace) -> int:
 
     Make matching dead rows pending again: attempts 0, due now; last_error keeps a trace. They
     go out before newer rows of their key."""
+    settings = await sources.target(settings, ns.source)
     filters = filters_of(ns)
     action = DeadRequeue(
         filters, settings.effective_action_batch_size, everything=ns.all, names=FLAGS
@@ -206,6 +243,7 @@ async def _dead_discard(settings: Settings, ns: argparse.Namespace) -> int:
     """delete dead rows
 
     Delete matching dead rows for good."""
+    settings = await sources.target(settings, ns.source)
     filters = filters_of(ns)
     action = DeadDiscard(
         filters, settings.effective_action_batch_size, everything=ns.all, names=FLAGS
@@ -245,6 +283,7 @@ def configure_replay_parser(commands: Commands) -> None:
         "held (pending, not due for 10 minutes); with --topic, of that topic only",
     )
     safety_flags(again, confirms=True)
+    source_flag(again, acts=True)
 
 
 async def _replay(settings: Settings, ns: argparse.Namespace) -> int:
@@ -252,6 +291,7 @@ async def _replay(settings: Settings, ns: argparse.Namespace) -> int:
 
     Publish matching published rows again, with their original event ids, in id order per key
     and before newer rows of their keys."""
+    settings = await sources.target(settings, ns.source)
     if ns.release_held:
         return await _release_held(settings, ns)
     action = Replay(
@@ -286,6 +326,7 @@ def configure_pause_parser(commands: Commands) -> None:
     hold.add_argument("--topic", type=topic_name, help="the topic (default: the whole table)")
     hold.add_argument("--reason", help="why, for status and for whoever resumes")
     safety_flags(hold, confirms=True)
+    source_flag(hold, acts=True)
 
 
 async def _pause(settings: Settings, ns: argparse.Namespace) -> int:
@@ -293,6 +334,7 @@ async def _pause(settings: Settings, ns: argparse.Namespace) -> int:
 
     Stop claiming rows of a topic (or, without --topic, of the whole table, routed rows
     included). Rows already claimed are still published."""
+    settings = await sources.target(settings, ns.source)
     action = Pause(ns.topic, reason=ns.reason)
     async with connected(settings) as session:
         asking = _asking(ns, unless_none=False)
@@ -314,12 +356,14 @@ async def _pause(settings: Settings, ns: argparse.Namespace) -> int:
 def configure_resume_parser(commands: Commands) -> None:
     go = command(commands, "resume", _resume, CONNECT)
     go.add_argument("--topic", type=topic_name, help="the topic (default: the whole table)")
+    source_flag(go, acts=True)
 
 
 async def _resume(settings: Settings, ns: argparse.Namespace) -> int:
     """lift a pause
 
     Lift the pause of a topic (or, without --topic, of the whole table)."""
+    settings = await sources.target(settings, ns.source)
     action = Resume(ns.topic)
     async with connected(settings) as session:
         result = await perform(action, session)
@@ -347,6 +391,7 @@ def configure_cleanup_parser(commands: Commands) -> None:
     )
     sweep.add_argument("--older-than", type=seconds, metavar="SECONDS", help="instead of retention")
     safety_flags(sweep, confirms=True)
+    source_flag(sweep, acts=True)
 
 
 async def _cleanup(settings: Settings, ns: argparse.Namespace) -> int:
@@ -354,6 +399,7 @@ async def _cleanup(settings: Settings, ns: argparse.Namespace) -> int:
 
     Delete published rows older than OUTBOX_RETENTION_SECONDS (or --older-than) in batches of
     OUTBOX_CLEANUP_BATCH_SIZE; pending and dead rows are kept."""
+    settings = await sources.target(settings, ns.source)
     if ns.older_than is None and settings.retention_seconds == 0:
         out(
             "OUTBOX_RETENTION_SECONDS is 0 (keep published rows): nothing deleted; "

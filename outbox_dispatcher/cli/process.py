@@ -12,13 +12,21 @@ import sys
 import structlog
 
 from outbox_dispatcher import display, errors, tracing
-from outbox_dispatcher.cli.flags import BATCHED, CONNECT, EVERY, Commands, command, switch
+from outbox_dispatcher.cli.flags import (
+    BATCHED,
+    CONNECT,
+    EVERY,
+    Commands,
+    command,
+    source_flag,
+    switch,
+)
 from outbox_dispatcher.cli.terminal import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, err, out
 from outbox_dispatcher.config.outboxes import sources_given, sources_of
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.fleet import FleetDispatcher
 from outbox_dispatcher.dispatch.supervisor import Dispatcher
-from outbox_dispatcher.operate import schema
+from outbox_dispatcher.operate import schema, sources
 from outbox_dispatcher.operate.check import unknown_variables
 from outbox_dispatcher.operate.session import connected
 
@@ -184,17 +192,18 @@ CONSOLE_SETTINGS = (
 
 
 def configure_console_parser(commands: Commands) -> None:
-    command(commands, "console", _console, CONSOLE_SETTINGS)
+    source_flag(command(commands, "console", _console, CONSOLE_SETTINGS), acts=True)
 
 
-async def _console(settings: Settings, _: argparse.Namespace) -> int:
+async def _console(settings: Settings, ns: argparse.Namespace) -> int:
     """serve the operator console (pages and a JSON API) until SIGTERM/SIGINT
 
     Serve the operator console on OUTBOX_CONSOLE_HOST:OUTBOX_CONSOLE_PORT: the backlog, dead
     rows, blocked keys and the audit as pages and under /api/v1/, to people logged in with
     OUTBOX_CONSOLE_TOKEN or named by a trusted proxy (OUTBOX_CONSOLE_TRUSTED_PROXIES), who may
     also requeue, discard, replay, pause and resume; with OUTBOX_CONSOLE_ANONYMOUS_READ=true
-    anyone may read. Needs the install extra outbox-dispatcher[console]."""
+    anyone may read. With OUTBOX_SOURCES, it serves the one outbox --source (and --schema)
+    name. Needs the install extra outbox-dispatcher[console]."""
     # Imported here: the web stack is an install extra, loaded only by the command that serves it.
     try:
         from outbox_dispatcher import console
@@ -204,6 +213,8 @@ async def _console(settings: Settings, _: argparse.Namespace) -> int:
             raise
         raise errors.ConfigurationError(NO_WEB_STACK.format(missing=name)) from None
 
+    fleet = sources_of(settings) if settings.sources is not None else ()
+    settings = await sources.target(settings, ns.source)
     # The schema is checked once before serving, so that a wrong database fails at start.
     async with connected(settings):
         pass
@@ -216,5 +227,5 @@ async def _console(settings: Settings, _: argparse.Namespace) -> int:
         trusted_proxies=settings.console_trusted_proxies,
         show_payload=settings.console_show_payload,
     )
-    await console.serve(settings)
+    await console.serve(settings, fleet)
     return EXIT_OK

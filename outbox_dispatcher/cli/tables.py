@@ -1,5 +1,5 @@
-"""The CLI's tables: dead rows and the status per topic. Every cell passes display.columns, which
-makes writer-controlled text inert."""
+"""The CLI's tables: dead rows, the status per topic, and per outbox of OUTBOX_SOURCES. Every
+cell passes display.columns, which makes writer-controlled text inert."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from outbox_dispatcher.display import age_text, columns, inert
 from outbox_dispatcher.operate import reads
 from outbox_dispatcher.operate.filters import NO_KEY, ROUTED
 from outbox_dispatcher.operate.reads import WHOLE_TABLE, Dispatcher, Pause, TopicStatus, totals
+from outbox_dispatcher.operate.sources import OutboxStatus, where
 
 # dead list without --full: the widths of the key and last_error columns.
 KEY_WIDTH = 40
@@ -154,3 +155,68 @@ def _blocked(blocked: int, dead_blocked: int, held: int = 0) -> str:
     """'5 (2 dead, 1 held)': the parts that wait for an operator."""
     parts = [f"{n} {why}" for n, why in ((dead_blocked, "dead"), (held, "held")) if n]
     return f"{blocked} ({', '.join(parts)})" if parts else str(blocked)
+
+
+SOURCES_HEADER = (
+    "source",
+    "table",
+    "state",
+    "waiting",
+    "in_flight",
+    "dead",
+    "lag",
+    "paused",
+    "dispatchers",
+    "why",
+)
+
+
+def sources_table(found: list[OutboxStatus]) -> str:
+    """`status` with OUTBOX_SOURCES: one line per outbox (its state, backlog, lag, pauses, live
+    dispatchers, and why it is not served or could not be read), then the totals."""
+    rows: list[tuple[str, ...]] = []
+    for one in found:
+        o, snap = one.state.outbox, one.snapshot
+        why = one.error or one.state.reason or ""
+        if snap is None:
+            rows.append((o.label, where(o), one.state.state.value, *[""] * 6, why))
+            continue
+        total = totals(snap.topics)
+        rows.append(
+            (
+                o.label,
+                where(o),
+                one.state.state.value,
+                str(total["waiting"]),
+                str(total["in_flight"]),
+                str(total["dead"]),
+                age_text(total["oldest_pending_age_seconds"]),
+                _paused(snap.pauses),
+                str(len(snap.dispatchers)),
+                why,
+            )
+        )
+    every = [t for one in found if one.snapshot is not None for t in one.snapshot.topics]
+    total = totals(every)
+    failing = sum(1 for one in found if one.snapshot is None)
+    rows.append(
+        (
+            "TOTAL",
+            f"{len(found)} outbox" + ("" if len(found) == 1 else "es"),
+            f"{failing} not read" if failing else "",
+            str(total["waiting"]),
+            str(total["in_flight"]),
+            str(total["dead"]),
+            age_text(total["oldest_pending_age_seconds"]),
+            "",
+            "",
+            "",
+        )
+    )
+    return "\n".join(columns(SOURCES_HEADER, rows))
+
+
+def _paused(pauses: list[Pause]) -> str:
+    """'table', or the paused topics."""
+    topics = [p.topic for p in pauses]
+    return "table" if WHOLE_TABLE in topics else ",".join(topics)

@@ -40,6 +40,7 @@ EXAMPLE = '[{"schema": "tenant_*"}, {"schema": "billing", "table": "events", "we
 NAME = re.compile(r"^[a-z0-9_-]{1,40}$")  # no '.': a name never reads as an unnamed schema.table
 WEIGHT_MAX = 100
 LABEL_MAX = 64
+RESERVED_NAME = "other"  # metrics.OTHER
 
 
 class Defaults(Protocol):
@@ -75,6 +76,11 @@ def _url(value: SecretStr | None) -> SecretStr | None:
 def _name(value: str | None) -> str | None:
     if value is not None and not NAME.match(value):
         msg = f"{value!r} is not allowed: use 1-40 lowercase letters, digits, '_' or '-'"
+        raise ValueError(msg)
+    if value == RESERVED_NAME:
+        msg = (
+            f"{value!r} is reserved (the `source` label of the outboxes beyond the metrics' bound)"
+        )
         raise ValueError(msg)
     return value
 

@@ -233,6 +233,10 @@ class Settings(BaseSettings):
     """/livez fails when a loop has not made progress for this long."""
     metrics_interval_seconds: PositiveSeconds = 15.0
     """How often the outbox's pending/dead/blocked gauges are read from the table."""
+    metrics_max_sources: int = Field(default=100, ge=0, le=10_000)
+    """With OUTBOX_SOURCES: the most outboxes with a `source` label of their own in this
+    process's metrics (the first served; the rest share source="other", whose table gauges are
+    not sampled); 0: every outbox under "other"."""
     cloudevents: bool = False
     """Add CloudEvents binary-mode headers (ce_id = event id, ce_source, ce_type,
     ce_specversion, ce_time, content-type); a row's own ce_* headers win."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import uvicorn
 
+from outbox_dispatcher.config.outboxes import Source
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.console.app import create_app
 from outbox_dispatcher.console.tasks import Jobs
@@ -41,10 +42,10 @@ class _Server(uvicorn.Server):
                 self._captured_signals.clear()
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: Settings, fleet: Sequence[Source] = ()) -> None:
     """Serve the console until SIGTERM/SIGINT: uvicorn finishes the requests under way, then
-    stops."""
-    app = create_app(settings)
+    stops. `fleet`: with OUTBOX_SOURCES, every source (`settings` name the outbox served)."""
+    app = create_app(settings, fleet=fleet)
     config = uvicorn.Config(
         app,
         host=settings.console_host,

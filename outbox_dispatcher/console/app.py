@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -16,6 +16,7 @@ from starlette.middleware.sessions import SessionMiddleware
 from starlette.routing import Route
 
 from outbox_dispatcher import errors
+from outbox_dispatcher.config.outboxes import Source
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.console import auth, history, security
 from outbox_dispatcher.console.acting import Acts
@@ -60,6 +61,7 @@ class Console(Acts):
             ("/events/{event_id}", "/events/{event_id}", self.event),
             ("/blocked", "/blocked", self.blocked),
             ("/routed", "/routed", self.routed),
+            ("/sources", "/sources", self.sources),
             ("/audit", "/audit", self.audit),
             ("/jobs/{id:int}", "/jobs/{id:int}", self.job),
         ]
@@ -84,11 +86,14 @@ class Console(Acts):
         ]
 
 
-def create_app(settings: Settings, *, sample: bool = True) -> Starlette:
-    """The console for these settings; `sample`: run the backlog sampler (in the lifespan).
+def create_app(
+    settings: Settings, *, sample: bool = True, fleet: Sequence[Source] = ()
+) -> Starlette:
+    """The console for these settings; `sample`: run the backlog sampler (in the lifespan);
+    `fleet`: with OUTBOX_SOURCES, every source (the sources page lists their outboxes).
     errors.ConfigurationError when nobody could use it (no token, no trusted proxy, no
     anonymous reading)."""
-    console = Console(settings, sample=sample)
+    console = Console(settings, sample=sample, fleet=fleet)
     app = Starlette(
         routes=console.routes(),
         middleware=[

@@ -115,6 +115,9 @@ def document(actions: Mapping[str, tuple[type[BaseModel], object]]) -> dict[str,
         "/api/v1/rows": _get("Rows in any state, newest first, scanned in windows", RowsBrowse),
         "/api/v1/blocked": _get("Keys whose head waits, and why", BlockedQuery),
         "/api/v1/routed": _get("Rows without a topic, by the topic they are routed to"),
+        "/api/v1/sources": _get(
+            "With OUTBOX_SOURCES: every outbox of every source, its state and status (404 without)"
+        ),
         "/api/v1/rows/{id}": _one(
             "One row (the payload only with OUTBOX_CONSOLE_SHOW_PAYLOAD)", "id", "integer"
         ),

@@ -27,6 +27,7 @@ from outbox_dispatcher.console.inputs import (
 from outbox_dispatcher.console.service import ACTIONS
 from outbox_dispatcher.console.web import Base
 
+NO_SOURCES = "this console serves one table (OUTBOX_SOURCES is not set): there is no sources page"
 # The overview reloads itself this often at the least (its samples come every
 # OUTBOX_CONSOLE_SAMPLE_SECONDS); a running action's page every second.
 REFRESH_SECONDS = 5.0
@@ -193,6 +194,18 @@ class Reads(Base):
             "default_topic": settings.default_topic,
         }
         return self.page(request, "routed.html", context, who)
+
+    async def sources(self, request: Request) -> Response:
+        """With OUTBOX_SOURCES: every outbox of every source, its state and backlog (as
+        `status`), the one this console serves marked (its pages are this console's)."""
+        if not self.fleet:
+            return self.problem(request, 404, NO_SOURCES)
+        async with self.reading(request) as (_, who):
+            pass  # who may read: the served table's logins and settings decide
+        found = await service.sources(self.settings, self.fleet)
+        if self.api(request):
+            return JSONResponse(found)
+        return self.page(request, "sources.html", found, who)
 
     async def audit(self, request: Request) -> Response:
         query = parse(AuditQuery, from_query(request.query_params, {}))

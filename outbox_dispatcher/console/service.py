@@ -4,8 +4,9 @@ request's session, and shape the answer as JSON-ready data; it renders nothing."
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -13,6 +14,7 @@ import orjson
 from pydantic import BaseModel
 
 from outbox_dispatcher import errors
+from outbox_dispatcher.config.outboxes import Source
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.console import history
 from outbox_dispatcher.console.inputs import (
@@ -28,6 +30,7 @@ from outbox_dispatcher.console.inputs import (
     RowsBrowse,
 )
 from outbox_dispatcher.operate import listings, reads
+from outbox_dispatcher.operate import sources as operate_sources
 from outbox_dispatcher.operate.actions import (
     Action,
     ActionRefusedError,
@@ -314,3 +317,19 @@ async def sample(session: Session, name: str, body: BaseModel, result: ActionRes
         )
         return [plain(r) for r in (await listings.rows_page(session, query, limit=5)).rows]
     return []
+
+
+async def sources(settings: Settings, fleet: Sequence[Source]) -> dict[str, Any]:
+    """Every outbox of the sources with its state and `status` (operate/sources.statuses);
+    `served`: the one these settings name, which this console serves."""
+    view, found = await operate_sources.statuses(settings, fleet, operate_sources.Filter())
+    served = (settings.database_url.get_secret_value(), settings.db_schema, settings.table)
+    outboxes = []
+    for one in found:
+        o = one.state.outbox
+        here = (o.source.database_url.get_secret_value(), o.schema, o.table) == served
+        totals = None if one.snapshot is None else reads.totals(one.snapshot.topics)
+        paused = [] if one.snapshot is None else [p.topic for p in one.snapshot.pauses]
+        outboxes.append({**one.as_json(), "served": here, "totals": totals, "paused": paused})
+    databases = [dataclasses.asdict(d) for d in view.databases]
+    return {"outboxes": outboxes, "databases": databases}

@@ -5,7 +5,7 @@ who is asking; and the two kinds of answer, a page (HTML) or, under /api/, JSON.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import structlog
@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
 from outbox_dispatcher import __version__, display, errors
+from outbox_dispatcher.config.outboxes import Source
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.console import auth, history, render, service, tasks
 from outbox_dispatcher.console.inputs import InputError
@@ -35,9 +36,13 @@ class LoginNeededError(Exception):
 class Base:
     """The console's shared state and answers; the routes are in pages.py and acting.py."""
 
-    def __init__(self, settings: Settings, *, sample: bool = True) -> None:
+    def __init__(
+        self, settings: Settings, *, sample: bool = True, fleet: Sequence[Source] = ()
+    ) -> None:
         auth.check_configured(settings)
         self.settings = settings
+        # With OUTBOX_SOURCES: every source (the console serves one outbox of them, `settings`').
+        self.fleet = tuple(fleet)
         self.history = history.History()
         self.sample = sample
         self.templates = Jinja2Templates(env=render.environment())
@@ -103,6 +108,7 @@ class Base:
             "csrf": auth.csrf_token(request),
             "version": __version__,
             "table": f"{self.settings.db_schema}.{self.settings.table}",
+            "fleet": bool(self.fleet),
             "path": request.url.path,
         }
         return self.templates.TemplateResponse(

@@ -22,7 +22,7 @@ import structlog
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.dispatch.leases import InFlight
-from outbox_dispatcher.metrics import Metrics
+from outbox_dispatcher.metrics import OutboxMetrics
 from outbox_dispatcher.models import Batch, Failure, OutboxRecord, Outcome, Part, Result
 from outbox_dispatcher.retries import RetryPolicy
 
@@ -81,7 +81,7 @@ class Settling:
     """What every batch of a dispatcher settles through: its retry policy (the outage streak is
     the dispatcher's), its settler, its metrics and logs, and its count of published rows."""
 
-    def __init__(self, settler: Settles, retry_policy: RetryPolicy, metrics: Metrics) -> None:
+    def __init__(self, settler: Settles, retry_policy: RetryPolicy, metrics: OutboxMetrics) -> None:
         self.settler = settler
         self.retry_policy = retry_policy
         self.metrics = metrics

@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 import structlog
 
-from outbox_dispatcher import errors, metrics
+from outbox_dispatcher import errors, metrics, source_metrics
 from outbox_dispatcher.config.outboxes import Outbox, Source
 from outbox_dispatcher.config.settings import DeliveryMode, Settings
 from outbox_dispatcher.dispatch.databases import Databases
@@ -52,7 +52,7 @@ class FleetDispatcher:
         self.sources = tuple(sources)
         self.owner = owner or instance_id()
         self.stopping = asyncio.Event()
-        self.metrics = metrics.Metrics()
+        self.metrics = metrics.Metrics(max_sources=s.metrics_max_sources)
         self.metrics.delivery.labels(s.delivery.value).set(1)
         self.heartbeats = Heartbeats(s.liveness_timeout_seconds + s.poll_interval_seconds)
         self.slots = ClaimSlots(s.claim_tasks, s.batch_size, self.stopping, self.heartbeats)
@@ -214,6 +214,7 @@ class FleetDispatcher:
         self.slots.forget(key)
         for task in self._loops.pop(key, []):
             task.cancel()
+        source_metrics.forget(self.metrics, runtime.label)
         log.info("outbox_stopped", source=runtime.label, published=runtime.published)
 
     def _route_notifications(self, databases: Databases) -> None:

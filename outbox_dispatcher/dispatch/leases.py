@@ -18,7 +18,7 @@ from outbox_dispatcher import errors
 from outbox_dispatcher.config.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.dispatch.every import every
 from outbox_dispatcher.health import Heartbeats
-from outbox_dispatcher.metrics import Metrics
+from outbox_dispatcher.metrics import OutboxMetrics
 from outbox_dispatcher.store import DispatchStore, Row, db
 
 log = structlog.get_logger(__name__)
@@ -87,7 +87,7 @@ async def keep_leases(
 async def reclaim(
     store: DispatchStore,
     settings: Settings,
-    metrics: Metrics,
+    metrics: OutboxMetrics,
     committed_of: CommittedOf | None = None,
 ) -> NoReturn:
     """Dead-letter rows whose leases keep expiring; report expired leases awaiting takeover.
@@ -159,7 +159,7 @@ async def settle_crash_loops(
         log.warning("crash_loop_rows_found_committed", rows=len(committed))
 
 
-def report_crash_loops(dead: list[Row], metrics: Metrics) -> None:
+def report_crash_loops(dead: list[Row], metrics: OutboxMetrics) -> None:
     for row in dead:
         metrics.dead_lettered.labels(row["topic"] or "(routed)", "crash_loop").inc()
         log.error(
@@ -171,7 +171,7 @@ def report_crash_loops(dead: list[Row], metrics: Metrics) -> None:
         )
 
 
-async def sweep_step(store: DispatchStore, settings: Settings, metrics: Metrics) -> None:
+async def sweep_step(store: DispatchStore, settings: Settings, metrics: OutboxMetrics) -> None:
     """One step of the sweep; another dispatcher's step or a claim's discovery in progress
     makes it a no-op this time."""
     try:

@@ -17,12 +17,13 @@ from typing import Any, NoReturn
 
 import structlog
 
-from outbox_dispatcher import errors, registry
+from outbox_dispatcher import errors, metrics, registry, source_metrics
 from outbox_dispatcher.config.outboxes import Outbox
 from outbox_dispatcher.config.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.dispatch import leases, upkeep
 from outbox_dispatcher.dispatch.batch import BatchRun, Publishing, Settling
 from outbox_dispatcher.dispatch.claimer import Claimer
+from outbox_dispatcher.dispatch.every import every
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.wakeup import Waiting
 from outbox_dispatcher.health import Heartbeats
@@ -67,6 +68,7 @@ class OutboxRuntime:
         self.key = key_of(outbox)
         self.label = outbox.label
         self.shared = shared
+        self.metrics = source_metrics.of(shared.metrics, outbox.label)  # its `source`'s
         statements = Statements.for_table(outbox.schema, outbox.table)
         self.store = DispatchStore(pool, statements, steady=version >= migrations.STEADY_VERSION)
         self.claimer = Claimer(self.store, s, shared.owner)
@@ -77,7 +79,7 @@ class OutboxRuntime:
             owner=shared.owner,
             block_on_dead=s.dead_letter_policy is DeadLetterPolicy.BLOCK,
         )
-        self.settling = Settling(settler, shared.retry_policy, shared.metrics)
+        self.settling = Settling(settler, shared.retry_policy, self.metrics)
         ttl = 2 * shared.idle_poll_seconds + 5
         self.waiting = Waiting(self.store, shared.owner, ttl=ttl) if s.listen else None
         self.in_flight = leases.InFlight()
@@ -108,8 +110,8 @@ class OutboxRuntime:
             if batch is None:
                 self.backoff.succeeded()
                 return 0
-            self.shared.metrics.claim_duration.observe(loop.time() - started)
-            self.shared.metrics.claimed.inc(len(batch.records))
+            self.metrics.claim_duration.observe(loop.time() - started)
+            self.metrics.claimed.inc(len(batch.records))
             full = len(batch.records) >= self.shared.settings.batch_size
             self.drained = batch.drained and not full
             if full and self.waiting is not None:
@@ -152,7 +154,7 @@ class OutboxRuntime:
 
     def loops(self) -> dict[str, Loop]:
         """Its upkeep, by name: what a single-table dispatcher runs beside its claim loops."""
-        s, m = self.shared.settings, self.shared.metrics
+        s, m = self.shared.settings, self.metrics
         # Its own liveness book: the process's liveness is its claim slots'.
         beats = Heartbeats(s.liveness_timeout_seconds)
         heartbeat = registry.Heartbeat(self.store, s, self.shared.owner, m.totals)
@@ -163,7 +165,23 @@ class OutboxRuntime:
         }
         if upkeep.wants_retention(s):
             found["retention"] = lambda: upkeep.retention(self.store, s)
+        if source_metrics.sampled(m):  # an outbox under source="other" has no table gauges
+            found["metrics"] = self._sample_gauges
         return {name: self._isolated(name, make) for name, make in found.items()}
+
+    async def _sample_gauges(self) -> NoReturn:
+        """Its table gauges under its `source` label, every metrics interval (as the
+        single-table dispatcher's sampler)."""
+        s = self.shared.settings
+        block = s.dead_letter_policy is DeadLetterPolicy.BLOCK
+        await every(
+            s.metrics_interval_seconds,
+            lambda: metrics.sample(self.store, self.metrics, block_on_dead=block),
+            log=metrics.log,
+            failed="metrics_sample_failed",
+            tolerated=metrics.SAMPLE_ERRORS,
+            wait_first=False,
+        )
 
     async def _isolated(self, name: str, make: Callable[[], Loop]) -> NoReturn:
         """An upkeep loop that a failure of this outbox's table (dropped, broken) pauses and

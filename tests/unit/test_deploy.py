@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
+from outbox_dispatcher.config.outboxes import parse_sources
 from outbox_dispatcher.config.settings import Settings
 from tests.deploy_files import (
     DEPLOY,
@@ -488,6 +489,62 @@ def test_helm_console_is_an_optional_deployment_the_dispatchers_never_select() -
     assert plain_env["OUTBOX_CONSOLE_TRUSTED_PROXIES"] == "10.0.0.0/8"
     assert plain_env["OUTBOX_CONSOLE_ALLOWED_HOSTS"] == "console.example"
     assert not [d for d in render() if d["metadata"]["name"].endswith("-console")]
+
+
+FLEET_VALUES = """
+replicaCount: 3
+sources:
+  - {schema: "tenant_*"}
+  - {schema: billing, table: events, name: billing, weight: 3}
+console:
+  enabled: true
+  tokenKey: console_token
+  source: billing
+secrets:
+  database_url: "postgresql://outbox:outbox@postgres:5432/outbox"
+  console_token: "0123456789abcdefghij"
+"""
+
+
+@needs_helm
+def test_helm_fleet_values_give_every_container_the_sources(tmp_path: Path) -> None:
+    """The README's fleet values: OUTBOX_SOURCES as JSON in the dispatcher, the migration and
+    the console (which serves the outbox console.source names), read by the dispatcher's own
+    parser; a source with a database_url is refused (it belongs in the Secret)."""
+    values = tmp_path / "fleet.yaml"
+    values.write_text(FLEET_VALUES)
+    result = helm("template", "orders", str(CHART), "--namespace", "shop", "-f", str(values))
+    assert result.returncode == 0, result.stderr
+    docs = load_all(result.stdout)
+    checked = check_workloads(docs, secrets=secrets_in(docs))
+    assert sorted(c.rsplit(": ", 1)[1] for c in checked) == ["console", "migrate", "run"]
+    containers = {
+        command_of(c): c
+        for _, pod in pod_specs(docs)
+        for c in pod["containers"] + pod.get("initContainers", [])
+    }
+    defaults = Settings(_env_file=None)  # type: ignore[call-arg]
+    for name in ("run", "migrate", "console"):
+        text = env_of(containers[name])["OUTBOX_SOURCES"]
+        parsed = parse_sources(text, "OUTBOX_SOURCES", defaults)
+        assert [(s.schema, s.table, s.name, s.weight) for s in parsed] == [
+            ("tenant_*", "outbox", None, 1),
+            ("billing", "events", "billing", 3),
+        ], name
+    assert containers["console"]["args"] == ["console", "--source", "billing"]
+    # Kept in the Secret when it names a database: secretSettings gives OUTBOX_SOURCES_FILE.
+    in_secret = render(
+        "secretSettings={database_url,sources}", 'secrets.sources=[{"schema": "tenant_*"}]'
+    )
+    [run] = [c for _, pod in pod_specs(in_secret) for c in pod["containers"]]
+    assert env_of(run)["OUTBOX_SOURCES_FILE"] == "/var/run/secrets/outbox/sources"
+    for bad, message in (
+        ('sources=[{"schema": "a", "database_url": "postgresql://x"}]', "database_url"),
+        ('sources=[{"table": "t"}]', "schema"),
+        ('env={"OUTBOX_SOURCES": "[]"}', "OUTBOX_SOURCES"),
+    ):
+        refused = helm("template", "orders", str(CHART), "--set-json", bad)
+        assert refused.returncode != 0 and message in refused.stderr, (bad, refused.stderr)
 
 
 @needs_helm

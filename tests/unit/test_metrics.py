@@ -13,9 +13,10 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.config.settings import Settings
-from outbox_dispatcher.metrics import LAG_BUCKETS, BatchHistogram, Metrics
+from outbox_dispatcher.metrics import LAG_BUCKETS, OTHER, BatchHistogram, Metrics
 from outbox_dispatcher.models import Failure, OutboxRecord, Outcome, Result
 from outbox_dispatcher.retries import RetryPolicy
+from outbox_dispatcher.source_metrics import SourceMetrics, forget
 
 
 def record(attempts: int = 0, topic: str = "t") -> OutboxRecord:
@@ -107,3 +108,52 @@ def test_a_batch_histogram_exposes_what_a_histogram_of_the_same_observations_doe
     many.observe_many(values[4:])
     expected = [line for line in generate_latest(plain).splitlines() if b"_created" not in line]
     assert generate_latest(batched).splitlines() == expected
+
+
+def exported(m: Metrics, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for family in m.registry.collect()
+        for s in family.samples
+        if s.name == name
+    }
+
+
+def test_a_fleet_gives_the_first_outboxes_a_source_label_and_the_rest_other() -> None:
+    m = Metrics(max_sources=2)
+    views = [SourceMetrics(m, label) for label in ("a.outbox", "b.outbox", "c.outbox", "d")]
+    assert [v.label for v in views] == ["a.outbox", "b.outbox", "other", "other"]
+    for n, view in enumerate(views, 1):
+        view.record_batch([record()] * n, [Result(Outcome.PUBLISHED)] * n, 0.0)
+        view.claimed.inc(n)
+    published = exported(m, "outbox_published_total")
+    assert published == {
+        (("source", "a.outbox"), ("topic", "t")): 1,
+        (("source", "b.outbox"), ("topic", "t")): 2,
+        (("source", "other"), ("topic", "t")): 7,
+    }
+    assert views[1].totals() == (2, 0)
+    # Only the outboxes with their own label have table gauges.
+    assert {dict(k)["source"] for k in exported(m, "outbox_pending_rows")} == {
+        "a.outbox",
+        "b.outbox",
+    }
+
+
+def test_an_outbox_let_go_leaves_no_series_and_frees_its_place() -> None:
+    m = Metrics(max_sources=1)
+    a = SourceMetrics(m, "a.outbox")
+    a.claimed.inc(5)
+    assert SourceMetrics(m, "b.outbox").label == OTHER
+    forget(m, "a.outbox")
+    assert not [k for k in exported(m, "outbox_claimed_rows_total") if ("source", "a.outbox") in k]
+    assert SourceMetrics(m, "c.outbox").label == "c.outbox"
+    forget(m, "b.outbox")  # it was under "other": "other" stays
+    assert (("source", "other"),) in exported(m, "outbox_claimed_rows_total")
+
+
+def test_the_single_table_process_has_no_source_label() -> None:
+    m = Metrics()
+    m.record_batch([record()], [Result(Outcome.PUBLISHED)], 0.0)
+    assert exported(m, "outbox_published_total") == {(("topic", "t"),): 1}
+    assert exported(m, "outbox_pending_rows") == {(): 0}

@@ -159,6 +159,7 @@ def test_a_pattern_that_is_no_identifier_once_its_stars_are_filled_is_refused(pa
         ({"schema": "a", "table": "x;y"}, "1: table 'x;y' is not allowed"),
         ({"schema": "a", "table": "*"}, "1: table '*' is not allowed"),
         ({"schema": "a", "name": "a.b"}, "name: 'a.b' is not allowed: use 1-40 lowercase"),
+        ({"schema": "a", "name": "other"}, "name: 'other' is reserved (the `source` label"),
         ({"schema": "a", "weight": 0}, "weight must be a whole number from 1 to 100"),
         ({"schema": "a", "weight": 101}, "weight must be a whole number from 1 to 100"),
         ({"schema": "a", "weight": "2"}, "weight must be a whole number"),
@@ -269,8 +270,8 @@ def test_unnamed_sources_of_two_databases_that_can_share_a_table_name_need_a_nam
         "databases db0:5432/app and db9:5432/other) and the `source` label of metrics and the "
         "console would not tell them apart: give one of them a name"
     )
-    items[1]["name"] = "other"
-    assert [s.label for s in parsed(items)] == ["public.outbox", "other"]
+    items[1]["name"] = "shard2"
+    assert [s.label for s in parsed(items)] == ["public.outbox", "shard2"]
 
 
 @pytest.mark.parametrize(

@@ -121,6 +121,10 @@ extraEnv. The migration gets them all, so that it validates the same settings. *
 - name: {{ $name }}
   value: {{ $value | toString | quote }}
 {{- end }}
+{{- with .Values.sources }}
+- name: OUTBOX_SOURCES
+  value: {{ toJson . | quote }}
+{{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
