@@ -34,10 +34,9 @@ from .helpers import (
     wait_until,
 )
 from .sources_helpers import migrate
-from .test_many_outboxes import MakeTopic, Tenant, databases, fleet_settings
+from .test_many_outboxes import MakeTopic, Tenant, fleet_settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-__all__ = ["databases"]  # the fixture, shared with test_many_outboxes
 
 
 def samples(exposition: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
