@@ -116,7 +116,8 @@ async def reclaim(
     )
 
 
-CommittedOf = Callable[[Sequence[int]], Awaitable[set[int]]]
+# Which of the ids a lost claim committed; the lost claims' owners (fenced first).
+CommittedOf = Callable[[Sequence[int], Sequence[str]], Awaitable[set[int]]]
 # Crash-loop rows looked at per reclaimer step (each look fences and reads the progress once).
 CRASH_LOOPS_AT_ONCE = 500
 
@@ -133,7 +134,8 @@ async def settle_crash_loops(
     if not rows:
         return
     try:
-        committed = await committed_of([int(r["id"]) for r in rows])
+        owners = sorted({str(r["lease_owner"]) for r in rows if r["lease_owner"] is not None})
+        committed = await committed_of([int(r["id"]) for r in rows], owners)
     except errors.BrokerUnavailableError as exc:
         log.warning("crash_loops_wait_for_progress", rows=len(rows), error=str(exc))
         return

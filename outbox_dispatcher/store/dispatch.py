@@ -205,6 +205,16 @@ class DispatchStore(StoreBase):
         """The dispatchers that beat within `live_seconds`: owner, delivery, transactional_ids."""
         return await self._fetch("transactional_ids_live", live_seconds=live_seconds)
 
+    async def lost_owners(
+        self, *, keys: Sequence[str], keyless: Sequence[bool], owners: Sequence[str] = ()
+    ) -> list[Row]:
+        """The owners the reconcile duty of these work keys names, and `owners`, with their
+        delivery and recorded transactional ids whatever their heartbeat's age (exactly-once's
+        strict fence: dispatch.sql `lost_owners`)."""
+        return await self._fetch(
+            "lost_owners", keys=list(keys), keyless=list(keyless), owners=list(owners)
+        )
+
     async def dispatcher_beat(
         self,
         *,

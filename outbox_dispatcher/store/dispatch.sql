@@ -529,3 +529,22 @@ RETURNING owner
 SELECT owner, delivery, transactional_ids FROM {dispatchers}
  WHERE heartbeat_at > now() - $live_seconds * interval '1 second'
  ORDER BY owner
+
+-- lost_owners --
+-- Exactly-once: the owners whose claims a takeover stands in for, each with its delivery mode and
+-- the transactional ids it recorded, whatever its heartbeat's age (a takeover fences them before
+-- it reads the progress, and waits while it cannot: review E6, E7): those the reconcile duty of
+-- these keys ($keys, $keyless) names, and $owners (the crash-loop reclaimer's lost claims). Every
+-- registry row stays (nothing deletes one); an owner without one comes with NULLs.
+WITH named AS (
+    SELECT w.reconcile_owner AS owner
+      FROM {work} w
+      JOIN unnest($keys::text[], $keyless::boolean[]) AS u(k, kl)
+        ON w.ordering_key = u.k AND w.keyless = u.kl
+     WHERE w.reconcile_owner IS NOT NULL
+    UNION
+    SELECT o FROM unnest($owners::text[]) AS o WHERE o IS NOT NULL
+)
+SELECT n.owner, d.delivery, d.transactional_ids
+  FROM named n LEFT JOIN {dispatchers} d ON d.owner = n.owner
+ ORDER BY n.owner

@@ -23,7 +23,7 @@ from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka import progress
-from outbox_dispatcher.kafka.lanes import LANES, Registered, Registry
+from outbox_dispatcher.kafka.lanes import LANES, Registered, Registry, WorkKeys
 from outbox_dispatcher.kafka.transactional_delivery import (
     TransactionalDelivery,
     TransactionFencedError,
@@ -76,7 +76,14 @@ class Owners:
         async def record(ids: Sequence[str]) -> None:
             self.ids[owner] = list(ids)
 
-        return Registry(live, record)
+        async def lost(keys: WorkKeys, owners: Sequence[str]) -> list[Registered]:
+            """The owners the keys' duty names (from the table), with the ids they recorded."""
+            rows = await self.store.lost_owners(
+                keys=[k for k, _ in keys], keyless=[kl for _, kl in keys], owners=owners
+            )
+            return [(str(r["owner"]), "exactly-once", self.ids.get(r["owner"])) for r in rows]
+
+        return Registry(live, record, lost)
 
     async def publisher(self, owner: str, lanes: int = LANES) -> TransactionalPublisher:
         configs = configs_of(self.settings)
