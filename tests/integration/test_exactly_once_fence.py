@@ -17,6 +17,7 @@ from aiokafka import errors as kafka_errors
 from outbox_dispatcher import registry
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
+from outbox_dispatcher.dispatch.leases import settle_crash_loops
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.kafka import takeover
 from outbox_dispatcher.kafka.lanes import Registry
@@ -25,7 +26,7 @@ from outbox_dispatcher.models import PUBLISHED, Batch
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.store import migrations
 
-from .helpers import Services, count, insert_sequenced
+from .helpers import Services, cli, count, insert_sequenced
 from .test_exactly_once import Owners, eos_settings, expire, read_all, run
 
 pytestmark = pytest.mark.integration
@@ -153,6 +154,40 @@ async def test_a_takeover_that_cannot_fence_or_read_counts_no_attempt(
     delivery = b.publish(taken.records)
     assert (await run(delivery)).outcomes == [None] * 6 and delivery.sent == []
     await settler.settle(taken, [PUBLISHED] * 6)
+    assert await count(conn, "published_at IS NULL") == 0
+    copies = await read_all(services.kafka_bootstrap_servers, topic, "read_committed")
+    assert len(copies) == 6
+
+
+async def test_a_crash_loop_at_one_attempt_publishes_what_the_lost_claim_committed(
+    conn: asyncpg.Connection,
+    owners: Registered,
+    eos_settings: Callable[..., Settings],
+    topic: str,
+    services: Services,
+) -> None:
+    """E13 with max_attempts 1 (the review's check): owner-a commits its claim and is killed
+    before the mark, its heartbeat hours old. The reclaimer's step dead-letters the rows (the
+    lease expired at their last attempt), then, in exactly-once, fences owner-a strictly (the
+    lost claim's owner, whatever its heartbeat's age) and reads the progress: the rows are
+    published, not dead, and `dead requeue --all` has nothing to send again."""
+    settings = eos_settings(max_attempts=1)
+    await insert_sequenced(conn, topic, keys=2, per_key=3)
+    a = await owners.publisher("owner-a")
+    b = await owners.publisher("owner-b")
+    lost = await owners.claim("owner-a", settings)
+    assert (await run(a.publish(lost.records))).outcomes == [None] * 6
+    await a.stop()  # killed before its mark
+    await conn.execute(
+        "UPDATE outbox_dispatchers SET heartbeat_at = now() - interval '2 hours'"
+        " WHERE owner = 'owner-a'"
+    )
+    await expire(conn)
+    dead = await owners.store.dead_letter_crash_loops(max_attempts=1, block_on_dead=False)
+    assert len(dead) == 6
+    await settle_crash_loops(owners.store, settings, b.committed_of)
+    assert await count(conn, "published_at IS NOT NULL AND dead_at IS NULL") == 6
+    assert (await cli(settings, "dead", "requeue", "--all")).code == 0
     assert await count(conn, "published_at IS NULL") == 0
     copies = await read_all(services.kafka_bootstrap_servers, topic, "read_committed")
     assert len(copies) == 6
