@@ -250,12 +250,19 @@ class Metrics:
         self.lanes_renewed = Counter(
             "outbox_lanes_renewed",
             "Exactly-once: transactional ids a lane gave up for a new one, by why: stalled (a "
-            "partition did not acknowledge its transaction in time), fenced (a takeover or the "
-            "broker's transaction timeout), abort_unanswered.",
+            "partition short of in-sync replicas did not acknowledge its transaction in time), "
+            "coordinator (partitions with enough in-sync replicas did not: most likely the "
+            "transaction coordinator), fenced (a takeover or the broker's transaction timeout), "
+            "abort_unanswered.",
             ["reason"],
             registry=r,
         )
-        for reason in ("stalled", "fenced", "abort_unanswered"):  # exported at 0 from the start
+        for reason in (
+            "stalled",
+            "coordinator",
+            "fenced",
+            "abort_unanswered",
+        ):  # exported at 0 from the start
             self.lanes_renewed.labels(reason)
         self.takeovers_waiting = Counter(
             "outbox_takeovers_waiting",

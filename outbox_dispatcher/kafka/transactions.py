@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequen
 import structlog
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import failures, internals, lanes, progress, progress_topic
+from outbox_dispatcher.kafka import failures, internals, lanes, progress, progress_topic, replicas
 from outbox_dispatcher.kafka.batches import Answer, Batches
 from outbox_dispatcher.kafka.endings import Endings, Stall, cause_of, failure_of
 from outbox_dispatcher.kafka.lanes import Lane, Registry
@@ -121,7 +121,13 @@ class TransactionalPublisher:
         # Rows of a producer batch the broker refused whole: each goes alone next (Batches).
         self._alone: set[int] = set()
         self._ends = Endings(
-            self.lanes, self.holds, progress_config, self._takeover, self.stall_seconds, renewed
+            self.lanes,
+            self.holds,
+            progress_config,
+            self._takeover,
+            self.stall_seconds,
+            renewed,
+            replicas.checker(self._connection),
         )
 
     @property
