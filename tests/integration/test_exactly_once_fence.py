@@ -21,6 +21,7 @@ from outbox_dispatcher.dispatch.leases import settle_crash_loops
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.kafka import takeover
 from outbox_dispatcher.kafka.lanes import Registry
+from outbox_dispatcher.kafka.takeover import TakeoverWaitingError
 from outbox_dispatcher.kafka.transactions import TransactionalPublisher
 from outbox_dispatcher.models import PUBLISHED, Batch
 from outbox_dispatcher.retries import RetryPolicy
@@ -191,3 +192,23 @@ async def test_a_crash_loop_at_one_attempt_publishes_what_the_lost_claim_committ
     assert await count(conn, "published_at IS NULL") == 0
     copies = await read_all(services.kafka_bootstrap_servers, topic, "read_committed")
     assert len(copies) == 6
+
+
+async def test_a_takeover_whose_lease_expired_before_it_cleared_the_duty_sends_nothing(
+    conn: asyncpg.Connection, owners: Registered, topic: str, services: Services
+) -> None:
+    """owner-b takes owner-a's keys over and is slow: its leases expire before it clears their
+    duty, which still names owner-a. Had it sent, the next taker, fencing only owner-a, would
+    not have fenced owner-b (a zombie then). So it sends nothing; its rows go back uncounted."""
+    await insert_sequenced(conn, topic, keys=2, per_key=3)
+    await owners.publisher("owner-a")
+    await owners.claim("owner-a")  # never sent
+    await expire(conn)
+    b = await owners.publisher("owner-b")
+    taken = await owners.claim("owner-b")
+    await expire(conn)  # owner-b was slow
+    delivery = b.publish(taken.records)
+    part = await run(delivery)
+    assert delivery.sent == [] and not delivery.begun, "sent under a duty it left standing"
+    assert all(isinstance(o, TakeoverWaitingError) for o in part.outcomes), part
+    assert await read_all(services.kafka_bootstrap_servers, topic, "read_committed") == []
