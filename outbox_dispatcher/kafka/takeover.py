@@ -1,9 +1,10 @@
 """Exactly-once's takeover (docs/design/exactly-once.md): a claim that took rows over from a lost
-claim first fences every transactional id the other dispatchers recorded, then, holding every
-lane of its own dispatcher, reads the committed progress to its end; its rows a lost claim
-committed are published already (marked, not sent again), and so are that claim's committed
-rows of the same keys beyond this batch (adopted). If the progress cannot be read, nothing of
-the batch is decided: its rows stay leased for the next takeover.
+claim first fences the owners it stands in for (strictly, whatever their heartbeat's age) and
+the other dispatchers that beat lately (as it can), then, holding every lane of its own
+dispatcher, reads the committed progress to its end; its rows a lost claim committed are
+published already (marked, not sent again), and so are that claim's committed rows of the same
+keys beyond this batch (adopted). If a lost owner cannot be fenced or the progress cannot be
+read, nothing is sent: its rows go back, uncounted, their keys keeping the duty.
 
 The duty to reconcile is durable (the key's work row keeps `reconcile_owner` from the claim that
 found its lease expired): a claim returns a key's rows as reclaimed until a takeover read the
