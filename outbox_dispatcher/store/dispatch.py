@@ -80,6 +80,11 @@ class DispatchStore(StoreBase):
         """Crash-loop dead rows whose lost claim's outcome nobody read (exactly-once)."""
         return await self._fetch("crash_loops_unsettled", limit=limit)
 
+    async def crash_loop_candidates(self, *, max_attempts: int) -> list[Row]:
+        """The rows the crash-loop reclaimer would dead-letter now, with the lost lease's owner
+        (exactly-once reads their progress first)."""
+        return await self._fetch("crash_loop_candidates", max_attempts=max_attempts)
+
     async def crash_loops_checked(self, *, ids: Sequence[int]) -> int:
         """These crash-loop rows are not in the progress: dead for good."""
         return int(await self._value("crash_loops_checked", ids=list(ids)))

@@ -17,12 +17,13 @@ from aiokafka import errors as kafka_errors
 from outbox_dispatcher import registry
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
-from outbox_dispatcher.dispatch.leases import settle_crash_loops
+from outbox_dispatcher.dispatch.leases import reclaim_step, settle_crash_loops
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.kafka import takeover
 from outbox_dispatcher.kafka.lanes import Registry
 from outbox_dispatcher.kafka.takeover import TakeoverWaitingError
 from outbox_dispatcher.kafka.transactions import TransactionalPublisher
+from outbox_dispatcher.metrics import Metrics
 from outbox_dispatcher.models import PUBLISHED, Batch
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.store import migrations
@@ -212,3 +213,42 @@ async def test_a_takeover_whose_lease_expired_before_it_cleared_the_duty_sends_n
     assert delivery.sent == [] and not delivery.begun, "sent under a duty it left standing"
     assert all(isinstance(o, TakeoverWaitingError) for o in part.outcomes), part
     assert await read_all(services.kafka_bootstrap_servers, topic, "read_committed") == []
+
+
+async def test_the_reclaimer_dead_letters_nothing_while_the_progress_cannot_be_read(
+    conn: asyncpg.Connection,
+    owners: Registered,
+    eos_settings: Callable[..., Settings],
+    topic: str,
+    services: Services,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """E13: with max_attempts 1, owner-a committed key-0's rows, claimed key-1's and sent none,
+    and was killed before its mark. While the progress cannot be read, the reclaimer's step
+    dead-letters nothing (before: all 6 rows dead, and `dead requeue` in that window sent key-0's
+    again once its work was gone); once it can, it reads first: key-0's rows are published,
+    key-1's dead."""
+    settings = eos_settings(max_attempts=1)
+    await insert_sequenced(conn, topic, keys=2, per_key=3)
+    a = await owners.publisher("owner-a")
+    b = await owners.publisher("owner-b")
+    lost = await owners.claim("owner-a", settings)
+    sent = [r for r in lost.records if r.ordering_key == "key-0"]
+    assert (await run(a.publish(sent))).outcomes == [None] * 3
+    await a.stop()  # killed before its mark
+    await expire(conn)
+    real_read = takeover.progress.read_committed
+
+    async def unread(*_: Any, **__: Any) -> list[bytes | None]:
+        raise kafka_errors.KafkaConnectionError("the broker is away")
+
+    monkeypatch.setattr(takeover.progress, "read_committed", unread)
+    await reclaim_step(owners.store, settings, Metrics(), b.committed_of)
+    assert await count(conn, "dead_at IS NOT NULL") == 0, "dead before their progress was read"
+    monkeypatch.setattr(takeover.progress, "read_committed", real_read)
+    await reclaim_step(owners.store, settings, Metrics(), b.committed_of)
+    published = "published_at IS NOT NULL AND dead_at IS NULL"
+    assert await count(conn, f"ordering_key = 'key-0' AND {published}") == 3
+    assert await count(conn, "ordering_key = 'key-1' AND dead_at IS NOT NULL") == 3
+    assert await count(conn, "lease_token IS NOT NULL") == 0, "every one decided"
+    assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 3
