@@ -72,6 +72,7 @@ NAMES = (
     "outbox_paused",
     "outbox_lanes_renewed_total",
     "outbox_takeovers_waiting_total",
+    "outbox_fences_failed_total",
     "outbox_partitions_held",
 )
 
@@ -310,23 +311,38 @@ class Metrics:
         self.lanes_renewed = Counter(
             "outbox_lanes_renewed",
             "Exactly-once: transactional ids a lane gave up for a new one, by why: stalled (a "
-            "partition did not acknowledge its transaction in time), fenced (a takeover or the "
-            "broker's transaction timeout), abort_unanswered.",
+            "partition short of in-sync replicas did not acknowledge its transaction in time), "
+            "coordinator (partitions with enough in-sync replicas did not: most likely the "
+            "transaction coordinator), fenced (a takeover or the broker's transaction timeout), "
+            "abort_unanswered.",
             ["reason"],
             registry=r,
         )
-        for reason in ("stalled", "fenced", "abort_unanswered"):  # exported at 0 from the start
+        for reason in (
+            "stalled",
+            "coordinator",
+            "fenced",
+            "abort_unanswered",
+        ):  # exported at 0 from the start
             self.lanes_renewed.labels(reason)
         self.takeovers_waiting = Counter(
             "outbox_takeovers_waiting",
             "Exactly-once: takeovers that decided nothing because the progress could not be read "
-            "(unread: the broker; end_unreached: a transaction open on the progress partition "
-            "did not end in time, a hanging one if it keeps rising): their rows wait, leased.",
+            "(unread: the broker or the database; end_unreached: a transaction open on the "
+            "progress partition did not end in time, a hanging one if it keeps rising; "
+            "unfenced: an id of the owner it stands in for could not be fenced): their rows wait, "
+            "uncounted, and their keys keep the reconcile duty.",
             ["reason"],
             registry=r,
         )
-        for reason in ("unread", "end_unreached"):
+        for reason in ("unread", "end_unreached", "unfenced"):
             self.takeovers_waiting.labels(reason)
+        self.fences_failed = Counter(
+            "outbox_fences_failed",
+            "Exactly-once: another dispatcher's transactional id a takeover could not fence (its "
+            "last transaction's markers cannot be written yet); the takeover went on.",
+            registry=r,
+        )
 
     def _register_durations(self, r: CollectorRegistry) -> None:
         by = self._by

@@ -4,12 +4,14 @@ under the policy the dispatchers run with (not the operator's own environment)."
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import structlog
 
+from outbox_dispatcher import errors
 from outbox_dispatcher.config.settings import Settings
-from outbox_dispatcher.store import DispatchStore, db, migrations
+from outbox_dispatcher.kafka.lanes import Registered, Registry, WorkKeys
+from outbox_dispatcher.store import DispatchStore, Row, db, migrations
 
 log = structlog.get_logger(__name__)
 
@@ -22,6 +24,11 @@ _TOLERATED: tuple[type[BaseException], ...] = (
 HEARTBEAT_SECONDS = 10.0
 # A dispatcher whose heartbeat is older than this is taken for dead (three missed beats).
 LIVE_SECONDS = 3 * HEARTBEAT_SECONDS + 5
+# Exactly-once: a takeover fences as it can the other dispatchers with a heartbeat this recent
+# (so that their open transactions do not hold the progress partition: the broker aborts an
+# older one's at its timeout). The owners whose claims it stands in for it fences whatever their
+# heartbeat's age (`lost_owners`).
+FENCE_WINDOW_SECONDS = 3600.0
 
 
 # Rows published and dead-lettered since the process started (Metrics.totals).
@@ -68,3 +75,26 @@ class Heartbeat:
             totals=self._counters() if counted else None,
             delivery=self._delivery if self._schema >= migrations.DELIVERY_VERSION else None,
         )
+
+
+def transactional_registry(store: DispatchStore, owner: str) -> Registry:
+    """Exactly-once's view of the registry for dispatcher `owner` (kafka/lanes.Registry)."""
+
+    def registered(rows: Sequence[Row]) -> list[Registered]:
+        return [(str(r["owner"]), r["delivery"], r["transactional_ids"]) for r in rows]
+
+    async def live() -> list[Registered]:
+        return registered(await store.transactional_ids_live(live_seconds=FENCE_WINDOW_SECONDS))
+
+    async def record(ids: Sequence[str]) -> None:
+        if not await store.transactional_ids_record(owner=owner, ids=ids):
+            msg = "this dispatcher's registry row is gone (its next heartbeat writes it)"
+            raise errors.DatabaseUnavailableError(msg)
+
+    async def lost(keys: WorkKeys, owners: Sequence[str]) -> list[Registered]:
+        rows = await store.lost_owners(
+            keys=[k for k, _ in keys], keyless=[kl for _, kl in keys], owners=owners
+        )
+        return registered(rows)
+
+    return Registry(live, record, lost)

@@ -8,6 +8,7 @@ bookkeeping.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import NoReturn
@@ -91,52 +92,98 @@ async def reclaim(
     committed_of: CommittedOf | None = None,
 ) -> NoReturn:
     """Dead-letter rows whose leases keep expiring; report expired leases awaiting takeover.
-    Exactly-once (`committed_of`): then mark published those its lost claim had committed."""
-
-    async def step() -> None:
-        dead = await store.dead_letter_crash_loops(
-            max_attempts=settings.max_attempts,
-            block_on_dead=settings.dead_letter_policy is DeadLetterPolicy.BLOCK,
-        )
-        expired = await store.count_expired_leases()
-        report_crash_loops(dead, metrics)
-        if committed_of is not None:
-            await settle_crash_loops(store, settings, committed_of)
-        if expired:
-            log.info("expired_leases_awaiting_takeover", leases=expired)
-        if settings.sweep_rows:
-            await sweep_step(store, settings, metrics)
-
+    Exactly-once (`committed_of`): those its lost claim had committed are published instead."""
     await every(
         settings.reclaim_interval_seconds,
-        step,
+        functools.partial(reclaim_step, store, settings, metrics, committed_of),
         log=log,
         failed="reclaim_failed",
         tolerated=db.RETRIABLE_ERRORS,
     )
 
 
-CommittedOf = Callable[[Sequence[int]], Awaitable[set[int]]]
+async def reclaim_step(
+    store: DispatchStore,
+    settings: Settings,
+    metrics: Metrics,
+    committed_of: CommittedOf | None = None,
+) -> None:
+    """One step of the reclaimer. Exactly-once reads the progress of the rows it is about to
+    dead-letter first, and dead-letters nothing while it cannot (review E13)."""
+    read: Checked | None = (set(), set())
+    if committed_of is not None:
+        read = await read_crash_loops_first(store, settings, committed_of)
+    if read is not None:
+        dead = await store.dead_letter_crash_loops(
+            max_attempts=settings.max_attempts,
+            block_on_dead=settings.dead_letter_policy is DeadLetterPolicy.BLOCK,
+        )
+        report_crash_loops(dead, metrics)
+    expired = await store.count_expired_leases()
+    if committed_of is not None:
+        await settle_crash_loops(store, settings, committed_of, read or (set(), set()))
+    if expired:
+        log.info("expired_leases_awaiting_takeover", leases=expired)
+    if settings.sweep_rows:
+        await sweep_step(store, settings, metrics)
+
+
+# Which of the ids a lost claim committed; the lost claims' owners (fenced first).
+CommittedOf = Callable[[Sequence[int], Sequence[str]], Awaitable[set[int]]]
 # Crash-loop rows looked at per reclaimer step (each look fences and reads the progress once).
 CRASH_LOOPS_AT_ONCE = 500
 
 
-async def settle_crash_loops(
+# Rows whose progress was read (after their lost claims' owners were fenced), and which of them
+# those claims committed.
+Checked = tuple[set[int], set[int]]
+
+
+async def read_crash_loops_first(
     store: DispatchStore, settings: Settings, committed_of: CommittedOf
+) -> Checked | None:
+    """Exactly-once (review E13): the progress of the rows the reclaimer is about to dead-letter,
+    read first (their lost claims' owners fenced), so that the rows their claim committed are
+    published right after (settle_crash_loops) rather than shown dead until a later read; None
+    when it cannot be read: nothing is dead-lettered meanwhile (the keys stay as they are, left
+    to the reclaimer, until the progress can be read)."""
+    rows = await store.crash_loop_candidates(max_attempts=settings.max_attempts)
+    if not rows:
+        return set(), set()
+    ids = {int(r["id"]) for r in rows}
+    owners = sorted({str(r["lease_owner"]) for r in rows if r["lease_owner"] is not None})
+    try:
+        return ids, await committed_of(sorted(ids), owners)
+    except errors.BrokerUnavailableError as exc:
+        log.warning("crash_loops_wait_for_progress", rows=len(rows), error=str(exc))
+        return None
+
+
+async def settle_crash_loops(
+    store: DispatchStore,
+    settings: Settings,
+    committed_of: CommittedOf,
+    checked: Checked = (set(), set()),
 ) -> None:
-    """Exactly-once (review E13): the reclaimer dead-lettered a crash loop's rows without
-    knowing whether the lost claim committed them. Their lease token stays on them until the
-    progress is read (durable: a crash meanwhile leaves them to the next step): those in it are
-    published, settled as the lost claim's late mark would be (settle_late: a key they blocked
-    goes on); the others are dead for good. If the progress cannot be read, nothing changes."""
+    """Exactly-once (review E13): the reclaimer dead-lettered a crash loop's rows; their lease
+    token stays on them until their progress is read (durable: a crash meanwhile leaves them to
+    the next step): those in it are published, settled as the lost claim's late mark would be
+    (settle_late: a key they blocked goes on); the others are dead for good. `checked`: rows
+    whose progress this step read just before dead-lettering them (not read again). Rows whose
+    progress cannot be read stay as they are."""
     rows = await store.crash_loops_unsettled(limit=CRASH_LOOPS_AT_ONCE)
     if not rows:
         return
-    try:
-        committed = await committed_of([int(r["id"]) for r in rows])
-    except errors.BrokerUnavailableError as exc:
-        log.warning("crash_loops_wait_for_progress", rows=len(rows), error=str(exc))
-        return
+    read, known = checked
+    committed = known & {int(r["id"]) for r in rows}
+    unread = [r for r in rows if int(r["id"]) not in read]
+    if unread:
+        owners = sorted({str(r["lease_owner"]) for r in unread if r["lease_owner"] is not None})
+        try:
+            committed |= await committed_of([int(r["id"]) for r in unread], owners)
+        except errors.BrokerUnavailableError as exc:
+            log.warning("crash_loops_wait_for_progress", rows=len(unread), error=str(exc))
+            rows = [r for r in rows if int(r["id"]) in read]  # those read are decided
     by_token: dict[uuid.UUID, list[Row]] = {}
     for r in rows:
         if int(r["id"]) in committed:
@@ -154,7 +201,9 @@ async def settle_crash_loops(
             delete_published=settings.delete_on_publish,
             block_on_dead=settings.dead_letter_policy is DeadLetterPolicy.BLOCK,
         )
-    await store.crash_loops_checked(ids=[int(r["id"]) for r in rows if r["id"] not in committed])
+    await store.crash_loops_checked(
+        ids=[int(r["id"]) for r in rows if int(r["id"]) not in committed]
+    )
     if committed:
         log.warning("crash_loop_rows_found_committed", rows=len(committed))
 

@@ -14,7 +14,7 @@ import functools
 import os
 import socket
 import uuid
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -31,7 +31,6 @@ from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.wakeup import Waiting, Wakeup
 from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
 from outbox_dispatcher.kafka.delivery import DeliveryConfig
-from outbox_dispatcher.kafka.lanes import Registered, Registry
 from outbox_dispatcher.kafka.producers import ProducerConfig
 from outbox_dispatcher.kafka.progress import ProgressConfig
 from outbox_dispatcher.kafka.publisher import KafkaPublisher, PublisherConfig
@@ -45,9 +44,9 @@ from outbox_dispatcher.store import DispatchStore, Statements, db, listen, migra
 
 log = structlog.get_logger(__name__)
 
-# exactly-once: a takeover fences the dispatchers with a heartbeat this recent (an older one's
-# transactions ended long ago: the broker aborts one at OUTBOX_TRANSACTION_TIMEOUT_SECONDS).
-FENCE_WINDOW_SECONDS = 3600.0
+# exactly-once: a takeover fences as it can the dispatchers with a heartbeat this recent; those
+# whose claims it stands in for, whatever their heartbeat's age (registry.py).
+FENCE_WINDOW_SECONDS = registry.FENCE_WINDOW_SECONDS
 Publisher = KafkaPublisher | TransactionalPublisher
 
 READINESS_ERRORS: tuple[type[BaseException], ...] = (
@@ -149,27 +148,19 @@ class Dispatcher:
         log.info("stopped", published=self.published)
 
     async def _publisher(self, store: DispatchStore) -> Publisher:
-        """The delivery mode's publisher; exactly-once's fences the table's other dispatchers
-        (those with a heartbeat within FENCE_WINDOW_SECONDS) before a takeover publishes."""
+        """The delivery mode's publisher; exactly-once's fences, before a takeover publishes,
+        the owners it stands in for (strictly) and the table's other dispatchers with a
+        heartbeat within FENCE_WINDOW_SECONDS (as it can)."""
         s = self.settings
         if s.delivery is DeliveryMode.AT_LEAST_ONCE:
             return KafkaPublisher(self.configs.publisher)
 
-        async def live() -> list[Registered]:
-            rows = await store.transactional_ids_live(live_seconds=FENCE_WINDOW_SECONDS)
-            return [(str(r["owner"]), r["delivery"], r["transactional_ids"]) for r in rows]
-
-        async def record(ids: Sequence[str]) -> None:
-            if not await store.transactional_ids_record(owner=self.owner, ids=ids):
-                msg = "this dispatcher's registry row is gone (its next heartbeat writes it)"
-                raise errors.DatabaseUnavailableError(msg)
-
         async def pending(ids: list[int]) -> list[OutboxRecord]:
             return [OutboxRecord.from_row(row) for row in await store.pending_rows(ids=ids)]
 
-        async def reconciled(keys: list[tuple[str, bool]]) -> None:
+        async def reconciled(keys: list[tuple[str, bool]]) -> int:
             try:
-                await store.reconciled(
+                return await store.reconciled(
                     owner=self.owner, keys=[k for k, _ in keys], keyless=[kl for _, kl in keys]
                 )
             except db.RETRIABLE_ERRORS as exc:
@@ -185,13 +176,14 @@ class Dispatcher:
             self.configs.publisher,
             progress,
             self.owner,
-            Registry(live, record),
+            registry.transactional_registry(store, self.owner),
             pending,
             reconciled,
             lane_count=s.claim_tasks,
             renewed=lambda reason: self.metrics.lanes_renewed.labels(reason).inc(),
             waiting=lambda reason: self.metrics.takeovers_waiting.labels(reason).inc(),
             unsettled=store.unsettled_work,
+            fence_failed=self.metrics.fences_failed.inc,
         )
         self.metrics.partitions_held.set_function(lambda: len(made.holds.held))
         return made

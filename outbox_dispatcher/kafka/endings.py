@@ -13,11 +13,12 @@ import structlog
 from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import failures, internals, progress
+from outbox_dispatcher.kafka import failures, internals, progress, replicas
 from outbox_dispatcher.kafka.batches import Answer, Batches
 from outbox_dispatcher.kafka.lanes import Lanes
 from outbox_dispatcher.kafka.producers import NotSubmitted
 from outbox_dispatcher.kafka.progress import ProgressConfig
+from outbox_dispatcher.kafka.replicas import ShortOfReplicas
 from outbox_dispatcher.kafka.stalls import Holds, PartitionStalledError, TopicPartition
 from outbox_dispatcher.kafka.takeover import KAFKA_TROUBLE, Takeover
 from outbox_dispatcher.kafka.transactional_delivery import (
@@ -51,6 +52,8 @@ class Endings:
     takeover: Takeover  # reads the progress
     stall_seconds: float  # how long acks were waited for (the reason's text)
     renewed: Callable[[str], None]  # a lane took a new id: stalled, fenced or abort_unanswered
+    # Of the partitions that did not answer, those short of in-sync replicas (review E14).
+    short: ShortOfReplicas = replicas.every_one_short
 
     async def give_up(
         self,
@@ -61,28 +64,39 @@ class Endings:
         stall: Stall,
     ) -> None:
         """The transaction's records were not all acknowledged in time: it is given up (never
-        committed), its lane goes on under a new id, and the partitions that did not answer are
-        held. Their rows wait for the hold; the others go again at once (or after the outage
-        pause, when the progress topic itself did not answer)."""
+        committed), its lane goes on under a new id, and the partitions that did not answer and
+        are short of in-sync replicas are held. Their rows wait for the hold; the others go
+        again at once (or after the outage pause, when the progress topic itself did not
+        answer), those of a partition with enough replicas saying the coordinator is likely at
+        fault (review E14)."""
         where = STALLED.format(self.stall_seconds)
         names = sorted(f"{t}-{p}" for t, p in stall.partitions)
+        short = await self.short(stall.partitions) if not stall.progress else set()
+        healthy = stall.partitions - short if not stall.progress else set()
         log.warning(
-            "transaction_stalled", lane=d.lane.name, partitions=names, seconds=self.stall_seconds
+            "transaction_stalled",
+            lane=d.lane.name,
+            partitions=names,
+            seconds=self.stall_seconds,
+            replicas_enough=sorted(f"{t}-{p}" for t, p in healthy),
         )
-        held = self.holds.stalled(stall.partitions) if not stall.progress else 0.0
+        held = self.holds.stalled(short) if short else 0.0
+        coordinator = replicas.CoordinatorTroubleError(healthy, where) if healthy else None
         for i in indices:
             answer = answers[i]
             partition = batches.where.get(answer) if isinstance(answer, asyncio.Future) else None
             if stall.progress:
                 outcome: BaseException = TransactionAbortedError(f"the progress topic {where}")
-            elif partition is not None and partition in stall.partitions:
+            elif partition is not None and partition in short:
                 outcome = PartitionStalledError(partition, held, where)
+            elif partition is not None and coordinator is not None and partition in healthy:
+                outcome = coordinator
             else:
                 outcome = TransactionFencedError(f"given up: partitions {', '.join(names)} {where}")
             d.decide([i], outcome)
         d.sent.clear()
         await self.lanes.renew(d.lane, f"partitions {', '.join(names)} {where}")
-        self.renewed("stalled")
+        self.renewed("stalled" if short or stall.progress else "coordinator")
         # The closed producer failed them; their errors read, none left unretrieved.
         _, left = await asyncio.wait(stall.unanswered, timeout=1.0)
         for answer in stall.unanswered - left:

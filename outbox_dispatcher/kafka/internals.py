@@ -44,6 +44,15 @@ async def topic_config(admin: AIOKafkaAdminClient, topic: str) -> dict[str, str]
     return {str(e["config_names"]): str(e["config_value"]) for e in entries}
 
 
+async def describe_topics(admin: AIOKafkaAdminClient, topics: list[str]) -> list[Any]:
+    """The topics' metadata (partitions, leaders, in-sync replicas) as describe_topics returns
+    it, never creating a missing topic (the admin client's own request lets the broker do so)."""
+    request = MetadataRequest(topics, allow_auto_topic_creation=False)
+    response = await admin._send_request(request)
+    topics_found: list[Any] = response.to_object()["topics"]
+    return topics_found
+
+
 def read_fatal_error(producer: AIOKafkaProducer) -> BaseException | None:
     """The error that ended a transactional producer's transaction (a fence), read from its
     transaction manager's waiter, which nothing awaits once the producer is replaced (asyncio

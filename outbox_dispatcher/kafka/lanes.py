@@ -35,18 +35,25 @@ log = structlog.get_logger(__name__)
 LANES = 2
 
 # A dispatcher in the registry: its owner id, its delivery mode, the transactional ids it
-# recorded (None: none recorded; a release older than schema version 15).
+# recorded (None: none recorded; a release older than schema version 15, or no row).
 Registered = tuple[str, str | None, Sequence[str] | None]
+# Work keys (the key, or a keyless row's id, and whether it is keyless: models.work_keys).
+WorkKeys = Sequence[tuple[str, bool]]
 
 
 @dataclass(frozen=True)
 class Registry:
     """The dispatchers' registry as exactly-once uses it (dispatch/supervisor.py builds it)."""
 
-    # Every dispatcher of the table that beat lately, with the ids it recorded.
+    # Every dispatcher of the table that beat lately, with the ids it recorded: a takeover
+    # fences them as it can (their open transactions would hold the progress partition).
     live: Callable[[], Awaitable[Sequence[Registered]]]
     # Record this dispatcher's transactional ids (before the first transaction of each).
     record: Callable[[Sequence[str]], Awaitable[None]]
+    # The owners whose claims a takeover stands in for, whatever their heartbeat's age: those
+    # the reconcile duty of the work keys names, and the owners given (store `lost_owners`). A
+    # takeover fences every id of theirs, or waits (review E6, E7).
+    lost: Callable[[WorkKeys, Sequence[str]], Awaitable[Sequence[Registered]]]
 
 
 def lane_name(owner: str, number: int, generation: int = 0) -> str:
@@ -134,6 +141,10 @@ class Lanes(Sequence[Lane]):
         self._progress = progress_config
         self._producer = producer
         self._unready: set[int] = set()  # lanes whose new id is not recorded and started yet
+        # One record at a time, its ids read inside (review E12): two lanes renewing at once
+        # otherwise wrote lists each read before the other's renewal, the later write lacking
+        # the other lane's new id while that lane served under it.
+        self._recording = asyncio.Lock()
         self._fences: set[asyncio.Future[None]] = set()  # given-up ids being fenced
 
     @overload
@@ -154,7 +165,7 @@ class Lanes(Sequence[Lane]):
 
     async def start(self) -> None:
         """Record the ids, then start every lane's producer (stopped again if one fails)."""
-        await self._registry.record(self.ids())
+        await self._record()
         started: list[Lane] = []
         try:
             for lane in self._lanes:
@@ -206,11 +217,17 @@ class Lanes(Sequence[Lane]):
         if lane.number not in self._unready:
             return
         try:
-            await self._registry.record(self.ids())
+            await self._record()
         except Exception as exc:
             raise errors.DatabaseUnavailableError(errors.describe(exc)) from exc
         await lane.producers.start(max(self._progress.timeout_seconds, 10.0))
         self._unready.discard(lane.number)
+
+    async def _record(self) -> None:
+        """Every lane's current id in the registry row: read under the lock, so that the last
+        write lists every id a lane serves under (or will, once its ready returns)."""
+        async with self._recording:
+            await self._registry.record(self.ids())
 
     async def _fence(self, transactional_id: str) -> None:
         """At most for the transaction timeout: past it the broker aborted the transaction."""

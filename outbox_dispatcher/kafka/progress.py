@@ -225,6 +225,6 @@ class ProgressEndUnreachedError(ProgressUnavailableError):
             f"the progress topic could not be read to its end ({where or 'nothing read'}): a "
             "transaction open there holds it. If it does not end within the transaction "
             "timeout, it hangs: list it with `kafka-transactions.sh find-hanging` and end it "
-            "with `kafka-transactions.sh abort` (the rows wait, leased, until then)"
+            "with `kafka-transactions.sh abort` (the rows wait until then)"
         )
         self.behind = dict(behind)

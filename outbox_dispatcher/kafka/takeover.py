@@ -1,9 +1,10 @@
 """Exactly-once's takeover (docs/design/exactly-once.md): a claim that took rows over from a lost
-claim first fences every transactional id the other dispatchers recorded, then, holding every
-lane of its own dispatcher, reads the committed progress to its end; its rows a lost claim
-committed are published already (marked, not sent again), and so are that claim's committed
-rows of the same keys beyond this batch (adopted). If the progress cannot be read, nothing of
-the batch is decided: its rows stay leased for the next takeover.
+claim first fences the owners it stands in for (strictly, whatever their heartbeat's age) and
+the other dispatchers that beat lately (as it can), then, holding every lane of its own
+dispatcher, reads the committed progress to its end; its rows a lost claim committed are
+published already (marked, not sent again), and so are that claim's committed rows of the same
+keys beyond this batch (adopted). If a lost owner cannot be fenced or the progress cannot be
+read, nothing is sent: its rows go back, uncounted, their keys keeping the duty.
 
 The duty to reconcile is durable (the key's work row keeps `reconcile_owner` from the claim that
 found its lease expired): a claim returns a key's rows as reclaimed until a takeover read the
@@ -52,7 +53,8 @@ class Reconciled(Protocol):
 PendingRows = Callable[[list[int]], Awaitable[Sequence[OutboxRecord]]]
 # The keys (the work rows' keys: a row without one is keyed by its id) whose reconcile duty a
 # takeover did, under this dispatcher's live leases (store.DispatchStore.reconciled).
-Reconciling = Callable[[list[tuple[str, bool]]], Awaitable[object]]
+# Returns how many keys it cleared.
+Reconciling = Callable[[list[tuple[str, bool]]], Awaitable[int]]
 
 
 @dataclass(frozen=True)
@@ -64,27 +66,55 @@ class Takeover:
     pending: PendingRows
     reconciled: Reconciling
     fence_seconds: float  # a fence that takes longer: the id's markers cannot be written yet
+    # Another dispatcher's id could not be fenced (a metric; the takeover goes on).
+    fence_failed: Callable[[], None] = lambda: None
 
-    async def fence_others(self) -> None:
-        """Fence every id another dispatcher may have a transaction open under: its open
-        transaction is aborted (or its commit in progress finished) and its producer refused.
-        Needs no lane of this dispatcher."""
+    async def fence_others(
+        self, records: Sequence[OutboxRecord] = (), owners: Sequence[str] = ()
+    ) -> None:
+        """Fence the owners whose claims this takeover stands in for (the reconcile duty of the
+        reclaimed `records`' keys names them; `owners`: named by the caller): every id each
+        recorded, whatever its heartbeat's age, since a zombie paused past any window resumes
+        under its old producer with a claim the taker sends too (review E6). One that cannot be
+        fenced makes the takeover wait (FenceFailedError). Every other id the registry lists
+        lately is fenced as it can, so that its open transaction does not hold the progress
+        partition's end: a failure is logged and counted and holds nobody up (review E7: an id
+        whose markers cannot be written stalled every takeover of the table). Needs no lane of
+        this dispatcher."""
+        keys = work_keys([r for r in records if r.reclaimed])
         try:
-            registered = await self.registry.live()
+            lost = await self.registry.lost(keys, owners)
         except Exception as exc:  # the database is away: the rows wait
             raise ProgressUnavailableError(errors.describe(exc)) from exc
+        strict = lanes.fence_ids(self.progress, lost, self.owner)
+        try:
+            registered = await self.registry.live()
+        except Exception as exc:  # noqa: BLE001 - best effort: the read waits for them
+            log.warning("takeover_registry_unread", error=errors.describe(exc))
+            registered = []
+        listed = lanes.fence_ids(self.progress, registered, self.owner)
+        others = [t for t in dict.fromkeys(listed) if t not in strict]
         limit = asyncio.Semaphore(FENCES_AT_ONCE)
 
         async def fence(tid: str) -> None:
             async with limit:
                 await progress.fence(self.producer, tid, self.fence_seconds)
 
-        try:
-            await asyncio.gather(
-                *(fence(t) for t in lanes.fence_ids(self.progress, registered, self.owner))
-            )
-        except (*KAFKA_TROUBLE, errors.BrokerUnavailableError) as exc:
-            raise ProgressUnavailableError(errors.describe(exc)) from exc
+        ids = list(dict.fromkeys(strict)) + others
+        results = await asyncio.gather(*(fence(t) for t in ids), return_exceptions=True)
+        unfenced: list[tuple[str, BaseException]] = []
+        for tid, result in zip(ids, results, strict=True):
+            if result is None:
+                continue
+            if not isinstance(result, (*KAFKA_TROUBLE, errors.BrokerUnavailableError)):
+                raise result  # not the broker's: a bug
+            if tid in strict:
+                unfenced.append((tid, result))
+                continue
+            self.fence_failed()
+            log.warning("fence_failed", transactional_id=tid, error=errors.describe(result))
+        if unfenced:
+            raise FenceFailedError(unfenced)
 
     async def reconcile(self, d: Reconciled, own: Sequence[Lane]) -> None:
         """Rows taken over from a lost claim: those it committed are published already, and so
@@ -111,13 +141,20 @@ class Takeover:
         await self._reconciled([r for r in d.records if r.reclaimed])
 
     async def _reconciled(self, records: Sequence[OutboxRecord]) -> None:
-        """The keys' duty is done: every row of theirs a lost claim committed is decided. If the
-        database does not answer, the duty stays (the next claim of a key reads the progress
-        again, which finds this one's commit): only a cost."""
+        """The keys' duty is done: every row of theirs a lost claim committed is decided. Only
+        once it is cleared for every key (under this dispatcher's live leases) may the takeover
+        send: the duty names one lost owner, and the next taker fences strictly only the owner
+        it names or, once it is cleared, the owner of the lease that expires next, so a taker
+        that sent under a duty it left standing could be a zombie nobody fences (review E6).
+        Otherwise ProgressUnavailableError: nothing sent, the rows given back, the duty kept."""
+        keys = work_keys(records)
         try:
-            await self.reconciled(work_keys(records))
+            cleared = await self.reconciled(keys)
         except errors.OutboxDispatcherError as exc:  # the database is away: the duty stays
-            log.warning("takeover_duty_kept", keys=len(records), error=errors.describe(exc))
+            raise ProgressUnavailableError(f"the duty was not cleared: {exc}") from exc
+        if cleared < len(keys):
+            msg = f"the duty was cleared for {cleared} of {len(keys)} keys (a lease expired)"
+            raise ProgressUnavailableError(msg)
 
     async def committed(self, own: Sequence[Lane]) -> set[int]:
         """The ids of every committed transaction not seen marked: this dispatcher's lanes whose
@@ -154,3 +191,30 @@ class Takeover:
             max(connection.request_timeout_seconds, 10.0),
             end_seconds=self.progress.timeout_seconds + END_MARGIN_SECONDS,
         )
+
+
+class FenceFailedError(ProgressUnavailableError):
+    """A transactional id of an owner whose claims a takeover stands in for could not be fenced
+    within the bound (its last transaction's markers cannot be written: a partition short of
+    in-sync replicas, a coordinator away): that owner may still commit, so the takeover reads
+    nothing and sends nothing; its rows wait, uncounted, and their keys keep the duty."""
+
+    def __init__(self, unfenced: Sequence[tuple[str, BaseException]]) -> None:
+        which = "; ".join(f"{tid}: {errors.describe(exc)}" for tid, exc in unfenced)
+        super().__init__(
+            f"the lost owner's transactional ids could not be fenced ({which}). Check the "
+            "partitions its transactions wrote to (kafka-topics.sh --describe "
+            "--under-min-isr-partitions) and the transaction coordinator "
+            "(kafka-transactions.sh describe --transactional-id ...); the takeover is tried again"
+        )
+        self.unfenced = [tid for tid, _ in unfenced]
+
+
+class TakeoverWaitingError(errors.NotAttempted):
+    """A takeover could not fence the owner it stands in for, or read the progress: nothing was
+    sent, and the row waits, uncounted; its key keeps the reconcile duty, so its next claim,
+    by any dispatcher, fences and reads again."""
+
+    def __init__(self, cause: BaseException, delay: float) -> None:
+        super().__init__(f"the takeover waits ({cause}); its rows wait {delay:.1f} s")
+        self.delay = delay

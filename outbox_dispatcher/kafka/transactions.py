@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequen
 import structlog
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import failures, internals, lanes, progress, progress_topic
+from outbox_dispatcher.kafka import failures, internals, lanes, progress, progress_topic, replicas
 from outbox_dispatcher.kafka.batches import Answer, Batches
 from outbox_dispatcher.kafka.endings import Endings, Stall, cause_of, failure_of
 from outbox_dispatcher.kafka.lanes import Lane, Registry
@@ -32,7 +32,14 @@ from outbox_dispatcher.kafka.progress import (
 from outbox_dispatcher.kafka.publisher import PublisherConfig
 from outbox_dispatcher.kafka.records import RecordEncoder
 from outbox_dispatcher.kafka.stalls import Holds, PartitionStalledError, TopicPartition
-from outbox_dispatcher.kafka.takeover import KAFKA_TROUBLE, PendingRows, Reconciling, Takeover
+from outbox_dispatcher.kafka.takeover import (
+    KAFKA_TROUBLE,
+    FenceFailedError,
+    PendingRows,
+    Reconciling,
+    Takeover,
+    TakeoverWaitingError,
+)
 from outbox_dispatcher.kafka.topics import ClaimLookups
 from outbox_dispatcher.kafka.transactional_delivery import (
     TransactionAbortedError,
@@ -70,10 +77,12 @@ class TransactionalPublisher:
         renewed: Callable[[str], None] = lambda reason: None,
         waiting: Callable[[str], None] = lambda reason: None,
         unsettled: Callable[[], Awaitable[int]] | None = None,
+        fence_failed: Callable[[], None] = lambda: None,
     ) -> None:
         self.owner = owner
         self._progress = progress_config
-        self._waiting = waiting  # a takeover that could not read the progress (a metric)
+        # A takeover that could not fence a lost owner or read the progress (a metric).
+        self._waiting = waiting
         # Keys leased or holding the reconcile duty (a missing progress topic is then not made
         # again at start: kafka/progress_topic.py); None: the table is taken as new.
         self._unsettled = unsettled or nothing_unsettled
@@ -90,7 +99,14 @@ class TransactionalPublisher:
         self._connection = producer.connection
         fence_seconds = max(progress_config.timeout_seconds, 10.0)
         self._takeover = Takeover(
-            progress_config, producer, owner, registry, pending, reconciled, fence_seconds
+            progress_config,
+            producer,
+            owner,
+            registry,
+            pending,
+            reconciled,
+            fence_seconds,
+            fence_failed,
         )
         self._encoder = RecordEncoder(config.records)
         self._tracer = Tracer(config.tracing)
@@ -105,7 +121,13 @@ class TransactionalPublisher:
         # Rows of a producer batch the broker refused whole: each goes alone next (Batches).
         self._alone: set[int] = set()
         self._ends = Endings(
-            self.lanes, self.holds, progress_config, self._takeover, self.stall_seconds, renewed
+            self.lanes,
+            self.holds,
+            progress_config,
+            self._takeover,
+            self.stall_seconds,
+            renewed,
+            replicas.checker(self._connection),
         )
 
     @property
@@ -164,11 +186,12 @@ class TransactionalPublisher:
         if final and delivery.marked_every_row:
             delivery.lane.unmarked.pop(delivery.tag, None)
 
-    async def committed_of(self, ids: Sequence[int]) -> set[int]:
+    async def committed_of(self, ids: Sequence[int], owners: Sequence[str] = ()) -> set[int]:
         """Which of `ids` a lost claim committed (review E13: rows the crash-loop reclaimer
-        dead-lettered): read as a takeover reads, after fencing the other dispatchers and
-        holding every lane. ProgressUnavailableError when it cannot be read (nothing decided)."""
-        await self._takeover.fence_others()
+        dead-lettered; `owners`: the lost claims' owners, fenced strictly): read as a takeover
+        reads, after fencing and holding every lane. ProgressUnavailableError when it cannot be
+        read (nothing decided)."""
+        await self._takeover.fence_others(owners=owners)
         async with contextlib.AsyncExitStack() as turns:
             for lane in self.lanes:
                 await turns.enter_async_context(lane.turn)
@@ -216,7 +239,7 @@ class TransactionalPublisher:
         takeover = any(d.records[i].reclaimed for i in indices)
         try:
             if takeover:
-                await self._takeover.fence_others()
+                await self._takeover.fence_others([d.records[i] for i in indices])
             async with contextlib.AsyncExitStack() as turns:
                 for lane in self.lanes if takeover else [d.lane]:
                     await turns.enter_async_context(lane.turn)
@@ -225,14 +248,28 @@ class TransactionalPublisher:
                     await self._takeover.reconcile(d, self.lanes)
                 await self._send_and_commit(d, indices, known)
         except ProgressUnavailableError as exc:
-            reason = "end_unreached" if isinstance(exc, ProgressEndUnreachedError) else "unread"
+            reason = "unread"
+            if isinstance(exc, ProgressEndUnreachedError):
+                reason = "end_unreached"
+            elif isinstance(exc, FenceFailedError):
+                reason = "unfenced"
             self._waiting(reason)
             log.warning(
                 "takeover_waits_for_progress", rows=len(d.records), reason=reason, error=str(exc)
             )
-            # every row unknown: leased until a takeover can read the progress
+            if not d.begun:  # (a transaction begun: its outcome decides, or the rows stay)
+                self._give_back(d, exc)
         finally:
             d.lane.given.discard(d)
+
+    def _give_back(self, d: TransactionalDelivery, exc: ProgressUnavailableError) -> None:
+        """A takeover that could not fence a lost owner or read the progress sent nothing: its
+        undecided rows go back, uncounted, after a wait (review E7). Their keys keep the
+        reconcile duty (a settle never clears it), so whoever claims them next reads the
+        progress first; and no attempt is counted for the wait: kept leased until their lease
+        expired, each try counted one, and a few rounds dead-lettered them as a crash loop."""
+        waiting = TakeoverWaitingError(exc, self._takeover.fence_seconds)
+        d.decide(d.undecided(), waiting)
 
     async def _send_and_commit(
         self, d: TransactionalDelivery, rows: list[int], known: Mapping[str, BaseException]

@@ -80,6 +80,11 @@ class DispatchStore(StoreBase):
         """Crash-loop dead rows whose lost claim's outcome nobody read (exactly-once)."""
         return await self._fetch("crash_loops_unsettled", limit=limit)
 
+    async def crash_loop_candidates(self, *, max_attempts: int) -> list[Row]:
+        """The rows the crash-loop reclaimer would dead-letter now, with the lost lease's owner
+        (exactly-once reads their progress first)."""
+        return await self._fetch("crash_loop_candidates", max_attempts=max_attempts)
+
     async def crash_loops_checked(self, *, ids: Sequence[int]) -> int:
         """These crash-loop rows are not in the progress: dead for good."""
         return int(await self._value("crash_loops_checked", ids=list(ids)))
@@ -204,6 +209,16 @@ class DispatchStore(StoreBase):
     async def transactional_ids_live(self, *, live_seconds: float) -> list[Row]:
         """The dispatchers that beat within `live_seconds`: owner, delivery, transactional_ids."""
         return await self._fetch("transactional_ids_live", live_seconds=live_seconds)
+
+    async def lost_owners(
+        self, *, keys: Sequence[str], keyless: Sequence[bool], owners: Sequence[str] = ()
+    ) -> list[Row]:
+        """The owners the reconcile duty of these work keys names, and `owners`, with their
+        delivery and recorded transactional ids whatever their heartbeat's age (exactly-once's
+        strict fence: dispatch.sql `lost_owners`)."""
+        return await self._fetch(
+            "lost_owners", keys=list(keys), keyless=list(keyless), owners=list(owners)
+        )
 
     async def dispatcher_beat(
         self,

@@ -529,3 +529,59 @@ RETURNING owner
 SELECT owner, delivery, transactional_ids FROM {dispatchers}
  WHERE heartbeat_at > now() - $live_seconds * interval '1 second'
  ORDER BY owner
+
+-- lost_owners --
+-- Exactly-once: the owners whose claims a takeover stands in for, each with its delivery mode and
+-- the transactional ids it recorded, whatever its heartbeat's age (a takeover fences them before
+-- it reads the progress, and waits while it cannot: review E6, E7): those the reconcile duty of
+-- these keys ($keys, $keyless) names, and $owners (the crash-loop reclaimer's lost claims). Every
+-- registry row stays (nothing deletes one); an owner without one comes with NULLs.
+WITH named AS (
+    SELECT w.reconcile_owner AS owner
+      FROM {work} w
+      JOIN unnest($keys::text[], $keyless::boolean[]) AS u(k, kl)
+        ON w.ordering_key = u.k AND w.keyless = u.kl
+     WHERE w.reconcile_owner IS NOT NULL
+    UNION
+    SELECT o FROM unnest($owners::text[]) AS o WHERE o IS NOT NULL
+)
+SELECT n.owner, d.delivery, d.transactional_ids
+  FROM named n LEFT JOIN {dispatchers} d ON d.owner = n.owner
+ ORDER BY n.owner
+
+-- crash_loop_candidates --
+-- exactly-once (review E13): the rows the reclaim function would dead-letter now at $max_attempts
+-- (the same work and rows it picks, unlocked), with the owner of the lease that ended: their
+-- progress is read before they are dead-lettered, so that a row the lost claim committed is
+-- never shown dead while the progress cannot be read.
+WITH looping AS (
+    SELECT x.ordering_key, x.keyless, x.claim_owner, x.claim_first, x.head_id, x.claim_last
+      FROM {work} x
+     WHERE (x.ordering_key, x.keyless) IN (
+               (SELECT l.ordering_key, l.keyless FROM {work} l
+                 WHERE l.state = 'x' ORDER BY l.claim_expires_at LIMIT 500)
+               UNION ALL
+               (SELECT e.ordering_key, e.keyless
+                  FROM {work} e
+                  JOIN {table} o ON o.id = e.claim_first
+                 WHERE e.claim_token IS NOT NULL AND e.claim_expires_at < now()
+                   AND e.state <> 'x' AND o.attempts + 1 >= $max_attempts
+                   AND o.published_at IS NULL AND o.dead_at IS NULL
+                 ORDER BY e.claim_expires_at LIMIT 500))
+       AND (x.state = 'x' OR (x.claim_token IS NOT NULL AND x.claim_expires_at < now()))
+)
+SELECT r.id, l.claim_owner AS lease_owner
+  FROM looping l
+ CROSS JOIN LATERAL (
+    SELECT o.id FROM {table} o
+     WHERE o.ordering_key >= l.ordering_key AND o.ordering_key <= l.ordering_key
+       AND o.id >= l.claim_first AND o.id <= greatest(l.head_id - 1, l.claim_last)
+       AND o.published_at IS NULL AND o.dead_at IS NULL
+       AND o.attempts + 1 >= $max_attempts) r
+ WHERE NOT l.keyless
+UNION ALL
+SELECT o.id, l.claim_owner
+  FROM looping l
+  JOIN {table} o ON o.id = l.claim_first
+ WHERE l.keyless AND o.ordering_key IS NULL
+   AND o.published_at IS NULL AND o.dead_at IS NULL AND o.attempts + 1 >= $max_attempts

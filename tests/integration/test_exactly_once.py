@@ -23,13 +23,15 @@ from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka import progress
-from outbox_dispatcher.kafka.lanes import LANES, Registered, Registry
+from outbox_dispatcher.kafka.lanes import LANES, Registered, Registry, WorkKeys
+from outbox_dispatcher.kafka.takeover import TakeoverWaitingError
 from outbox_dispatcher.kafka.transactional_delivery import (
     TransactionalDelivery,
     TransactionFencedError,
 )
 from outbox_dispatcher.kafka.transactions import TransactionalPublisher
 from outbox_dispatcher.models import PUBLISHED, Batch, OutboxRecord, Part
+from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.store import DispatchStore, Statements, db, migrations
 from tests.checker import verdict_for
 
@@ -76,7 +78,14 @@ class Owners:
         async def record(ids: Sequence[str]) -> None:
             self.ids[owner] = list(ids)
 
-        return Registry(live, record)
+        async def lost(keys: WorkKeys, owners: Sequence[str]) -> list[Registered]:
+            """The owners the keys' duty names (from the table), with the ids they recorded."""
+            rows = await self.store.lost_owners(
+                keys=[k for k, _ in keys], keyless=[kl for _, kl in keys], owners=owners
+            )
+            return [(str(r["owner"]), "exactly-once", self.ids.get(r["owner"])) for r in rows]
+
+        return Registry(live, record, lost)
 
     async def publisher(self, owner: str, lanes: int = LANES) -> TransactionalPublisher:
         configs = configs_of(self.settings)
@@ -381,11 +390,13 @@ async def test_a_takeover_waits_for_every_transaction_of_its_dispatcher(
     assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 4
 
 
-async def test_a_takeover_that_cannot_read_the_progress_leaves_the_rows_leased(
+async def test_a_takeover_that_cannot_name_the_lost_owner_gives_its_rows_back_uncounted(
     conn: asyncpg.Connection, eos_settings: Callable[..., Settings], pool: Any, topic: str
 ) -> None:
-    """The broker is away for the taker: nothing is decided, nothing settled (a settle would
-    release the key and a claim that is not a takeover would send the rows again)."""
+    """The registry cannot be read for the taker (the database away for it): it cannot fence the
+    lost owner, so nothing is sent or decided published; every row goes back after a wait,
+    uncounted, and its key keeps the duty (a settle never clears it), so that the next claim is
+    a takeover again. (Kept leased instead, each try counted an attempt: review E7.)"""
     await insert_sequenced(conn, topic, keys=2, per_key=2)
     good = Owners(eos_settings(), pool)
     a = await good.publisher("owner-a")
@@ -393,11 +404,11 @@ async def test_a_takeover_that_cannot_read_the_progress_leaves_the_rows_leased(
     await run(a.publish(lost.records))
     await expire(conn)
 
-    async def unreachable() -> list[Registered]:
-        raise kafka_errors.KafkaConnectionError("the broker is away")
+    async def unreachable(*_: Any) -> list[Registered]:
+        raise ConnectionError("the database is away")
 
     configs = configs_of(good.settings)
-    registry = Registry(unreachable, good.registry("owner-b").record)
+    registry = Registry(unreachable, good.registry("owner-b").record, unreachable)
     b = TransactionalPublisher(
         configs.publisher,
         configs.progress,
@@ -411,8 +422,14 @@ async def test_a_takeover_that_cannot_read_the_progress_leaves_the_rows_leased(
         taken = await good.claim("owner-b")
         delivery = b.publish(taken.records)
         part = await run(delivery)
-        assert part.indices == [] and delivery.unsettled() == list(range(4))
-        assert not delivery.begun
+        assert part.indices == list(range(4)) and not delivery.begun
+        assert all(isinstance(o, TakeoverWaitingError) and o.delay > 0 for o in part.outcomes)
+        results = RetryPolicy(good.settings).results(delivery.records, part.outcomes)
+        assert not any(r.counted for r in results)
+        await Settler(good.store, retry_for=1.0, owner="owner-b").settle(taken, results)
+        duty = "SELECT count(*) FROM outbox_work WHERE reconcile_owner = 'owner-a'"
+        assert await conn.fetchval(duty) == 2, "both keys keep the duty"
+        assert await count(conn, "published_at IS NULL AND attempts = 1") == 4
     finally:
         await b.stop()
         await good.stop()

@@ -19,7 +19,10 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.kafka.progress_topic import ProgressTopicError
+from outbox_dispatcher.kafka.takeover import TakeoverWaitingError
+from outbox_dispatcher.retries import RetryPolicy
 
 from .helpers import Services, count, insert_sequenced, kill9, log_events, spawn
 from .test_exactly_once import Owners, eos_settings, expire, owners, read_all, run
@@ -81,8 +84,9 @@ async def test_a_takeover_that_cannot_read_to_the_end_decides_nothing(
     conn: asyncpg.Connection, owners: Owners, topic: str, services: Services
 ) -> None:
     """The open transaction outlives the bound (the transaction timeout plus the broker's abort
-    sweep): the takeover decides nothing, sends nothing, and says why (the metric's reason);
-    once it ended, the next takeover finds the rows committed."""
+    sweep): the takeover decides nothing, sends nothing, and says why (the metric's reason); its
+    rows go back uncounted, their keys keeping the duty; once the transaction ended, the next
+    takeover finds the rows committed."""
     bootstrap = services.kafka_bootstrap_servers
     a = await owners.publisher("owner-a")
     b = await owners.publisher("owner-b")
@@ -94,10 +98,13 @@ async def test_a_takeover_that_cannot_read_to_the_end_decides_nothing(
         taken = await owners.claim("owner-b")
         delivery = b.publish(taken.records)
         part = await run(delivery)
-        assert part.indices == [] and not delivery.begun, "nothing decided, nothing sent"
-        assert delivery.unsettled() == list(range(10))
+        assert not delivery.begun and delivery.sent == [], "nothing sent"
+        assert all(isinstance(o, TakeoverWaitingError) for o in part.outcomes), "none decided"
         assert owners.waited == ["end_unreached"]
-    await expire(conn)
+        results = RetryPolicy(owners.settings).results(delivery.records, part.outcomes)
+        await Settler(owners.store, retry_for=1.0, owner="owner-b").settle(taken, results)
+    await conn.execute("UPDATE outbox SET next_attempt_at = now()")  # (its wait skipped)
+    await conn.execute("UPDATE outbox_work SET not_before = now()")
     c = await owners.publisher("owner-c")
     again = await owners.claim("owner-c")
     later = c.publish(again.records)

@@ -17,6 +17,7 @@ import aiokafka
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka import errors as kafka_errors
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.client import ConnectionGroup
 from aiokafka.conn import AIOKafkaConnection
 from aiokafka.protocol import metadata
@@ -372,3 +373,14 @@ def test_only_kafka_internals_reaches_below_the_public_api() -> None:
         if below.search(line)
     ]
     assert offenders == [], "move these reaches into outbox_dispatcher/kafka/internals.py"
+
+
+async def test_the_admin_client_sends_a_request_by__send_request() -> None:
+    """internals.describe_topics sends its own metadata request (no auto-creation) through it."""
+    admin = AIOKafkaAdminClient(bootstrap_servers="127.0.0.1:1")  # never started
+    try:
+        assert callable(reach(admin, "_send_request", "describe_topics"))
+        request = metadata.MetadataRequest(["t"], allow_auto_topic_creation=False)
+        assert reach(request, "_allow_auto_topic_creation", "describe_topics") is False
+    finally:
+        await admin.close()

@@ -4,6 +4,7 @@ a claim goes to, and a lane that gives its id up."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 from collections.abc import Sequence
 from typing import Any
@@ -62,12 +63,20 @@ class _Registry:
             raise ConnectionError("the database is away")
         self.recorded.append(list(ids))
 
+    async def lost(self, keys: Any, owners: Sequence[str]) -> Sequence[lanes.Registered]:
+        return []
+
 
 def _made(count: int, registry: _Registry | None = None) -> Lanes:
     publisher = configs_of(Settings(delivery="exactly-once")).publisher
     made = registry or _Registry()
     return Lanes(
-        "o", count, publisher.producer, PROGRESS, publisher.topics, Registry(made.live, made.record)
+        "o",
+        count,
+        publisher.producer,
+        PROGRESS,
+        publisher.topics,
+        Registry(made.live, made.record, made.lost),
     )
 
 
@@ -139,3 +148,48 @@ async def test_a_claim_goes_to_the_lane_with_the_fewest_claims_waiting_or_transa
     async with first.turn:  # transacting: the lane is busy though nothing waits
         assert least_busy([first, second]) is second
     assert least_busy([first, second]) is first
+
+
+class _SlowFirstRecord(_Registry):
+    """The first record is held until the second one completed (two pool connections, the
+    first behind the heartbeat's row lock) or, when the second waits for it, a while."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.second_done = asyncio.Event()
+        self.calls = 0
+
+    async def record(self, ids: Sequence[str]) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.second_done.wait(), 0.5)
+            self.recorded.append(list(ids))
+            return
+        self.recorded.append(list(ids))
+        if self.calls == 2:
+            self.second_done.set()
+
+
+async def test_two_lanes_renewing_at_once_leave_every_serving_id_recorded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review E12: both lanes give their ids up at once; the registry's last list names every id
+    a lane serves under (a list read before the other lane's renewal, written last, lacked it)."""
+
+    async def start(self: Producers, seconds: float | None = None) -> None:
+        self.since = asyncio.get_running_loop().time()
+
+    async def fence(config: Any, transactional_id: str, seconds: float) -> None:
+        pass
+
+    monkeypatch.setattr(Producers, "start", start)
+    monkeypatch.setattr(lanes.progress, "fence", fence)
+    made = _made(2)
+    await made.start()
+    registry = _SlowFirstRecord()
+    made._registry = Registry(registry.live, registry.record, registry.lost)
+    await asyncio.gather(made.renew(made[0], "a test"), made.renew(made[1], "a test"))
+    serving = made.ids()
+    assert serving == ["x.public.outbox.o.0.1", "x.public.outbox.o.1.1"]
+    assert registry.recorded[-1] == serving

@@ -189,9 +189,15 @@ async def test_a_split_claim_lists_every_committed_row_until_every_part_is_marke
     async def keep(ids: Any) -> None:
         pass
 
+    async def cleared(keys: Any) -> int:
+        return len(keys)
+
+    async def lost(*_: Any) -> list[Any]:
+        return []
+
     configs = configs_of(Settings(delivery="exactly-once"))
     publisher = TransactionalPublisher(
-        configs.publisher, CONFIG, "o", Registry(nothing, keep), nothing, keep
+        configs.publisher, CONFIG, "o", Registry(nothing, keep, lost), nothing, cleared
     )
     lane = publisher.lanes[0]
     d = TransactionalDelivery(publisher, lane, [record(i) for i in range(4)], 0.0)
@@ -246,9 +252,15 @@ async def test_a_failed_progress_send_waits_for_the_submissions_within_the_stall
     async def keep(ids: Any) -> None:
         pass
 
+    async def cleared(keys: Any) -> int:
+        return len(keys)
+
+    async def lost(*_: Any) -> list[Any]:
+        return []
+
     configs = configs_of(Settings(delivery="exactly-once"))
     publisher = TransactionalPublisher(
-        configs.publisher, CONFIG, "o", Registry(nothing, keep), nothing, keep
+        configs.publisher, CONFIG, "o", Registry(nothing, keep, lost), nothing, cleared
     )
     publisher.stall_seconds = 0.2
     lane = publisher.lanes[0]
