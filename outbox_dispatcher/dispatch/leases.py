@@ -105,7 +105,7 @@ async def reclaim(
 async def reclaim_step(
     store: DispatchStore,
     settings: Settings,
-    metrics: Metrics,
+    metrics: OutboxMetrics,
     committed_of: CommittedOf | None = None,
 ) -> None:
     """One step of the reclaimer. Exactly-once reads the progress of the rows it is about to
