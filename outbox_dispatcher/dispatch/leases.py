@@ -116,7 +116,8 @@ async def reclaim(
     )
 
 
-CommittedOf = Callable[[Sequence[int]], Awaitable[set[int]]]
+# The ids among these (id, replays) pairs a lost claim committed.
+CommittedOf = Callable[[Sequence[tuple[int, int]]], Awaitable[set[int]]]
 # Crash-loop rows looked at per reclaimer step (each look fences and reads the progress once).
 CRASH_LOOPS_AT_ONCE = 500
 
@@ -133,7 +134,7 @@ async def settle_crash_loops(
     if not rows:
         return
     try:
-        committed = await committed_of([int(r["id"]) for r in rows])
+        committed = await committed_of([(int(r["id"]), int(r["replays"])) for r in rows])
     except errors.BrokerUnavailableError as exc:
         log.warning("crash_loops_wait_for_progress", rows=len(rows), error=str(exc))
         return

@@ -8,6 +8,7 @@ producer is replaced (its successor's start ends the transaction), and if that c
 the rows stay leased, unsettled, for the next takeover to decide. A transaction whose records
 are not all acknowledged in time is given up: its lane goes on under a new id, and the partitions
 that did not acknowledge are held (kafka/stalls.py). How a transaction ends: kafka/endings.py.
+What the records list, and the tombstones that end keys: kafka/retirement.py.
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ from outbox_dispatcher.kafka.batches import Answer, Batches
 from outbox_dispatcher.kafka.endings import Endings, Stall, cause_of, failure_of
 from outbox_dispatcher.kafka.lanes import Lane, Registry
 from outbox_dispatcher.kafka.progress import (
+    Pair,
     ProgressConfig,
     ProgressEndUnreachedError,
+    ProgressRecordTooLargeError,
     ProgressUnavailableError,
 )
 from outbox_dispatcher.kafka.publisher import PublisherConfig
 from outbox_dispatcher.kafka.records import RecordEncoder
+from outbox_dispatcher.kafka.retirement import Beating, Needed, Retirement
 from outbox_dispatcher.kafka.stalls import Holds, PartitionStalledError, TopicPartition
 from outbox_dispatcher.kafka.takeover import KAFKA_TROUBLE, PendingRows, Reconciling, Takeover
 from outbox_dispatcher.kafka.topics import ClaimLookups
@@ -66,6 +70,9 @@ class TransactionalPublisher:
         registry: Registry,
         pending: PendingRows,
         reconciled: Reconciling,
+        needed: Needed,
+        beating: Beating,
+        identity: str,
         lane_count: int = lanes.LANES,
         renewed: Callable[[str], None] = lambda reason: None,
         waiting: Callable[[str], None] = lambda reason: None,
@@ -88,9 +95,18 @@ class TransactionalPublisher:
             owner, lane_count, producer, progress_config, config.topics, registry
         )
         self._connection = producer.connection
+        self._max_request_bytes = producer.max_request_bytes
         fence_seconds = max(progress_config.timeout_seconds, 10.0)
+        self.retire = Retirement(needed, beating, identity)
         self._takeover = Takeover(
-            progress_config, producer, owner, registry, pending, reconciled, fence_seconds
+            progress_config,
+            producer,
+            owner,
+            registry,
+            pending,
+            reconciled,
+            fence_seconds,
+            self.retire,
         )
         self._encoder = RecordEncoder(config.records)
         self._tracer = Tracer(config.tracing)
@@ -109,8 +125,8 @@ class TransactionalPublisher:
         )
 
     @property
-    def unmarked(self) -> dict[str, list[int]]:
-        """Every lane's batches committed and not seen marked (tag: ids)."""
+    def unmarked(self) -> dict[str, list[Pair]]:
+        """Every lane's batches committed and not seen marked (tag: (id, replays) pairs)."""
         return {tag: ids for lane in self.lanes for tag, ids in lane.unmarked.items()}
 
     async def start(self) -> None:
@@ -127,6 +143,11 @@ class TransactionalPublisher:
             raise
 
     async def stop(self) -> None:
+        """A graceful stop: each lane tombstones its id once nothing its records list is
+        needed (kafka/retirement.py), within the transaction timeout; then the producers stop."""
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self._progress.timeout_seconds):
+                await self.retire.farewell(self.lanes, self._progress.topic)
         await self.lanes.stop()
 
     def publish(
@@ -164,7 +185,7 @@ class TransactionalPublisher:
         if final and delivery.marked_every_row:
             delivery.lane.unmarked.pop(delivery.tag, None)
 
-    async def committed_of(self, ids: Sequence[int]) -> set[int]:
+    async def committed_of(self, pairs: Sequence[Pair]) -> set[int]:
         """Which of `ids` a lost claim committed (review E13: rows the crash-loop reclaimer
         dead-lettered): read as a takeover reads, after fencing the other dispatchers and
         holding every lane. ProgressUnavailableError when it cannot be read (nothing decided)."""
@@ -172,9 +193,10 @@ class TransactionalPublisher:
         async with contextlib.AsyncExitStack() as turns:
             for lane in self.lanes:
                 await turns.enter_async_context(lane.turn)
-            return set(ids) & await self._takeover.committed(self.lanes)
+            committed = set(pairs) & await self._takeover.committed(self.lanes)
+            return {i for i, _ in committed}
 
-    async def read_progress(self) -> list[bytes | None]:
+    async def read_progress(self) -> list[progress.Record]:
         """The progress topic's committed records (tests and the operator read them too)."""
         return await self._takeover.read(self.lanes)
 
@@ -221,6 +243,7 @@ class TransactionalPublisher:
                 for lane in self.lanes if takeover else [d.lane]:
                     await turns.enter_async_context(lane.turn)
                 d.lane.given.discard(d)
+                await self.retire.check(self.lanes)
                 if takeover:
                     await self._takeover.reconcile(d, self.lanes)
                 await self._send_and_commit(d, indices, known)
@@ -311,6 +334,8 @@ class TransactionalPublisher:
         else:
             if await self._ends.commit(d, sent):
                 self.holds.acknowledged(batches.where.values())
+                lane.last_listed = d.listed_tags
+                self.retire.sent(d.tombstones)
 
     def _held(self, lane: Lane) -> Callable[[TopicPartition], BaseException | None]:
         """Why a row of a partition must wait (kafka/stalls.py), if it must."""
@@ -344,17 +369,30 @@ class TransactionalPublisher:
                 return pending[0], errors.UnpublishableRowError("no producer batch takes it")
             pending = [i for i in pending if i in deferred]
         handed = [i for i in indices if isinstance(answers[i], asyncio.Future)]
-        d.sent = [d.records[i].id for i in handed]
+        d.sent = [d.records[i].pair for i in handed]
         submissions: list[asyncio.Future[object]] = [
             a for a in dict.fromkeys(answers[i] for i in handed) if isinstance(a, asyncio.Future)
         ]
         lane = d.lane
         listed = {**lane.unmarked, d.tag: d.listed()}  # the lane's own: keyed by its id
-        value = progress.record_value(self._progress, lane.name, listed)
+        d.identity = self.retire.identity
+        d.listed_tags = frozenset(listed)
+        d.tombstones = self.retire.to_send(self.lanes)
+        value = progress.record_value(self._progress, d.identity, lane.name, listed)
+        key = lane.transactional_id.encode()
+        if len(value) + len(key) + progress.RECORD_OVERHEAD_BYTES > self._max_request_bytes:
+            # An outage of the lane, not the rows' fault (review E8): retried after the pause,
+            # the producer kept; the check of what is still needed runs first next time.
+            self.retire.soon()
+            await answered_within(submissions, self.stall_seconds)
+            return None, ProgressRecordTooLargeError(len(value), self._max_request_bytes)
         try:
-            acked = await lane.producers.current().send(
-                self._progress.topic, value, key=lane.transactional_id.encode()
-            )
+            producer = lane.producers.current()
+            acked = await producer.send(self._progress.topic, value, key=key)
+            tombstones = [
+                await producer.send(self._progress.topic, None, key=k.encode())
+                for k in d.tombstones
+            ]
         except KAFKA_TROUBLE as exc:
             # Their answers read before an abort (none of the epoch left in flight), within the
             # stall bound (review E15): a partition that keeps answering NotEnoughReplicas is
@@ -363,7 +401,7 @@ class TransactionalPublisher:
                 stalled = {batches.where[s] for s in unanswered}
                 return Stall(stalled, progress=False, unanswered=unanswered)
             return None, exc
-        waiting: set[asyncio.Future[object]] = {acked, *submissions}
+        waiting: set[asyncio.Future[object]] = {acked, *tombstones, *submissions}
         _, missing = await asyncio.wait(waiting, timeout=self.stall_seconds)
         if missing:
             stalled = {batches.where[s] for s in submissions if s in missing}
@@ -371,8 +409,9 @@ class TransactionalPublisher:
         # Every answer read (none left unretrieved); a batch the broker refused is the cause
         # rather than the batches of its partition refused after it for their sequence numbers.
         failed = [(s, cause_of(f)) for s in submissions if (f := failure_of(s)) is not None]
-        if (problem := failure_of(acked)) is not None:
-            return None, problem
+        for answer in (acked, *tombstones):
+            if (problem := failure_of(answer)) is not None:
+                return None, problem
         if not failed:
             return None
         submission, cause = min(failed, key=lambda found: not failures.is_rejection(found[1]))
