@@ -22,9 +22,11 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
 
 import structlog
 
+from outbox_dispatcher.kafka import internals
 from outbox_dispatcher.kafka.lanes import Lane
 from outbox_dispatcher.kafka.progress import Listed, Pair
 
@@ -108,13 +110,12 @@ class Retirement:
                 keys.append(lane.transactional_id)
             if not keys or not lane.producers.serving:
                 continue
-            async with lane.turn:
-                await lane.producers.replace_if_broken()
-                producer = lane.producers.current()
-                await producer.begin_transaction()
-                for key in keys:
-                    await producer.send(topic, None, key=key.encode())
-                await producer.commit_transaction()
+            try:
+                async with lane.turn:
+                    await _tombstone(lane, topic, keys)
+            except Exception as exc:  # noqa: BLE001 - fenced, or the broker away: keys stay
+                log.info("progress_keys_kept", lane=lane.name, error=repr(exc))
+                continue
             self.sent(keys)
             log.info("progress_keys_tombstoned", lane=lane.name, keys=len(keys))
 
@@ -146,6 +147,29 @@ class Retirement:
     def sent(self, keys: Iterable[str]) -> None:
         """These tombstones were committed."""
         self.tombstones.difference_update(keys)
+
+
+async def _tombstone(lane: Lane, topic: str, keys: list[str]) -> None:
+    """One transaction of tombstones (their answers read whatever the commit says)."""
+    await lane.producers.replace_if_broken()
+    producer = lane.producers.current()
+    held: list[Any] = []
+    try:
+        await producer.begin_transaction()
+        for key in keys:
+            answer = await producer.send(topic, None, key=key.encode())
+            answer.add_done_callback(_read)
+        held = internals.held_batches(producer)
+        await producer.commit_transaction()
+    except BaseException:
+        internals.read_fatal_error(producer)  # a fence's errors, read (nothing else will)
+        internals.read_drains(held)
+        raise
+
+
+def _read(answer: asyncio.Future[Any]) -> None:
+    if not answer.cancelled():
+        answer.exception()
 
 
 def _any(pairs: Iterable[Pair], needed: set[int]) -> bool:
