@@ -201,6 +201,8 @@ async def test_exactly_once_refuses_a_batch_whose_progress_record_cannot_fit_a_r
     env = {
         **base_env,
         "OUTBOX_DELIVERY": "exactly-once",
+        "OUTBOX_LEASE_SECONDS": "30",
+        "OUTBOX_TRANSACTION_TIMEOUT_SECONDS": "10",
         "OUTBOX_BATCH_SIZE": "10000",
         "OUTBOX_KAFKA_MAX_REQUEST_BYTES": "65536",
     }
