@@ -68,20 +68,25 @@ class Retirement:
         if not force and now - self._checked_at < RETIRE_EVERY_SECONDS:
             return
         self._checked_at = now
-        listed = [p for lane in lanes for pairs in lane.unmarked.values() for p in pairs]
-        due = [p for pairs in self.due.values() for p in pairs]
+        # What is asked about: a list changed meanwhile (a split claim's next part committed
+        # under its tag, a takeover read a key again) is left for the next check.
+        asked = [(lane, dict(lane.unmarked)) for lane in lanes]
+        due = dict(self.due)
+        pairs = {p for _, listed in asked for ps in listed.values() for p in ps}
+        pairs.update(p for ps in due.values() for p in ps)
         try:
-            needed = await self._check(lanes, sorted(set(listed + due)))
-            beating = await self._beating() if self.due else set()
+            needed = await self._check(lanes, sorted(pairs))
+            beating = await self._beating() if due else set()
         except Exception as exc:  # noqa: BLE001 - the database is away: the lists stay
             log.info("progress_retirement_skipped", error=repr(exc))
             return
-        for lane in lanes:
-            for tag in [t for t, pairs in lane.unmarked.items() if not _any(pairs, needed)]:
-                lane.unmarked.pop(tag, None)
-                log.info("progress_batch_retired", lane=lane.name, tag=tag)
-        for key in [k for k, pairs in self.due.items() if not _any(pairs, needed)]:
-            if key not in beating:
+        for lane, listed in asked:
+            for tag, ps in listed.items():
+                if lane.unmarked.get(tag) is ps and not _any(ps, needed):
+                    del lane.unmarked[tag]
+                    log.info("progress_batch_retired", lane=lane.name, tag=tag)
+        for key, ps in due.items():
+            if self.due.get(key) is ps and not _any(ps, needed) and key not in beating:
                 self.tombstones.add(key)
                 del self.due[key]
         self.given_up(lanes)

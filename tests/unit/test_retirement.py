@@ -136,3 +136,18 @@ def test_a_batch_size_whose_progress_record_cannot_fit_a_request_is_refused() ->
     Settings(delivery="exactly-once", batch_size=1000, kafka_max_request_bytes=65536)
     Settings(delivery="at-least-once", batch_size=2000, kafka_max_request_bytes=65536)
     Settings(delivery="exactly-once", batch_size=10_000)  # the defaults' 1 MiB
+
+
+async def test_a_list_that_changed_during_the_check_is_left_for_the_next() -> None:
+    """A split claim's next part committed under the same tag while the check asked about its
+    earlier rows (marked by then): the tag now lists rows still pending, and stays."""
+    publisher: Any = None
+
+    async def needed(pairs: list[Pair]) -> tuple[str, set[int]]:
+        publisher.lanes[0].unmarked["split"] = [(1, 0), (2, 0)]  # its second part committed
+        return ID, set()
+
+    publisher = publisher_of(Settings(delivery="exactly-once"), needed=needed)
+    publisher.lanes[0].unmarked["split"] = [(1, 0)]
+    await publisher.retire.check(publisher.lanes, force=True)
+    assert publisher.lanes[0].unmarked == {"split": [(1, 0), (2, 0)]}
