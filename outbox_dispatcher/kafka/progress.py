@@ -35,6 +35,7 @@ VERSION = 2
 # A record's bytes beyond its pairs, as config/checks.py counts them (PROGRESS_RECORD_OVERHEAD_
 # BYTES: a record of one full batch must fit OUTBOX_KAFKA_MAX_REQUEST_BYTES, checked at start).
 RECORD_OVERHEAD_BYTES = 1024
+PAIR_BYTES_AT_MOST = 33  # "[<bigint>,<int>]," (config/checks.py's PROGRESS_PAIR_BYTES_AT_MOST)
 
 Pair = tuple[int, int]  # a row in a progress record: its id and its replay count
 Listed = dict[str, list[Pair]]  # tag: pairs

@@ -337,6 +337,19 @@ class TransactionalPublisher:
                 lane.last_listed = d.listed_tags
                 self.retire.sent(d.tombstones)
 
+    def _record_too_large(
+        self, d: TransactionalDelivery, indices: list[int]
+    ) -> ProgressRecordTooLargeError | None:
+        """The transaction's progress record, at its largest (every row of `indices` sent),
+        would not fit a request (review E8): an outage of the lane, not the rows' fault (retried
+        after the pause, the producer kept); what is still needed is checked first next time."""
+        listed = sum(map(len, d.lane.unmarked.values())) + len(d.earlier) + len(indices)
+        size = progress.RECORD_OVERHEAD_BYTES + listed * progress.PAIR_BYTES_AT_MOST
+        if size <= self._max_request_bytes:  # one batch always fits (config/checks.py)
+            return None
+        self.retire.soon()
+        return ProgressRecordTooLargeError(size, self._max_request_bytes)
+
     def _held(self, lane: Lane) -> Callable[[TopicPartition], BaseException | None]:
         """Why a row of a partition must wait (kafka/stalls.py), if it must."""
 
@@ -360,6 +373,8 @@ class TransactionalPublisher:
         did not answer, or None. No waves: nothing of the transaction is visible before its
         commit, so a key's change of topic needs no ack first, and a failed batch aborts the
         whole transaction (no gap can follow it)."""
+        if too_large := self._record_too_large(d, indices):
+            return None, too_large  # before any record is handed: nothing to abort but the begin
         batches.encode(indices)
         failed_keys: set[str] = set()
         pending = indices
@@ -381,10 +396,9 @@ class TransactionalPublisher:
         value = progress.record_value(self._progress, d.identity, lane.name, listed)
         key = lane.transactional_id.encode()
         if len(value) + len(key) + progress.RECORD_OVERHEAD_BYTES > self._max_request_bytes:
-            # An outage of the lane, not the rows' fault (review E8): retried after the pause,
-            # the producer kept; the check of what is still needed runs first next time.
-            self.retire.soon()
-            await answered_within(submissions, self.stall_seconds)
+            self.retire.soon()  # (never in practice: _record_too_large counts more per row)
+            if unanswered := await answered_within(submissions, self.stall_seconds):
+                return Stall({batches.where[s] for s in unanswered}, False, unanswered)
             return None, ProgressRecordTooLargeError(len(value), self._max_request_bytes)
         try:
             producer = lane.producers.current()

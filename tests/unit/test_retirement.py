@@ -121,13 +121,14 @@ async def test_an_oversized_progress_record_is_an_outage_not_a_refusal() -> None
             pass
 
         def send(self, pending: list[int], answers: list[Answer], *_: Any) -> list[int]:
+            sent.extend(pending)
             return []
 
     d = TransactionalDelivery(publisher, lane, [record(0)], 0.0)
     found = await publisher._send_all(d, _Batches(), [0], [None], {})  # type: ignore[arg-type]
     assert isinstance(found, tuple) and isinstance(found[1], ProgressRecordTooLargeError)
     assert not failures.is_rejection(found[1]) and found[1].retriable
-    assert sent == [], "the record is never handed to the producer"
+    assert sent == [], "neither the rows nor the record are handed to the producer"
 
 
 def test_a_batch_size_whose_progress_record_cannot_fit_a_request_is_refused() -> None:
