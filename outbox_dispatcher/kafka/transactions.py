@@ -343,9 +343,17 @@ class TransactionalPublisher:
         """The transaction's progress record, at its largest (every row of `indices` sent),
         would not fit a request (review E8): an outage of the lane, not the rows' fault (retried
         after the pause, the producer kept); what is still needed is checked first next time."""
-        listed = sum(map(len, d.lane.unmarked.values())) + len(d.earlier) + len(indices)
-        size = progress.RECORD_OVERHEAD_BYTES + listed * progress.PAIR_BYTES_AT_MOST
-        if size <= self._max_request_bytes:  # one batch always fits (config/checks.py)
+        lane = d.lane
+        listed = sum(map(len, lane.unmarked.values())) + len(d.earlier) + len(indices)
+        at_most = progress.RECORD_OVERHEAD_BYTES + listed * progress.PAIR_BYTES_AT_MOST
+        if at_most <= self._max_request_bytes:  # one batch always fits (config/checks.py)
+            return None
+        rows = d.earlier + [d.records[i].pair for i in indices]
+        value = progress.record_value(
+            self._progress, self.retire.identity, lane.name, {**lane.unmarked, d.tag: rows}
+        )
+        size = len(value) + len(lane.transactional_id) + progress.RECORD_OVERHEAD_BYTES
+        if size <= self._max_request_bytes:
             return None
         self.retire.soon()
         return ProgressRecordTooLargeError(size, self._max_request_bytes)
@@ -395,11 +403,6 @@ class TransactionalPublisher:
         d.tombstones = self.retire.to_send(self.lanes)
         value = progress.record_value(self._progress, d.identity, lane.name, listed)
         key = lane.transactional_id.encode()
-        if len(value) + len(key) + progress.RECORD_OVERHEAD_BYTES > self._max_request_bytes:
-            self.retire.soon()  # (never in practice: _record_too_large counts more per row)
-            if unanswered := await answered_within(submissions, self.stall_seconds):
-                return Stall({batches.where[s] for s in unanswered}, False, unanswered)
-            return None, ProgressRecordTooLargeError(len(value), self._max_request_bytes)
         try:
             producer = lane.producers.current()
             acked = await producer.send(self._progress.topic, value, key=key)

@@ -16,6 +16,7 @@ from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.kafka import retirement
 from outbox_dispatcher.kafka.lanes import LANES
+from outbox_dispatcher.kafka.transactional_delivery import TransactionAbortedError
 from outbox_dispatcher.models import PUBLISHED, Batch
 from outbox_dispatcher.store import db, migrations
 
@@ -214,6 +215,41 @@ async def test_a_batch_whose_rows_are_still_pending_stays_listed(
     assert (await run(after)).outcomes == [None]
     batches = owners.last_batches(a, await a.read_progress())
     assert set(batches["owner-a"]) == {failed.tag, after.tag}
+
+
+async def test_an_oversized_progress_record_is_an_outage_of_the_lane_until_retired(
+    conn: asyncpg.Connection,
+    eos_settings: Callable[..., Settings],
+    pool: Any,
+    topic: str,
+    services: Services,
+) -> None:
+    """E8: a lane lists a stuck batch of 300 rows still pending (as when its marks failed and
+    the leases have not been taken over yet), more than OUTBOX_KAFKA_MAX_REQUEST_BYTES takes.
+    Its next transaction is aborted as in an outage: the rows retried, none refused, the
+    producer kept, nothing handed to the broker. Once the stuck rows are settled (a takeover
+    marked them), the check retires the batch and the rows go. Before, the broker's refusal of
+    the record was the rows' refusal and replaced the producer, at every claim."""
+    await insert_sequenced(conn, topic, keys=2, per_key=1)
+    made = Owners(eos_settings(batch_size=10, kafka_max_request_bytes=2048), pool)
+    try:
+        a = await made.publisher("owner-a", lanes=1)
+        lane = a.lanes[0]
+        claimed = await made.claim("owner-a")
+        await insert_sequenced(conn, topic, keys=1, per_key=300, first_seq=100)  # key-0's: leased
+        lane.unmarked["stuck"] = [(i, 0) for i in range(3, 303)]
+        since, name = lane.producers.since, lane.name
+        aborted = await run(a.publish(claimed.records, claimed_at=since))
+        assert [type(o) for o in aborted.outcomes] == [TransactionAbortedError] * 2, aborted
+        assert (lane.producers.since, lane.name) == (since, name), "the producer is kept"
+        handed = await read_all(services.kafka_bootstrap_servers, topic, "read_uncommitted")
+        assert handed == [], "nothing was handed to the broker"
+        await conn.execute("UPDATE outbox SET published_at = now() WHERE id >= 3")  # taken over
+        again = await run(a.publish(claimed.records, claimed_at=since))
+        assert again.outcomes == [None] * 2 and "stuck" not in lane.unmarked
+    finally:
+        await made.stop()
+    assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 2
 
 
 # --- E9: keys end ---------------------------------------------------------------------------------
