@@ -55,6 +55,14 @@ class OutboxRecord(NamedTuple):
     created_at: datetime
     attempts: int
     reclaimed: bool
+    # Times an operator replayed the row: exactly-once lists (id, replays) in its progress
+    # records, a pair that cannot come again (issue 35, E5).
+    replays: int = 0
+
+    @property
+    def pair(self) -> tuple[int, int]:
+        """The row in a progress record: its id and replay count."""
+        return (self.id, self.replays)
 
     @classmethod
     def from_row(cls, row: Any) -> OutboxRecord:

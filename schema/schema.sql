@@ -243,7 +243,11 @@ CREATE TABLE ${schema}.${table}_cursor (
     -- How many holes, and every transaction any of them waits for: what a claim reads each
     -- time (the arrays above only once a transaction of theirs ended).
     hole_count integer NOT NULL DEFAULT 0,
-    hole_watch text[] NOT NULL DEFAULT '{}'
+    hole_watch text[] NOT NULL DEFAULT '{}',
+    -- Version 16 (issue 35, E5): who this outbox is in exactly-once's progress records, drawn
+    -- at migrate time and drawn again by a TRUNCATE (its ids may start over): records of a
+    -- table before a TRUNCATE, or of another database migrated the same way, never match.
+    progress_id uuid NOT NULL DEFAULT gen_random_uuid()
 );
 
 COMMENT ON TABLE ${schema}.${table}_cursor IS
@@ -304,7 +308,9 @@ CREATE TRIGGER ${table}_note_removed_dead
     WHEN (OLD.dead_at IS NOT NULL AND OLD.ordering_key IS NOT NULL)
     EXECUTE FUNCTION ${schema}.${table}_note_change();
 
--- A TRUNCATE empties the table (and may restart its ids): the engine's knowledge goes with it.
+-- A TRUNCATE empties the table (and may restart its ids): the engine's knowledge goes with it,
+-- and the outbox takes a new identity in exactly-once's progress records (the old records list
+-- ids that may come again).
 CREATE FUNCTION ${schema}.${table}_truncated() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
 AS $fn$
@@ -313,7 +319,8 @@ BEGIN
     DELETE FROM ${schema}.${table}_changed;
     UPDATE ${schema}.${table}_cursor
        SET position = 0, hole_lo = '{}', hole_hi = '{}', hole_vx = '{}', hole_at = '{}',
-           hole_count = 0, hole_watch = '{}', swept = 0, sweep_started_at = now();
+           hole_count = 0, hole_watch = '{}', swept = 0, sweep_started_at = now(),
+           progress_id = gen_random_uuid();
     RETURN NULL;
 END;
 $fn$;

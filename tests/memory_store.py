@@ -189,9 +189,9 @@ class InMemoryDispatchStore(DispatchStore):
             row.attempts += int(old)
             took.append((row, old))
         self.leases.update(fresh)
-        fields = OutboxRecord._fields[:-1]  # the claim's columns before `reclaimed`
+        fields = OutboxRecord._fields[:-2]  # the claim's columns before `reclaimed`, `replays`
         claimed = [
-            ClaimedRow((*(getattr(r, f) for f in fields), old))
+            ClaimedRow((*(getattr(r, f) for f in fields), old, 0))
             for r, old in sorted(took, key=lambda t: t[0].id)
         ]
         # (read by name, position and iteration, as a Record is; never `drained`: the fake has no

@@ -17,6 +17,18 @@ from outbox_dispatcher.config.names import (
     validate_identifier,
 )
 
+# Exactly-once's progress record (kafka/progress.py): its bytes beyond its (id, replays) pairs
+# (the outbox and owner names up to about 700 bytes, a batch's tag, punctuation, the key and
+# Kafka's record and batch headers), and a pair's at most ("[<bigint>,<int>],").
+PROGRESS_RECORD_OVERHEAD_BYTES = 1024
+PROGRESS_PAIR_BYTES_AT_MOST = 33
+
+
+def progress_record_bytes_at_most(batch_size: int, names: int) -> int:
+    """The largest progress record of one batch of `batch_size` rows (`names`: the bytes of the
+    transactional id prefix and the outbox's names)."""
+    return PROGRESS_RECORD_OVERHEAD_BYTES + names + batch_size * PROGRESS_PAIR_BYTES_AT_MOST
+
 
 class Choices(Protocol):
     """The settings the checks across settings read (config/settings.Settings has them)."""
@@ -29,6 +41,16 @@ class Choices(Protocol):
     def delivery(self) -> str: ...
     @property
     def lease_seconds(self) -> float: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def kafka_max_request_bytes(self) -> int: ...
+    @property
+    def transactional_id_prefix(self) -> str: ...
+    @property
+    def db_schema(self) -> str: ...
+    @property
+    def table(self) -> str: ...
     @property
     def transaction_timeout_seconds(self) -> float: ...
     @property
@@ -122,8 +144,28 @@ def relations(s: Choices) -> None:
             "read_committed consumers); unset it (exactly-once then runs with on)"
         )
         raise ValueError(msg)
+    if s.delivery == "exactly-once":
+        progress_record_fits(s)
     if s.kafka_sasl_mechanism and not (s.kafka_sasl_username and s.kafka_sasl_password):
         msg = "OUTBOX_KAFKA_SASL_MECHANISM needs OUTBOX_KAFKA_SASL_USERNAME and _PASSWORD"
+        raise ValueError(msg)
+
+
+def progress_record_fits(s: Choices) -> None:
+    """Exactly-once (review E8): a transaction ends with a progress record listing its batch's
+    rows; one that cannot fit a request would abort every transaction of the lane."""
+    names = len(s.transactional_id_prefix) + 2 * (len(s.db_schema) + len(s.table) + 60)
+    needed = progress_record_bytes_at_most(s.batch_size, names)
+    if needed > s.kafka_max_request_bytes:
+        msg = (
+            f"OUTBOX_BATCH_SIZE={s.batch_size} needs progress records of up to {needed} bytes "
+            "in exactly-once delivery (each lists its batch's rows, "
+            f"{PROGRESS_PAIR_BYTES_AT_MOST} bytes a row at most, and "
+            f"{PROGRESS_RECORD_OVERHEAD_BYTES} more), more than "
+            f"OUTBOX_KAFKA_MAX_REQUEST_BYTES={s.kafka_max_request_bytes}: lower "
+            "OUTBOX_BATCH_SIZE or raise OUTBOX_KAFKA_MAX_REQUEST_BYTES (and the broker's "
+            "message.max.bytes)"
+        )
         raise ValueError(msg)
 
 

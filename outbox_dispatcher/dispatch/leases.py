@@ -128,8 +128,9 @@ async def reclaim_step(
         await sweep_step(store, settings, metrics)
 
 
-# Which of the ids a lost claim committed; the lost claims' owners (fenced first).
-CommittedOf = Callable[[Sequence[int], Sequence[str]], Awaitable[set[int]]]
+# The ids among these (id, replays) pairs a lost claim committed; the lost claims' owners (fenced
+# first).
+CommittedOf = Callable[[Sequence[tuple[int, int]], Sequence[str]], Awaitable[set[int]]]
 # Crash-loop rows looked at per reclaimer step (each look fences and reads the progress once).
 CRASH_LOOPS_AT_ONCE = 500
 
@@ -151,9 +152,10 @@ async def read_crash_loops_first(
     if not rows:
         return set(), set()
     ids = {int(r["id"]) for r in rows}
+    pairs = sorted({(int(r["id"]), int(r["replays"])) for r in rows})
     owners = sorted({str(r["lease_owner"]) for r in rows if r["lease_owner"] is not None})
     try:
-        return ids, await committed_of(sorted(ids), owners)
+        return ids, await committed_of(pairs, owners)
     except errors.BrokerUnavailableError as exc:
         log.warning("crash_loops_wait_for_progress", rows=len(rows), error=str(exc))
         return None
@@ -180,7 +182,8 @@ async def settle_crash_loops(
     if unread:
         owners = sorted({str(r["lease_owner"]) for r in unread if r["lease_owner"] is not None})
         try:
-            committed |= await committed_of([int(r["id"]) for r in unread], owners)
+            pairs = [(int(r["id"]), int(r["replays"])) for r in unread]
+            committed |= await committed_of(pairs, owners)
         except errors.BrokerUnavailableError as exc:
             log.warning("crash_loops_wait_for_progress", rows=len(unread), error=str(exc))
             rows = [r for r in rows if int(r["id"]) in read]  # those read are decided

@@ -117,7 +117,7 @@ class Dispatcher:
                         conn,
                         s.db_schema,
                         s.table,
-                        oldest=migrations.TRANSACTIONAL_IDS_VERSION,
+                        oldest=migrations.PROGRESS_ID_VERSION,
                         who_needs="exactly-once delivery (OUTBOX_DELIVERY) needs",
                     )
                 else:
@@ -155,8 +155,19 @@ class Dispatcher:
         if s.delivery is DeliveryMode.AT_LEAST_ONCE:
             return KafkaPublisher(self.configs.publisher)
 
-        async def pending(ids: list[int]) -> list[OutboxRecord]:
-            return [OutboxRecord.from_row(row) for row in await store.pending_rows(ids=ids)]
+        async def pending(pairs: list[tuple[int, int]], identity: str) -> list[OutboxRecord]:
+            ids, replays = [i for i, _ in pairs], [r for _, r in pairs]
+            rows = await store.pending_rows(ids=ids, replays=replays, identity=identity)
+            return [OutboxRecord.from_row(row) for row in rows]
+
+        async def needed(pairs: list[tuple[int, int]]) -> tuple[str, set[int]]:
+            ids, replays = [i for i, _ in pairs], [r for _, r in pairs]
+            row = await store.progress_needed(ids=ids, replays=replays)
+            return str(row["identity"]), {int(i) for i in row["needed"]}
+
+        async def beating() -> set[str]:
+            rows = await store.transactional_ids_live(live_seconds=registry.LIVE_SECONDS)
+            return {t for r in rows for t in r["transactional_ids"] or ()}
 
         async def reconciled(keys: list[tuple[str, bool]]) -> int:
             try:
@@ -169,8 +180,10 @@ class Dispatcher:
         # Registered before its ids are recorded in its row, and those before the first
         # transaction of each: a takeover fences what it finds there (kafka/takeover.py).
         await registry.Heartbeat(store, s, self.owner).beat()
-        # The table's identity in its progress records (store.outbox_identity).
-        outbox = f"{self.configs.progress.outbox}@{await store.outbox_identity()}"
+        # The table in its transactional ids (the database and its oid, as before schema
+        # version 16), and its identity in its progress records (a uuid the schema keeps, read
+        # again at every takeover: store.outbox_identity).
+        outbox = f"{self.configs.progress.outbox}@{await store.outbox_oid()}"
         progress = dataclasses.replace(self.configs.progress, outbox=outbox)
         made = TransactionalPublisher(
             self.configs.publisher,
@@ -179,6 +192,9 @@ class Dispatcher:
             registry.transactional_registry(store, self.owner),
             pending,
             reconciled,
+            needed,
+            beating,
+            await store.outbox_identity(),
             lane_count=s.claim_tasks,
             renewed=lambda reason: self.metrics.lanes_renewed.labels(reason).inc(),
             waiting=lambda reason: self.metrics.takeovers_waiting.labels(reason).inc(),

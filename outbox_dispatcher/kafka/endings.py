@@ -175,7 +175,8 @@ class Endings:
         except (*KAFKA_TROUBLE, errors.BrokerUnavailableError) as exc:
             log.warning("commit_outcome_unread", rows=len(d.sent), error=errors.describe(exc))
             return False  # unknown: the rows stay leased for a takeover to decide
-        mine = progress.last_batches(self.progress, values).get(d.lane.name, {})
+        last = progress.last_batches(self.progress, d.identity, values)
+        mine = last.get(d.lane.transactional_id, {})
         if set(mine.get(d.tag, [])) >= set(d.sent):  # the tag also lists earlier transactions
             d.lane.unmarked[d.tag] = d.committed_now()
             d.decide(indices, None)

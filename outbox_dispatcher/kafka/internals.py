@@ -70,6 +70,23 @@ def quicken_transaction_retries() -> None:
     aiokafka_sender.BACKOFF_OVERRIDE = TRANSACTION_RETRY_SECONDS
 
 
+def held_batches(producer: AIOKafkaProducer) -> list[Any]:
+    """The batches the producer holds now (read_drains reads their waiters' failures later)."""
+    accumulator = producer._message_accumulator
+    held: list[Any] = [b for queue in accumulator._batches.values() for b in queue]
+    held.extend(accumulator._pending_batches)
+    return held
+
+
+def read_drains(batches: Collection[Any]) -> None:
+    """The batches' drain waiters' failures, read: a sender that died (a fence) failed them,
+    and nobody waits on them (else asyncio reports each as never retrieved)."""
+    for batch in batches:
+        waiter = batch._drain_waiter
+        if waiter.done() and not waiter.cancelled():
+            waiter.exception()
+
+
 def fail_buffered(producer: AIOKafkaProducer, exception: BaseException) -> None:
     """Fail every batch the producer still holds, those a request has carried included (what
     aiokafka's own Sender._fail_all does when its sender dies), so that stop() need not wait

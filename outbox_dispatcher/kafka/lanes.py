@@ -93,7 +93,11 @@ class Lane:
     topic_config: TopicConfig
     generation: int = 0
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
-    unmarked: dict[str, list[int]] = field(default_factory=dict)  # tag: ids
+    unmarked: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # tag: pairs
+    # The tags its id's last committed record listed; the ids it gave up, each with those of
+    # its last record (tombstoned once they all left `unmarked`: kafka/retirement.py).
+    last_listed: frozenset[str] = frozenset()
+    given_up: list[tuple[str, frozenset[str]]] = field(default_factory=list)
     given: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # not yet transacted
 
     def __post_init__(self) -> None:
@@ -111,6 +115,8 @@ class Lane:
         """Go on under the next generation's id with new producers (not started); returns the
         given-up generation's producers."""
         old = self.producers
+        self.given_up.append((self.transactional_id, self.last_listed))
+        self.last_listed = frozenset()
         self.generation += 1
         self.producers, self.topics = self._producers(self.generation)
         return old

@@ -7,6 +7,12 @@ that lists every batch it committed and has not yet seen marked in the database,
 included. So the last committed record of an id is all a takeover needs (the topic is
 compacted: older records of an id may go), once the id is fenced: its open transaction aborted
 or its commit in progress finished, and no later one can start under the old producer.
+
+A record lists rows as (id, replays) pairs under the outbox's identity (a uuid the schema keeps,
+drawn again by a TRUNCATE): a row an operator replayed, or a row of a truncated table whose ids
+started over, never matches a stale record (issue 35, E5). Version 1 records (bare ids, the
+database and oid as identity) are skipped: a takeover then sends their rows again, never marks
+them unsent. A tombstone (no value) ends a key once nothing it listed is pending (E9).
 """
 
 from __future__ import annotations
@@ -25,7 +31,15 @@ from outbox_dispatcher.kafka import tls
 from outbox_dispatcher.kafka.producers import ProducerConfig, Producers
 from outbox_dispatcher.kafka.tls import ConnectionConfig
 
-VERSION = 1
+VERSION = 2
+# A record's bytes beyond its pairs, as config/checks.py counts them (PROGRESS_RECORD_OVERHEAD_
+# BYTES: a record of one full batch must fit OUTBOX_KAFKA_MAX_REQUEST_BYTES, checked at start).
+RECORD_OVERHEAD_BYTES = 1024
+PAIR_BYTES_AT_MOST = 33  # "[<bigint>,<int>]," (config/checks.py's PROGRESS_PAIR_BYTES_AT_MOST)
+
+Pair = tuple[int, int]  # a row in a progress record: its id and its replay count
+Listed = dict[str, list[Pair]]  # tag: pairs
+Record = tuple[bytes | None, bytes | None]  # a progress record's key and value
 
 
 @dataclass(frozen=True)
@@ -41,40 +55,65 @@ class ProgressConfig:
         return f"{self.transactional_id_prefix}{self.outbox}.{owner}"
 
 
-def record_value(config: ProgressConfig, owner: str, batches: Mapping[str, Sequence[int]]) -> bytes:
-    """A progress record: the ids of each batch (by its tag) committed and not seen marked."""
-    body = {"v": VERSION, "outbox": config.outbox, "owner": owner, "batches": batches}
+def record_value(
+    config: ProgressConfig, identity: str, owner: str, batches: Mapping[str, Sequence[Pair]]
+) -> bytes:
+    """A progress record: the (id, replays) pairs of each batch (by its tag) committed and not
+    seen marked, under the outbox's `identity`."""
+    body = {
+        "v": VERSION,
+        "outbox": config.outbox,
+        "identity": identity,
+        "owner": owner,
+        "batches": {t: [list(p) for p in pairs] for t, pairs in batches.items()},
+    }
     return orjson.dumps(body)
 
 
 def last_batches(
-    config: ProgressConfig, values: Iterable[bytes | None]
-) -> dict[str, dict[str, list[int]]]:
-    """Per owner, the batches (tag: ids) its last progress record lists (`values`: records in
-    log order; the last of each owner wins; another outbox's, or an unreadable one, is skipped)."""
-    last: dict[str, dict[str, list[int]]] = {}
-    for value in values:
-        try:
-            body = orjson.loads(value or b"null")
-        except orjson.JSONDecodeError:
+    config: ProgressConfig, identity: str, records: Iterable[Record]
+) -> dict[str, Listed]:
+    """Per key (a lane's transactional id), the batches (tag: pairs) its last progress record
+    lists (`records`: in log order; the last of each key wins, a tombstone ends it; another
+    outbox's or identity's, a version 1 one, or an unreadable one, is skipped)."""
+    last: dict[str, Listed] = {}
+    for key, value in records:
+        name = (key or b"").decode(errors="replace")
+        if value is None:
+            last.pop(name, None)
             continue
-        if not isinstance(body, dict) or body.get("outbox") != config.outbox:
-            continue
-        batches = body.get("batches")
-        if isinstance(batches, dict):
-            last[str(body.get("owner"))] = {
-                str(t): [int(i) for i in ids] for t, ids in batches.items()
-            }
+        batches = _batches(config, identity, value)
+        if batches is not None:
+            last[name] = batches
     return last
 
 
-def committed_ids(config: ProgressConfig, values: Iterable[bytes | None]) -> set[int]:
-    """The ids in any owner's last progress record: committed, not seen marked."""
+def _batches(config: ProgressConfig, identity: str, value: bytes) -> Listed | None:
+    """A record's batches, if it is this outbox's under `identity` and readable."""
+    try:
+        body = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(body, dict) or body.get("v") != VERSION:
+        return None
+    if body.get("outbox") != config.outbox or body.get("identity") != identity:
+        return None
+    batches = body.get("batches")
+    if not isinstance(batches, dict):
+        return None
+    try:
+        return {str(t): [(int(i), int(r)) for i, r in pairs] for t, pairs in batches.items()}
+    except (TypeError, ValueError):
+        return None
+
+
+def committed_pairs(config: ProgressConfig, identity: str, records: Iterable[Record]) -> set[Pair]:
+    """The pairs in any key's last progress record: committed, not seen marked."""
     return {
-        i
-        for batches in last_batches(config, values).values()
-        for ids in batches.values()
-        for i in ids
+        p
+        for batches in last_batches(config, identity, records).values()
+        for pairs in batches.values()
+        for p in pairs
     }
 
 
@@ -101,7 +140,7 @@ async def read_committed(
     partitions: Iterable[int],
     seconds: float,
     end_seconds: float | None = None,
-) -> list[bytes | None]:
+) -> list[Record]:
     """Every committed record of the progress topic (of its `partitions`), in log order per
     partition, up to its high watermark when the read starts (review E4): every record written
     before then is read once its transaction ended, not only those below the last stable offset
@@ -156,10 +195,10 @@ class _Reader:
         self.ends = ends
         self.positions: dict[TopicPartition, int] = dict.fromkeys(tps, 0)
 
-    async def read(self, end_seconds: float) -> list[bytes | None]:
+    async def read(self, end_seconds: float) -> list[Record]:
         self.consumer.assign(self.tps)
         await self.consumer.seek_to_beginning(*self.tps)
-        values: list[bytes | None] = []
+        values: list[Record] = []
         waiting = {tp for tp in self.tps if self.ends[tp] > 0}
         # Once nothing more comes below the end (an open transaction holds the last stable
         # offset there), the wait for it is bounded by end_seconds.
@@ -168,7 +207,7 @@ class _Reader:
         while waiting:
             batches = await self.consumer.getmany(*waiting, timeout_ms=500)
             for messages in batches.values():
-                values.extend(m.value for m in messages)
+                values.extend((m.key, m.value) for m in messages)
             before = dict(self.positions)
             for tp in waiting:
                 self.positions[tp] = await self.consumer.position(tp)
@@ -228,3 +267,19 @@ class ProgressEndUnreachedError(ProgressUnavailableError):
             "with `kafka-transactions.sh abort` (the rows wait until then)"
         )
         self.behind = dict(behind)
+
+
+class ProgressRecordTooLargeError(errors.BrokerUnavailableError):
+    """A lane's progress record does not fit OUTBOX_KAFKA_MAX_REQUEST_BYTES (review E8): it lists
+    the batches the lane committed and has not seen marked, and some marks failed. The lane's
+    transaction is aborted as in an outage (its rows are not refused, its producer is kept) and
+    goes again after the pause, once batches nobody needs any more left the list."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(
+            f"the progress record ({size} bytes) does not fit OUTBOX_KAFKA_MAX_REQUEST_BYTES "
+            f"({limit}): batches whose marks failed are listed until their rows are settled "
+            "(a takeover after their leases expire settles them); if it lasts, raise "
+            "OUTBOX_KAFKA_MAX_REQUEST_BYTES (and the broker's message.max.bytes) or lower "
+            "OUTBOX_BATCH_SIZE"
+        )

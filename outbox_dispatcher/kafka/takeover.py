@@ -10,6 +10,10 @@ The duty to reconcile is durable (the key's work row keeps `reconcile_owner` fro
 found its lease expired): a claim returns a key's rows as reclaimed until a takeover read the
 progress and cleared it (`Reconciling`), so a pause, a cancel or a lost claim reply in between
 leaves the next claim of the key a takeover too.
+
+Rows are matched by (id, replays) under the outbox's identity read from the database at each
+takeover (issue 35, E5): a replayed row, or a row of a table truncated since, is sent again,
+never marked from a stale record.
 """
 
 from __future__ import annotations
@@ -26,7 +30,13 @@ from outbox_dispatcher import errors
 from outbox_dispatcher.kafka import lanes, progress, progress_topic
 from outbox_dispatcher.kafka.lanes import Lane, Registry
 from outbox_dispatcher.kafka.producers import ProducerConfig
-from outbox_dispatcher.kafka.progress import ProgressConfig, ProgressUnavailableError
+from outbox_dispatcher.kafka.progress import (
+    Pair,
+    ProgressConfig,
+    ProgressUnavailableError,
+    Record,
+)
+from outbox_dispatcher.kafka.retirement import Retirement
 from outbox_dispatcher.models import OutboxRecord, work_keys
 
 log = structlog.get_logger(__name__)
@@ -50,7 +60,8 @@ class Reconciled(Protocol):
     def adopt(self, rows: Sequence[OutboxRecord]) -> None: ...
 
 
-PendingRows = Callable[[list[int]], Awaitable[Sequence[OutboxRecord]]]
+# The rows of these (id, replays) pairs still pending, while the identity is still this one.
+PendingRows = Callable[[list[Pair], str], Awaitable[Sequence[OutboxRecord]]]
 # The keys (the work rows' keys: a row without one is keyed by its id) whose reconcile duty a
 # takeover did, under this dispatcher's live leases (store.DispatchStore.reconciled).
 # Returns how many keys it cleared.
@@ -66,6 +77,7 @@ class Takeover:
     pending: PendingRows
     reconciled: Reconciling
     fence_seconds: float  # a fence that takes longer: the id's markers cannot be written yet
+    retire: Retirement  # the outbox's identity; the keys read, tombstoned when done
     # Another dispatcher's id could not be fenced (a metric; the takeover goes on).
     fence_failed: Callable[[], None] = lambda: None
 
@@ -121,21 +133,22 @@ class Takeover:
         are its committed rows of the same keys that did not fit in this batch (the takeover's
         room is its batch size): adopted, so that the key is not released with them pending.
         Called holding every lane's turn, after fence_others."""
-        reclaimed = {r.id for r in d.records if r.reclaimed}
+        reclaimed = {r.pair for r in d.records if r.reclaimed}
         if not reclaimed:
             return
         committed = await self.committed(own)
         done = reclaimed & committed
-        d.decide([i for i, r in enumerate(d.records) if r.id in done], None)
+        d.decide([i for i, r in enumerate(d.records) if r.pair in done], None)
         keys = {r.ordering_key for r in d.records if r.reclaimed and r.ordering_key is not None}
-        beyond = sorted(committed - {r.id for r in d.records})
+        beyond = sorted(committed - {r.pair for r in d.records})
         if keys and beyond:
             try:
-                rows = [r for r in await self.pending(beyond) if r.ordering_key in keys]
+                found = await self.pending(beyond, self.retire.identity)
             except Exception as exc:  # the database is away: the rows wait
                 raise ProgressUnavailableError(errors.describe(exc)) from exc
+            rows = [r for r in found if r.ordering_key in keys]
             d.adopt(rows)
-            done |= {r.id for r in rows}
+            done |= {r.pair for r in rows}
         if done:
             log.info("takeover_found_committed", rows=len(done), reclaimed=len(reclaimed))
         await self._reconciled([r for r in d.records if r.reclaimed])
@@ -156,22 +169,30 @@ class Takeover:
             msg = f"the duty was cleared for {cleared} of {len(keys)} keys (a lease expired)"
             raise ProgressUnavailableError(msg)
 
-    async def committed(self, own: Sequence[Lane]) -> set[int]:
-        """The ids of every committed transaction not seen marked: this dispatcher's lanes whose
-        commit went unanswered replaced first (a fresh producer ends it), then the progress read
-        to its end (this dispatcher's own from memory as well)."""
+    async def committed(self, own: Sequence[Lane]) -> set[Pair]:
+        """The (id, replays) pairs of every committed transaction not seen marked, under the
+        outbox's identity read now: this dispatcher's lanes whose commit went unanswered
+        replaced first (a fresh producer ends it), then the progress read to its end (this
+        dispatcher's own from memory as well). The other keys read are due a tombstone once
+        nothing they list is needed (kafka/retirement.py)."""
+        try:
+            identity = await self.retire.refresh(own)
+        except Exception as exc:  # the database is away: the rows wait
+            raise ProgressUnavailableError(errors.describe(exc)) from exc
         try:
             for lane in own:
                 await lane.producers.replace_if_broken()
-            values = await self.read(own)
+            records = await self.read(own)
         except ProgressUnavailableError:
             raise
         except (*KAFKA_TROUBLE, errors.BrokerUnavailableError) as exc:
             raise ProgressUnavailableError(errors.describe(exc)) from exc
-        mine = {i for lane in own for ids in lane.unmarked.values() for i in ids}
-        return mine | progress.committed_ids(self.progress, values)
+        last = progress.last_batches(self.progress, identity, records)
+        self.retire.read(own, last)
+        mine = {p for lane in own for pairs in lane.unmarked.values() for p in pairs}
+        return mine | {p for batches in last.values() for ps in batches.values() for p in ps}
 
-    async def read(self, own: Sequence[Lane]) -> list[bytes | None]:
+    async def read(self, own: Sequence[Lane]) -> list[Record]:
         """The progress topic's committed records (its partitions as a serving lane's producer
         knows them), to its high watermark: a transaction open there is waited for as long as
         an unfenced one can live (its timeout and the broker's abort sweep, END_MARGIN_SECONDS),

@@ -64,11 +64,17 @@ class TransactionalDelivery:
         self.parked = False
         self.settled: set[int] = set()
         self.tag = uuid.uuid4().hex  # this batch in progress records
-        self.sent: list[int] = []  # ids in the transaction, for the progress record
-        # Ids its earlier transactions committed (a claim split for its lookups): listed under
+        # (id, replays) of the rows in the transaction, for the progress record
+        self.sent: list[tuple[int, int]] = []
+        # Those its earlier transactions committed (a claim split for its lookups): listed under
         # its tag with each later one, until every part's mark changed every row.
-        self.earlier: list[int] = []
+        self.earlier: list[tuple[int, int]] = []
         self.marked_every_row = True
+        # What its last transaction's progress record said: the outbox's identity, the tags
+        # listed, the keys tombstoned (kafka/retirement.py).
+        self.identity = ""
+        self.listed_tags: frozenset[str] = frozenset()
+        self.tombstones: list[str] = []
         self.begun = False  # a transaction of it was begun: unknown rows may be in Kafka
         self.doubtful: set[int] = set()  # rows of a begun transaction, not decided yet
         self.committed = False
@@ -104,12 +110,12 @@ class TransactionalDelivery:
         self.settled.update(rest)
         return Part(rest, [self._outcomes[i] for i in rest], final=True)
 
-    def listed(self) -> list[int]:
-        """The ids its progress record lists under its tag: every row of its transactions."""
+    def listed(self) -> list[tuple[int, int]]:
+        """The pairs its progress record lists under its tag: every row of its transactions."""
         return list(dict.fromkeys(self.earlier + self.sent))
 
-    def committed_now(self) -> list[int]:
-        """Its transaction committed: every id of its committed transactions so far."""
+    def committed_now(self) -> list[tuple[int, int]]:
+        """Its transaction committed: every pair of its committed transactions so far."""
         self.earlier = self.listed()
         self.committed = True
         return list(self.earlier)

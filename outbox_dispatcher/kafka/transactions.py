@@ -8,6 +8,7 @@ producer is replaced (its successor's start ends the transaction), and if that c
 the rows stay leased, unsettled, for the next takeover to decide. A transaction whose records
 are not all acknowledged in time is given up: its lane goes on under a new id, and the partitions
 that did not acknowledge are held (kafka/stalls.py). How a transaction ends: kafka/endings.py.
+What the records list, and the tombstones that end keys: kafka/retirement.py.
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ from outbox_dispatcher.kafka.batches import Answer, Batches
 from outbox_dispatcher.kafka.endings import Endings, Stall, cause_of, failure_of
 from outbox_dispatcher.kafka.lanes import Lane, Registry
 from outbox_dispatcher.kafka.progress import (
+    Pair,
     ProgressConfig,
     ProgressEndUnreachedError,
+    ProgressRecordTooLargeError,
     ProgressUnavailableError,
 )
 from outbox_dispatcher.kafka.publisher import PublisherConfig
 from outbox_dispatcher.kafka.records import RecordEncoder
+from outbox_dispatcher.kafka.retirement import Beating, Needed, Retirement
 from outbox_dispatcher.kafka.stalls import Holds, PartitionStalledError, TopicPartition
 from outbox_dispatcher.kafka.takeover import (
     KAFKA_TROUBLE,
@@ -73,6 +77,9 @@ class TransactionalPublisher:
         registry: Registry,
         pending: PendingRows,
         reconciled: Reconciling,
+        needed: Needed,
+        beating: Beating,
+        identity: str,
         lane_count: int = lanes.LANES,
         renewed: Callable[[str], None] = lambda reason: None,
         waiting: Callable[[str], None] = lambda reason: None,
@@ -97,7 +104,9 @@ class TransactionalPublisher:
             owner, lane_count, producer, progress_config, config.topics, registry
         )
         self._connection = producer.connection
+        self._max_request_bytes = producer.max_request_bytes
         fence_seconds = max(progress_config.timeout_seconds, 10.0)
+        self.retire = Retirement(needed, beating, identity)
         self._takeover = Takeover(
             progress_config,
             producer,
@@ -106,6 +115,7 @@ class TransactionalPublisher:
             pending,
             reconciled,
             fence_seconds,
+            self.retire,
             fence_failed,
         )
         self._encoder = RecordEncoder(config.records)
@@ -131,8 +141,8 @@ class TransactionalPublisher:
         )
 
     @property
-    def unmarked(self) -> dict[str, list[int]]:
-        """Every lane's batches committed and not seen marked (tag: ids)."""
+    def unmarked(self) -> dict[str, list[Pair]]:
+        """Every lane's batches committed and not seen marked (tag: (id, replays) pairs)."""
         return {tag: ids for lane in self.lanes for tag, ids in lane.unmarked.items()}
 
     async def start(self) -> None:
@@ -149,6 +159,11 @@ class TransactionalPublisher:
             raise
 
     async def stop(self) -> None:
+        """A graceful stop: each lane tombstones its id once nothing its records list is
+        needed (kafka/retirement.py), within the transaction timeout; then the producers stop."""
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self._progress.timeout_seconds):
+                await self.retire.farewell(self.lanes, self._progress.topic)
         await self.lanes.stop()
 
     def publish(
@@ -186,18 +201,19 @@ class TransactionalPublisher:
         if final and delivery.marked_every_row:
             delivery.lane.unmarked.pop(delivery.tag, None)
 
-    async def committed_of(self, ids: Sequence[int], owners: Sequence[str] = ()) -> set[int]:
-        """Which of `ids` a lost claim committed (review E13: rows the crash-loop reclaimer
-        dead-lettered; `owners`: the lost claims' owners, fenced strictly): read as a takeover
-        reads, after fencing and holding every lane. ProgressUnavailableError when it cannot be
-        read (nothing decided)."""
+    async def committed_of(self, pairs: Sequence[Pair], owners: Sequence[str] = ()) -> set[int]:
+        """Which ids of these (id, replays) pairs a lost claim committed (review E13: rows the
+        crash-loop reclaimer dead-letters; `owners`: the lost claims' owners, fenced strictly):
+        read as a takeover reads, after fencing and holding every lane.
+        ProgressUnavailableError when it cannot be read (nothing decided)."""
         await self._takeover.fence_others(owners=owners)
         async with contextlib.AsyncExitStack() as turns:
             for lane in self.lanes:
                 await turns.enter_async_context(lane.turn)
-            return set(ids) & await self._takeover.committed(self.lanes)
+            committed = set(pairs) & await self._takeover.committed(self.lanes)
+            return {i for i, _ in committed}
 
-    async def read_progress(self) -> list[bytes | None]:
+    async def read_progress(self) -> list[progress.Record]:
         """The progress topic's committed records (tests and the operator read them too)."""
         return await self._takeover.read(self.lanes)
 
@@ -244,6 +260,7 @@ class TransactionalPublisher:
                 for lane in self.lanes if takeover else [d.lane]:
                     await turns.enter_async_context(lane.turn)
                 d.lane.given.discard(d)
+                await self.retire.check(self.lanes)
                 if takeover:
                     await self._takeover.reconcile(d, self.lanes)
                 await self._send_and_commit(d, indices, known)
@@ -348,6 +365,29 @@ class TransactionalPublisher:
         else:
             if await self._ends.commit(d, sent):
                 self.holds.acknowledged(batches.where.values())
+                lane.last_listed = d.listed_tags
+                self.retire.sent(d.tombstones)
+
+    def _record_too_large(
+        self, d: TransactionalDelivery, indices: list[int]
+    ) -> ProgressRecordTooLargeError | None:
+        """The transaction's progress record, at its largest (every row of `indices` sent),
+        would not fit a request (review E8): an outage of the lane, not the rows' fault (retried
+        after the pause, the producer kept); what is still needed is checked first next time."""
+        lane = d.lane
+        listed = sum(map(len, lane.unmarked.values())) + len(d.earlier) + len(indices)
+        at_most = progress.RECORD_OVERHEAD_BYTES + listed * progress.PAIR_BYTES_AT_MOST
+        if at_most <= self._max_request_bytes:  # one batch always fits (config/checks.py)
+            return None
+        rows = d.earlier + [d.records[i].pair for i in indices]
+        value = progress.record_value(
+            self._progress, self.retire.identity, lane.name, {**lane.unmarked, d.tag: rows}
+        )
+        size = len(value) + len(lane.transactional_id) + progress.RECORD_OVERHEAD_BYTES
+        if size <= self._max_request_bytes:
+            return None
+        self.retire.soon()
+        return ProgressRecordTooLargeError(size, self._max_request_bytes)
 
     def _held(self, lane: Lane) -> Callable[[TopicPartition], BaseException | None]:
         """Why a row of a partition must wait (kafka/stalls.py), if it must."""
@@ -372,6 +412,8 @@ class TransactionalPublisher:
         did not answer, or None. No waves: nothing of the transaction is visible before its
         commit, so a key's change of topic needs no ack first, and a failed batch aborts the
         whole transaction (no gap can follow it)."""
+        if too_large := self._record_too_large(d, indices):
+            return None, too_large  # before any record is handed: nothing to abort but the begin
         batches.encode(indices)
         failed_keys: set[str] = set()
         pending = indices
@@ -381,17 +423,24 @@ class TransactionalPublisher:
                 return pending[0], errors.UnpublishableRowError("no producer batch takes it")
             pending = [i for i in pending if i in deferred]
         handed = [i for i in indices if isinstance(answers[i], asyncio.Future)]
-        d.sent = [d.records[i].id for i in handed]
+        d.sent = [d.records[i].pair for i in handed]
         submissions: list[asyncio.Future[object]] = [
             a for a in dict.fromkeys(answers[i] for i in handed) if isinstance(a, asyncio.Future)
         ]
         lane = d.lane
         listed = {**lane.unmarked, d.tag: d.listed()}  # the lane's own: keyed by its id
-        value = progress.record_value(self._progress, lane.name, listed)
+        d.identity = self.retire.identity
+        d.listed_tags = frozenset(listed)
+        d.tombstones = self.retire.to_send(self.lanes)
+        value = progress.record_value(self._progress, d.identity, lane.name, listed)
+        key = lane.transactional_id.encode()
         try:
-            acked = await lane.producers.current().send(
-                self._progress.topic, value, key=lane.transactional_id.encode()
-            )
+            producer = lane.producers.current()
+            acked = await producer.send(self._progress.topic, value, key=key)
+            tombstones = [
+                await producer.send(self._progress.topic, None, key=k.encode())
+                for k in d.tombstones
+            ]
         except KAFKA_TROUBLE as exc:
             # Their answers read before an abort (none of the epoch left in flight), within the
             # stall bound (review E15): a partition that keeps answering NotEnoughReplicas is
@@ -400,7 +449,7 @@ class TransactionalPublisher:
                 stalled = {batches.where[s] for s in unanswered}
                 return Stall(stalled, progress=False, unanswered=unanswered)
             return None, exc
-        waiting: set[asyncio.Future[object]] = {acked, *submissions}
+        waiting: set[asyncio.Future[object]] = {acked, *tombstones, *submissions}
         _, missing = await asyncio.wait(waiting, timeout=self.stall_seconds)
         if missing:
             stalled = {batches.where[s] for s in submissions if s in missing}
@@ -408,8 +457,9 @@ class TransactionalPublisher:
         # Every answer read (none left unretrieved); a batch the broker refused is the cause
         # rather than the batches of its partition refused after it for their sequence numbers.
         failed = [(s, cause_of(f)) for s in submissions if (f := failure_of(s)) is not None]
-        if (problem := failure_of(acked)) is not None:
-            return None, problem
+        for answer in (acked, *tombstones):
+            if (problem := failure_of(answer)) is not None:
+                return None, problem
         if not failed:
             return None
         submission, cause = min(failed, key=lambda found: not failures.is_rejection(found[1]))

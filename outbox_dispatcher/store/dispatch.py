@@ -65,12 +65,27 @@ class DispatchStore(StoreBase):
         return Claimed(await self._fetch("claim", **arguments))
 
     async def outbox_identity(self) -> str:
-        """The database and the table's oid (exactly-once's progress records name it)."""
+        """The outbox's identity in exactly-once's progress records: a uuid drawn at migrate
+        time and again by every TRUNCATE (dispatch.sql)."""
         return str(await self._value("outbox_identity"))
 
-    async def pending_rows(self, *, ids: Sequence[int]) -> list[Row]:
-        """Those of `ids` still pending, in a claim's columns (OutboxRecord's fields)."""
-        return await self._fetch("pending_rows", ids=list(ids))
+    async def outbox_oid(self) -> str:
+        """The database and the table's oid (exactly-once's transactional ids name it)."""
+        return str(await self._value("outbox_oid"))
+
+    async def pending_rows(
+        self, *, ids: Sequence[int], replays: Sequence[int], identity: str
+    ) -> list[Row]:
+        """Those of the (id, replays) pairs still pending with that replay count, in a claim's
+        columns (OutboxRecord's fields); none once the identity is no longer `identity`."""
+        return await self._fetch(
+            "pending_rows", ids=list(ids), replays=list(replays), identity=identity
+        )
+
+    async def progress_needed(self, *, ids: Sequence[int], replays: Sequence[int]) -> Row:
+        """The outbox's identity now, and the ids of the (id, replays) pairs a progress record
+        must still list (dispatch.sql `progress_needed`)."""
+        return await self._row("progress_needed", ids=list(ids), replays=list(replays))
 
     async def unsettled_work(self) -> int:
         """Keys leased, or holding the reconcile duty (exactly-once's start: dispatch.sql)."""

@@ -5,10 +5,16 @@
 -- claim --
 -- Lease up to $limit rows of at most $max_keys keys under the token $token the dispatcher chose,
 -- looking at up to $scan new rows (see the claim function in schema/); one round trip. Exactly
--- OutboxRecord's fields, in its order.
-SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts, reclaimed
+-- OutboxRecord's fields, in its order (the function's order kept). `replays` is read beside the
+-- function (its result has no such column): exactly-once lists (id, replays) in its progress
+-- records (issue 35, E5). A row this statement's snapshot does not see yet was written after
+-- it began, with the column's default (0); a replay committed after the snapshot leaves the
+-- older count, which only makes a takeover send the row again (never mark it unsent).
+SELECT c.id, c.topic, c.ordering_key, c.payload, c.headers, c.event_id, c.created_at,
+       c.attempts, c.reclaimed,
+       coalesce((SELECT o.replays FROM {table} o WHERE o.id = c.id), 0) AS replays
   FROM {claim_fn}($limit, $max_keys, $owner, $lease_seconds, $token, $block_on_dead,
-                  $max_attempts, $scan)
+                  $max_attempts, $scan) c
 
 -- claim_steady --
 -- The steady path's claim (schema version 16; docs/design/claim-engine.md, "The steady path"):
@@ -58,7 +64,7 @@ cur AS (
 ),
 new AS (
     SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
-           o.attempts, o.published_at IS NULL AND o.dead_at IS NULL AS pending,
+           o.attempts, o.replays, o.published_at IS NULL AND o.dead_at IS NULL AS pending,
            -- 0 while the ids run on from the cursor: a gap may be a writer still open, whose
            -- hole the claim function keeps
            o.id - cur.position - row_number() OVER (ORDER BY o.id) AS gap,
@@ -108,7 +114,7 @@ moved AS (
      WHERE x.one AND m.top IS NOT NULL AND EXISTS (SELECT 1 FROM cur)
 )
 SELECT t.id, t.topic, t.ordering_key, t.payload, t.headers, t.event_id, t.created_at,
-       t.attempts, false AS reclaimed,
+       t.attempts, false AS reclaimed, t.replays,
        (SELECT count(*) FROM new) > (SELECT count(*) FROM take)
        OR (SELECT count(*) FROM new) >= $limit AS more
   FROM take t
@@ -116,7 +122,7 @@ SELECT t.id, t.topic, t.ordering_key, t.payload, t.headers, t.event_id, t.create
                AND l.keyless = (t.ordering_key IS NULL)
  WHERE t.pending
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM probe p
  WHERE NOT p.steady
     OR (p.next_id IS NOT NULL AND EXISTS (SELECT 1 FROM cur) AND NOT EXISTS (SELECT 1 FROM take))
@@ -232,24 +238,48 @@ SELECT count(*) FROM {work} w
  WHERE w.claim_token IS NOT NULL AND w.claim_expires_at <= now() AND w.state <> 'x'
 
 -- outbox_identity --
--- Who this outbox is in exactly-once's progress records (kafka/progress.py): the database and
--- the table's oid, so that the records of a table dropped and made again (its ids start over)
--- are never taken for this one's.
+-- Who this outbox is in exactly-once's progress records (kafka/progress.py): a uuid drawn at
+-- migrate time and again by every TRUNCATE (schema version 16; issue 35, E5), so that the
+-- records of a table made again or truncated (its ids start over), or of another database
+-- migrated the same way, are never taken for this one's.
+SELECT x.progress_id::text FROM {cursor} x WHERE x.one
+
+-- outbox_oid --
+-- The database and the table's oid: what names the outbox in its transactional ids (kept as
+-- before version 16, so that a takeover still fences a dispatcher of an older release).
 SELECT current_database() || '/' || '{table}'::regclass::oid::text
 
 -- pending_rows --
--- exactly-once: the rows among $ids still pending, as a claim returns them (OutboxRecord's
--- fields): those a lost claim committed in Kafka beyond a takeover's batch (kafka/transactions.py).
-SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts, true AS reclaimed
-  FROM {table}
- WHERE id = ANY($ids::bigint[]) AND published_at IS NULL AND dead_at IS NULL
- ORDER BY id
+-- exactly-once: the rows among the pairs ($ids, $replays) still pending with that replay count,
+-- as a claim returns them (OutboxRecord's fields): those a lost claim committed in Kafka beyond
+-- a takeover's batch (kafka/takeover.py). Nothing while the outbox's identity is no longer
+-- $identity (a TRUNCATE since the progress was read: the pairs are another table's).
+SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
+       o.attempts, true AS reclaimed, o.replays
+  FROM unnest($ids::bigint[], $replays::integer[]) AS u(id, replays)
+  JOIN {table} o ON o.id = u.id AND o.replays = u.replays
+ WHERE o.published_at IS NULL AND o.dead_at IS NULL
+   AND (SELECT x.progress_id::text FROM {cursor} x WHERE x.one) = $identity::text
+ ORDER BY o.id
+
+-- progress_needed --
+-- exactly-once (issue 35, E8, E9): the outbox's identity now, and which of the pairs
+-- ($ids, $replays) a progress record must keep listing: rows still pending with that replay
+-- count, or dead-lettered by the crash-loop reclaimer and not yet checked against the progress
+-- (their lease token kept: dispatch/leases.py). A pair that is neither (published, replayed
+-- since, dead for good, deleted) can never be decided by a takeover again.
+SELECT (SELECT x.progress_id::text FROM {cursor} x WHERE x.one) AS identity,
+       array(SELECT o.id
+               FROM unnest($ids::bigint[], $replays::integer[]) AS u(id, replays)
+               JOIN {table} o ON o.id = u.id AND o.replays = u.replays
+              WHERE (o.published_at IS NULL AND o.dead_at IS NULL)
+                 OR (o.dead_at IS NOT NULL AND o.lease_token IS NOT NULL)) AS needed
 
 -- crash_loops_unsettled --
 -- exactly-once: rows the crash-loop reclaimer dead-lettered whose lost claim's outcome nobody
 -- has read yet (the reclaim function keeps the lease's token on them; a late mark, or
 -- `crash_loops_checked`, clears it), at most $limit, oldest first.
-SELECT id, ordering_key, lease_token, lease_owner
+SELECT id, ordering_key, lease_token, lease_owner, replays
   FROM {table}
  WHERE dead_at IS NOT NULL AND lease_token IS NOT NULL
  ORDER BY id LIMIT $limit
@@ -570,17 +600,17 @@ WITH looping AS (
                  ORDER BY e.claim_expires_at LIMIT 500))
        AND (x.state = 'x' OR (x.claim_token IS NOT NULL AND x.claim_expires_at < now()))
 )
-SELECT r.id, l.claim_owner AS lease_owner
+SELECT r.id, r.replays, l.claim_owner AS lease_owner
   FROM looping l
  CROSS JOIN LATERAL (
-    SELECT o.id FROM {table} o
+    SELECT o.id, o.replays FROM {table} o
      WHERE o.ordering_key >= l.ordering_key AND o.ordering_key <= l.ordering_key
        AND o.id >= l.claim_first AND o.id <= greatest(l.head_id - 1, l.claim_last)
        AND o.published_at IS NULL AND o.dead_at IS NULL
        AND o.attempts + 1 >= $max_attempts) r
  WHERE NOT l.keyless
 UNION ALL
-SELECT o.id, l.claim_owner
+SELECT o.id, o.replays, l.claim_owner
   FROM looping l
   JOIN {table} o ON o.id = l.claim_first
  WHERE l.keyless AND o.ordering_key IS NULL

@@ -102,6 +102,9 @@ TRANSACTIONAL_IDS_VERSION = 15
 # `claim_steady`, `settle_steady`) read its columns; on older versions the dispatcher runs the
 # engine's functions alone.
 STEADY_VERSION = 16
+# Exactly-once's progress identity (16, issue 35, E5): the outbox's uuid in progress records
+# (<table>_cursor.progress_id) and the reconcile duty. An exactly-once dispatcher needs it.
+PROGRESS_ID_VERSION = 16
 # Steps that a dispatcher older than 10 cannot run beside: `migrate` applies them only once no
 # such dispatcher beats (docs/operations.md, "Upgrading").
 CONTRACT_STEPS = frozenset({11})

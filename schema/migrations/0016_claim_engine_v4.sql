@@ -1198,10 +1198,17 @@ BEGIN
     DELETE FROM ${schema}.${table}_changed;
     UPDATE ${schema}.${table}_cursor
        SET position = 0, hole_lo = '{}', hole_hi = '{}', hole_vx = '{}', hole_at = '{}',
-           hole_count = 0, hole_watch = '{}', swept = 0, sweep_started_at = now();
+           hole_count = 0, hole_watch = '{}', swept = 0, sweep_started_at = now(),
+           progress_id = gen_random_uuid();
     RETURN NULL;
 END;
 $fn$;
+
+-- Exactly-once (issue 35, E5): the outbox's identity in progress records, a random uuid (was
+-- the database's name and the table's oid, which a TRUNCATE ... RESTART IDENTITY keeps and a
+-- second cluster migrated the same way repeats); the TRUNCATE trigger above draws a new one.
+ALTER TABLE ${schema}.${table}_cursor
+    ADD COLUMN progress_id uuid NOT NULL DEFAULT gen_random_uuid();
 
 -- P8: a claim's last row, so that <table>_leases lists every row a claim holds after a late row
 -- lowered its key's head (the view used [claim_first, head_id)). NULL on work leased before this

@@ -193,6 +193,26 @@ async def test_several_invalid_settings_are_one_line_each(base_env: dict[str, st
     assert lines[1].startswith("invalid setting OUTBOX_KAFKA_COMPRESSION / --kafka-compression")
 
 
+async def test_exactly_once_refuses_a_batch_whose_progress_record_cannot_fit_a_request(
+    base_env: dict[str, str],
+) -> None:
+    """Issue 35, E8: a progress record lists its batch's rows; with 10,000 rows it cannot fit
+    64 KiB, and every transaction of the lane would abort. Refused at start, naming both."""
+    env = {
+        **base_env,
+        "OUTBOX_DELIVERY": "exactly-once",
+        "OUTBOX_LEASE_SECONDS": "30",
+        "OUTBOX_TRANSACTION_TIMEOUT_SECONDS": "10",
+        "OUTBOX_BATCH_SIZE": "10000",
+        "OUTBOX_KAFKA_MAX_REQUEST_BYTES": "65536",
+    }
+    ran = await cli(env, "run")
+    assert ran.code == 2, ran.output[-3000:]
+    assert "OUTBOX_BATCH_SIZE=10000" in ran.stderr, ran.stderr
+    assert "OUTBOX_KAFKA_MAX_REQUEST_BYTES=65536" in ran.stderr
+    assert "Traceback" not in ran.output
+
+
 async def test_a_malformed_database_url_names_the_setting_not_the_password(
     base_env: dict[str, str],
 ) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -70,6 +69,10 @@ class Owners:
         self.publishers: dict[str, TransactionalPublisher] = {}
         self.ids: dict[str, list[str]] = {}  # the registry: each owner's recorded ids
         self.waited: list[str] = []  # takeovers that could not read the progress, why
+        # The control of the identity tests: every publisher names the outbox by this instead
+        # of the identity the database keeps (as the records named it before version 16).
+        self.same_identity: str | None = None
+        self.beating: set[str] = set()  # the ids of dispatchers that beat (none by default)
 
     def registry(self, owner: str) -> Registry:
         async def live() -> list[Registered]:
@@ -96,6 +99,9 @@ class Owners:
             self.registry(owner),
             self.pending,
             self.reconciler(owner),
+            self.needed,
+            self.beats,
+            self.same_identity or await self.store.outbox_identity(),
             lane_count=lanes,
             waiting=self.waited.append,
         )
@@ -103,8 +109,26 @@ class Owners:
         self.publishers[owner] = made
         return made
 
-    async def pending(self, ids: list[int]) -> list[OutboxRecord]:
-        return [OutboxRecord.from_row(r) for r in await self.store.pending_rows(ids=ids)]
+    async def pending(self, pairs: list[tuple[int, int]], identity: str) -> list[OutboxRecord]:
+        if self.same_identity is not None:
+            identity = await self.store.outbox_identity()
+        ids, replays = [i for i, _ in pairs], [r for _, r in pairs]
+        rows = await self.store.pending_rows(ids=ids, replays=replays, identity=identity)
+        return [OutboxRecord.from_row(r) for r in rows]
+
+    async def needed(self, pairs: list[tuple[int, int]]) -> tuple[str, set[int]]:
+        ids, replays = [i for i, _ in pairs], [r for _, r in pairs]
+        row = await self.store.progress_needed(ids=ids, replays=replays)
+        return self.same_identity or str(row["identity"]), {int(i) for i in row["needed"]}
+
+    async def beats(self) -> set[str]:
+        return set(self.beating)
+
+    def last_batches(self, publisher: TransactionalPublisher, records: Any) -> dict[str, Any]:
+        """Per lane name (the owner's), its last record's batches, as `publisher` reads them."""
+        last = progress.last_batches(self.progress, publisher.retire.identity, records)
+        prefix = self.progress.transactional_id("")
+        return {key.removeprefix(prefix): batches for key, batches in last.items()}
 
     def reconciler(self, owner: str) -> Callable[[list[tuple[str, bool]]], Any]:
         """The owner's takeover clears its keys' reconcile duty (as the supervisor wires it)."""
@@ -184,9 +208,8 @@ async def test_a_batch_is_one_transaction_with_its_progress_record(
     delivery = a.publish(batch.records)
     part = await run(delivery)
     assert part.outcomes == [None] * 20 and delivery.committed
-    assert sorted(delivery.sent) == sorted(r.id for r in batch.records)
-    values = await a.read_progress()
-    batches = progress.last_batches(configs_of(owners.settings).progress, values)
+    assert sorted(delivery.sent) == sorted(r.pair for r in batch.records)
+    batches = owners.last_batches(a, await a.read_progress())
     assert batches["owner-a"] == {delivery.tag: delivery.sent}
     a.marked(delivery, every_row=True)
     assert a.unmarked == {}
@@ -362,8 +385,7 @@ async def test_two_claims_of_a_dispatcher_are_in_transactions_at_once(
         assert other.lane is a.lanes[1]
         assert (await asyncio.wait_for(run(other), 20)).outcomes == [None] * 3
     assert (await run(one)).outcomes == [None] * 3
-    values = await a.read_progress()
-    batches = progress.last_batches(configs_of(owners.settings).progress, values)
+    batches = owners.last_batches(a, await a.read_progress())
     assert batches["owner-a"] == {one.tag: one.sent}, "each lane's record lists its own"
     assert batches["owner-a.1"] == {other.tag: other.sent}
     assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 6
@@ -416,6 +438,9 @@ async def test_a_takeover_that_cannot_name_the_lost_owner_gives_its_rows_back_un
         registry,
         good.pending,
         good.reconciler("owner-b"),
+        good.needed,
+        good.beats,
+        await good.store.outbox_identity(),
     )
     await b.start()
     try:
@@ -450,7 +475,7 @@ async def test_a_dispatcher_in_exactly_once_mode_publishes_every_row_once(
     assert (verdict.lost, verdict.reordered, verdict.duplicates) == ([], [], 0), verdict.summary()
 
 
-@pytest.mark.parametrize("named_by", ["table_oid", "name_only"])
+@pytest.mark.parametrize("named_by", ["identity", "same_identity"])
 async def test_a_table_made_again_never_takes_its_predecessors_progress(
     empty_database_url: str,
     eos_settings: Callable[..., Settings],
@@ -460,9 +485,10 @@ async def test_a_table_made_again_never_takes_its_predecessors_progress(
 ) -> None:
     """A table dropped and made again starts its ids over while the progress topic keeps the
     records of the batches its predecessor committed and never saw marked. A takeover on the
-    new table reads them: named by the table's oid (as the dispatcher names them), they are
-    another outbox's and the taken rows are sent; named by the table's name only (the control),
-    the new rows 1 to 4 look committed and would be marked without being sent."""
+    new table reads them: under the identity the schema keeps (drawn at migrate time), they are
+    another outbox's and the taken rows are sent; under one identity for both (the control, as
+    a name or the table's oid would be), the new rows 1 to 4 look committed and would be marked
+    without being sent."""
     settings = eos_settings(database_url=empty_database_url)
 
     async def incarnation() -> tuple[asyncpg.Connection, asyncpg.Pool, Owners]:
@@ -471,11 +497,8 @@ async def test_a_table_made_again_never_takes_its_predecessors_progress(
         await insert_sequenced(conn, topic, keys=2, per_key=2)
         made = await asyncpg.create_pool(empty_database_url, init=db.init_connection)
         owners = Owners(settings, made)
-        if named_by == "table_oid":
-            identity = await owners.store.outbox_identity()
-            owners.progress = dataclasses.replace(
-                owners.progress, outbox=f"{owners.progress.outbox}@{identity}"
-            )
+        if named_by == "same_identity":
+            owners.same_identity = "one-for-both"
         return conn, made, owners
 
     conn, first_pool, first = await incarnation()
@@ -500,8 +523,8 @@ async def test_a_table_made_again_never_takes_its_predecessors_progress(
         delivery = b.publish(taken.records)
         assert (await run(delivery)).outcomes == [None] * 4
         delivered = await read_all(services.kafka_bootstrap_servers, topic, "read_committed")
-        if named_by == "table_oid":
-            assert sorted(delivery.sent) == [1, 2, 3, 4], "sent: the old records are not its"
+        if named_by == "identity":
+            assert [i for i, _ in sorted(delivery.sent)] == [1, 2, 3, 4], "sent: not its records"
             assert len(delivered) == 8
         else:
             assert delivery.sent == [], "the control: marked as published, never sent"

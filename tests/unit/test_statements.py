@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,11 @@ def test_every_statement_is_rendered_with_quoted_names_and_numbered_values() -> 
 
 def test_the_claim_selects_the_records_fields_in_order() -> None:
     """OutboxRecord is built from the claim's result row as it comes (positionally)."""
-    select = STATEMENTS["claim"].sql.split("FROM")[0].removeprefix("SELECT")
-    assert [column.strip() for column in select.split(",")] == list(OutboxRecord._fields)
+    sql = STATEMENTS["claim"].sql
+    select = sql.split('FROM "app"."events_claim_work"')[0].strip().removeprefix("SELECT")
+    columns = re.split(r",(?![^()]*\))", select)  # top-level commas only
+    names = [re.split(r"[\s.]", column.strip())[-1] for column in columns]
+    assert names == list(OutboxRecord._fields)
 
 
 def test_names_are_validated_before_rendering() -> None:

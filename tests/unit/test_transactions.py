@@ -44,17 +44,59 @@ def record(i: int, key: str | None = "k") -> OutboxRecord:
     return OutboxRecord(i, "t", key, b"{}", None, uuid.uuid4(), datetime.now(UTC), 0, False)
 
 
-def test_the_last_record_of_each_owner_is_what_counts() -> None:
+async def _nothing(*_: Any) -> Any:
+    return []
+
+
+def publisher_of(settings: Settings, needed: Any = None, beating: Any = None) -> Any:
+    """A TransactionalPublisher whose database seams answer nothing (or as given)."""
+
+    async def no_pairs(pairs: Any) -> tuple[str, set[int]]:
+        return ID, set()
+
+    async def nobody() -> set[str]:
+        return set()
+
+    async def cleared(keys: Any) -> int:
+        return len(keys)
+
+    async def lost(*_: Any) -> list[Any]:
+        return []
+
+    return TransactionalPublisher(
+        configs_of(settings).publisher,
+        CONFIG,
+        "o",
+        Registry(_nothing, _nothing, lost),
+        _nothing,
+        cleared,
+        needed or no_pairs,
+        beating or nobody,
+        ID,
+    )
+
+
+ID = "5f0c2a55-0000-4000-8000-000000000001"
+
+
+def test_the_last_record_of_each_key_is_what_counts() -> None:
+    old = {"v": 1, "outbox": CONFIG.outbox, "owner": "d", "batches": {"t": [7]}}
     values = [
-        progress.record_value(CONFIG, "a", {"t1": [1, 2]}),
-        progress.record_value(CONFIG, "b", {"t2": [5]}),
-        progress.record_value(CONFIG, "a", {"t3": [3]}),  # t1 was marked meanwhile
-        None,  # a tombstone
-        b"not json",
-        orjson.dumps({"v": 1, "outbox": "other.outbox", "owner": "c", "batches": {"t": [9]}}),
+        (b"a", progress.record_value(CONFIG, ID, "a", {"t1": [(1, 0), (2, 0)]})),
+        (b"b", progress.record_value(CONFIG, ID, "b", {"t2": [(5, 1)]})),
+        (b"a", progress.record_value(CONFIG, ID, "a", {"t3": [(3, 0)]})),  # t1 marked meanwhile
+        (b"c", progress.record_value(CONFIG, ID, "c", {"t4": [(4, 0)]})),
+        (b"c", None),  # a tombstone ends the key
+        (b"x", b"not json"),
+        (b"e", progress.record_value(CONFIG, "another-identity", "e", {"t": [(8, 0)]})),
+        (b"d", orjson.dumps(old)),  # a version 1 record (bare ids): skipped
+        (b"f", orjson.dumps({"v": 2, "outbox": "other.outbox", "identity": ID, "batches": {}})),
     ]
-    assert progress.last_batches(CONFIG, values) == {"a": {"t3": [3]}, "b": {"t2": [5]}}
-    assert progress.committed_ids(CONFIG, values) == {3, 5}, "another outbox's ids are not ours"
+    assert progress.last_batches(CONFIG, ID, values) == {
+        "a": {"t3": [(3, 0)]},
+        "b": {"t2": [(5, 1)]},
+    }
+    assert progress.committed_pairs(CONFIG, ID, values) == {(3, 0), (5, 1)}
 
 
 def test_the_transactional_id_names_the_outbox_and_the_owner() -> None:
@@ -183,34 +225,19 @@ async def test_a_split_claim_lists_every_committed_row_until_every_part_is_marke
     mark must find the first ones), and the tag stays listed unless every part's mark changed
     every row."""
 
-    async def nothing() -> list[Any]:
-        return []
-
-    async def keep(ids: Any) -> None:
-        pass
-
-    async def cleared(keys: Any) -> int:
-        return len(keys)
-
-    async def lost(*_: Any) -> list[Any]:
-        return []
-
-    configs = configs_of(Settings(delivery="exactly-once"))
-    publisher = TransactionalPublisher(
-        configs.publisher, CONFIG, "o", Registry(nothing, keep, lost), nothing, cleared
-    )
+    publisher = publisher_of(Settings(delivery="exactly-once"))
     lane = publisher.lanes[0]
     d = TransactionalDelivery(publisher, lane, [record(i) for i in range(4)], 0.0)
-    d.sent = [0, 1]
+    d.sent = [(0, 0), (1, 0)]
     lane.unmarked[d.tag] = d.committed_now()
-    d.sent = [2, 3]
-    assert d.listed() == [0, 1, 2, 3]
+    d.sent = [(2, 0), (3, 0)]
+    assert d.listed() == [(0, 0), (1, 0), (2, 0), (3, 0)]
     lane.unmarked[d.tag] = d.committed_now()
     publisher.marked(d, every_row=False, final=False)  # the early part's mark missed a row
     publisher.marked(d, every_row=True)
-    assert lane.unmarked[d.tag] == [0, 1, 2, 3], "kept for the takeover that follows"
+    assert lane.unmarked[d.tag] == [(0, 0), (1, 0), (2, 0), (3, 0)], "kept for the takeover"
     fine = TransactionalDelivery(publisher, lane, [record(5)], 0.0)
-    lane.unmarked[fine.tag] = [5]
+    lane.unmarked[fine.tag] = [(5, 0)]
     publisher.marked(fine, every_row=True, final=False)
     assert fine.tag in lane.unmarked, "not before the final part"
     publisher.marked(fine, every_row=True)
@@ -246,22 +273,7 @@ async def test_a_failed_progress_send_waits_for_the_submissions_within_the_stall
     transaction's answers are waited for stall_seconds at most, then it is given up as a stall
     (the lane's turn, which every takeover needs, is not held for the fault's duration)."""
 
-    async def nothing() -> list[Any]:
-        return []
-
-    async def keep(ids: Any) -> None:
-        pass
-
-    async def cleared(keys: Any) -> int:
-        return len(keys)
-
-    async def lost(*_: Any) -> list[Any]:
-        return []
-
-    configs = configs_of(Settings(delivery="exactly-once"))
-    publisher = TransactionalPublisher(
-        configs.publisher, CONFIG, "o", Registry(nothing, keep, lost), nothing, cleared
-    )
+    publisher = publisher_of(Settings(delivery="exactly-once"))
     publisher.stall_seconds = 0.2
     lane = publisher.lanes[0]
     lane.producers.current = lambda: _RefusesProgress()  # type: ignore[method-assign]
