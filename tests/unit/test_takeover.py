@@ -16,6 +16,7 @@ from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka import takeover as takeover_module
 from outbox_dispatcher.kafka.lanes import Registered, Registry
 from outbox_dispatcher.kafka.progress import ProgressConfig
+from outbox_dispatcher.kafka.retirement import Retirement
 from outbox_dispatcher.kafka.takeover import FenceFailedError, Takeover
 from outbox_dispatcher.models import OutboxRecord
 
@@ -63,6 +64,7 @@ def made(failed: list[int]) -> tuple[Takeover, _Registry]:
         nothing,
         nothing,
         fence_seconds=1.0,
+        retire=Retirement(nothing, nothing, "5f0c2a55-0000-4000-8000-000000000001"),
         fence_failed=lambda: failed.append(1),
     )
     return taker, registry
