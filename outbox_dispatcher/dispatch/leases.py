@@ -89,9 +89,13 @@ async def reclaim(
     settings: Settings,
     metrics: Metrics,
     committed_of: CommittedOf | None = None,
+    due: Callable[[], bool] | None = None,
+    sweep_due: Callable[[], bool] | None = None,
 ) -> NoReturn:
     """Dead-letter rows whose leases keep expiring; report expired leases awaiting takeover.
-    Exactly-once (`committed_of`): then mark published those its lost claim had committed."""
+    Exactly-once (`committed_of`): then mark published those its lost claim had committed.
+    `due` and `sweep_due`: whether this tick runs, and its sweep step (an idle outbox of many
+    runs them seldom, dispatch/idle.py)."""
 
     async def step() -> None:
         dead = await store.dead_letter_crash_loops(
@@ -104,7 +108,7 @@ async def reclaim(
             await settle_crash_loops(store, settings, committed_of)
         if expired:
             log.info("expired_leases_awaiting_takeover", leases=expired)
-        if settings.sweep_rows:
+        if settings.sweep_rows and (sweep_due is None or sweep_due()):
             await sweep_step(store, settings, metrics)
 
     await every(
@@ -113,6 +117,7 @@ async def reclaim(
         log=log,
         failed="reclaim_failed",
         tolerated=db.RETRIABLE_ERRORS,
+        due=due,
     )
 
 

@@ -23,6 +23,7 @@ from outbox_dispatcher.config.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.dispatch import leases, upkeep
 from outbox_dispatcher.dispatch.batch import BatchRun, Publishing, Settling
 from outbox_dispatcher.dispatch.claimer import Claimer
+from outbox_dispatcher.dispatch.idle import HEARTBEAT_SLOW, SWEEP_SLOW, UpkeepPace
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.wakeup import Waiting
 from outbox_dispatcher.health import Heartbeats
@@ -68,7 +69,10 @@ class OutboxRuntime:
         self.label = outbox.label
         self.shared = shared
         statements = Statements.for_table(outbox.schema, outbox.table)
-        self.store = DispatchStore(pool, statements, steady=version >= migrations.STEADY_VERSION)
+        self.pool = pool
+        # At a version the batched idle probe reads (store/probe.sql); older ones are polled.
+        self.steady = version >= migrations.STEADY_VERSION
+        self.store = DispatchStore(pool, statements, steady=self.steady)
         self.claimer = Claimer(self.store, s, shared.owner)
         settler = Settler(
             self.store,
@@ -81,6 +85,7 @@ class OutboxRuntime:
         ttl = 2 * shared.idle_poll_seconds + 5
         self.waiting = Waiting(self.store, shared.owner, ttl=ttl) if s.listen else None
         self.in_flight = leases.InFlight()
+        self.pace = UpkeepPace()  # its upkeep's pace: slow while idle (dispatch/idle.py)
         self.backoff = Backoff(s.backoff_initial_seconds, s.backoff_max_seconds)
         self.retry_in: float | None = None  # set by a failed turn: back off this long
         self.outage = 0.0  # set by a turn whose batch met a broker outage
@@ -110,6 +115,7 @@ class OutboxRuntime:
                 return 0
             self.shared.metrics.claim_duration.observe(loop.time() - started)
             self.shared.metrics.claimed.inc(len(batch.records))
+            self.pace.busy()
             full = len(batch.records) >= self.shared.settings.batch_size
             self.drained = batch.drained and not full
             if full and self.waiting is not None:
@@ -151,18 +157,32 @@ class OutboxRuntime:
             return True
 
     def loops(self) -> dict[str, Loop]:
-        """Its upkeep, by name: what a single-table dispatcher runs beside its claim loops."""
-        s, m = self.shared.settings, self.shared.metrics
+        """Its upkeep, by name: what a single-table dispatcher runs beside its claim loops, at
+        the pace of `self.pace` (slow while the outbox is idle; the lease keeper costs nothing
+        without rows in flight)."""
+        s, m, gate = self.shared.settings, self.shared.metrics, self.pace.gate
         # Its own liveness book: the process's liveness is its claim slots'.
         beats = Heartbeats(s.liveness_timeout_seconds)
         heartbeat = registry.Heartbeat(self.store, s, self.shared.owner, m.totals)
         found: dict[str, Callable[[], Loop]] = {
             "lease-keeper": lambda: leases.keep_leases(self.store, s, self.in_flight, beats),
-            "reclaimer": lambda: leases.reclaim(self.store, s, m),
-            "heartbeat": lambda: upkeep.heartbeat(heartbeat, source=self.label),
+            "reclaimer": lambda: leases.reclaim(
+                self.store,
+                s,
+                m,
+                due=gate("reclaimer", s.reclaim_interval_seconds),
+                sweep_due=gate("sweep", s.reclaim_interval_seconds, SWEEP_SLOW),
+            ),
+            "heartbeat": lambda: upkeep.heartbeat(
+                heartbeat,
+                due=gate("heartbeat", registry.HEARTBEAT_SECONDS, HEARTBEAT_SLOW),
+                source=self.label,
+            ),
         }
         if upkeep.wants_retention(s):
-            found["retention"] = lambda: upkeep.retention(self.store, s)
+            found["retention"] = lambda: upkeep.retention(
+                self.store, s, due=gate("retention", s.cleanup_interval_seconds)
+            )
         return {name: self._isolated(name, make) for name, make in found.items()}
 
     async def _isolated(self, name: str, make: Callable[[], Loop]) -> NoReturn:

@@ -105,6 +105,10 @@ class DeficitRoundRobin(Generic[K]):
         self._ring.remove(key)
         self.flows[key].deficit = 0
 
+    def queued(self) -> set[K]:
+        """The outboxes in the ring or waiting in the lane of polls."""
+        return {*self._ring, *self._probes}
+
     @property
     def active(self) -> list[K]:
         """The outboxes in the ring, the next to be visited first."""

@@ -147,7 +147,7 @@ async def test_a_notified_outbox_goes_before_the_polls_of_idle_ones() -> None:
     async with serving(slots):
         await until(lambda: sum(o.turns for o in idle) >= 60)  # the first claim of each (add)
         ORDER.clear()
-        slots.poll_idle()
+        slots.poll(slots.idle())
         slots.wake(quiet.key)
         await until(lambda: quiet.turns >= 1)
         await until(lambda: sum(o.turns for o in idle) >= 120)
