@@ -10,6 +10,7 @@ does."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -183,14 +184,25 @@ class OutboxRuntime:
             found["retention"] = lambda: upkeep.retention(
                 self.store, s, due=gate("retention", s.cleanup_interval_seconds)
             )
-        return {name: self._isolated(name, make) for name, make in found.items()}
+        # Each loop starts at a random point of its interval: outboxes served together (all of
+        # them at start) would otherwise run their upkeep in one burst every interval, and the
+        # quiet outboxes' claims wait behind it for the pool's connections.
+        phase = {
+            "reclaimer": s.reclaim_interval_seconds,
+            "heartbeat": registry.HEARTBEAT_SECONDS,
+            "retention": s.cleanup_interval_seconds,
+        }
+        return {
+            name: self._isolated(name, make, phase.get(name, 0.0)) for name, make in found.items()
+        }
 
-    async def _isolated(self, name: str, make: Callable[[], Loop]) -> NoReturn:
-        """An upkeep loop that a failure of this outbox's table (dropped, broken) pauses and
-        restarts on its backoff, instead of stopping the process; it ends when the outbox is let
-        go (cancelled)."""
+    async def _isolated(self, name: str, make: Callable[[], Loop], phase: float) -> NoReturn:
+        """An upkeep loop, started after a random part of `phase`, that a failure of this
+        outbox's table (dropped, broken) pauses and restarts on its backoff, instead of stopping
+        the process; it ends when the outbox is let go (cancelled)."""
         backoff = Backoff(self.shared.settings.backoff_initial_seconds, 60.0)
         structlog.contextvars.bind_contextvars(source=self.label)  # this task's lines only
+        await asyncio.sleep(random.uniform(0, phase))  # noqa: S311 - spreading, not secrecy
         while True:
             try:
                 await make()
