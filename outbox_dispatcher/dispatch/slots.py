@@ -34,10 +34,13 @@ class ClaimSlots:
         self._retry_at: dict[Key, float] = {}  # backing off until (monotonic)
 
     def add(self, runtime: OutboxRuntime) -> None:
-        """A new outbox: active at once (it may have a backlog)."""
+        """A new outbox: claimed once, in the lane of polls (it may have a backlog, which makes
+        it active then): after the outboxes with work, so that hundreds served at once (at
+        start) do not hold up a notified outbox (seconds of p99 in `make bench`'s fleet_quiet_*
+        while the first pass ran)."""
         self.outboxes[runtime.key] = runtime
         self.scheduler.add(runtime.key, runtime.outbox.source.weight)
-        self._activate(runtime.key)
+        self.poll([runtime.key])
 
     def forget(self, key: Key) -> None:
         """Let go: no slot is granted to it again (a claim of it in flight ends as it would)."""

@@ -154,6 +154,25 @@ async def test_a_notified_outbox_goes_before_the_polls_of_idle_ones() -> None:
     assert ORDER.index("tenant_quiet") <= 2, ORDER[:6]
 
 
+async def test_outboxes_served_at_once_do_not_hold_up_a_notified_one() -> None:
+    """60 outboxes served at once (a process's start, a registry read) are each claimed once,
+    but after a quiet tenant notified meanwhile, which takes one of the next free slots."""
+    ORDER.clear()
+    quiet = Scripted("tenant_quiet", [1])
+    quiet.announced = 1  # announced already: its drained claim does not claim once more
+    slots = slots_of(quiet)
+    new = [Scripted(f"tenant_{i:03d}", []) for i in range(60)]
+    async with serving(slots):
+        await until(lambda: quiet.turns >= 1)
+        ORDER.clear()
+        for outbox in new:
+            slots.add(cast(OutboxRuntime, outbox))
+        slots.wake(quiet.key)
+        await until(lambda: quiet.turns >= 2)
+        await until(lambda: all(o.turns >= 1 for o in new))
+    assert ORDER.index("tenant_quiet") <= 2, ORDER[:6]
+
+
 async def test_a_failing_outbox_backs_off_alone() -> None:
     failing = Scripted("tenant_bad", [-1] * 1000)
     healthy = Scripted("tenant_ok", [BATCH] * 50)
