@@ -1,5 +1,5 @@
--- The batched idle probe (store/probe.py, dispatch/idle.py): one statement per database and
--- interval asks every idle outbox of this member whether it has anything to do. Each section is
+-- The batched idle probe (store/probe.py, dispatch/probe.py): one statement per database and
+-- interval (per chunk) asks every served outbox of this member whether it has anything to do. Each section is
 -- one outbox's branch, its braces filled with that outbox's quoted names and its place in the
 -- list ({n}); the branches are joined by UNION ALL. A branch returns a row only when the outbox
 -- has something: the claim function's own tests for work (schema/engine/claim_work.sql), each
