@@ -24,7 +24,7 @@ from outbox_dispatcher.config.settings import DeadLetterPolicy, Settings
 from outbox_dispatcher.dispatch import leases, upkeep
 from outbox_dispatcher.dispatch.batch import BatchRun, Publishing, Settling
 from outbox_dispatcher.dispatch.claimer import Claimer
-from outbox_dispatcher.dispatch.idle import HEARTBEAT_SLOW, SWEEP_SLOW, UpkeepPace
+from outbox_dispatcher.dispatch.idle import HEARTBEAT_SLOW, RECLAIM_SLOW, SWEEP_SLOW, UpkeepPace
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.wakeup import Waiting
 from outbox_dispatcher.health import Heartbeats
@@ -171,7 +171,7 @@ class OutboxRuntime:
                 self.store,
                 s,
                 m,
-                due=gate("reclaimer", s.reclaim_interval_seconds),
+                due=gate("reclaimer", s.reclaim_interval_seconds, RECLAIM_SLOW),
                 sweep_due=gate("sweep", s.reclaim_interval_seconds, SWEEP_SLOW),
             ),
             "heartbeat": lambda: upkeep.heartbeat(
