@@ -9,8 +9,8 @@ them before the pointer moves on, so over every round the grants follow the weig
 whatever the budget. An outbox that is idle or backing off is out of the ring: it is never
 visited, holds no slot and gathers no credit to burst with later. Each decision is O(1).
 
-Polls (an idle outbox looked at in case a notification was lost) are not work: they wait in a
-lane of their own and take a slot only when no outbox in the ring wants one, or every
+Polls (an outbox looked at without knowing it has work: a newly served one, or one the idle
+probe of dispatch/probe.py cannot read) are not work: they wait in a lane of their own and take a slot only when no outbox in the ring wants one, or every
 PROBE_EVERY-th grant while the ring stays busy (so a lost notification is still found under a
 backlog). Without that lane, 500 idle tenants polled every 2 s filled the ring, and a notified
 quiet tenant waited behind hundreds of empty claims (p99 7 s in `make bench`'s fleet_quiet_*).
