@@ -17,7 +17,7 @@ import pytest
 
 from outbox_dispatcher.store.fleet import FleetStore
 
-from .helpers import Services, spawn, stop_all, wait_started
+from .helpers import Services, spawn, stop_all, wait_started, wait_until
 from .sources_helpers import fresh_database, migrate
 from .test_many_outboxes import MakeTopic, Tenant, fleet_settings
 
@@ -138,3 +138,38 @@ async def test_idle_outboxes_cost_no_claims_and_slow_upkeep_and_their_rows_are_p
     assert all(n <= 4 for n in sweeps.values()), sweeps
     verdict = await tenants["tenant_b"].verdict(services)
     assert (verdict.delivered, verdict.lost, verdict.reordered) == (20, [], [])
+
+
+async def test_with_listen_a_row_of_a_long_idle_outbox_whose_wait_lapsed_is_found_by_the_probe(
+    services: Services,
+    database: str,
+    make_topic: MakeTopic,
+    make_settings: Any,
+    tmp_path: Path,
+) -> None:
+    """An outbox idle since it was served keeps no announcement: once it lapses, writers send
+    no notification, and its next row is found by the probe."""
+    await migrate(database, "tenant_a")
+    tenant = Tenant(database, "tenant_a", await make_topic())
+    settings = fleet_settings(make_settings, database, [{"schema": "tenant_*"}], listen=True)
+    log = tmp_path / "fleet.log"
+    process = spawn(settings, log)
+    try:
+        await wait_started([log])
+
+        async def lapsed() -> bool:
+            async with tenant.connect() as conn:
+                live = await conn.fetchval(
+                    "SELECT count(*) FROM outbox_waiting WHERE until > now()"
+                )
+                announced = await conn.fetchval("SELECT count(*) FROM outbox_waiting")
+            return bool(announced) and not live
+
+        await wait_until(lapsed, 30, "its announcement made, then lapsed")
+        await tenant.insert(keys=1, per_key=3)  # no notification: nobody is announced
+        await tenant.all_published(timeout=30)
+    finally:
+        codes = stop_all([process])
+    assert codes == [0], log.read_text()[-3000:]
+    verdict = await tenant.verdict(services)
+    assert (verdict.delivered, verdict.lost, verdict.reordered) == (3, [], [])
