@@ -33,13 +33,18 @@ async def every(
     warn: Warn = Warn.EACH,
     describe: Callable[[BaseException], str] = repr,
     context: Callable[[], Mapping[str, object]] = dict,
+    due: Callable[[], bool] | None = None,
 ) -> NoReturn:
     """Run `step` every `seconds` (after a first wait unless `wait_first` is false); log a
-    tolerated failure as `failed` on the caller's logger, with `context()`'s fields."""
+    tolerated failure as `failed` on the caller's logger, with `context()`'s fields. With `due`,
+    a tick whose `due()` is false is skipped (an idle outbox's upkeep, dispatch/idle.py)."""
     warned = False
     if wait_first:
         await asyncio.sleep(seconds)
     while True:
+        if due is not None and not due():
+            await asyncio.sleep(seconds)
+            continue
         try:
             await step()
         except tolerated as exc:

@@ -23,6 +23,7 @@ from outbox_dispatcher.config.settings import DeliveryMode, Settings
 from outbox_dispatcher.dispatch.databases import Databases
 from outbox_dispatcher.dispatch.every import every
 from outbox_dispatcher.dispatch.outboxes import Key, OutboxRuntime, Shared, channel_of, key_of
+from outbox_dispatcher.dispatch.probe import IdleProbe
 from outbox_dispatcher.dispatch.slots import ClaimSlots
 from outbox_dispatcher.dispatch.supervisor import configs_of, instance_id
 from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
@@ -34,8 +35,8 @@ from outbox_dispatcher.store import db, listen
 
 log = structlog.get_logger(__name__)
 
-# With LISTEN an idle outbox is claimed this often at least (notifications wake it sooner);
-# without, every poll interval.
+# With LISTEN the idle outboxes are probed this often (notifications wake them sooner); without,
+# every poll interval (dispatch/probe.py).
 IDLE_POLL_SECONDS = 2.0
 Loop = Coroutine[Any, Any, None]
 # A database away or refusing us (e.g. not accepting connections) when its pool is made.
@@ -67,6 +68,7 @@ class FleetDispatcher:
         self._tg: asyncio.TaskGroup | None = None
         self._http: HealthServer | None = None
         self.member: FleetMember | None = None  # made by run
+        self.probes: dict[str, IdleProbe] = {}  # the idle probe of each database
 
     @property
     def published(self) -> int:
@@ -157,9 +159,11 @@ class FleetDispatcher:
         side: dict[str, Loop] = {
             "registry": registry.run(self.stopping),
             "outboxes": self._follow(registry, databases, shared),
-            "idle-poll": self._poll_idle(),
             "readiness": self._refresh_readiness(readiness),
         }
+        for database in databases.channels:
+            self.probes[database] = IdleProbe(database, self.slots, s, self.idle_poll)
+            side[f"idle-probe:{database}"] = self.probes[database].run()
         if s.http_enabled:
             self._http = HealthServer(
                 s.http_host,
@@ -238,11 +242,6 @@ class FleetDispatcher:
             elif not routes and listener is not None:
                 listener.cancel()
                 del self._listeners[database]
-
-    async def _poll_idle(self) -> NoReturn:
-        while True:
-            await asyncio.sleep(self.idle_poll)
-            self.slots.poll_idle()
 
     async def _readiness(self, registry: SourceRegistry, shared: Shared) -> Readiness:
         """Ready while the broker answers and an outbox is served (or none is failing); the

@@ -90,15 +90,20 @@ async def reclaim(
     settings: Settings,
     metrics: OutboxMetrics,
     committed_of: CommittedOf | None = None,
+    due: Callable[[], bool] | None = None,
+    sweep_due: Callable[[], bool] | None = None,
 ) -> NoReturn:
     """Dead-letter rows whose leases keep expiring; report expired leases awaiting takeover.
-    Exactly-once (`committed_of`): those its lost claim had committed are published instead."""
+    Exactly-once (`committed_of`): those its lost claim had committed are published instead.
+    `due` and `sweep_due`: whether this tick runs, and its sweep step (an idle outbox of many
+    runs them seldom, dispatch/idle.py)."""
     await every(
         settings.reclaim_interval_seconds,
-        functools.partial(reclaim_step, store, settings, metrics, committed_of),
+        functools.partial(reclaim_step, store, settings, metrics, committed_of, sweep_due),
         log=log,
         failed="reclaim_failed",
         tolerated=db.RETRIABLE_ERRORS,
+        due=due,
     )
 
 
@@ -107,6 +112,7 @@ async def reclaim_step(
     settings: Settings,
     metrics: OutboxMetrics,
     committed_of: CommittedOf | None = None,
+    sweep_due: Callable[[], bool] | None = None,
 ) -> None:
     """One step of the reclaimer. Exactly-once reads the progress of the rows it is about to
     dead-letter first, and dead-letters nothing while it cannot (review E13)."""
@@ -124,7 +130,7 @@ async def reclaim_step(
         await settle_crash_loops(store, settings, committed_of, read or (set(), set()))
     if expired:
         log.info("expired_leases_awaiting_takeover", leases=expired)
-    if settings.sweep_rows:
+    if settings.sweep_rows and (sweep_due is None or sweep_due()):
         await sweep_step(store, settings, metrics)
 
 

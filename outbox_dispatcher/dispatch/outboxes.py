@@ -10,6 +10,7 @@ does."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from outbox_dispatcher.dispatch import leases, upkeep
 from outbox_dispatcher.dispatch.batch import BatchRun, Publishing, Settling
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.every import every
+from outbox_dispatcher.dispatch.idle import HEARTBEAT_SLOW, RECLAIM_SLOW, SWEEP_SLOW, UpkeepPace
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.wakeup import Waiting
 from outbox_dispatcher.health import Heartbeats
@@ -70,7 +72,10 @@ class OutboxRuntime:
         self.shared = shared
         self.metrics = source_metrics.of(shared.metrics, outbox.label)  # its `source`'s
         statements = Statements.for_table(outbox.schema, outbox.table)
-        self.store = DispatchStore(pool, statements, steady=version >= migrations.STEADY_VERSION)
+        self.pool = pool
+        # At a version the batched idle probe reads (store/probe.sql); older ones are polled.
+        self.steady = version >= migrations.STEADY_VERSION
+        self.store = DispatchStore(pool, statements, steady=self.steady)
         self.claimer = Claimer(self.store, s, shared.owner)
         settler = Settler(
             self.store,
@@ -83,6 +88,7 @@ class OutboxRuntime:
         ttl = 2 * shared.idle_poll_seconds + 5
         self.waiting = Waiting(self.store, shared.owner, ttl=ttl) if s.listen else None
         self.in_flight = leases.InFlight()
+        self.pace = UpkeepPace()  # its upkeep's pace: slow while idle (dispatch/idle.py)
         self.backoff = Backoff(s.backoff_initial_seconds, s.backoff_max_seconds)
         self.retry_in: float | None = None  # set by a failed turn: back off this long
         self.outage = 0.0  # set by a turn whose batch met a broker outage
@@ -112,6 +118,7 @@ class OutboxRuntime:
                 return 0
             self.metrics.claim_duration.observe(loop.time() - started)
             self.metrics.claimed.inc(len(batch.records))
+            self.pace.busy()
             full = len(batch.records) >= self.shared.settings.batch_size
             self.drained = batch.drained and not full
             if full and self.waiting is not None:
@@ -153,25 +160,52 @@ class OutboxRuntime:
             return True
 
     def loops(self) -> dict[str, Loop]:
-        """Its upkeep, by name: what a single-table dispatcher runs beside its claim loops."""
-        s, m = self.shared.settings, self.metrics
+        """Its upkeep, by name: what a single-table dispatcher runs beside its claim loops, at
+        the pace of `self.pace` (slow while the outbox is idle; the lease keeper costs nothing
+        without rows in flight)."""
+        s, m, gate = self.shared.settings, self.metrics, self.pace.gate
         # Its own liveness book: the process's liveness is its claim slots'.
         beats = Heartbeats(s.liveness_timeout_seconds)
         heartbeat = registry.Heartbeat(self.store, s, self.shared.owner, m.totals)
         found: dict[str, Callable[[], Loop]] = {
             "lease-keeper": lambda: leases.keep_leases(self.store, s, self.in_flight, beats),
-            "reclaimer": lambda: leases.reclaim(self.store, s, m),
-            "heartbeat": lambda: upkeep.heartbeat(heartbeat, source=self.label),
+            "reclaimer": lambda: leases.reclaim(
+                self.store,
+                s,
+                m,
+                due=gate("reclaimer", s.reclaim_interval_seconds, RECLAIM_SLOW),
+                sweep_due=gate("sweep", s.reclaim_interval_seconds, SWEEP_SLOW),
+            ),
+            "heartbeat": lambda: upkeep.heartbeat(
+                heartbeat,
+                due=gate("heartbeat", registry.HEARTBEAT_SECONDS, HEARTBEAT_SLOW),
+                source=self.label,
+            ),
         }
         if upkeep.wants_retention(s):
-            found["retention"] = lambda: upkeep.retention(self.store, s)
+            found["retention"] = lambda: upkeep.retention(
+                self.store, s, due=gate("retention", s.cleanup_interval_seconds)
+            )
         if source_metrics.sampled(m):  # an outbox under source="other" has no table gauges
             found["metrics"] = self._sample_gauges
-        return {name: self._isolated(name, make) for name, make in found.items()}
+        # Each loop starts at a random point of its interval: outboxes served together (all of
+        # them at start) would otherwise run their upkeep in one burst every interval, and the
+        # quiet outboxes' claims wait behind it for the pool's connections.
+        phase = {
+            "reclaimer": s.reclaim_interval_seconds,
+            "heartbeat": registry.HEARTBEAT_SECONDS,
+            "retention": s.cleanup_interval_seconds,
+            "metrics": s.metrics_interval_seconds,
+        }
+        return {
+            name: self._isolated(name, make, phase.get(name, 0.0)) for name, make in found.items()
+        }
 
     async def _sample_gauges(self) -> NoReturn:
-        """Its table gauges under its `source` label, every metrics interval (as the
-        single-table dispatcher's sampler)."""
+        """Its table gauges under its `source` label, every metrics interval while the outbox is
+        active, at the idle pace otherwise (an idle outbox's gauges change only when the probe
+        finds work, which makes it active: its three statements per interval were most of an
+        idle fleet's cost)."""
         s = self.shared.settings
         block = s.dead_letter_policy is DeadLetterPolicy.BLOCK
         await every(
@@ -181,14 +215,16 @@ class OutboxRuntime:
             failed="metrics_sample_failed",
             tolerated=metrics.SAMPLE_ERRORS,
             wait_first=False,
+            due=self.pace.gate("metrics", s.metrics_interval_seconds),
         )
 
-    async def _isolated(self, name: str, make: Callable[[], Loop]) -> NoReturn:
-        """An upkeep loop that a failure of this outbox's table (dropped, broken) pauses and
-        restarts on its backoff, instead of stopping the process; it ends when the outbox is let
-        go (cancelled)."""
+    async def _isolated(self, name: str, make: Callable[[], Loop], phase: float) -> NoReturn:
+        """An upkeep loop, started after a random part of `phase`, that a failure of this
+        outbox's table (dropped, broken) pauses and restarts on its backoff, instead of stopping
+        the process; it ends when the outbox is let go (cancelled)."""
         backoff = Backoff(self.shared.settings.backoff_initial_seconds, 60.0)
         structlog.contextvars.bind_contextvars(source=self.label)  # this task's lines only
+        await asyncio.sleep(random.uniform(0, phase))  # noqa: S311 - spreading, not secrecy
         while True:
             try:
                 await make()

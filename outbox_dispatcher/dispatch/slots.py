@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 
 import structlog
 
@@ -33,10 +34,13 @@ class ClaimSlots:
         self._retry_at: dict[Key, float] = {}  # backing off until (monotonic)
 
     def add(self, runtime: OutboxRuntime) -> None:
-        """A new outbox: active at once (it may have a backlog)."""
+        """A new outbox: claimed once, in the lane of polls (it may have a backlog, which makes
+        it active then): after the outboxes with work, so that hundreds served at once (at
+        start) do not hold up a notified outbox (seconds of p99 in `make bench`'s fleet_quiet_*
+        while the first pass ran)."""
         self.outboxes[runtime.key] = runtime
         self.scheduler.add(runtime.key, runtime.outbox.source.weight)
-        self._activate(runtime.key)
+        self.poll([runtime.key])
 
     def forget(self, key: Key) -> None:
         """Let go: no slot is granted to it again (a claim of it in flight ends as it would)."""
@@ -59,11 +63,24 @@ class ClaimSlots:
         self.scheduler.wake(key)
         self._changed.set()
 
-    def poll_idle(self) -> None:
-        """Look at every idle outbox once (the fallback for a lost notification, and what keeps
-        its announcement fresh), in the scheduler's lane of polls: after the outboxes with work,
-        never ahead of them."""
-        for key in list(self.outboxes):
+    def idle(self) -> set[Key]:
+        """The outboxes that wait for work: out of the ring, no claim in flight, not backing
+        off (what the idle probe looks at, dispatch/probe.py)."""
+        now, queued = time.monotonic(), self.scheduler.queued()
+        return {
+            key
+            for key, flow in self.scheduler.flows.items()
+            if key in self.outboxes
+            and not flow.in_flight
+            and key not in queued
+            and self._retry_at.get(key, 0.0) <= now
+        }
+
+    def poll(self, keys: Iterable[Key]) -> None:
+        """Claim each of these idle outboxes once (an outbox the probe cannot read: a schema
+        older than the steady claim, a probe that failed), in the scheduler's lane of polls:
+        after the outboxes with work, never ahead of them."""
+        for key in keys:
             if self._retry_at.get(key, 0.0) <= time.monotonic():
                 self.scheduler.probe(key)
         self._changed.set()

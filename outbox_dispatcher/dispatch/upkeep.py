@@ -5,6 +5,7 @@ retention."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from outbox_dispatcher import cleanup, registry
@@ -13,9 +14,12 @@ from outbox_dispatcher.dispatch.every import Warn, every
 from outbox_dispatcher.store import DispatchStore, db
 
 
-async def heartbeat(heartbeat: registry.Heartbeat, **context: Any) -> NoReturn:
-    """The dispatcher's row in `<table>_dispatchers`, every HEARTBEAT_SECONDS; a role without the
-    grant warns once (with the hint and `context`) and dispatching goes on."""
+async def heartbeat(
+    heartbeat: registry.Heartbeat, due: Callable[[], bool] | None = None, **context: Any
+) -> NoReturn:
+    """The dispatcher's row in `<table>_dispatchers`, every HEARTBEAT_SECONDS (the ticks `due`
+    allows); a role without the grant warns once (with the hint and `context`) and dispatching
+    goes on."""
     await every(
         registry.HEARTBEAT_SECONDS,
         heartbeat.beat,
@@ -25,6 +29,7 @@ async def heartbeat(heartbeat: registry.Heartbeat, **context: Any) -> NoReturn:
         wait_first=False,
         warn=Warn.ONCE,
         context=lambda: {"hint": registry.Heartbeat.HINT, **context},
+        due=due,
     )
 
 
@@ -33,12 +38,16 @@ def wants_retention(settings: Settings) -> bool:
     return settings.retention_seconds > 0 and not settings.delete_on_publish
 
 
-async def retention(store: DispatchStore, settings: Settings) -> NoReturn:
-    """Published rows older than the retention removed, a batch every cleanup interval."""
+async def retention(
+    store: DispatchStore, settings: Settings, due: Callable[[], bool] | None = None
+) -> NoReturn:
+    """Published rows older than the retention removed, a batch every cleanup interval (the
+    ticks `due` allows)."""
     await every(
         settings.cleanup_interval_seconds,
         functools.partial(cleanup.retention_step, store, settings),
         log=cleanup.log,
         failed="retention_failed",
         tolerated=db.RETRIABLE_ERRORS,
+        due=due,
     )

@@ -9,11 +9,12 @@ them before the pointer moves on, so over every round the grants follow the weig
 whatever the budget. An outbox that is idle or backing off is out of the ring: it is never
 visited, holds no slot and gathers no credit to burst with later. Each decision is O(1).
 
-Polls (an idle outbox looked at in case a notification was lost) are not work: they wait in a
-lane of their own and take a slot only when no outbox in the ring wants one, or every
-PROBE_EVERY-th grant while the ring stays busy (so a lost notification is still found under a
-backlog). Without that lane, 500 idle tenants polled every 2 s filled the ring, and a notified
-quiet tenant waited behind hundreds of empty claims (p99 7 s in `make bench`'s fleet_quiet_*).
+Polls (an outbox looked at without knowing it has work: a newly served one, or one the idle
+probe of dispatch/probe.py cannot read) are not work: they wait in a lane of their own and take
+a slot only when no outbox in the ring wants one, or every PROBE_EVERY-th grant while the ring
+stays busy (so that they are still looked at under a backlog). Without that lane, 500 idle
+tenants polled every 2 s filled the ring, and a notified quiet tenant waited behind hundreds of
+empty claims (p99 7 s in `make bench`'s fleet_quiet_*).
 
 There is no per-outbox cap of slots: with a small budget a cap would override the weights (two
 slots, one each, is 1:1 whatever the weights). The latency bound comes from the ring instead: an
@@ -104,6 +105,10 @@ class DeficitRoundRobin(Generic[K]):
             self._credited = False
         self._ring.remove(key)
         self.flows[key].deficit = 0
+
+    def queued(self) -> set[K]:
+        """The outboxes in the ring or waiting in the lane of polls."""
+        return {*self._ring, *self._probes}
 
     @property
     def active(self) -> list[K]:

@@ -119,6 +119,7 @@ _TABLE_SUFFIXES = {
     "release_fn": "release_work",
     "reclaim_fn": "reclaim_work",
     "sweep_fn": "sweep",
+    "running_fn": "running",
     "work": "work",
     "cursor": "cursor",
     "leases": "leases",

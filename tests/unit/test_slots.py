@@ -126,7 +126,8 @@ async def test_a_quiet_outbox_is_claimed_while_another_has_a_backlog() -> None:
         await until(lambda: endless.turns >= 20)
         quiet = Scripted("tenant_quiet", [2])
         at = len(ORDER)
-        slots.add(cast(OutboxRuntime, quiet))  # it wakes while the backlog drains
+        slots.add(cast(OutboxRuntime, quiet))  # served (claimed once, in the lane of polls)
+        slots.wake(quiet.key)  # and notified while the backlog drains
         await until(lambda: quiet.turns >= 1)
     # the quiet one is claimed within a round of the ring (two slots: at most one claim of the
     # backlog started before it, and one in flight)
@@ -147,10 +148,29 @@ async def test_a_notified_outbox_goes_before_the_polls_of_idle_ones() -> None:
     async with serving(slots):
         await until(lambda: sum(o.turns for o in idle) >= 60)  # the first claim of each (add)
         ORDER.clear()
-        slots.poll_idle()
+        slots.poll(slots.idle())
         slots.wake(quiet.key)
         await until(lambda: quiet.turns >= 1)
         await until(lambda: sum(o.turns for o in idle) >= 120)
+    assert ORDER.index("tenant_quiet") <= 2, ORDER[:6]
+
+
+async def test_outboxes_served_at_once_do_not_hold_up_a_notified_one() -> None:
+    """60 outboxes served at once (a process's start, a registry read) are each claimed once,
+    but after a quiet tenant notified meanwhile, which takes one of the next free slots."""
+    ORDER.clear()
+    quiet = Scripted("tenant_quiet", [1])
+    quiet.announced = 1  # announced already: its drained claim does not claim once more
+    slots = slots_of(quiet)
+    new = [Scripted(f"tenant_{i:03d}", []) for i in range(60)]
+    async with serving(slots):
+        await until(lambda: quiet.turns >= 1)
+        ORDER.clear()
+        for outbox in new:
+            slots.add(cast(OutboxRuntime, outbox))
+        slots.wake(quiet.key)
+        await until(lambda: quiet.turns >= 2)
+        await until(lambda: all(o.turns >= 1 for o in new))
     assert ORDER.index("tenant_quiet") <= 2, ORDER[:6]
 
 
