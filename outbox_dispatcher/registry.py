@@ -10,7 +10,7 @@ import structlog
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.config.settings import Settings
-from outbox_dispatcher.kafka.lanes import Registered, Registry, WorkKeys
+from outbox_dispatcher.kafka.exactly_once.lanes import Registered, Registry, WorkKeys
 from outbox_dispatcher.store import DispatchStore, Row, db, migrations
 
 log = structlog.get_logger(__name__)
@@ -78,7 +78,8 @@ class Heartbeat:
 
 
 def transactional_registry(store: DispatchStore, owner: str) -> Registry:
-    """Exactly-once's view of the registry for dispatcher `owner` (kafka/lanes.Registry)."""
+    """Exactly-once's view of the registry for dispatcher `owner`
+    (kafka/exactly_once/lanes.Registry)."""
 
     def registered(rows: Sequence[Row]) -> list[Registered]:
         return [(str(r["owner"]), r["delivery"], r["transactional_ids"]) for r in rows]

@@ -31,13 +31,13 @@ from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.wakeup import Waiting, Wakeup
 from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
 from outbox_dispatcher.kafka.delivery import DeliveryConfig
+from outbox_dispatcher.kafka.exactly_once.progress import ProgressConfig
+from outbox_dispatcher.kafka.exactly_once.publisher import TransactionalPublisher
 from outbox_dispatcher.kafka.producers import ProducerConfig
-from outbox_dispatcher.kafka.progress import ProgressConfig
 from outbox_dispatcher.kafka.publisher import KafkaPublisher, PublisherConfig
 from outbox_dispatcher.kafka.records import RecordConfig
 from outbox_dispatcher.kafka.tls import ConnectionConfig
 from outbox_dispatcher.kafka.topics import TopicConfig
-from outbox_dispatcher.kafka.transactions import TransactionalPublisher
 from outbox_dispatcher.models import OutboxRecord, picked
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.store import DispatchStore, Statements, db, listen, migrations
@@ -178,7 +178,8 @@ class Dispatcher:
                 raise errors.DatabaseUnavailableError(errors.describe(exc)) from exc
 
         # Registered before its ids are recorded in its row, and those before the first
-        # transaction of each: a takeover fences what it finds there (kafka/takeover.py).
+        # transaction of each: a takeover fences what it finds there
+        # (kafka/exactly_once/takeover.py).
         await registry.Heartbeat(store, s, self.owner).beat()
         # The table in its transactional ids (the database and its oid, as before schema
         # version 16), and its identity in its progress records (a uuid the schema keeps, read

@@ -21,14 +21,14 @@ from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.supervisor import configs_of
-from outbox_dispatcher.kafka import progress
-from outbox_dispatcher.kafka.lanes import LANES, Registered, Registry, WorkKeys
-from outbox_dispatcher.kafka.takeover import TakeoverWaitingError
-from outbox_dispatcher.kafka.transactional_delivery import (
+from outbox_dispatcher.kafka.exactly_once import progress
+from outbox_dispatcher.kafka.exactly_once.delivery import (
     TransactionalDelivery,
     TransactionFencedError,
 )
-from outbox_dispatcher.kafka.transactions import TransactionalPublisher
+from outbox_dispatcher.kafka.exactly_once.lanes import LANES, Registered, Registry, WorkKeys
+from outbox_dispatcher.kafka.exactly_once.publisher import TransactionalPublisher
+from outbox_dispatcher.kafka.exactly_once.takeover import TakeoverWaitingError
 from outbox_dispatcher.models import PUBLISHED, Batch, OutboxRecord, Part
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.store import DispatchStore, Statements, db, migrations

@@ -13,10 +13,10 @@ import pytest
 
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import configs_of
-from outbox_dispatcher.kafka import lanes
-from outbox_dispatcher.kafka.lanes import Lane, Lanes, Registry, least_busy
+from outbox_dispatcher.kafka.exactly_once import lanes
+from outbox_dispatcher.kafka.exactly_once.lanes import Lane, Lanes, Registry, least_busy
+from outbox_dispatcher.kafka.exactly_once.progress import ProgressConfig
 from outbox_dispatcher.kafka.producers import Producers
-from outbox_dispatcher.kafka.progress import ProgressConfig
 
 PROGRESS = ProgressConfig(
     topic="p", outbox="public.outbox", transactional_id_prefix="x.", timeout_seconds=2.0

@@ -15,14 +15,14 @@ import pytest
 from outbox_dispatcher import errors
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import configs_of
-from outbox_dispatcher.kafka import lanes, replicas
-from outbox_dispatcher.kafka.endings import Endings, Stall
-from outbox_dispatcher.kafka.lanes import Lanes, Registry
+from outbox_dispatcher.kafka.exactly_once import lanes, replicas
+from outbox_dispatcher.kafka.exactly_once.delivery import TransactionalDelivery
+from outbox_dispatcher.kafka.exactly_once.endings import Endings, Stall
+from outbox_dispatcher.kafka.exactly_once.lanes import Lanes, Registry
+from outbox_dispatcher.kafka.exactly_once.progress import ProgressConfig
+from outbox_dispatcher.kafka.exactly_once.replicas import CoordinatorTroubleError, short_among
+from outbox_dispatcher.kafka.exactly_once.stalls import Holds, PartitionStalledError
 from outbox_dispatcher.kafka.producers import Producers
-from outbox_dispatcher.kafka.progress import ProgressConfig
-from outbox_dispatcher.kafka.replicas import CoordinatorTroubleError, short_among
-from outbox_dispatcher.kafka.stalls import Holds, PartitionStalledError
-from outbox_dispatcher.kafka.transactional_delivery import TransactionalDelivery
 from outbox_dispatcher.models import OutboxRecord
 
 PROGRESS = ProgressConfig(

@@ -1,7 +1,8 @@
 """Exactly-once's takeover fences (review E6, E7): the owners whose claims it stands in for are
 fenced whatever their heartbeat's age, and an id it cannot fence makes it wait; any other
 dispatcher's id is fenced as it can, and a failure there holds nobody up. Faked at our own seam
-(kafka/progress.fence); the same against Kafka: tests/integration/test_exactly_once_fence.py."""
+(kafka/exactly_once/progress.fence); the same against Kafka:
+tests/integration/test_exactly_once_fence.py."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import configs_of
-from outbox_dispatcher.kafka import takeover as takeover_module
-from outbox_dispatcher.kafka.lanes import Registered, Registry
-from outbox_dispatcher.kafka.progress import ProgressConfig
-from outbox_dispatcher.kafka.retirement import Retirement
-from outbox_dispatcher.kafka.takeover import FenceFailedError, Takeover
+from outbox_dispatcher.kafka.exactly_once import takeover as takeover_module
+from outbox_dispatcher.kafka.exactly_once.lanes import Registered, Registry
+from outbox_dispatcher.kafka.exactly_once.progress import ProgressConfig
+from outbox_dispatcher.kafka.exactly_once.retirement import Retirement
+from outbox_dispatcher.kafka.exactly_once.takeover import FenceFailedError, Takeover
 from outbox_dispatcher.models import OutboxRecord
 
 PROGRESS = ProgressConfig(

@@ -15,19 +15,19 @@ from pydantic import ValidationError
 
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import configs_of
-from outbox_dispatcher.kafka import progress
 from outbox_dispatcher.kafka.batches import Answer, Batches
-from outbox_dispatcher.kafka.endings import Stall
-from outbox_dispatcher.kafka.lanes import Registry
-from outbox_dispatcher.kafka.progress import ProgressConfig
-from outbox_dispatcher.kafka.records import RecordEncoder
-from outbox_dispatcher.kafka.transactional_delivery import (
+from outbox_dispatcher.kafka.exactly_once import progress
+from outbox_dispatcher.kafka.exactly_once.delivery import (
     TransactionAbortedError,
     TransactionalDelivery,
     TransactionFencedError,
     TransactionRefusedError,
 )
-from outbox_dispatcher.kafka.transactions import TransactionalPublisher
+from outbox_dispatcher.kafka.exactly_once.endings import Stall
+from outbox_dispatcher.kafka.exactly_once.lanes import Registry
+from outbox_dispatcher.kafka.exactly_once.progress import ProgressConfig
+from outbox_dispatcher.kafka.exactly_once.publisher import TransactionalPublisher
+from outbox_dispatcher.kafka.records import RecordEncoder
 from outbox_dispatcher.models import Failure, OutboxRecord, Outcome, Result
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.tracing import Tracer

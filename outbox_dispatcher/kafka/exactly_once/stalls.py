@@ -5,7 +5,8 @@ A transaction with a record for a partition that does not acknowledge (NotEnough
 broker refuses the append while the partition is short of in-sync replicas) can neither commit
 nor end: its abort markers cannot be written to that partition either, so its transactional id
 cannot begin another transaction until the partition recovers. Its lane gives it up and takes a
-new id (kafka/lanes.py); these holds keep the partition's rows out of the transactions that
+new id (kafka/exactly_once/lanes.py); these holds keep the partition's rows out of the transactions
+that
 follow, so that one short partition costs one lane a stall, not every lane its own. Past its
 hold, one transaction at a time (a probe) may carry the partition's rows again: acknowledged,
 the hold ends; stalled again, it lasts twice as long (up to HOLD_MOST_SECONDS).

@@ -1,7 +1,7 @@
-"""How an exactly-once transaction ends (kafka/transactions.py sends it): committed, its
+"""How an exactly-once transaction ends (kafka/exactly_once/publisher.py sends it): committed, its
 unknown commit resolved from the progress, aborted (the refused row blamed, a fenced lane given
 a new id), or given up after waiting in vain for its acks (its lane given a new id, the
-partitions that did not answer held: kafka/stalls.py)."""
+partitions that did not answer held: kafka/exactly_once/stalls.py)."""
 
 from __future__ import annotations
 
@@ -13,21 +13,22 @@ import structlog
 from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import failures, internals, progress, replicas
+from outbox_dispatcher.kafka import failures, internals
 from outbox_dispatcher.kafka.batches import Answer, Batches
-from outbox_dispatcher.kafka.lanes import Lanes
-from outbox_dispatcher.kafka.producers import NotSubmitted
-from outbox_dispatcher.kafka.progress import ProgressConfig
-from outbox_dispatcher.kafka.replicas import ShortOfReplicas
-from outbox_dispatcher.kafka.stalls import Holds, PartitionStalledError, TopicPartition
-from outbox_dispatcher.kafka.takeover import KAFKA_TROUBLE, Takeover
-from outbox_dispatcher.kafka.transactional_delivery import (
+from outbox_dispatcher.kafka.exactly_once import progress, replicas
+from outbox_dispatcher.kafka.exactly_once.delivery import (
     UNKNOWN,
     TransactionAbortedError,
     TransactionalDelivery,
     TransactionFencedError,
     TransactionRefusedError,
 )
+from outbox_dispatcher.kafka.exactly_once.lanes import Lanes
+from outbox_dispatcher.kafka.exactly_once.progress import ProgressConfig
+from outbox_dispatcher.kafka.exactly_once.replicas import ShortOfReplicas
+from outbox_dispatcher.kafka.exactly_once.stalls import Holds, PartitionStalledError, TopicPartition
+from outbox_dispatcher.kafka.exactly_once.takeover import KAFKA_TROUBLE, Takeover
+from outbox_dispatcher.kafka.producers import NotSubmitted
 
 log = structlog.get_logger(__name__)
 

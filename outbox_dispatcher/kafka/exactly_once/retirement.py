@@ -27,8 +27,8 @@ from typing import Any
 import structlog
 
 from outbox_dispatcher.kafka import internals
-from outbox_dispatcher.kafka.lanes import Lane
-from outbox_dispatcher.kafka.progress import Listed, Pair
+from outbox_dispatcher.kafka.exactly_once.lanes import Lane
+from outbox_dispatcher.kafka.exactly_once.progress import Listed, Pair
 
 log = structlog.get_logger(__name__)
 

@@ -1,4 +1,5 @@
-"""Exactly-once's claim in one transaction (kafka/transactions.py sends it): its rows, every
+"""Exactly-once's claim in one transaction (kafka/exactly_once/publisher.py sends it): its rows,
+every
 row's outcome once decided, and what may be settled. All or nothing: while a begun transaction's
 outcome is unknown, no row of it is settled (a partial settle would release their keys)."""
 
@@ -13,13 +14,13 @@ from outbox_dispatcher import errors
 from outbox_dispatcher.models import OutboxRecord, Part
 
 if TYPE_CHECKING:
-    from outbox_dispatcher.kafka.lanes import Lane
+    from outbox_dispatcher.kafka.exactly_once.lanes import Lane
 
 UNKNOWN: BaseException = errors.BrokerUnavailableError("the transaction's outcome is unknown")
 
 
 class Transacts(Protocol):
-    """What sends a delivery: kafka/transactions.TransactionalPublisher."""
+    """What sends a delivery: kafka/exactly_once/publisher.TransactionalPublisher."""
 
     def parts(self, d: TransactionalDelivery) -> AsyncGenerator[Part, None]: ...
 
@@ -58,7 +59,7 @@ class TransactionalDelivery:
         records: Sequence[OutboxRecord],
         claimed_at: float,
     ) -> None:
-        self.lane = lane  # its producer, chosen at the claim (kafka/lanes.py)
+        self.lane = lane  # its producer, chosen at the claim (kafka/exactly_once/lanes.py)
         lane.given.add(self)
         self.records = list(records)  # grows by the rows a takeover adopts (see adopt)
         self.parked = False
@@ -71,7 +72,7 @@ class TransactionalDelivery:
         self.earlier: list[tuple[int, int]] = []
         self.marked_every_row = True
         # What its last transaction's progress record said: the outbox's identity, the tags
-        # listed, the keys tombstoned (kafka/retirement.py).
+        # listed, the keys tombstoned (kafka/exactly_once/retirement.py).
         self.identity = ""
         self.listed_tags: frozenset[str] = frozenset()
         self.tombstones: list[str] = []

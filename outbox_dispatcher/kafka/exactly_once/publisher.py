@@ -1,14 +1,17 @@
 """Exactly-once publication (OUTBOX_DELIVERY=exactly-once; docs/design/exactly-once.md).
 
 A claim's records go out in one Kafka transaction, ended by the lane's progress record
-(kafka/progress.py), under the lane's transactional id (kafka/lanes.py); its rows are marked only
+(kafka/exactly_once/progress.py), under the lane's transactional id (kafka/exactly_once/lanes.py);
+its rows are marked only
 once the transaction committed. A claim that took rows over from a lost claim is reconciled
-first (kafka/takeover.py). A commit whose outcome is unknown is settled by the progress once the
+first (kafka/exactly_once/takeover.py). A commit whose outcome is unknown is settled by the
+progress once the
 producer is replaced (its successor's start ends the transaction), and if that cannot be read
 the rows stay leased, unsettled, for the next takeover to decide. A transaction whose records
 are not all acknowledged in time is given up: its lane goes on under a new id, and the partitions
-that did not acknowledge are held (kafka/stalls.py). How a transaction ends: kafka/endings.py.
-What the records list, and the tombstones that end keys: kafka/retirement.py.
+that did not acknowledge are held (kafka/exactly_once/stalls.py). How a transaction ends:
+kafka/exactly_once/endings.py.
+What the records list, and the tombstones that end keys: kafka/exactly_once/retirement.py.
 """
 
 from __future__ import annotations
@@ -21,22 +24,27 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequen
 import structlog
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import failures, internals, lanes, progress, progress_topic, replicas
+from outbox_dispatcher.kafka import failures, internals
 from outbox_dispatcher.kafka.batches import Answer, Batches
-from outbox_dispatcher.kafka.endings import Endings, Stall, cause_of, failure_of
-from outbox_dispatcher.kafka.lanes import Lane, Registry
-from outbox_dispatcher.kafka.progress import (
+from outbox_dispatcher.kafka.exactly_once import lanes, progress, replicas
+from outbox_dispatcher.kafka.exactly_once import topic as progress_topic
+from outbox_dispatcher.kafka.exactly_once.delivery import (
+    TransactionAbortedError,
+    TransactionalDelivery,
+    TransactionFencedError,
+)
+from outbox_dispatcher.kafka.exactly_once.endings import Endings, Stall, cause_of, failure_of
+from outbox_dispatcher.kafka.exactly_once.lanes import Lane, Registry
+from outbox_dispatcher.kafka.exactly_once.progress import (
     Pair,
     ProgressConfig,
     ProgressEndUnreachedError,
     ProgressRecordTooLargeError,
     ProgressUnavailableError,
 )
-from outbox_dispatcher.kafka.publisher import PublisherConfig
-from outbox_dispatcher.kafka.records import RecordEncoder
-from outbox_dispatcher.kafka.retirement import Beating, Needed, Retirement
-from outbox_dispatcher.kafka.stalls import Holds, PartitionStalledError, TopicPartition
-from outbox_dispatcher.kafka.takeover import (
+from outbox_dispatcher.kafka.exactly_once.retirement import Beating, Needed, Retirement
+from outbox_dispatcher.kafka.exactly_once.stalls import Holds, PartitionStalledError, TopicPartition
+from outbox_dispatcher.kafka.exactly_once.takeover import (
     KAFKA_TROUBLE,
     FenceFailedError,
     PendingRows,
@@ -44,12 +52,9 @@ from outbox_dispatcher.kafka.takeover import (
     Takeover,
     TakeoverWaitingError,
 )
+from outbox_dispatcher.kafka.publisher import PublisherConfig
+from outbox_dispatcher.kafka.records import RecordEncoder
 from outbox_dispatcher.kafka.topics import ClaimLookups
-from outbox_dispatcher.kafka.transactional_delivery import (
-    TransactionAbortedError,
-    TransactionalDelivery,
-    TransactionFencedError,
-)
 from outbox_dispatcher.models import OutboxRecord, Part
 from outbox_dispatcher.tracing import Tracer
 
@@ -91,7 +96,7 @@ class TransactionalPublisher:
         # A takeover that could not fence a lost owner or read the progress (a metric).
         self._waiting = waiting
         # Keys leased or holding the reconcile duty (a missing progress topic is then not made
-        # again at start: kafka/progress_topic.py); None: the table is taken as new.
+        # again at start: kafka/exactly_once/topic.py); None: the table is taken as new.
         self._unsettled = unsettled or nothing_unsettled
         # No linger: a transaction's records are all handed at once and its commit waits for
         # them; only the progress record (send(), not a closed batch) would linger.
@@ -120,7 +125,8 @@ class TransactionalPublisher:
         )
         self._encoder = RecordEncoder(config.records)
         self._tracer = Tracer(config.tracing)
-        # How long a transaction's acks are waited for before it is given up (kafka/stalls.py):
+        # How long a transaction's acks are waited for before it is given up
+        # (kafka/exactly_once/stalls.py):
         # before the broker's own timeout aborts it, whose fence would leave the id waiting
         # for the markers of a partition that does not take them.
         self.stall_seconds = min(
@@ -160,7 +166,8 @@ class TransactionalPublisher:
 
     async def stop(self) -> None:
         """A graceful stop: each lane tombstones its id once nothing its records list is
-        needed (kafka/retirement.py), within the transaction timeout; then the producers stop."""
+        needed (kafka/exactly_once/retirement.py), within the transaction timeout; then the
+        producers stop."""
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self._progress.timeout_seconds):
                 await self.retire.farewell(self.lanes, self._progress.topic)
@@ -390,7 +397,7 @@ class TransactionalPublisher:
         return ProgressRecordTooLargeError(size, self._max_request_bytes)
 
     def _held(self, lane: Lane) -> Callable[[TopicPartition], BaseException | None]:
-        """Why a row of a partition must wait (kafka/stalls.py), if it must."""
+        """Why a row of a partition must wait (kafka/exactly_once/stalls.py), if it must."""
 
         def held(partition: TopicPartition) -> BaseException | None:
             delay = self.holds.wait_for(partition, lane)

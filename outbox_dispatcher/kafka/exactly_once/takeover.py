@@ -27,16 +27,17 @@ import structlog
 from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import lanes, progress, progress_topic
-from outbox_dispatcher.kafka.lanes import Lane, Registry
-from outbox_dispatcher.kafka.producers import ProducerConfig
-from outbox_dispatcher.kafka.progress import (
+from outbox_dispatcher.kafka.exactly_once import lanes, progress
+from outbox_dispatcher.kafka.exactly_once import topic as progress_topic
+from outbox_dispatcher.kafka.exactly_once.lanes import Lane, Registry
+from outbox_dispatcher.kafka.exactly_once.progress import (
     Pair,
     ProgressConfig,
     ProgressUnavailableError,
     Record,
 )
-from outbox_dispatcher.kafka.retirement import Retirement
+from outbox_dispatcher.kafka.exactly_once.retirement import Retirement
+from outbox_dispatcher.kafka.producers import ProducerConfig
 from outbox_dispatcher.models import OutboxRecord, work_keys
 
 log = structlog.get_logger(__name__)
@@ -52,7 +53,7 @@ END_MARGIN_SECONDS = 15.0
 
 
 class Reconciled(Protocol):
-    """What a takeover decides of a claim (kafka/transactions.TransactionalDelivery)."""
+    """What a takeover decides of a claim (kafka/exactly_once/publisher.TransactionalDelivery)."""
 
     records: list[OutboxRecord]
 
@@ -174,7 +175,7 @@ class Takeover:
         outbox's identity read now: this dispatcher's lanes whose commit went unanswered
         replaced first (a fresh producer ends it), then the progress read to its end (this
         dispatcher's own from memory as well). The other keys read are due a tombstone once
-        nothing they list is needed (kafka/retirement.py)."""
+        nothing they list is needed (kafka/exactly_once/retirement.py)."""
         try:
             identity = await self.retire.refresh(own)
         except Exception as exc:  # the database is away: the rows wait

@@ -7,7 +7,7 @@ claim loops' transactions are open at once.
 
 A lane's id changes when its transaction stalls on a partition that does not acknowledge: that
 id cannot begin another transaction until the partition takes the stalled one's markers
-(kafka/stalls.py), so the lane goes on under the id of its next generation. Every id a
+(kafka/exactly_once/stalls.py), so the lane goes on under the id of its next generation. Every id a
 dispatcher may have a transaction open under is recorded in its registry row before its first
 transaction (schema version 15), and a takeover fences what is recorded there.
 """
@@ -25,9 +25,10 @@ from typing import Any, overload
 import structlog
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import internals, progress
+from outbox_dispatcher.kafka import internals
+from outbox_dispatcher.kafka.exactly_once import progress
+from outbox_dispatcher.kafka.exactly_once.progress import ProgressConfig
 from outbox_dispatcher.kafka.producers import ProducerConfig, Producers
-from outbox_dispatcher.kafka.progress import ProgressConfig
 from outbox_dispatcher.kafka.topics import TopicConfig, TopicLookup
 
 log = structlog.get_logger(__name__)
@@ -95,7 +96,7 @@ class Lane:
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     unmarked: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # tag: pairs
     # The tags its id's last committed record listed; the ids it gave up, each with those of
-    # its last record (tombstoned once they all left `unmarked`: kafka/retirement.py).
+    # its last record (tombstoned once they all left `unmarked`: kafka/exactly_once/retirement.py).
     last_listed: frozenset[str] = frozenset()
     given_up: list[tuple[str, frozenset[str]]] = field(default_factory=list)
     given: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # not yet transacted
