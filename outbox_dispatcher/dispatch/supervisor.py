@@ -177,9 +177,8 @@ class Dispatcher:
             except db.RETRIABLE_ERRORS as exc:
                 raise errors.DatabaseUnavailableError(errors.describe(exc)) from exc
 
-        # Registered before its ids are recorded in its row, and those before the first
-        # transaction of each: a takeover fences what it finds there
-        # (kafka/exactly_once/takeover.py).
+        # Registered before its ids are recorded in its row, and those before the first transaction
+        # of each: a takeover fences what it finds there (kafka/exactly_once/takeover.py).
         await registry.Heartbeat(store, s, self.owner).beat()
         # The table in its transactional ids (the database and its oid, as before schema
         # version 16), and its identity in its progress records (a uuid the schema keeps, read

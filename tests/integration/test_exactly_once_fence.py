@@ -98,14 +98,13 @@ async def test_a_takeover_that_cannot_fence_or_read_counts_no_attempt(
     monkeypatch: pytest.MonkeyPatch,
     fault: str,
 ) -> None:
-    """E7: owner-a committed its claim and died before the mark. owner-b's takeover cannot
-    fence owner-a's ids (their markers cannot be written: faked at our seam,
-    kafka/exactly_once/progress's
-    fence) or cannot read the progress, 4 times with max_attempts 2: each time its rows go
-    back uncounted (their wait skipped here), the key keeping the duty; none is dead-lettered
-    by the reclaimer (before: kept leased, every try counted an attempt, and the second
-    dead-lettered the rows as a crash loop). Once the fault is gone the takeover finds them
-    committed and sends none again."""
+    """E7: owner-a committed its claim and died before the mark. owner-b's takeover cannot fence
+    owner-a's ids (their markers cannot be written: faked at our seam, kafka/exactly_once/progress's
+    fence) or cannot read the progress, 4 times with max_attempts 2: each time its rows go back
+    uncounted (their wait skipped here), the key keeping the duty; none is dead-lettered by the
+    reclaimer (before: kept leased, every try counted an attempt, and the second dead-lettered the
+    rows as a crash loop). Once the fault is gone the takeover finds them committed and sends none
+    again."""
     await insert_sequenced(conn, topic, keys=2, per_key=3)
     a = await owners.publisher("owner-a")
     lost = await owners.claim("owner-a")

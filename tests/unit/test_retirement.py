@@ -1,7 +1,6 @@
 """Exactly-once's progress kept bounded (kafka/exactly_once/retirement.py; issue 35, E8, E9):
-batches nobody
-needs leave a lane's list, keys get tombstones only once nothing they list is needed, an
-oversized record is an outage of the lane, and a configuration whose record cannot fit is
+batches nobody needs leave a lane's list, keys get tombstones only once nothing they list is needed,
+an oversized record is an outage of the lane, and a configuration whose record cannot fit is
 refused."""
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """Exactly-once's holds on partitions that did not acknowledge (kafka/exactly_once/stalls.py): how
-long a
-partition's rows wait, who probes it, and what a held row's settle records."""
+long a partition's rows wait, who probes it, and what a held row's settle records."""
 
 from __future__ import annotations
 

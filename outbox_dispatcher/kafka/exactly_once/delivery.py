@@ -1,5 +1,4 @@
-"""Exactly-once's claim in one transaction (kafka/exactly_once/publisher.py sends it): its rows,
-every
+"""Exactly-once's claim in one transaction (publisher.py sends it): its rows, every
 row's outcome once decided, and what may be settled. All or nothing: while a begun transaction's
 outcome is unknown, no row of it is settled (a partial settle would release their keys)."""
 

@@ -6,7 +6,7 @@ partitions that did not answer held: kafka/exactly_once/stalls.py)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -202,3 +202,14 @@ def is_fencing(exc: BaseException) -> bool:
     """The producer is past its transaction: its state lost (failures.PRODUCER_STATE, a fence
     among them), or aiokafka refusing a producer a fatal error ended."""
     return failures.is_producer_state(exc) or isinstance(exc, kafka_errors.IllegalOperation)
+
+
+async def answered_within(
+    futures: Sequence[asyncio.Future[object]], seconds: float
+) -> set[asyncio.Future[object]]:
+    """Wait for every future's answer, `seconds` at most; those still unanswered then (an abort
+    reads them first: none of the epoch left in flight)."""
+    if not futures:
+        return set()
+    _, missing = await asyncio.wait(futures, timeout=seconds)
+    return missing

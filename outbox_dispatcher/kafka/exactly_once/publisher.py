@@ -1,17 +1,14 @@
 """Exactly-once publication (OUTBOX_DELIVERY=exactly-once; docs/design/exactly-once.md).
 
 A claim's records go out in one Kafka transaction, ended by the lane's progress record
-(kafka/exactly_once/progress.py), under the lane's transactional id (kafka/exactly_once/lanes.py);
-its rows are marked only
-once the transaction committed. A claim that took rows over from a lost claim is reconciled
-first (kafka/exactly_once/takeover.py). A commit whose outcome is unknown is settled by the
-progress once the
-producer is replaced (its successor's start ends the transaction), and if that cannot be read
-the rows stay leased, unsettled, for the next takeover to decide. A transaction whose records
-are not all acknowledged in time is given up: its lane goes on under a new id, and the partitions
-that did not acknowledge are held (kafka/exactly_once/stalls.py). How a transaction ends:
-kafka/exactly_once/endings.py.
-What the records list, and the tombstones that end keys: kafka/exactly_once/retirement.py.
+(progress.py), under the lane's transactional id (lanes.py); its rows are marked only once the
+transaction committed. A claim that took rows over from a lost claim is reconciled first
+(takeover.py). A commit whose outcome is unknown is settled by the progress once the producer
+is replaced (its successor's start ends the transaction), and if that cannot be read the rows
+stay leased, unsettled, for the next takeover to decide. A transaction whose records are not
+all acknowledged in time is given up: its lane goes on under a new id, and the partitions that
+did not acknowledge are held (stalls.py). How a transaction ends: endings.py. What the records
+list, and the tombstones that end keys: retirement.py. (Module names: kafka/exactly_once/.)
 """
 
 from __future__ import annotations
@@ -33,17 +30,22 @@ from outbox_dispatcher.kafka.exactly_once.delivery import (
     TransactionalDelivery,
     TransactionFencedError,
 )
-from outbox_dispatcher.kafka.exactly_once.endings import Endings, Stall, cause_of, failure_of
-from outbox_dispatcher.kafka.exactly_once.lanes import Lane, Registry
+from outbox_dispatcher.kafka.exactly_once.endings import (
+    Endings,
+    Stall,
+    answered_within,
+    cause_of,
+    failure_of,
+)
+from outbox_dispatcher.kafka.exactly_once.lanes import Registry
 from outbox_dispatcher.kafka.exactly_once.progress import (
     Pair,
     ProgressConfig,
     ProgressEndUnreachedError,
-    ProgressRecordTooLargeError,
     ProgressUnavailableError,
 )
 from outbox_dispatcher.kafka.exactly_once.retirement import Beating, Needed, Retirement
-from outbox_dispatcher.kafka.exactly_once.stalls import Holds, PartitionStalledError, TopicPartition
+from outbox_dispatcher.kafka.exactly_once.stalls import Holds
 from outbox_dispatcher.kafka.exactly_once.takeover import (
     KAFKA_TROUBLE,
     FenceFailedError,
@@ -62,7 +64,6 @@ log = structlog.get_logger(__name__)
 
 NOTHING_SENT = errors.NotAttempted("nothing of the batch could be sent")
 REPLACED = "the producer was replaced after the claim began: its rows are given back, not sent"
-HELD = "did not acknowledge a recent transaction"
 # Rows remembered to go alone at most (a safety bound: each is forgotten once it is decided).
 ALONE_AT_MOST = 10_000
 # A transaction's acks are waited for this share of its timeout at most (publish_timeout less).
@@ -125,8 +126,7 @@ class TransactionalPublisher:
         )
         self._encoder = RecordEncoder(config.records)
         self._tracer = Tracer(config.tracing)
-        # How long a transaction's acks are waited for before it is given up
-        # (kafka/exactly_once/stalls.py):
+        # How long a transaction's acks are waited for before it is given up (stalls.py):
         # before the broker's own timeout aborts it, whose fence would leave the id waiting
         # for the markers of a partition that does not take them.
         self.stall_seconds = min(
@@ -166,7 +166,7 @@ class TransactionalPublisher:
 
     async def stop(self) -> None:
         """A graceful stop: each lane tombstones its id once nothing its records list is
-        needed (kafka/exactly_once/retirement.py), within the transaction timeout; then the
+        needed (retirement.py), within the transaction timeout; then the
         producers stop."""
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self._progress.timeout_seconds):
@@ -323,7 +323,7 @@ class TransactionalPublisher:
             producers=lane.producers,
             lookup=lane.topics,
             tracer=self._tracer,
-            held=self._held(lane),
+            held=self.holds.why(lane),
             alone=self._alone,
         )
         try:
@@ -375,36 +375,6 @@ class TransactionalPublisher:
                 lane.last_listed = d.listed_tags
                 self.retire.sent(d.tombstones)
 
-    def _record_too_large(
-        self, d: TransactionalDelivery, indices: list[int]
-    ) -> ProgressRecordTooLargeError | None:
-        """The transaction's progress record, at its largest (every row of `indices` sent),
-        would not fit a request (review E8): an outage of the lane, not the rows' fault (retried
-        after the pause, the producer kept); what is still needed is checked first next time."""
-        lane = d.lane
-        listed = sum(map(len, lane.unmarked.values())) + len(d.earlier) + len(indices)
-        at_most = progress.RECORD_OVERHEAD_BYTES + listed * progress.PAIR_BYTES_AT_MOST
-        if at_most <= self._max_request_bytes:  # one batch always fits (config/checks.py)
-            return None
-        rows = d.earlier + [d.records[i].pair for i in indices]
-        value = progress.record_value(
-            self._progress, self.retire.identity, lane.name, {**lane.unmarked, d.tag: rows}
-        )
-        size = len(value) + len(lane.transactional_id) + progress.RECORD_OVERHEAD_BYTES
-        if size <= self._max_request_bytes:
-            return None
-        self.retire.soon()
-        return ProgressRecordTooLargeError(size, self._max_request_bytes)
-
-    def _held(self, lane: Lane) -> Callable[[TopicPartition], BaseException | None]:
-        """Why a row of a partition must wait (kafka/exactly_once/stalls.py), if it must."""
-
-        def held(partition: TopicPartition) -> BaseException | None:
-            delay = self.holds.wait_for(partition, lane)
-            return None if delay is None else PartitionStalledError(partition, delay, HELD)
-
-        return held
-
     async def _send_all(
         self,
         d: TransactionalDelivery,
@@ -419,7 +389,8 @@ class TransactionalPublisher:
         did not answer, or None. No waves: nothing of the transaction is visible before its
         commit, so a key's change of topic needs no ack first, and a failed batch aborts the
         whole transaction (no gap can follow it)."""
-        if too_large := self._record_too_large(d, indices):
+        too_large = self.retire.too_large(self._progress, d, indices, self._max_request_bytes)
+        if too_large:
             return None, too_large  # before any record is handed: nothing to abort but the begin
         batches.encode(indices)
         failed_keys: set[str] = set()
@@ -471,16 +442,6 @@ class TransactionalPublisher:
             return None
         submission, cause = min(failed, key=lambda found: not failures.is_rejection(found[1]))
         return next(i for i in handed if answers[i] is submission), cause
-
-
-async def answered_within(
-    futures: Sequence[asyncio.Future[object]], seconds: float
-) -> set[asyncio.Future[object]]:
-    """Wait for every future's answer, `seconds` at most; those still unanswered then."""
-    if not futures:
-        return set()
-    _, missing = await asyncio.wait(futures, timeout=seconds)
-    return missing
 
 
 async def nothing_unsettled() -> int:
