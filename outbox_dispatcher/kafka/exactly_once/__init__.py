@@ -23,4 +23,6 @@ Its modules:
 - retirement.py: keeping the progress records bounded (lists and tombstones).
 - replicas.py: which partitions are short of in-sync replicas.
 - stalls.py: holds on partitions that did not acknowledge in time.
+- store.py: ProgressStore, what the wing asks of the outbox table (the store seam; the
+  dispatcher's adapter: dispatch/progress_store.py).
 """

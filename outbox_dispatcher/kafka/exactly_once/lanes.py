@@ -18,9 +18,9 @@ import asyncio
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any, Protocol, overload
 
 import structlog
 
@@ -42,19 +42,24 @@ Registered = tuple[str, str | None, Sequence[str] | None]
 WorkKeys = Sequence[tuple[str, bool]]
 
 
-@dataclass(frozen=True)
-class Registry:
-    """The dispatchers' registry as exactly-once uses it (dispatch/supervisor.py builds it)."""
+class Registry(Protocol):
+    """The dispatchers' registry as exactly-once uses it: the part of the store seam
+    (store.ProgressStore) that the lanes and a takeover's fences need."""
 
-    # Every dispatcher of the table that beat lately, with the ids it recorded: a takeover
-    # fences them as it can (their open transactions would hold the progress partition).
-    live: Callable[[], Awaitable[Sequence[Registered]]]
-    # Record this dispatcher's transactional ids (before the first transaction of each).
-    record: Callable[[Sequence[str]], Awaitable[None]]
-    # The owners whose claims a takeover stands in for, whatever their heartbeat's age: those
-    # the reconcile duty of the work keys names, and the owners given (store `lost_owners`). A
-    # takeover fences every id of theirs, or waits (review E6, E7).
-    lost: Callable[[WorkKeys, Sequence[str]], Awaitable[Sequence[Registered]]]
+    async def live(self) -> Sequence[Registered]:
+        """Every dispatcher of the table that beat lately, with the ids it recorded: a takeover
+        fences them as it can (their open transactions would hold the progress partition)."""
+        ...
+
+    async def record(self, ids: Sequence[str]) -> None:
+        """Record this dispatcher's transactional ids (before the first transaction of each)."""
+        ...
+
+    async def lost(self, keys: WorkKeys, owners: Sequence[str]) -> Sequence[Registered]:
+        """The owners whose claims a takeover stands in for, whatever their heartbeat's age:
+        those the reconcile duty of the work keys names, and the owners given (store
+        `lost_owners`). A takeover fences every id of theirs, or waits (review E6, E7)."""
+        ...
 
 
 def lane_name(owner: str, number: int, generation: int = 0) -> str:

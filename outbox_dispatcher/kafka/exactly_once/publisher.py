@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 
 import structlog
 
@@ -37,20 +37,18 @@ from outbox_dispatcher.kafka.exactly_once.endings import (
     cause_of,
     failure_of,
 )
-from outbox_dispatcher.kafka.exactly_once.lanes import Registry
 from outbox_dispatcher.kafka.exactly_once.progress import (
     Pair,
     ProgressConfig,
     ProgressEndUnreachedError,
     ProgressUnavailableError,
 )
-from outbox_dispatcher.kafka.exactly_once.retirement import Beating, Needed, Retirement
+from outbox_dispatcher.kafka.exactly_once.retirement import Retirement
 from outbox_dispatcher.kafka.exactly_once.stalls import Holds
+from outbox_dispatcher.kafka.exactly_once.store import ProgressStore
 from outbox_dispatcher.kafka.exactly_once.takeover import (
     KAFKA_TROUBLE,
     FenceFailedError,
-    PendingRows,
-    Reconciling,
     Takeover,
     TakeoverWaitingError,
 )
@@ -72,33 +70,27 @@ STALL_SHARE_OF_TIMEOUT = 0.8
 
 class TransactionalPublisher:
     """KafkaPublisher's face for exactly-once: a transactional producer per lane (up to one per
-    claim loop), one transaction at a time on each; `registry` records this dispatcher's ids and
-    names the others' (a takeover fences them)."""
+    claim loop), one transaction at a time on each; `store`: what it asks of the outbox table
+    (its registry records this dispatcher's ids and names the others', which a takeover
+    fences)."""
 
     def __init__(
         self,
         config: PublisherConfig,
         progress_config: ProgressConfig,
         owner: str,
-        registry: Registry,
-        pending: PendingRows,
-        reconciled: Reconciling,
-        needed: Needed,
-        beating: Beating,
+        store: ProgressStore,
         identity: str,
         lane_count: int = lanes.LANES,
         renewed: Callable[[str], None] = lambda reason: None,
         waiting: Callable[[str], None] = lambda reason: None,
-        unsettled: Callable[[], Awaitable[int]] | None = None,
         fence_failed: Callable[[], None] = lambda: None,
     ) -> None:
         self.owner = owner
         self._progress = progress_config
         # A takeover that could not fence a lost owner or read the progress (a metric).
         self._waiting = waiting
-        # Keys leased or holding the reconcile duty (a missing progress topic is then not made
-        # again at start: kafka/exactly_once/topic.py); None: the table is taken as new.
-        self._unsettled = unsettled or nothing_unsettled
+        self._store = store
         # No linger: a transaction's records are all handed at once and its commit waits for
         # them; only the progress record (send(), not a closed batch) would linger.
         producer = dataclasses.replace(
@@ -106,20 +98,16 @@ class TransactionalPublisher:
             transaction_timeout_seconds=progress_config.timeout_seconds,
             linger_ms=0,
         )
-        self.lanes = lanes.Lanes(
-            owner, lane_count, producer, progress_config, config.topics, registry
-        )
+        self.lanes = lanes.Lanes(owner, lane_count, producer, progress_config, config.topics, store)
         self._connection = producer.connection
         self._max_request_bytes = producer.max_request_bytes
         fence_seconds = max(progress_config.timeout_seconds, 10.0)
-        self.retire = Retirement(needed, beating, identity)
+        self.retire = Retirement(store.needed, store.beating, identity)
         self._takeover = Takeover(
             progress_config,
             producer,
             owner,
-            registry,
-            pending,
-            reconciled,
+            store,
             fence_seconds,
             self.retire,
             fence_failed,
@@ -157,7 +145,8 @@ class TransactionalPublisher:
         internals.quicken_transaction_retries()
         await self.lanes.start()
         try:
-            await progress_topic.ensure(self._connection, self._progress.topic, self._unsettled)
+            topic = self._progress.topic
+            await progress_topic.ensure(self._connection, topic, self._store.unsettled)
         except BaseException as exc:
             await self.lanes.stop()
             if isinstance(exc, KAFKA_TROUBLE):
@@ -442,7 +431,3 @@ class TransactionalPublisher:
             return None
         submission, cause = min(failed, key=lambda found: not failures.is_rejection(found[1]))
         return next(i for i in handed if answers[i] is submission), cause
-
-
-async def nothing_unsettled() -> int:
-    return 0
