@@ -14,6 +14,7 @@ from outbox_dispatcher.models import OutboxRecord, Part
 
 if TYPE_CHECKING:
     from outbox_dispatcher.kafka.exactly_once.lanes import Lane
+    from outbox_dispatcher.kafka.exactly_once.progress import Listed
 
 UNKNOWN: BaseException = errors.BrokerUnavailableError("the transaction's outcome is unknown")
 
@@ -115,10 +116,36 @@ class TransactionalDelivery:
         return list(dict.fromkeys(self.earlier + self.sent))
 
     def committed_now(self) -> list[tuple[int, int]]:
-        """Its transaction committed: every pair of its committed transactions so far."""
+        """Its transaction committed: every pair of its committed transactions so far, listed
+        under its tag in its lane's batches not seen marked (returned too)."""
         self.earlier = self.listed()
         self.committed = True
+        self.lane.unmarked[self.tag] = list(self.earlier)
         return list(self.earlier)
+
+    def not_committed(self) -> None:
+        """Its transaction ended without committing (aborted, given up): none of its rows is
+        in Kafka, so none is listed as sent."""
+        self.sent.clear()
+
+    def handed(self, indices: Sequence[int], identity: str, tombstones: list[str]) -> Listed:
+        """Its rows `indices` were handed to the producer: what its progress record lists (its
+        lane's batches not seen marked, and its own under its tag), remembered with the outbox's
+        identity and the keys tombstoned in the same transaction (endings.py reads them)."""
+        self.sent = [self.records[i].pair for i in indices]
+        listed = {**self.lane.unmarked, self.tag: self.listed()}
+        self.identity = identity
+        self.listed_tags = frozenset(listed)
+        self.tombstones = tombstones
+        return listed
+
+    def marked(self, *, every_row: bool, final: bool) -> None:
+        """A part's mark is in the database (TransactionalPublisher.marked says why): once the
+        final one is, and every part's mark changed every row, its lane's later progress
+        records leave it out."""
+        self.marked_every_row = self.marked_every_row and every_row
+        if final and self.marked_every_row:
+            self.lane.unmarked.pop(self.tag, None)
 
     def begin(self, indices: Sequence[int]) -> None:
         """A transaction of these rows begins: until they are decided, their outcome may be

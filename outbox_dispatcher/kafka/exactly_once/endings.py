@@ -95,7 +95,7 @@ class Endings:
             else:
                 outcome = TransactionFencedError(f"given up: partitions {', '.join(names)} {where}")
             d.decide([i], outcome)
-        d.sent.clear()
+        d.not_committed()
         await self.lanes.renew(d.lane, f"partitions {', '.join(names)} {where}")
         self.renewed("stalled" if short or stall.progress else "coordinator")
         # The closed producer failed them; their errors read, none left unretrieved.
@@ -138,7 +138,7 @@ class Endings:
             # The refused batch used up sequence numbers the broker never saw: the next
             # transaction starts a fresh producer (a new epoch under the same id).
             producers.condemn(cause)
-        d.sent.clear()
+        d.not_committed()
         aborted: type[TransactionAbortedError] = TransactionAbortedError  # an outage: the pause
         if fenced:
             aborted = TransactionFencedError
@@ -159,7 +159,7 @@ class Endings:
             if isinstance(exc, asyncio.CancelledError):
                 raise  # left unknown, leased: the next takeover reads the progress
             return await self.resolve(d, indices)
-        d.lane.unmarked[d.tag] = d.committed_now()
+        d.committed_now()
         d.decide(indices, None)
         return True
 
@@ -179,7 +179,7 @@ class Endings:
         last = progress.last_batches(self.progress, d.identity, values)
         mine = last.get(d.lane.transactional_id, {})
         if set(mine.get(d.tag, [])) >= set(d.sent):  # the tag also lists earlier transactions
-            d.lane.unmarked[d.tag] = d.committed_now()
+            d.committed_now()
             d.decide(indices, None)
             return True
         d.decide(indices, TransactionAbortedError("the commit did not take"))

@@ -193,9 +193,7 @@ class TransactionalPublisher:
         changed every row, later progress records leave the batch out (a row another claim
         took over may be that claim's to reconcile; a part whose mark failed keeps it listed:
         its rows' lease expires and the takeover reads the progress)."""
-        delivery.marked_every_row = delivery.marked_every_row and every_row
-        if final and delivery.marked_every_row:
-            delivery.lane.unmarked.pop(delivery.tag, None)
+        delivery.marked(every_row=every_row, final=final)
 
     async def committed_of(self, pairs: Sequence[Pair], owners: Sequence[str] = ()) -> set[int]:
         """Which ids of these (id, replays) pairs a lost claim committed (review E13: rows the
@@ -390,15 +388,12 @@ class TransactionalPublisher:
                 return pending[0], errors.UnpublishableRowError("no producer batch takes it")
             pending = [i for i in pending if i in deferred]
         handed = [i for i in indices if isinstance(answers[i], asyncio.Future)]
-        d.sent = [d.records[i].pair for i in handed]
         submissions: list[asyncio.Future[object]] = [
             a for a in dict.fromkeys(answers[i] for i in handed) if isinstance(a, asyncio.Future)
         ]
         lane = d.lane
-        listed = {**lane.unmarked, d.tag: d.listed()}  # the lane's own: keyed by its id
-        d.identity = self.retire.identity
-        d.listed_tags = frozenset(listed)
-        d.tombstones = self.retire.to_send(self.lanes)
+        # The lane's own batches: keyed by its id.
+        listed = d.handed(handed, self.retire.identity, self.retire.to_send(self.lanes))
         value = progress.record_value(self._progress, d.identity, lane.name, listed)
         key = lane.transactional_id.encode()
         try:
