@@ -10,7 +10,7 @@ import structlog
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.config.settings import Settings
-from outbox_dispatcher.kafka.lanes import Registered, Registry, WorkKeys
+from outbox_dispatcher.kafka.exactly_once.lanes import Registered, WorkKeys
 from outbox_dispatcher.store import DispatchStore, Row, db, migrations
 
 log = structlog.get_logger(__name__)
@@ -77,24 +77,34 @@ class Heartbeat:
         )
 
 
-def transactional_registry(store: DispatchStore, owner: str) -> Registry:
-    """Exactly-once's view of the registry for dispatcher `owner` (kafka/lanes.Registry)."""
+class TableRegistry:
+    """Exactly-once's view of the registry (kafka/exactly_once/lanes.Registry) for dispatcher
+    `owner`, over its <table>_dispatchers rows."""
 
-    def registered(rows: Sequence[Row]) -> list[Registered]:
-        return [(str(r["owner"]), r["delivery"], r["transactional_ids"]) for r in rows]
+    def __init__(self, store: DispatchStore, owner: str) -> None:
+        self._store = store
+        self.owner = owner
 
-    async def live() -> list[Registered]:
-        return registered(await store.transactional_ids_live(live_seconds=FENCE_WINDOW_SECONDS))
+    async def live(self) -> list[Registered]:
+        rows = await self._store.transactional_ids_live(live_seconds=FENCE_WINDOW_SECONDS)
+        return _registered(rows)
 
-    async def record(ids: Sequence[str]) -> None:
-        if not await store.transactional_ids_record(owner=owner, ids=ids):
+    async def record(self, ids: Sequence[str]) -> None:
+        if not await self._store.transactional_ids_record(owner=self.owner, ids=ids):
             msg = "this dispatcher's registry row is gone (its next heartbeat writes it)"
             raise errors.DatabaseUnavailableError(msg)
 
-    async def lost(keys: WorkKeys, owners: Sequence[str]) -> list[Registered]:
-        rows = await store.lost_owners(
+    async def lost(self, keys: WorkKeys, owners: Sequence[str]) -> list[Registered]:
+        rows = await self._store.lost_owners(
             keys=[k for k, _ in keys], keyless=[kl for _, kl in keys], owners=owners
         )
-        return registered(rows)
+        return _registered(rows)
 
-    return Registry(live, record, lost)
+
+def transactional_registry(store: DispatchStore, owner: str) -> TableRegistry:
+    """Exactly-once's view of the registry for dispatcher `owner`."""
+    return TableRegistry(store, owner)
+
+
+def _registered(rows: Sequence[Row]) -> list[Registered]:
+    return [(str(r["owner"]), r["delivery"], r["transactional_ids"]) for r in rows]

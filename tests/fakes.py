@@ -213,3 +213,50 @@ class RecordingSettler:
         self.settled.append([r.id for r in batch.records])
         self.results.append(list(results))
         return len(batch.records)
+
+
+class FakeProgressStore:
+    """The exactly-once wing's store seam (kafka/exactly_once/store.ProgressStore) over no
+    table: nobody registered or lost, no row pending, every key's duty cleared, nothing needed
+    under `identity`, nobody beating. A test passes `needed` or `beating` to answer otherwise,
+    or subclasses it."""
+
+    def __init__(
+        self,
+        identity: str = "5f0c2a55-0000-4000-8000-000000000001",
+        needed: Any = None,
+        beating: Any = None,
+    ) -> None:
+        self.identity = identity
+        self._needed = needed
+        self._beating = beating
+
+    async def live(self) -> Sequence[Any]:
+        return []
+
+    async def record(self, ids: Sequence[str]) -> None:
+        pass
+
+    async def lost(self, keys: Any, owners: Sequence[str]) -> Sequence[Any]:
+        return []
+
+    async def pending(self, pairs: list[tuple[int, int]], identity: str) -> list[OutboxRecord]:
+        return []
+
+    async def reconciled(self, keys: list[tuple[str, bool]]) -> int:
+        return len(keys)
+
+    async def needed(self, pairs: list[tuple[int, int]]) -> tuple[str, set[int]]:
+        if self._needed is not None:
+            found: tuple[str, set[int]] = await self._needed(pairs)
+            return found
+        return self.identity, set()
+
+    async def beating(self) -> set[str]:
+        if self._beating is not None:
+            found: set[str] = await self._beating()
+            return found
+        return set()
+
+    async def unsettled(self) -> int:
+        return 0

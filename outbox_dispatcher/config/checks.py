@@ -17,9 +17,9 @@ from outbox_dispatcher.config.names import (
     validate_identifier,
 )
 
-# Exactly-once's progress record (kafka/progress.py): its bytes beyond its (id, replays) pairs
-# (the outbox and owner names up to about 700 bytes, a batch's tag, punctuation, the key and
-# Kafka's record and batch headers), and a pair's at most ("[<bigint>,<int>],").
+# Exactly-once's progress record (kafka/exactly_once/progress.py): its bytes beyond its (id,
+# replays) pairs (the outbox and owner names up to about 700 bytes, a batch's tag, punctuation, the
+# key and Kafka's record and batch headers), and a pair's at most ("[<bigint>,<int>],").
 PROGRESS_RECORD_OVERHEAD_BYTES = 1024
 PROGRESS_PAIR_BYTES_AT_MOST = 33
 

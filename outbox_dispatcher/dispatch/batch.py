@@ -49,7 +49,7 @@ class Settles(Protocol):
 
 
 class Deliveries(Protocol):
-    """One claim on its way (kafka/delivery.py, kafka/transactions.py): its parts as the
+    """One claim on its way (kafka/delivery.py, kafka/exactly_once/publisher.py): its parts as the
     broker answers, the final one last."""
 
     records: Sequence[OutboxRecord]
@@ -144,7 +144,7 @@ class BatchRun:
     ) -> None:
         self.batch = batch
         # claimed_at: when the claim began (the loop's clock; exactly-once sends it only with a
-        # producer that served before then: kafka/transactions.py).
+        # producer that served before then: kafka/exactly_once/publisher.py).
         self.delivery: Deliveries = publisher.publish(batch.records, heartbeat, claimed_at)
         self._publisher = publisher
         self._settling = settling
@@ -230,7 +230,7 @@ class BatchRun:
 
     def _rows(self, part: Part) -> Batch:
         # The delivery's records: the batch's, and in exactly-once the rows a lost claim
-        # committed beyond a takeover's batch (kafka/transactions.py adopts them).
+        # committed beyond a takeover's batch (kafka/exactly_once/publisher.py adopts them).
         records = self.delivery.records
         return Batch(self.batch.token, [records[i] for i in part.indices], steady=self.batch.steady)
 

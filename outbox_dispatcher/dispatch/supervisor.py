@@ -27,18 +27,19 @@ from outbox_dispatcher.dispatch.batch import SettleConfig, Settling
 from outbox_dispatcher.dispatch.claim_loop import ClaimLoop, ClaimLoopConfig, Shared
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.every import every
+from outbox_dispatcher.dispatch.progress_store import TableProgressStore
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.wakeup import Waiting, Wakeup
 from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
 from outbox_dispatcher.kafka.delivery import DeliveryConfig
+from outbox_dispatcher.kafka.exactly_once.progress import ProgressConfig
+from outbox_dispatcher.kafka.exactly_once.publisher import TransactionalPublisher
 from outbox_dispatcher.kafka.producers import ProducerConfig
-from outbox_dispatcher.kafka.progress import ProgressConfig
 from outbox_dispatcher.kafka.publisher import KafkaPublisher, PublisherConfig
 from outbox_dispatcher.kafka.records import RecordConfig
 from outbox_dispatcher.kafka.tls import ConnectionConfig
 from outbox_dispatcher.kafka.topics import TopicConfig
-from outbox_dispatcher.kafka.transactions import TransactionalPublisher
-from outbox_dispatcher.models import OutboxRecord, picked
+from outbox_dispatcher.models import picked
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.store import DispatchStore, Statements, db, listen, migrations
 
@@ -155,30 +156,8 @@ class Dispatcher:
         if s.delivery is DeliveryMode.AT_LEAST_ONCE:
             return KafkaPublisher(self.configs.publisher)
 
-        async def pending(pairs: list[tuple[int, int]], identity: str) -> list[OutboxRecord]:
-            ids, replays = [i for i, _ in pairs], [r for _, r in pairs]
-            rows = await store.pending_rows(ids=ids, replays=replays, identity=identity)
-            return [OutboxRecord.from_row(row) for row in rows]
-
-        async def needed(pairs: list[tuple[int, int]]) -> tuple[str, set[int]]:
-            ids, replays = [i for i, _ in pairs], [r for _, r in pairs]
-            row = await store.progress_needed(ids=ids, replays=replays)
-            return str(row["identity"]), {int(i) for i in row["needed"]}
-
-        async def beating() -> set[str]:
-            rows = await store.transactional_ids_live(live_seconds=registry.LIVE_SECONDS)
-            return {t for r in rows for t in r["transactional_ids"] or ()}
-
-        async def reconciled(keys: list[tuple[str, bool]]) -> int:
-            try:
-                return await store.reconciled(
-                    owner=self.owner, keys=[k for k, _ in keys], keyless=[kl for _, kl in keys]
-                )
-            except db.RETRIABLE_ERRORS as exc:
-                raise errors.DatabaseUnavailableError(errors.describe(exc)) from exc
-
-        # Registered before its ids are recorded in its row, and those before the first
-        # transaction of each: a takeover fences what it finds there (kafka/takeover.py).
+        # Registered before its ids are recorded in its row, and those before the first transaction
+        # of each: a takeover fences what it finds there (kafka/exactly_once/takeover.py).
         await registry.Heartbeat(store, s, self.owner).beat()
         # The table in its transactional ids (the database and its oid, as before schema
         # version 16), and its identity in its progress records (a uuid the schema keeps, read
@@ -189,16 +168,11 @@ class Dispatcher:
             self.configs.publisher,
             progress,
             self.owner,
-            registry.transactional_registry(store, self.owner),
-            pending,
-            reconciled,
-            needed,
-            beating,
+            TableProgressStore(store, self.owner),
             await store.outbox_identity(),
             lane_count=s.claim_tasks,
             renewed=lambda reason: self.metrics.lanes_renewed.labels(reason).inc(),
             waiting=lambda reason: self.metrics.takeovers_waiting.labels(reason).inc(),
-            unsettled=store.unsettled_work,
             fence_failed=self.metrics.fences_failed.inc,
         )
         self.metrics.partitions_held.set_function(lambda: len(made.holds.held))

@@ -40,9 +40,9 @@ class Batches:
     producers: Producers
     lookup: TopicLookup
     tracer: Tracer
-    # Exactly-once: why a row of a (topic, partition) must wait (kafka/stalls.py), if it must;
-    # and the rows (by id) that go in a producer batch of their own (a batch the broker refused
-    # whole held them: kafka/transactions.py).
+    # Exactly-once: why a row of a (topic, partition) must wait (exactly_once/stalls.py), if it
+    # must; and the rows (by id) that go in a producer batch of their own (a batch the broker
+    # refused whole held them: kafka/exactly_once/publisher.py).
     held: Callable[[tuple[str, int]], BaseException | None] | None = None
     alone: Container[int] = frozenset()
     # The producers that hold the claim's answers: closing them settles every answer.

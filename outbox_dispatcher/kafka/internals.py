@@ -32,13 +32,13 @@ ASKED_AT_ONCE = 3
 # aiokafka retries an AddPartitionsToTxn refused with CONCURRENT_TRANSACTIONS (the previous
 # transaction's markers not written yet, KAFKA-5477) after sender.BACKOFF_OVERRIDE, 20 ms, which
 # every transaction begun right after another paid: 24 ms a transaction, back to back, on one
-# local broker; 5.7 ms with 2 ms (exactly-once, kafka/transactions.py).
+# local broker; 5.7 ms with 2 ms (exactly-once, kafka/exactly_once/publisher.py).
 TRANSACTION_RETRY_SECONDS = 0.002
 
 
 async def topic_config(admin: AIOKafkaAdminClient, topic: str) -> dict[str, str]:
     """A topic's configuration, every entry (aiokafka exports no ConfigResource: the progress
-    topic's check, kafka/progress_topic.py)."""
+    topic's check, kafka/exactly_once/topic.py)."""
     [response] = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
     entries = response.to_object()["resources"][0]["config_entries"]
     return {str(e["config_names"]): str(e["config_value"]) for e in entries}

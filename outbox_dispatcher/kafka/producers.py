@@ -46,7 +46,7 @@ class ProducerConfig:
     max_batch_bytes: int
     max_request_bytes: int
     compression: str  # "none", or aiokafka's compression_type
-    # exactly-once (kafka/transactions.py): the producers' transactional id and timeout.
+    # exactly-once (kafka/exactly_once/publisher.py): the producers' transactional id and timeout.
     transactional_id: str | None = None
     transaction_timeout_seconds: float = 60.0
 
@@ -65,7 +65,7 @@ class Producers:
         # Submissions not yet handed to their producer (waiting in send_batch, see submit).
         self._submitting: dict[asyncio.Future[object], AIOKafkaProducer] = {}
         # The loop's time when the current producer began to serve (exactly-once sends a claim
-        # only with a producer that served before the claim began: kafka/transactions.py).
+        # only with a producer that served before the claim began: kafka/exactly_once/publisher.py).
         self.since = float("inf")
 
     def _aiokafka(self, context: ssl.SSLContext | None) -> AIOKafkaProducer:

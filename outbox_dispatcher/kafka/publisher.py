@@ -54,7 +54,7 @@ class KafkaPublisher:
         self,
         records: Sequence[OutboxRecord],
         heartbeat: Callable[[], None] = _nothing,
-        claimed_at: float | None = None,  # exactly-once's (kafka/transactions.py), not used here
+        claimed_at: float | None = None,  # exactly-once's (kafka/exactly_once/), not used here
     ) -> Delivery:
         """The claim's delivery: iterate it for its parts (models.Part) as the broker answers,
         the final one last. A wave whose acks take longer than EARLY_SETTLE_SECONDS (sooner once

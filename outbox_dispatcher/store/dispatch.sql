@@ -238,7 +238,7 @@ SELECT count(*) FROM {work} w
  WHERE w.claim_token IS NOT NULL AND w.claim_expires_at <= now() AND w.state <> 'x'
 
 -- outbox_identity --
--- Who this outbox is in exactly-once's progress records (kafka/progress.py): a uuid drawn at
+-- Who this outbox is in exactly-once's progress records (kafka/exactly_once/progress.py): a uuid drawn at
 -- migrate time and again by every TRUNCATE (schema version 16; issue 35, E5), so that the
 -- records of a table made again or truncated (its ids start over), or of another database
 -- migrated the same way, are never taken for this one's.
@@ -252,7 +252,7 @@ SELECT current_database() || '/' || '{table}'::regclass::oid::text
 -- pending_rows --
 -- exactly-once: the rows among the pairs ($ids, $replays) still pending with that replay count,
 -- as a claim returns them (OutboxRecord's fields): those a lost claim committed in Kafka beyond
--- a takeover's batch (kafka/takeover.py). Nothing while the outbox's identity is no longer
+-- a takeover's batch (kafka/exactly_once/takeover.py). Nothing while the outbox's identity is no longer
 -- $identity (a TRUNCATE since the progress was read: the pairs are another table's).
 SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
        o.attempts, true AS reclaimed, o.replays
@@ -548,7 +548,7 @@ SELECT count(*) FROM {dispatchers}
 -- transactional_ids_record --
 -- Exactly-once (version 15): the transactional ids dispatcher $owner may have a transaction open
 -- under, recorded before the first transaction of each, so that a takeover fences them
--- (kafka/lanes.py). Its heartbeat made its row first; returns nothing if it is gone.
+-- (kafka/exactly_once/lanes.py). Its heartbeat made its row first; returns nothing if it is gone.
 UPDATE {dispatchers} SET transactional_ids = $ids::text[], heartbeat_at = now()
  WHERE owner = $owner
 RETURNING owner

@@ -513,10 +513,10 @@ async def test_exactly_once_not_enough_replicas_leaves_other_topics_flowing(
     """A transaction with a record of the strict topic can neither commit nor end (its
     markers cannot be written to the short partition either, so its id cannot begin another
     transaction): it is given up after the transaction timeout, its lane goes on under a new
-    id, and the strict partitions are held (kafka/stalls.py), so the other topic's rows flow
-    while writers keep writing both topics' keys. With one producer a process had, every key
-    waited (0 rows of `other` in 20 s); with two lanes and no give-up, as soon as both claim
-    loops of a process met a strict row (a CI run: 0 rows)."""
+    id, and the strict partitions are held (kafka/exactly_once/stalls.py), so the other topic's rows
+    flow while writers keep writing both topics' keys. With one producer a process had, every key
+    waited (0 rows of `other` in 20 s); with two lanes and no give-up, as soon as both claim loops
+    of a process met a strict row (a CI run: 0 rows)."""
     run = await not_enough_replicas_run(
         conn,
         database_url,

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import asyncpg
@@ -21,14 +22,14 @@ from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.supervisor import configs_of
-from outbox_dispatcher.kafka import progress
-from outbox_dispatcher.kafka.lanes import LANES, Registered, Registry, WorkKeys
-from outbox_dispatcher.kafka.takeover import TakeoverWaitingError
-from outbox_dispatcher.kafka.transactional_delivery import (
+from outbox_dispatcher.kafka.exactly_once import progress
+from outbox_dispatcher.kafka.exactly_once.delivery import (
     TransactionalDelivery,
     TransactionFencedError,
 )
-from outbox_dispatcher.kafka.transactions import TransactionalPublisher
+from outbox_dispatcher.kafka.exactly_once.lanes import LANES, Registered, Registry, WorkKeys
+from outbox_dispatcher.kafka.exactly_once.publisher import TransactionalPublisher
+from outbox_dispatcher.kafka.exactly_once.takeover import TakeoverWaitingError
 from outbox_dispatcher.models import PUBLISHED, Batch, OutboxRecord, Part
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.store import DispatchStore, Statements, db, migrations
@@ -75,20 +76,7 @@ class Owners:
         self.beating: set[str] = set()  # the ids of dispatchers that beat (none by default)
 
     def registry(self, owner: str) -> Registry:
-        async def live() -> list[Registered]:
-            return [(o, "exactly-once", ids) for o, ids in self.ids.items()]
-
-        async def record(ids: Sequence[str]) -> None:
-            self.ids[owner] = list(ids)
-
-        async def lost(keys: WorkKeys, owners: Sequence[str]) -> list[Registered]:
-            """The owners the keys' duty names (from the table), with the ids they recorded."""
-            rows = await self.store.lost_owners(
-                keys=[k for k, _ in keys], keyless=[kl for _, kl in keys], owners=owners
-            )
-            return [(str(r["owner"]), "exactly-once", self.ids.get(r["owner"])) for r in rows]
-
-        return Registry(live, record, lost)
+        return OwnersRegistry(self, owner)
 
     async def publisher(self, owner: str, lanes: int = LANES) -> TransactionalPublisher:
         configs = configs_of(self.settings)
@@ -96,11 +84,7 @@ class Owners:
             configs.publisher,
             self.progress,
             owner,
-            self.registry(owner),
-            self.pending,
-            self.reconciler(owner),
-            self.needed,
-            self.beats,
+            OwnerStore(self, owner, self.registry(owner)),
             self.same_identity or await self.store.outbox_identity(),
             lane_count=lanes,
             waiting=self.waited.append,
@@ -148,6 +132,62 @@ class Owners:
     async def stop(self) -> None:
         for p in self.publishers.values():
             await p.stop()
+
+
+class OwnersRegistry:
+    """The registry of Owners' publishers: each owner's recorded ids kept in Owners.ids, the
+    lost owners read from the table."""
+
+    def __init__(self, owners: Owners, owner: str) -> None:
+        self.owners = owners
+        self.owner = owner
+
+    async def live(self) -> list[Registered]:
+        return [(o, "exactly-once", ids) for o, ids in self.owners.ids.items()]
+
+    async def record(self, ids: Sequence[str]) -> None:
+        self.owners.ids[self.owner] = list(ids)
+
+    async def lost(self, keys: WorkKeys, owners: Sequence[str]) -> list[Registered]:
+        """The owners the keys' duty names (from the table), with the ids they recorded."""
+        rows = await self.owners.store.lost_owners(
+            keys=[k for k, _ in keys], keyless=[kl for _, kl in keys], owners=owners
+        )
+        return [(str(r["owner"]), "exactly-once", self.owners.ids.get(r["owner"])) for r in rows]
+
+
+class OwnerStore:
+    """One owner's ProgressStore (kafka/exactly_once/store.py) over Owners' seams: its registry
+    (Owners.registry, faked or the table's) and Owners' reads of the table."""
+
+    def __init__(self, owners: Owners, owner: str, registry: Registry) -> None:
+        self.owners = owners
+        self.owner = owner
+        self.registry = registry
+
+    async def live(self) -> Sequence[Registered]:
+        return await self.registry.live()
+
+    async def record(self, ids: Sequence[str]) -> None:
+        await self.registry.record(ids)
+
+    async def lost(self, keys: WorkKeys, owners: Sequence[str]) -> Sequence[Registered]:
+        return await self.registry.lost(keys, owners)
+
+    async def pending(self, pairs: list[tuple[int, int]], identity: str) -> list[OutboxRecord]:
+        return await self.owners.pending(pairs, identity)
+
+    async def reconciled(self, keys: list[tuple[str, bool]]) -> int:
+        return int(await self.owners.reconciler(self.owner)(keys))
+
+    async def needed(self, pairs: list[tuple[int, int]]) -> tuple[str, set[int]]:
+        return await self.owners.needed(pairs)
+
+    async def beating(self) -> set[str]:
+        return await self.owners.beats()
+
+    async def unsettled(self) -> int:
+        return 0  # the table is taken as new (as without the seam before)
 
 
 @pytest.fixture
@@ -430,16 +470,14 @@ async def test_a_takeover_that_cannot_name_the_lost_owner_gives_its_rows_back_un
         raise ConnectionError("the database is away")
 
     configs = configs_of(good.settings)
-    registry = Registry(unreachable, good.registry("owner-b").record, unreachable)
+    registry = SimpleNamespace(
+        live=unreachable, record=good.registry("owner-b").record, lost=unreachable
+    )
     b = TransactionalPublisher(
         configs.publisher,
         configs.progress,
         "owner-b",
-        registry,
-        good.pending,
-        good.reconciler("owner-b"),
-        good.needed,
-        good.beats,
+        OwnerStore(good, "owner-b", registry),  # type: ignore[arg-type]
         await good.store.outbox_identity(),
     )
     await b.start()

@@ -19,10 +19,10 @@ from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.leases import reclaim_step, settle_crash_loops
 from outbox_dispatcher.dispatch.settler import Settler
-from outbox_dispatcher.kafka import takeover
-from outbox_dispatcher.kafka.lanes import Registry
-from outbox_dispatcher.kafka.takeover import TakeoverWaitingError
-from outbox_dispatcher.kafka.transactions import TransactionalPublisher
+from outbox_dispatcher.kafka.exactly_once import takeover
+from outbox_dispatcher.kafka.exactly_once.lanes import Registry
+from outbox_dispatcher.kafka.exactly_once.publisher import TransactionalPublisher
+from outbox_dispatcher.kafka.exactly_once.takeover import TakeoverWaitingError
 from outbox_dispatcher.metrics import Metrics
 from outbox_dispatcher.models import PUBLISHED, Batch
 from outbox_dispatcher.retries import RetryPolicy
@@ -98,13 +98,13 @@ async def test_a_takeover_that_cannot_fence_or_read_counts_no_attempt(
     monkeypatch: pytest.MonkeyPatch,
     fault: str,
 ) -> None:
-    """E7: owner-a committed its claim and died before the mark. owner-b's takeover cannot
-    fence owner-a's ids (their markers cannot be written: faked at our seam, kafka/progress's
-    fence) or cannot read the progress, 4 times with max_attempts 2: each time its rows go
-    back uncounted (their wait skipped here), the key keeping the duty; none is dead-lettered
-    by the reclaimer (before: kept leased, every try counted an attempt, and the second
-    dead-lettered the rows as a crash loop). Once the fault is gone the takeover finds them
-    committed and sends none again."""
+    """E7: owner-a committed its claim and died before the mark. owner-b's takeover cannot fence
+    owner-a's ids (their markers cannot be written: faked at our seam, kafka/exactly_once/progress's
+    fence) or cannot read the progress, 4 times with max_attempts 2: each time its rows go back
+    uncounted (their wait skipped here), the key keeping the duty; none is dead-lettered by the
+    reclaimer (before: kept leased, every try counted an attempt, and the second dead-lettered the
+    rows as a crash loop). Once the fault is gone the takeover finds them committed and sends none
+    again."""
     await insert_sequenced(conn, topic, keys=2, per_key=3)
     a = await owners.publisher("owner-a")
     lost = await owners.claim("owner-a")

@@ -14,9 +14,9 @@ from aiokafka import AIOKafkaConsumer
 
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.settler import Settler
-from outbox_dispatcher.kafka import retirement
-from outbox_dispatcher.kafka.lanes import LANES
-from outbox_dispatcher.kafka.transactional_delivery import TransactionAbortedError
+from outbox_dispatcher.kafka.exactly_once import retirement
+from outbox_dispatcher.kafka.exactly_once.delivery import TransactionAbortedError
+from outbox_dispatcher.kafka.exactly_once.lanes import LANES
 from outbox_dispatcher.models import PUBLISHED, Batch
 from outbox_dispatcher.store import db, migrations
 

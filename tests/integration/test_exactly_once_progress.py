@@ -20,8 +20,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.settler import Settler
-from outbox_dispatcher.kafka.progress_topic import ProgressTopicError
-from outbox_dispatcher.kafka.takeover import TakeoverWaitingError
+from outbox_dispatcher.kafka.exactly_once.takeover import TakeoverWaitingError
+from outbox_dispatcher.kafka.exactly_once.topic import ProgressTopicError
 from outbox_dispatcher.retries import RetryPolicy
 
 from .helpers import Services, count, insert_sequenced, kill9, log_events, spawn

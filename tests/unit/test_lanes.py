@@ -13,10 +13,10 @@ import pytest
 
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import configs_of
-from outbox_dispatcher.kafka import lanes
-from outbox_dispatcher.kafka.lanes import Lane, Lanes, Registry, least_busy
+from outbox_dispatcher.kafka.exactly_once import lanes
+from outbox_dispatcher.kafka.exactly_once.lanes import Lane, Lanes, least_busy
+from outbox_dispatcher.kafka.exactly_once.progress import ProgressConfig
 from outbox_dispatcher.kafka.producers import Producers
-from outbox_dispatcher.kafka.progress import ProgressConfig
 
 PROGRESS = ProgressConfig(
     topic="p", outbox="public.outbox", transactional_id_prefix="x.", timeout_seconds=2.0
@@ -76,7 +76,7 @@ def _made(count: int, registry: _Registry | None = None) -> Lanes:
         publisher.producer,
         PROGRESS,
         publisher.topics,
-        Registry(made.live, made.record, made.lost),
+        made,
     )
 
 
@@ -188,7 +188,7 @@ async def test_two_lanes_renewing_at_once_leave_every_serving_id_recorded(
     made = _made(2)
     await made.start()
     registry = _SlowFirstRecord()
-    made._registry = Registry(registry.live, registry.record, registry.lost)
+    made._registry = registry
     await asyncio.gather(made.renew(made[0], "a test"), made.renew(made[1], "a test"))
     serving = made.ids()
     assert serving == ["x.public.outbox.o.0.1", "x.public.outbox.o.1.1"]

@@ -109,7 +109,8 @@ def test_the_store_imports_nothing_above_it() -> None:
 
 
 # aiokafka's public API: the producer, its errors and structs, the default partitioner's hash.
-# aiokafka.admin: the documented admin client (the progress topic's creation, kafka/progress.py).
+# aiokafka.admin: the documented admin client (the progress topic's creation,
+# kafka/exactly_once/progress.py).
 AIOKAFKA_PUBLIC = (
     "aiokafka",
     "aiokafka.errors",

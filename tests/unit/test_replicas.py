@@ -15,15 +15,16 @@ import pytest
 from outbox_dispatcher import errors
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import configs_of
-from outbox_dispatcher.kafka import lanes, replicas
-from outbox_dispatcher.kafka.endings import Endings, Stall
-from outbox_dispatcher.kafka.lanes import Lanes, Registry
+from outbox_dispatcher.kafka.exactly_once import lanes, replicas
+from outbox_dispatcher.kafka.exactly_once.delivery import TransactionalDelivery
+from outbox_dispatcher.kafka.exactly_once.endings import Endings, Stall
+from outbox_dispatcher.kafka.exactly_once.lanes import Lanes
+from outbox_dispatcher.kafka.exactly_once.progress import ProgressConfig
+from outbox_dispatcher.kafka.exactly_once.replicas import CoordinatorTroubleError, short_among
+from outbox_dispatcher.kafka.exactly_once.stalls import Holds, PartitionStalledError
 from outbox_dispatcher.kafka.producers import Producers
-from outbox_dispatcher.kafka.progress import ProgressConfig
-from outbox_dispatcher.kafka.replicas import CoordinatorTroubleError, short_among
-from outbox_dispatcher.kafka.stalls import Holds, PartitionStalledError
-from outbox_dispatcher.kafka.transactional_delivery import TransactionalDelivery
 from outbox_dispatcher.models import OutboxRecord
+from tests.fakes import FakeProgressStore
 
 PROGRESS = ProgressConfig(
     topic="p", outbox="public.outbox", transactional_id_prefix="x.", timeout_seconds=2.0
@@ -68,15 +69,10 @@ async def given_up(
     async def fence(*_: Any) -> None:
         pass
 
-    async def nothing(*_: Any) -> list[Any]:
-        return []
-
     monkeypatch.setattr(Producers, "start", start)
     monkeypatch.setattr(lanes.progress, "fence", fence)
     publisher = configs_of(Settings(delivery="exactly-once")).publisher
-    made = Lanes(
-        "o", 1, publisher.producer, PROGRESS, publisher.topics, Registry(nothing, nothing, nothing)
-    )
+    made = Lanes("o", 1, publisher.producer, PROGRESS, publisher.topics, FakeProgressStore())
     renewed: list[str] = []
     holds = Holds()
     ends = Endings(made, holds, PROGRESS, None, 8.0, renewed.append, short)  # type: ignore[arg-type]

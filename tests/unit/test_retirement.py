@@ -1,6 +1,6 @@
-"""Exactly-once's progress kept bounded (kafka/retirement.py; issue 35, E8, E9): batches nobody
-needs leave a lane's list, keys get tombstones only once nothing they list is needed, an
-oversized record is an outage of the lane, and a configuration whose record cannot fit is
+"""Exactly-once's progress kept bounded (kafka/exactly_once/retirement.py; issue 35, E8, E9):
+batches nobody needs leave a lane's list, keys get tombstones only once nothing they list is needed,
+an oversized record is an outage of the lane, and a configuration whose record cannot fit is
 refused."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pydantic import ValidationError
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.kafka import failures
 from outbox_dispatcher.kafka.batches import Answer
-from outbox_dispatcher.kafka.progress import Pair, ProgressRecordTooLargeError
-from outbox_dispatcher.kafka.retirement import Retirement
-from outbox_dispatcher.kafka.transactional_delivery import TransactionalDelivery
+from outbox_dispatcher.kafka.exactly_once.delivery import TransactionalDelivery
+from outbox_dispatcher.kafka.exactly_once.progress import Pair, ProgressRecordTooLargeError
+from outbox_dispatcher.kafka.exactly_once.retirement import Retirement
 from tests.unit.test_transactions import ID, publisher_of, record
 
 

@@ -1,5 +1,5 @@
-"""Exactly-once's holds on partitions that did not acknowledge (kafka/stalls.py): how long a
-partition's rows wait, who probes it, and what a held row's settle records."""
+"""Exactly-once's holds on partitions that did not acknowledge (kafka/exactly_once/stalls.py): how
+long a partition's rows wait, who probes it, and what a held row's settle records."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import uuid
 from datetime import UTC, datetime
 
 from outbox_dispatcher.config.settings import Settings
-from outbox_dispatcher.kafka.stalls import Holds, PartitionStalledError
+from outbox_dispatcher.kafka.exactly_once.stalls import Holds, PartitionStalledError
 from outbox_dispatcher.models import OutboxRecord, Outcome
 from outbox_dispatcher.retries import RetryPolicy
 

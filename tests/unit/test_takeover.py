@@ -1,7 +1,8 @@
 """Exactly-once's takeover fences (review E6, E7): the owners whose claims it stands in for are
 fenced whatever their heartbeat's age, and an id it cannot fence makes it wait; any other
 dispatcher's id is fenced as it can, and a failure there holds nobody up. Faked at our own seam
-(kafka/progress.fence); the same against Kafka: tests/integration/test_exactly_once_fence.py."""
+(kafka/exactly_once/progress.fence); the same against Kafka:
+tests/integration/test_exactly_once_fence.py."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import configs_of
-from outbox_dispatcher.kafka import takeover as takeover_module
-from outbox_dispatcher.kafka.lanes import Registered, Registry
-from outbox_dispatcher.kafka.progress import ProgressConfig
-from outbox_dispatcher.kafka.retirement import Retirement
-from outbox_dispatcher.kafka.takeover import FenceFailedError, Takeover
+from outbox_dispatcher.kafka.exactly_once import takeover as takeover_module
+from outbox_dispatcher.kafka.exactly_once.lanes import Registered
+from outbox_dispatcher.kafka.exactly_once.progress import ProgressConfig
+from outbox_dispatcher.kafka.exactly_once.retirement import Retirement
+from outbox_dispatcher.kafka.exactly_once.takeover import FenceFailedError, Takeover
 from outbox_dispatcher.models import OutboxRecord
+from tests.fakes import FakeProgressStore
 
 PROGRESS = ProgressConfig(
     topic="p", outbox="public.outbox", transactional_id_prefix="x.", timeout_seconds=2.0
@@ -32,11 +34,12 @@ def record(i: int, key: str) -> OutboxRecord:
     )  # fmt: skip
 
 
-class _Registry:
+class _Registry(FakeProgressStore):
     """owner-a's lease expired (the duty names it) and its heartbeat is hours old: the window
     of live dispatchers lists only owner-c, which has nothing to do with these keys."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.asked: list[tuple[list[tuple[str, bool]], list[str]]] = []
 
     async def live(self) -> Sequence[Registered]:
@@ -60,9 +63,7 @@ def made(failed: list[int]) -> tuple[Takeover, _Registry]:
         PROGRESS,
         configs_of(Settings(delivery="exactly-once")).publisher.producer,
         "me",
-        Registry(registry.live, registry.record, registry.lost),
-        nothing,
-        nothing,
+        registry,
         fence_seconds=1.0,
         retire=Retirement(nothing, nothing, "5f0c2a55-0000-4000-8000-000000000001"),
         fence_failed=lambda: failed.append(1),

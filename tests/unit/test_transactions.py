@@ -15,23 +15,22 @@ from pydantic import ValidationError
 
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import configs_of
-from outbox_dispatcher.kafka import progress
 from outbox_dispatcher.kafka.batches import Answer, Batches
-from outbox_dispatcher.kafka.endings import Stall
-from outbox_dispatcher.kafka.lanes import Registry
-from outbox_dispatcher.kafka.progress import ProgressConfig
-from outbox_dispatcher.kafka.records import RecordEncoder
-from outbox_dispatcher.kafka.transactional_delivery import (
+from outbox_dispatcher.kafka.exactly_once import progress
+from outbox_dispatcher.kafka.exactly_once.delivery import (
     TransactionAbortedError,
     TransactionalDelivery,
     TransactionFencedError,
     TransactionRefusedError,
 )
-from outbox_dispatcher.kafka.transactions import TransactionalPublisher
+from outbox_dispatcher.kafka.exactly_once.endings import Stall
+from outbox_dispatcher.kafka.exactly_once.progress import ProgressConfig
+from outbox_dispatcher.kafka.exactly_once.publisher import TransactionalPublisher
+from outbox_dispatcher.kafka.records import RecordEncoder
 from outbox_dispatcher.models import Failure, OutboxRecord, Outcome, Result
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.tracing import Tracer
-from tests.fakes import FakeProducer, publisher_with, rec
+from tests.fakes import FakeProducer, FakeProgressStore, publisher_with, rec
 
 CONFIG = ProgressConfig(
     topic="p", outbox="public.outbox", transactional_id_prefix="x.", timeout_seconds=2.0
@@ -49,29 +48,12 @@ async def _nothing(*_: Any) -> Any:
 
 
 def publisher_of(settings: Settings, needed: Any = None, beating: Any = None) -> Any:
-    """A TransactionalPublisher whose database seams answer nothing (or as given)."""
-
-    async def no_pairs(pairs: Any) -> tuple[str, set[int]]:
-        return ID, set()
-
-    async def nobody() -> set[str]:
-        return set()
-
-    async def cleared(keys: Any) -> int:
-        return len(keys)
-
-    async def lost(*_: Any) -> list[Any]:
-        return []
-
+    """A TransactionalPublisher whose database seam answers nothing (or as given)."""
     return TransactionalPublisher(
         configs_of(settings).publisher,
         CONFIG,
         "o",
-        Registry(_nothing, _nothing, lost),
-        _nothing,
-        cleared,
-        needed or no_pairs,
-        beating or nobody,
+        FakeProgressStore(ID, needed, beating),
         ID,
     )
 

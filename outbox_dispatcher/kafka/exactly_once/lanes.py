@@ -7,7 +7,7 @@ claim loops' transactions are open at once.
 
 A lane's id changes when its transaction stalls on a partition that does not acknowledge: that
 id cannot begin another transaction until the partition takes the stalled one's markers
-(kafka/stalls.py), so the lane goes on under the id of its next generation. Every id a
+(kafka/exactly_once/stalls.py), so the lane goes on under the id of its next generation. Every id a
 dispatcher may have a transaction open under is recorded in its registry row before its first
 transaction (schema version 15), and a takeover fences what is recorded there.
 """
@@ -18,16 +18,17 @@ import asyncio
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any, Protocol, overload
 
 import structlog
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import internals, progress
+from outbox_dispatcher.kafka import internals
+from outbox_dispatcher.kafka.exactly_once import progress
+from outbox_dispatcher.kafka.exactly_once.progress import ProgressConfig
 from outbox_dispatcher.kafka.producers import ProducerConfig, Producers
-from outbox_dispatcher.kafka.progress import ProgressConfig
 from outbox_dispatcher.kafka.topics import TopicConfig, TopicLookup
 
 log = structlog.get_logger(__name__)
@@ -41,19 +42,24 @@ Registered = tuple[str, str | None, Sequence[str] | None]
 WorkKeys = Sequence[tuple[str, bool]]
 
 
-@dataclass(frozen=True)
-class Registry:
-    """The dispatchers' registry as exactly-once uses it (dispatch/supervisor.py builds it)."""
+class Registry(Protocol):
+    """The dispatchers' registry as exactly-once uses it: the part of the store seam
+    (store.ProgressStore) that the lanes and a takeover's fences need."""
 
-    # Every dispatcher of the table that beat lately, with the ids it recorded: a takeover
-    # fences them as it can (their open transactions would hold the progress partition).
-    live: Callable[[], Awaitable[Sequence[Registered]]]
-    # Record this dispatcher's transactional ids (before the first transaction of each).
-    record: Callable[[Sequence[str]], Awaitable[None]]
-    # The owners whose claims a takeover stands in for, whatever their heartbeat's age: those
-    # the reconcile duty of the work keys names, and the owners given (store `lost_owners`). A
-    # takeover fences every id of theirs, or waits (review E6, E7).
-    lost: Callable[[WorkKeys, Sequence[str]], Awaitable[Sequence[Registered]]]
+    async def live(self) -> Sequence[Registered]:
+        """Every dispatcher of the table that beat lately, with the ids it recorded: a takeover
+        fences them as it can (their open transactions would hold the progress partition)."""
+        ...
+
+    async def record(self, ids: Sequence[str]) -> None:
+        """Record this dispatcher's transactional ids (before the first transaction of each)."""
+        ...
+
+    async def lost(self, keys: WorkKeys, owners: Sequence[str]) -> Sequence[Registered]:
+        """The owners whose claims a takeover stands in for, whatever their heartbeat's age:
+        those the reconcile duty of the work keys names, and the owners given (store
+        `lost_owners`). A takeover fences every id of theirs, or waits (review E6, E7)."""
+        ...
 
 
 def lane_name(owner: str, number: int, generation: int = 0) -> str:
@@ -95,7 +101,7 @@ class Lane:
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     unmarked: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # tag: pairs
     # The tags its id's last committed record listed; the ids it gave up, each with those of
-    # its last record (tombstoned once they all left `unmarked`: kafka/retirement.py).
+    # its last record (tombstoned once they all left `unmarked`: kafka/exactly_once/retirement.py).
     last_listed: frozenset[str] = frozenset()
     given_up: list[tuple[str, frozenset[str]]] = field(default_factory=list)
     given: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # not yet transacted

@@ -8,8 +8,8 @@ read, nothing is sent: its rows go back, uncounted, their keys keeping the duty.
 
 The duty to reconcile is durable (the key's work row keeps `reconcile_owner` from the claim that
 found its lease expired): a claim returns a key's rows as reclaimed until a takeover read the
-progress and cleared it (`Reconciling`), so a pause, a cancel or a lost claim reply in between
-leaves the next claim of the key a takeover too.
+progress and cleared it (`ProgressStore.reconciled`), so a pause, a cancel or a lost claim reply in
+between leaves the next claim of the key a takeover too.
 
 Rows are matched by (id, replays) under the outbox's identity read from the database at each
 takeover (issue 35, E5): a replayed row, or a row of a table truncated since, is sent again,
@@ -19,7 +19,7 @@ never marked from a stale record.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,16 +27,18 @@ import structlog
 from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import lanes, progress, progress_topic
-from outbox_dispatcher.kafka.lanes import Lane, Registry
-from outbox_dispatcher.kafka.producers import ProducerConfig
-from outbox_dispatcher.kafka.progress import (
+from outbox_dispatcher.kafka.exactly_once import lanes, progress
+from outbox_dispatcher.kafka.exactly_once import topic as progress_topic
+from outbox_dispatcher.kafka.exactly_once.lanes import Lane
+from outbox_dispatcher.kafka.exactly_once.progress import (
     Pair,
     ProgressConfig,
     ProgressUnavailableError,
     Record,
 )
-from outbox_dispatcher.kafka.retirement import Retirement
+from outbox_dispatcher.kafka.exactly_once.retirement import Retirement
+from outbox_dispatcher.kafka.exactly_once.store import ProgressStore
+from outbox_dispatcher.kafka.producers import ProducerConfig
 from outbox_dispatcher.models import OutboxRecord, work_keys
 
 log = structlog.get_logger(__name__)
@@ -52,7 +54,7 @@ END_MARGIN_SECONDS = 15.0
 
 
 class Reconciled(Protocol):
-    """What a takeover decides of a claim (kafka/transactions.TransactionalDelivery)."""
+    """What a takeover decides of a claim (kafka/exactly_once/publisher.TransactionalDelivery)."""
 
     records: list[OutboxRecord]
 
@@ -60,22 +62,12 @@ class Reconciled(Protocol):
     def adopt(self, rows: Sequence[OutboxRecord]) -> None: ...
 
 
-# The rows of these (id, replays) pairs still pending, while the identity is still this one.
-PendingRows = Callable[[list[Pair], str], Awaitable[Sequence[OutboxRecord]]]
-# The keys (the work rows' keys: a row without one is keyed by its id) whose reconcile duty a
-# takeover did, under this dispatcher's live leases (store.DispatchStore.reconciled).
-# Returns how many keys it cleared.
-Reconciling = Callable[[list[tuple[str, bool]]], Awaitable[int]]
-
-
 @dataclass(frozen=True)
 class Takeover:
     progress: ProgressConfig
     producer: ProducerConfig  # the lanes' (a fence starts one under another id)
     owner: str
-    registry: Registry
-    pending: PendingRows
-    reconciled: Reconciling
+    store: ProgressStore  # the registry, the rows still pending, the reconcile duty
     fence_seconds: float  # a fence that takes longer: the id's markers cannot be written yet
     retire: Retirement  # the outbox's identity; the keys read, tombstoned when done
     # Another dispatcher's id could not be fenced (a metric; the takeover goes on).
@@ -95,12 +87,12 @@ class Takeover:
         this dispatcher."""
         keys = work_keys([r for r in records if r.reclaimed])
         try:
-            lost = await self.registry.lost(keys, owners)
+            lost = await self.store.lost(keys, owners)
         except Exception as exc:  # the database is away: the rows wait
             raise ProgressUnavailableError(errors.describe(exc)) from exc
         strict = lanes.fence_ids(self.progress, lost, self.owner)
         try:
-            registered = await self.registry.live()
+            registered = await self.store.live()
         except Exception as exc:  # noqa: BLE001 - best effort: the read waits for them
             log.warning("takeover_registry_unread", error=errors.describe(exc))
             registered = []
@@ -143,7 +135,7 @@ class Takeover:
         beyond = sorted(committed - {r.pair for r in d.records})
         if keys and beyond:
             try:
-                found = await self.pending(beyond, self.retire.identity)
+                found = await self.store.pending(beyond, self.retire.identity)
             except Exception as exc:  # the database is away: the rows wait
                 raise ProgressUnavailableError(errors.describe(exc)) from exc
             rows = [r for r in found if r.ordering_key in keys]
@@ -162,7 +154,7 @@ class Takeover:
         Otherwise ProgressUnavailableError: nothing sent, the rows given back, the duty kept."""
         keys = work_keys(records)
         try:
-            cleared = await self.reconciled(keys)
+            cleared = await self.store.reconciled(keys)
         except errors.OutboxDispatcherError as exc:  # the database is away: the duty stays
             raise ProgressUnavailableError(f"the duty was not cleared: {exc}") from exc
         if cleared < len(keys):
@@ -174,7 +166,7 @@ class Takeover:
         outbox's identity read now: this dispatcher's lanes whose commit went unanswered
         replaced first (a fresh producer ends it), then the progress read to its end (this
         dispatcher's own from memory as well). The other keys read are due a tombstone once
-        nothing they list is needed (kafka/retirement.py)."""
+        nothing they list is needed (kafka/exactly_once/retirement.py)."""
         try:
             identity = await self.retire.refresh(own)
         except Exception as exc:  # the database is away: the rows wait

@@ -1,7 +1,7 @@
 """Exactly-once (review E14): whether the partitions a transaction stalled on are short of
 in-sync replicas, read from the cluster's metadata and the topics' min.insync.replicas.
 
-A partition that does not acknowledge is held (kafka/stalls.py) because it is taken for short of
+A partition that does not acknowledge is held (stalls.py) because it is taken for short of
 replicas. Brokers with transaction verification (KIP-890 part 1, 3.6+) answer a producer of
 aiokafka's Produce version NOT_ENOUGH_REPLICAS also when the transaction coordinator is in trouble
 (CONCURRENT_TRANSACTIONS, COORDINATOR_NOT_AVAILABLE, NOT_COORDINATOR, ...), and aiokafka retries
@@ -21,8 +21,9 @@ import structlog
 from aiokafka.admin import AIOKafkaAdminClient
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import internals, progress
-from outbox_dispatcher.kafka.stalls import TopicPartition
+from outbox_dispatcher.kafka import internals
+from outbox_dispatcher.kafka.exactly_once import progress
+from outbox_dispatcher.kafka.exactly_once.stalls import TopicPartition
 from outbox_dispatcher.kafka.tls import ConnectionConfig
 
 log = structlog.get_logger(__name__)

@@ -5,7 +5,7 @@ A transaction with a record for a partition that does not acknowledge (NotEnough
 broker refuses the append while the partition is short of in-sync replicas) can neither commit
 nor end: its abort markers cannot be written to that partition either, so its transactional id
 cannot begin another transaction until the partition recovers. Its lane gives it up and takes a
-new id (kafka/lanes.py); these holds keep the partition's rows out of the transactions that
+new id (lanes.py); these holds keep the partition's rows out of the transactions that
 follow, so that one short partition costs one lane a stall, not every lane its own. Past its
 hold, one transaction at a time (a probe) may carry the partition's rows again: acknowledged,
 the hold ends; stalled again, it lasts twice as long (up to HOLD_MOST_SECONDS).
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from outbox_dispatcher import errors
 
+HELD = "did not acknowledge a recent transaction"
 HOLD_FIRST_SECONDS = 2.0
 HOLD_MOST_SECONDS = 30.0
 
@@ -64,6 +65,16 @@ class Holds:
             hold.probe = lane
             return None
         return max(hold.until - now, self.first)
+
+    def why(self, lane: object) -> Callable[[TopicPartition], BaseException | None]:
+        """Why a row of a partition must wait before `lane` sends it, if it must (the check
+        kafka/batches.py makes of each row it hands to a producer batch)."""
+
+        def held(partition: TopicPartition) -> BaseException | None:
+            delay = self.wait_for(partition, lane)
+            return None if delay is None else PartitionStalledError(partition, delay, HELD)
+
+        return held
 
     def stalled(self, partitions: Iterable[TopicPartition]) -> float:
         """A transaction stalled on `partitions`: each is held, twice as long as after its last

@@ -1,4 +1,4 @@
-"""Exactly-once's claim in one transaction (kafka/transactions.py sends it): its rows, every
+"""Exactly-once's claim in one transaction (publisher.py sends it): its rows, every
 row's outcome once decided, and what may be settled. All or nothing: while a begun transaction's
 outcome is unknown, no row of it is settled (a partial settle would release their keys)."""
 
@@ -13,13 +13,14 @@ from outbox_dispatcher import errors
 from outbox_dispatcher.models import OutboxRecord, Part
 
 if TYPE_CHECKING:
-    from outbox_dispatcher.kafka.lanes import Lane
+    from outbox_dispatcher.kafka.exactly_once.lanes import Lane
+    from outbox_dispatcher.kafka.exactly_once.progress import Listed
 
 UNKNOWN: BaseException = errors.BrokerUnavailableError("the transaction's outcome is unknown")
 
 
 class Transacts(Protocol):
-    """What sends a delivery: kafka/transactions.TransactionalPublisher."""
+    """What sends a delivery: kafka/exactly_once/publisher.TransactionalPublisher."""
 
     def parts(self, d: TransactionalDelivery) -> AsyncGenerator[Part, None]: ...
 
@@ -58,7 +59,7 @@ class TransactionalDelivery:
         records: Sequence[OutboxRecord],
         claimed_at: float,
     ) -> None:
-        self.lane = lane  # its producer, chosen at the claim (kafka/lanes.py)
+        self.lane = lane  # its producer, chosen at the claim (kafka/exactly_once/lanes.py)
         lane.given.add(self)
         self.records = list(records)  # grows by the rows a takeover adopts (see adopt)
         self.parked = False
@@ -71,7 +72,7 @@ class TransactionalDelivery:
         self.earlier: list[tuple[int, int]] = []
         self.marked_every_row = True
         # What its last transaction's progress record said: the outbox's identity, the tags
-        # listed, the keys tombstoned (kafka/retirement.py).
+        # listed, the keys tombstoned (kafka/exactly_once/retirement.py).
         self.identity = ""
         self.listed_tags: frozenset[str] = frozenset()
         self.tombstones: list[str] = []
@@ -115,10 +116,36 @@ class TransactionalDelivery:
         return list(dict.fromkeys(self.earlier + self.sent))
 
     def committed_now(self) -> list[tuple[int, int]]:
-        """Its transaction committed: every pair of its committed transactions so far."""
+        """Its transaction committed: every pair of its committed transactions so far, listed
+        under its tag in its lane's batches not seen marked (returned too)."""
         self.earlier = self.listed()
         self.committed = True
+        self.lane.unmarked[self.tag] = list(self.earlier)
         return list(self.earlier)
+
+    def not_committed(self) -> None:
+        """Its transaction ended without committing (aborted, given up): none of its rows is
+        in Kafka, so none is listed as sent."""
+        self.sent.clear()
+
+    def handed(self, indices: Sequence[int], identity: str, tombstones: list[str]) -> Listed:
+        """Its rows `indices` were handed to the producer: what its progress record lists (its
+        lane's batches not seen marked, and its own under its tag), remembered with the outbox's
+        identity and the keys tombstoned in the same transaction (endings.py reads them)."""
+        self.sent = [self.records[i].pair for i in indices]
+        listed = {**self.lane.unmarked, self.tag: self.listed()}
+        self.identity = identity
+        self.listed_tags = frozenset(listed)
+        self.tombstones = tombstones
+        return listed
+
+    def marked(self, *, every_row: bool, final: bool) -> None:
+        """A part's mark is in the database (TransactionalPublisher.marked says why): once the
+        final one is, and every part's mark changed every row, its lane's later progress
+        records leave it out."""
+        self.marked_every_row = self.marked_every_row and every_row
+        if final and self.marked_every_row:
+            self.lane.unmarked.pop(self.tag, None)
 
     def begin(self, indices: Sequence[int]) -> None:
         """A transaction of these rows begins: until they are decided, their outcome may be

@@ -20,7 +20,8 @@ from aiokafka import errors as kafka_errors
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import internals, progress
+from outbox_dispatcher.kafka import internals
+from outbox_dispatcher.kafka.exactly_once import progress
 from outbox_dispatcher.kafka.tls import ConnectionConfig
 
 log = structlog.get_logger(__name__)

@@ -1,33 +1,34 @@
-"""How an exactly-once transaction ends (kafka/transactions.py sends it): committed, its
+"""How an exactly-once transaction ends (kafka/exactly_once/publisher.py sends it): committed, its
 unknown commit resolved from the progress, aborted (the refused row blamed, a fenced lane given
 a new id), or given up after waiting in vain for its acks (its lane given a new id, the
-partitions that did not answer held: kafka/stalls.py)."""
+partitions that did not answer held: kafka/exactly_once/stalls.py)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
 from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import failures, internals, progress, replicas
+from outbox_dispatcher.kafka import failures, internals
 from outbox_dispatcher.kafka.batches import Answer, Batches
-from outbox_dispatcher.kafka.lanes import Lanes
-from outbox_dispatcher.kafka.producers import NotSubmitted
-from outbox_dispatcher.kafka.progress import ProgressConfig
-from outbox_dispatcher.kafka.replicas import ShortOfReplicas
-from outbox_dispatcher.kafka.stalls import Holds, PartitionStalledError, TopicPartition
-from outbox_dispatcher.kafka.takeover import KAFKA_TROUBLE, Takeover
-from outbox_dispatcher.kafka.transactional_delivery import (
+from outbox_dispatcher.kafka.exactly_once import progress, replicas
+from outbox_dispatcher.kafka.exactly_once.delivery import (
     UNKNOWN,
     TransactionAbortedError,
     TransactionalDelivery,
     TransactionFencedError,
     TransactionRefusedError,
 )
+from outbox_dispatcher.kafka.exactly_once.lanes import Lanes
+from outbox_dispatcher.kafka.exactly_once.progress import ProgressConfig
+from outbox_dispatcher.kafka.exactly_once.replicas import ShortOfReplicas
+from outbox_dispatcher.kafka.exactly_once.stalls import Holds, PartitionStalledError, TopicPartition
+from outbox_dispatcher.kafka.exactly_once.takeover import KAFKA_TROUBLE, Takeover
+from outbox_dispatcher.kafka.producers import NotSubmitted
 
 log = structlog.get_logger(__name__)
 
@@ -94,7 +95,7 @@ class Endings:
             else:
                 outcome = TransactionFencedError(f"given up: partitions {', '.join(names)} {where}")
             d.decide([i], outcome)
-        d.sent.clear()
+        d.not_committed()
         await self.lanes.renew(d.lane, f"partitions {', '.join(names)} {where}")
         self.renewed("stalled" if short or stall.progress else "coordinator")
         # The closed producer failed them; their errors read, none left unretrieved.
@@ -137,7 +138,7 @@ class Endings:
             # The refused batch used up sequence numbers the broker never saw: the next
             # transaction starts a fresh producer (a new epoch under the same id).
             producers.condemn(cause)
-        d.sent.clear()
+        d.not_committed()
         aborted: type[TransactionAbortedError] = TransactionAbortedError  # an outage: the pause
         if fenced:
             aborted = TransactionFencedError
@@ -158,7 +159,7 @@ class Endings:
             if isinstance(exc, asyncio.CancelledError):
                 raise  # left unknown, leased: the next takeover reads the progress
             return await self.resolve(d, indices)
-        d.lane.unmarked[d.tag] = d.committed_now()
+        d.committed_now()
         d.decide(indices, None)
         return True
 
@@ -178,7 +179,7 @@ class Endings:
         last = progress.last_batches(self.progress, d.identity, values)
         mine = last.get(d.lane.transactional_id, {})
         if set(mine.get(d.tag, [])) >= set(d.sent):  # the tag also lists earlier transactions
-            d.lane.unmarked[d.tag] = d.committed_now()
+            d.committed_now()
             d.decide(indices, None)
             return True
         d.decide(indices, TransactionAbortedError("the commit did not take"))
@@ -201,3 +202,14 @@ def is_fencing(exc: BaseException) -> bool:
     """The producer is past its transaction: its state lost (failures.PRODUCER_STATE, a fence
     among them), or aiokafka refusing a producer a fatal error ended."""
     return failures.is_producer_state(exc) or isinstance(exc, kafka_errors.IllegalOperation)
+
+
+async def answered_within(
+    futures: Sequence[asyncio.Future[object]], seconds: float
+) -> set[asyncio.Future[object]]:
+    """Wait for every future's answer, `seconds` at most; those still unanswered then (an abort
+    reads them first: none of the epoch left in flight)."""
+    if not futures:
+        return set()
+    _, missing = await asyncio.wait(futures, timeout=seconds)
+    return missing

@@ -1,14 +1,14 @@
 """Exactly-once publication (OUTBOX_DELIVERY=exactly-once; docs/design/exactly-once.md).
 
 A claim's records go out in one Kafka transaction, ended by the lane's progress record
-(kafka/progress.py), under the lane's transactional id (kafka/lanes.py); its rows are marked only
-once the transaction committed. A claim that took rows over from a lost claim is reconciled
-first (kafka/takeover.py). A commit whose outcome is unknown is settled by the progress once the
-producer is replaced (its successor's start ends the transaction), and if that cannot be read
-the rows stay leased, unsettled, for the next takeover to decide. A transaction whose records
-are not all acknowledged in time is given up: its lane goes on under a new id, and the partitions
-that did not acknowledge are held (kafka/stalls.py). How a transaction ends: kafka/endings.py.
-What the records list, and the tombstones that end keys: kafka/retirement.py.
+(progress.py), under the lane's transactional id (lanes.py); its rows are marked only once the
+transaction committed. A claim that took rows over from a lost claim is reconciled first
+(takeover.py). A commit whose outcome is unknown is settled by the progress once the producer
+is replaced (its successor's start ends the transaction), and if that cannot be read the rows
+stay leased, unsettled, for the next takeover to decide. A transaction whose records are not
+all acknowledged in time is given up: its lane goes on under a new id, and the partitions that
+did not acknowledge are held (stalls.py). How a transaction ends: endings.py. What the records
+list, and the tombstones that end keys: retirement.py. (Module names: kafka/exactly_once/.)
 """
 
 from __future__ import annotations
@@ -16,40 +16,45 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 
 import structlog
 
 from outbox_dispatcher import errors
-from outbox_dispatcher.kafka import failures, internals, lanes, progress, progress_topic, replicas
+from outbox_dispatcher.kafka import failures, internals
 from outbox_dispatcher.kafka.batches import Answer, Batches
-from outbox_dispatcher.kafka.endings import Endings, Stall, cause_of, failure_of
-from outbox_dispatcher.kafka.lanes import Lane, Registry
-from outbox_dispatcher.kafka.progress import (
-    Pair,
-    ProgressConfig,
-    ProgressEndUnreachedError,
-    ProgressRecordTooLargeError,
-    ProgressUnavailableError,
-)
-from outbox_dispatcher.kafka.publisher import PublisherConfig
-from outbox_dispatcher.kafka.records import RecordEncoder
-from outbox_dispatcher.kafka.retirement import Beating, Needed, Retirement
-from outbox_dispatcher.kafka.stalls import Holds, PartitionStalledError, TopicPartition
-from outbox_dispatcher.kafka.takeover import (
-    KAFKA_TROUBLE,
-    FenceFailedError,
-    PendingRows,
-    Reconciling,
-    Takeover,
-    TakeoverWaitingError,
-)
-from outbox_dispatcher.kafka.topics import ClaimLookups
-from outbox_dispatcher.kafka.transactional_delivery import (
+from outbox_dispatcher.kafka.exactly_once import lanes, progress, replicas
+from outbox_dispatcher.kafka.exactly_once import topic as progress_topic
+from outbox_dispatcher.kafka.exactly_once.delivery import (
     TransactionAbortedError,
     TransactionalDelivery,
     TransactionFencedError,
 )
+from outbox_dispatcher.kafka.exactly_once.endings import (
+    Endings,
+    Stall,
+    answered_within,
+    cause_of,
+    failure_of,
+)
+from outbox_dispatcher.kafka.exactly_once.progress import (
+    Pair,
+    ProgressConfig,
+    ProgressEndUnreachedError,
+    ProgressUnavailableError,
+)
+from outbox_dispatcher.kafka.exactly_once.retirement import Retirement
+from outbox_dispatcher.kafka.exactly_once.stalls import Holds
+from outbox_dispatcher.kafka.exactly_once.store import ProgressStore
+from outbox_dispatcher.kafka.exactly_once.takeover import (
+    KAFKA_TROUBLE,
+    FenceFailedError,
+    Takeover,
+    TakeoverWaitingError,
+)
+from outbox_dispatcher.kafka.publisher import PublisherConfig
+from outbox_dispatcher.kafka.records import RecordEncoder
+from outbox_dispatcher.kafka.topics import ClaimLookups
 from outbox_dispatcher.models import OutboxRecord, Part
 from outbox_dispatcher.tracing import Tracer
 
@@ -57,7 +62,6 @@ log = structlog.get_logger(__name__)
 
 NOTHING_SENT = errors.NotAttempted("nothing of the batch could be sent")
 REPLACED = "the producer was replaced after the claim began: its rows are given back, not sent"
-HELD = "did not acknowledge a recent transaction"
 # Rows remembered to go alone at most (a safety bound: each is forgotten once it is decided).
 ALONE_AT_MOST = 10_000
 # A transaction's acks are waited for this share of its timeout at most (publish_timeout less).
@@ -66,33 +70,27 @@ STALL_SHARE_OF_TIMEOUT = 0.8
 
 class TransactionalPublisher:
     """KafkaPublisher's face for exactly-once: a transactional producer per lane (up to one per
-    claim loop), one transaction at a time on each; `registry` records this dispatcher's ids and
-    names the others' (a takeover fences them)."""
+    claim loop), one transaction at a time on each; `store`: what it asks of the outbox table
+    (its registry records this dispatcher's ids and names the others', which a takeover
+    fences)."""
 
     def __init__(
         self,
         config: PublisherConfig,
         progress_config: ProgressConfig,
         owner: str,
-        registry: Registry,
-        pending: PendingRows,
-        reconciled: Reconciling,
-        needed: Needed,
-        beating: Beating,
+        store: ProgressStore,
         identity: str,
         lane_count: int = lanes.LANES,
         renewed: Callable[[str], None] = lambda reason: None,
         waiting: Callable[[str], None] = lambda reason: None,
-        unsettled: Callable[[], Awaitable[int]] | None = None,
         fence_failed: Callable[[], None] = lambda: None,
     ) -> None:
         self.owner = owner
         self._progress = progress_config
         # A takeover that could not fence a lost owner or read the progress (a metric).
         self._waiting = waiting
-        # Keys leased or holding the reconcile duty (a missing progress topic is then not made
-        # again at start: kafka/progress_topic.py); None: the table is taken as new.
-        self._unsettled = unsettled or nothing_unsettled
+        self._store = store
         # No linger: a transaction's records are all handed at once and its commit waits for
         # them; only the progress record (send(), not a closed batch) would linger.
         producer = dataclasses.replace(
@@ -100,27 +98,23 @@ class TransactionalPublisher:
             transaction_timeout_seconds=progress_config.timeout_seconds,
             linger_ms=0,
         )
-        self.lanes = lanes.Lanes(
-            owner, lane_count, producer, progress_config, config.topics, registry
-        )
+        self.lanes = lanes.Lanes(owner, lane_count, producer, progress_config, config.topics, store)
         self._connection = producer.connection
         self._max_request_bytes = producer.max_request_bytes
         fence_seconds = max(progress_config.timeout_seconds, 10.0)
-        self.retire = Retirement(needed, beating, identity)
+        self.retire = Retirement(store.needed, store.beating, identity)
         self._takeover = Takeover(
             progress_config,
             producer,
             owner,
-            registry,
-            pending,
-            reconciled,
+            store,
             fence_seconds,
             self.retire,
             fence_failed,
         )
         self._encoder = RecordEncoder(config.records)
         self._tracer = Tracer(config.tracing)
-        # How long a transaction's acks are waited for before it is given up (kafka/stalls.py):
+        # How long a transaction's acks are waited for before it is given up (stalls.py):
         # before the broker's own timeout aborts it, whose fence would leave the id waiting
         # for the markers of a partition that does not take them.
         self.stall_seconds = min(
@@ -151,7 +145,8 @@ class TransactionalPublisher:
         internals.quicken_transaction_retries()
         await self.lanes.start()
         try:
-            await progress_topic.ensure(self._connection, self._progress.topic, self._unsettled)
+            topic = self._progress.topic
+            await progress_topic.ensure(self._connection, topic, self._store.unsettled)
         except BaseException as exc:
             await self.lanes.stop()
             if isinstance(exc, KAFKA_TROUBLE):
@@ -160,7 +155,8 @@ class TransactionalPublisher:
 
     async def stop(self) -> None:
         """A graceful stop: each lane tombstones its id once nothing its records list is
-        needed (kafka/retirement.py), within the transaction timeout; then the producers stop."""
+        needed (retirement.py), within the transaction timeout; then the
+        producers stop."""
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self._progress.timeout_seconds):
                 await self.retire.farewell(self.lanes, self._progress.topic)
@@ -197,9 +193,7 @@ class TransactionalPublisher:
         changed every row, later progress records leave the batch out (a row another claim
         took over may be that claim's to reconcile; a part whose mark failed keeps it listed:
         its rows' lease expires and the takeover reads the progress)."""
-        delivery.marked_every_row = delivery.marked_every_row and every_row
-        if final and delivery.marked_every_row:
-            delivery.lane.unmarked.pop(delivery.tag, None)
+        delivery.marked(every_row=every_row, final=final)
 
     async def committed_of(self, pairs: Sequence[Pair], owners: Sequence[str] = ()) -> set[int]:
         """Which ids of these (id, replays) pairs a lost claim committed (review E13: rows the
@@ -316,7 +310,7 @@ class TransactionalPublisher:
             producers=lane.producers,
             lookup=lane.topics,
             tracer=self._tracer,
-            held=self._held(lane),
+            held=self.holds.why(lane),
             alone=self._alone,
         )
         try:
@@ -368,36 +362,6 @@ class TransactionalPublisher:
                 lane.last_listed = d.listed_tags
                 self.retire.sent(d.tombstones)
 
-    def _record_too_large(
-        self, d: TransactionalDelivery, indices: list[int]
-    ) -> ProgressRecordTooLargeError | None:
-        """The transaction's progress record, at its largest (every row of `indices` sent),
-        would not fit a request (review E8): an outage of the lane, not the rows' fault (retried
-        after the pause, the producer kept); what is still needed is checked first next time."""
-        lane = d.lane
-        listed = sum(map(len, lane.unmarked.values())) + len(d.earlier) + len(indices)
-        at_most = progress.RECORD_OVERHEAD_BYTES + listed * progress.PAIR_BYTES_AT_MOST
-        if at_most <= self._max_request_bytes:  # one batch always fits (config/checks.py)
-            return None
-        rows = d.earlier + [d.records[i].pair for i in indices]
-        value = progress.record_value(
-            self._progress, self.retire.identity, lane.name, {**lane.unmarked, d.tag: rows}
-        )
-        size = len(value) + len(lane.transactional_id) + progress.RECORD_OVERHEAD_BYTES
-        if size <= self._max_request_bytes:
-            return None
-        self.retire.soon()
-        return ProgressRecordTooLargeError(size, self._max_request_bytes)
-
-    def _held(self, lane: Lane) -> Callable[[TopicPartition], BaseException | None]:
-        """Why a row of a partition must wait (kafka/stalls.py), if it must."""
-
-        def held(partition: TopicPartition) -> BaseException | None:
-            delay = self.holds.wait_for(partition, lane)
-            return None if delay is None else PartitionStalledError(partition, delay, HELD)
-
-        return held
-
     async def _send_all(
         self,
         d: TransactionalDelivery,
@@ -412,7 +376,8 @@ class TransactionalPublisher:
         did not answer, or None. No waves: nothing of the transaction is visible before its
         commit, so a key's change of topic needs no ack first, and a failed batch aborts the
         whole transaction (no gap can follow it)."""
-        if too_large := self._record_too_large(d, indices):
+        too_large = self.retire.too_large(self._progress, d, indices, self._max_request_bytes)
+        if too_large:
             return None, too_large  # before any record is handed: nothing to abort but the begin
         batches.encode(indices)
         failed_keys: set[str] = set()
@@ -423,15 +388,12 @@ class TransactionalPublisher:
                 return pending[0], errors.UnpublishableRowError("no producer batch takes it")
             pending = [i for i in pending if i in deferred]
         handed = [i for i in indices if isinstance(answers[i], asyncio.Future)]
-        d.sent = [d.records[i].pair for i in handed]
         submissions: list[asyncio.Future[object]] = [
             a for a in dict.fromkeys(answers[i] for i in handed) if isinstance(a, asyncio.Future)
         ]
         lane = d.lane
-        listed = {**lane.unmarked, d.tag: d.listed()}  # the lane's own: keyed by its id
-        d.identity = self.retire.identity
-        d.listed_tags = frozenset(listed)
-        d.tombstones = self.retire.to_send(self.lanes)
+        # The lane's own batches: keyed by its id.
+        listed = d.handed(handed, self.retire.identity, self.retire.to_send(self.lanes))
         value = progress.record_value(self._progress, d.identity, lane.name, listed)
         key = lane.transactional_id.encode()
         try:
@@ -464,17 +426,3 @@ class TransactionalPublisher:
             return None
         submission, cause = min(failed, key=lambda found: not failures.is_rejection(found[1]))
         return next(i for i in handed if answers[i] is submission), cause
-
-
-async def answered_within(
-    futures: Sequence[asyncio.Future[object]], seconds: float
-) -> set[asyncio.Future[object]]:
-    """Wait for every future's answer, `seconds` at most; those still unanswered then."""
-    if not futures:
-        return set()
-    _, missing = await asyncio.wait(futures, timeout=seconds)
-    return missing
-
-
-async def nothing_unsettled() -> int:
-    return 0

@@ -22,13 +22,22 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from outbox_dispatcher.kafka import internals
-from outbox_dispatcher.kafka.lanes import Lane
-from outbox_dispatcher.kafka.progress import Listed, Pair
+from outbox_dispatcher.kafka.exactly_once import progress
+from outbox_dispatcher.kafka.exactly_once.lanes import Lane
+from outbox_dispatcher.kafka.exactly_once.progress import (
+    Listed,
+    Pair,
+    ProgressConfig,
+    ProgressRecordTooLargeError,
+)
+
+if TYPE_CHECKING:
+    from outbox_dispatcher.kafka.exactly_once.delivery import TransactionalDelivery
 
 log = structlog.get_logger(__name__)
 
@@ -53,6 +62,32 @@ class Retirement:
         # and their dispatcher no longer beats.
         self.due: dict[str, list[Pair]] = {}
         self.tombstones: set[str] = set()  # keys whose tombstone goes in a next transaction
+
+    def too_large(
+        self,
+        config: ProgressConfig,
+        d: TransactionalDelivery,
+        indices: list[int],
+        max_request_bytes: int,
+    ) -> ProgressRecordTooLargeError | None:
+        """The transaction's progress record, at its largest (every row of `indices` sent),
+        would not fit a request (review E8): an outage of the lane, not the rows' fault (retried
+        after the pause, the producer kept); what is still needed is checked first next time
+        (soon). Here because what the record lists is the retirement's to keep bounded."""
+        lane = d.lane
+        listed = sum(map(len, lane.unmarked.values())) + len(d.earlier) + len(indices)
+        at_most = progress.RECORD_OVERHEAD_BYTES + listed * progress.PAIR_BYTES_AT_MOST
+        if at_most <= max_request_bytes:  # one batch always fits (config/checks.py)
+            return None
+        rows = d.earlier + [d.records[i].pair for i in indices]
+        value = progress.record_value(
+            config, self.identity, lane.name, {**lane.unmarked, d.tag: rows}
+        )
+        size = len(value) + len(lane.transactional_id) + progress.RECORD_OVERHEAD_BYTES
+        if size <= max_request_bytes:
+            return None
+        self.soon()
+        return ProgressRecordTooLargeError(size, max_request_bytes)
 
     async def refresh(self, lanes: Sequence[Lane]) -> str:
         """The identity read now (a takeover reads it before the progress); raises when the

@@ -1,0 +1,51 @@
+"""The exactly-once wing's store seam (kafka/exactly_once/store.ProgressStore) over the
+dispatcher's store: what a takeover, the lanes and the retirement of progress records ask of the
+outbox table, each one named statement of store.DispatchStore. Here rather than in store/ or the
+wing because neither may import the other (tests/unit/test_layers.py): the loop knows both."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from outbox_dispatcher import errors, registry
+from outbox_dispatcher.kafka.exactly_once.progress import Pair
+from outbox_dispatcher.models import OutboxRecord
+from outbox_dispatcher.store import DispatchStore, db
+
+
+class TableProgressStore(registry.TableRegistry):
+    """One dispatcher's (`owner`) ProgressStore over its table: the registry's rows, and the
+    rows, duties and identity the progress records speak of."""
+
+    def __init__(self, store: DispatchStore, owner: str) -> None:
+        super().__init__(store, owner)
+
+    async def pending(self, pairs: list[Pair], identity: str) -> list[OutboxRecord]:
+        ids, replays = _split(pairs)
+        rows = await self._store.pending_rows(ids=ids, replays=replays, identity=identity)
+        return [OutboxRecord.from_row(row) for row in rows]
+
+    async def reconciled(self, keys: list[tuple[str, bool]]) -> int:
+        try:
+            return await self._store.reconciled(
+                owner=self.owner, keys=[k for k, _ in keys], keyless=[kl for _, kl in keys]
+            )
+        except db.RETRIABLE_ERRORS as exc:
+            raise errors.DatabaseUnavailableError(errors.describe(exc)) from exc
+
+    async def needed(self, pairs: list[Pair]) -> tuple[str, set[int]]:
+        ids, replays = _split(pairs)
+        row = await self._store.progress_needed(ids=ids, replays=replays)
+        return str(row["identity"]), {int(i) for i in row["needed"]}
+
+    async def beating(self) -> set[str]:
+        rows = await self._store.transactional_ids_live(live_seconds=registry.LIVE_SECONDS)
+        return {t for r in rows for t in r["transactional_ids"] or ()}
+
+    async def unsettled(self) -> int:
+        return await self._store.unsettled_work()
+
+
+def _split(pairs: Sequence[Pair]) -> tuple[list[int], list[int]]:
+    """(id, replays) pairs as the statements take them: the ids, and their replay counts."""
+    return [i for i, _ in pairs], [r for _, r in pairs]
