@@ -75,7 +75,12 @@ class OutboxRuntime:
         self.pool = pool
         # At a version the batched idle probe reads (store/probe.sql); older ones are polled.
         self.steady = version >= migrations.STEADY_VERSION
-        self.store = DispatchStore(pool, statements, steady=self.steady)
+        self.store = DispatchStore(
+            pool,
+            statements,
+            steady=self.steady,
+            replays=version >= migrations.CONSOLE_VERSION,  # the column came with 12
+        )
         self.claimer = Claimer(self.store, s, shared.owner)
         settler = Settler(
             self.store,

@@ -128,7 +128,10 @@ class Dispatcher:
                     await db.require_durable_commits(conn)
             # The one store every component is handed; the steady path from version 16 on.
             store = DispatchStore(
-                pool, self.statements, steady=version >= migrations.STEADY_VERSION
+                pool,
+                self.statements,
+                steady=version >= migrations.STEADY_VERSION,
+                replays=version >= migrations.CONSOLE_VERSION,  # the column came with 12
             )
             if (cache := await store.id_cache()) > 1:
                 # Runs anyway (nothing is lost: the sweep finds such rows), but out of order.

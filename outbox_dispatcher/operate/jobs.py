@@ -74,6 +74,8 @@ class Ledger:
     first_id: int | None = None
     last_id: int | None = None
     aborting: bool = False
+    # The count and ids with the batch given to `batch`, until it committed.
+    _pending: tuple[int, int | None, int | None] | None = None
 
     @classmethod
     async def open(
@@ -107,25 +109,31 @@ class Ledger:
     async def batch(
         self, rows: int, first_id: int | None, last_id: int | None, *, atomic: bool
     ) -> None:
-        """One batch done. Outside one transaction for the whole action, the record is updated in
-        the batch's transaction (its count is true whatever happens next); inside one, it is
-        closed with the transaction (its count is 0 unless that commits)."""
-        self.rows += rows
-        if first_id is not None and self.first_id is None:
-            self.first_id = first_id
-        if last_id is not None and rows:
-            self.last_id = last_id
+        """One batch done, not yet committed. Outside one transaction for the whole action, the
+        record is updated in the batch's transaction (its count is true whatever happens next);
+        inside one, it is closed with the transaction (its count is 0 unless that commits). The
+        ledger's own count moves only once the batch committed (`committed`): a stop that cancels
+        the commit must not leave the count it closes the record with one batch ahead."""
+        first = self.first_id if self.first_id is not None else first_id
+        last = last_id if last_id is not None and rows else self.last_id
+        self._pending = (self.rows + rows, first, last)
         store = self.session.store
         if atomic:
             self.aborting = await store.audit_aborting(id=self.id)
             return
         aborting = await store.audit_progress(
-            id=self.id, rows=self.rows, first_id=self.first_id, last_id=self.last_id
+            id=self.id, rows=self.rows + rows, first_id=first, last_id=last
         )
         if aborting is None:
             msg = f"audit record {self.id} was closed while its action ran: the batch is undone"
             raise JobLostError(msg)
         self.aborting = aborting
+
+    def committed(self) -> None:
+        """The batch given to `batch` committed: the ledger counts it."""
+        if self._pending is not None:
+            self.rows, self.first_id, self.last_id = self._pending
+            self._pending = None
 
     async def close(self, status: str, detail: str, rows: int) -> None:
         await self.session.store.audit_close(
@@ -188,6 +196,7 @@ async def walk(
             if batch.last_id is None:
                 break
             await ledger.batch(batch.rows, batch.first_id, batch.last_id, atomic=atomic)
+        ledger.committed()
         if advance is not None:
             advance(batch.rows)
         after = batch.last_id

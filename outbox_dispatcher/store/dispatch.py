@@ -37,13 +37,20 @@ class Claimed(list[Row]):
 class DispatchStore(StoreBase):
     """The hot path and the upkeep of one outbox table. `steady` (schema version 16 on): the
     claim and the settle try the steady path's one statement first (dispatch.sql
-    `claim_steady`, `settle_steady`), and run the engine's functions only when it says so."""
+    `claim_steady`, `settle_steady`), and run the engine's functions only when it says so.
+    `replays` (version 12 on): claims read each row's replay count (exactly-once lists it)."""
 
     def __init__(
-        self, executor: asyncpg.Pool | db.Executor, statements: Statements, *, steady: bool = False
+        self,
+        executor: asyncpg.Pool | db.Executor,
+        statements: Statements,
+        *,
+        steady: bool = False,
+        replays: bool = True,
     ) -> None:
         super().__init__(executor, statements)
         self.steady = steady
+        self.replays = replays
 
     async def claim(self, **arguments: Unpack[ClaimArguments]) -> Claimed:
         """The rows leased (ClaimArguments says what is asked)."""
@@ -62,7 +69,8 @@ class DispatchStore(StoreBase):
                 return Claimed(rows, steady=True, drained=not rows[0]["more"])
             # Not steady: the marker row only, nothing was leased; the claim function's turn,
             # under the same token.
-        return Claimed(await self._fetch("claim", **arguments))
+        claim = "claim" if self.replays else "claim_without_replays"
+        return Claimed(await self._fetch(claim, **arguments))
 
     async def outbox_identity(self) -> str:
         """The outbox's identity in exactly-once's progress records: a uuid drawn at migrate

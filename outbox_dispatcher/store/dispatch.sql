@@ -16,6 +16,15 @@ SELECT c.id, c.topic, c.ordering_key, c.payload, c.headers, c.event_id, c.create
   FROM {claim_fn}($limit, $max_keys, $owner, $lease_seconds, $token, $block_on_dead,
                   $max_attempts, $scan) c
 
+-- claim_without_replays --
+-- `claim` for a table below schema version 12, which has no `replays` column yet (a release
+-- beside its predecessor during an upgrade, docs/operations.md): 0 for every row. Only
+-- exactly-once lists replays, and it needs version 16.
+SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts, reclaimed,
+       0 AS replays
+  FROM {claim_fn}($limit, $max_keys, $owner, $lease_seconds, $token, $block_on_dead,
+                  $max_attempts, $scan)
+
 -- claim_steady --
 -- The steady path's claim (schema version 16; docs/design/claim-engine.md, "The steady path"):
 -- one statement, for the common case only. Steady means no holes, an empty change log, no

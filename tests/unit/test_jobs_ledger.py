@@ -1,0 +1,51 @@
+"""The ledger of an operator action counts a batch only once its transaction committed: a stop
+that cancels the commit (SIGTERM of a console mid-requeue) must not close the audit record one
+batch ahead of the rows changed (a CI run read 1,750 rows recorded for 1,700 requeued)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from outbox_dispatcher.operate import jobs
+
+
+class _Store:
+    async def audit_progress(self, **_: Any) -> bool:
+        return False  # not aborting
+
+    async def audit_aborting(self, **_: Any) -> bool:
+        return False
+
+
+class _Session:
+    """Transactions whose commit is cancelled from the `cancel_at`-th on."""
+
+    def __init__(self, cancel_at: int) -> None:
+        self.store = _Store()
+        self.commits = 0
+        self.cancel_at = cancel_at
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[None]:
+        yield
+        self.commits += 1
+        if self.commits >= self.cancel_at:
+            raise asyncio.CancelledError  # the stop lands on the commit: rolled back
+
+
+async def test_a_batch_whose_commit_was_cancelled_is_not_counted() -> None:
+    session = _Session(cancel_at=3)
+    ledger = jobs.Ledger(session, 1)  # type: ignore[arg-type]
+
+    async def step(after: int, limit: int) -> jobs.Batch:
+        return jobs.Batch(last_id=after + limit, rows=limit, first_id=after + 1)
+
+    with pytest.raises(asyncio.CancelledError):
+        await jobs.walk(session, step, ledger, 50, atomic=False, cap=None, advance=None)  # type: ignore[arg-type]
+    assert ledger.rows == 100, "two batches committed; the third was rolled back"
+    assert (ledger.first_id, ledger.last_id) == (1, 100)
