@@ -186,6 +186,16 @@ async def test_each_store_method_binds_its_keywords_to_the_placeholders_of_the_s
         assert statement.name == f"{name}_steady"
         assert [list(arg) for arg in args] == [[p] for p in statement.params], name  # type: ignore[call-overload]
         reached.add(statement.name)
+    # Below version 12 (no replays column): the claim without it.
+    executor = RecordingExecutor()
+    older = DispatchStore(executor, STATEMENTS, replays=False)  # type: ignore[arg-type]
+    (keywords,) = _calls("claim", older.claim)
+    with pytest.raises(ReachedError):
+        await older.claim(**keywords)
+    sql, args = executor.runs.pop()
+    assert by_sql[sql].name == "claim_without_replays"
+    assert [list(arg) for arg in args] == [[p] for p in by_sql[sql].params]  # type: ignore[call-overload]
+    reached.add("claim_without_replays")
     assert NAMES - reached == {"inbox_record"}
 
 
