@@ -154,6 +154,18 @@ async def busy_member(members: Members, tenants: list[Tenant], rng: random.Rando
     return rng.choice(members.alive())
 
 
+async def scenario_tenants(
+    home: str, second: str, make_topic: MakeTopic, rate: float
+) -> list[Tenant]:
+    """The scenarios' outboxes, migrated: tenant_0..3 of the pattern in the home database and
+    shard_b in the second, each with its writer at `rate` rows/s."""
+    await migrate(home, *(f"tenant_{n}" for n in range(4)))
+    await migrate(second, "shard_b")
+    tenants = [await tenant(home, f"tenant_{n}", make_topic, rate) for n in range(4)]
+    tenants.append(await tenant(second, "shard_b", make_topic, rate))
+    return tenants
+
+
 def member_settings(make_settings: Any, home: str, second: str, **more: Any) -> Any:
     sources = [{"schema": "tenant_*"}, {"database_url": second, "schema": "shard_b"}]
     values: dict[str, Any] = {
@@ -189,11 +201,8 @@ async def test_sources_members_joining_and_leaving_make_no_copy(
     """No crash: members stop gracefully, start, join; a tenant is migrated mid-stream. Every
     row of every tenant arrives once and in order per key."""
     home, second = databases
-    await migrate(home, *(f"tenant_{n}" for n in range(4)))
-    await migrate(second, "shard_b")
     rate = scale(40, 100)
-    tenants = [await tenant(home, f"tenant_{n}", make_topic, rate) for n in range(4)]
-    tenants.append(await tenant(second, "shard_b", make_topic, rate))
+    tenants = await scenario_tenants(home, second, make_topic, rate)
     members = Members(member_settings(make_settings, home, second), tmp_path)
     duration = scale(30, 180)
     changes: list[str] = []
@@ -255,11 +264,7 @@ async def test_sources_members_killed_under_load_lose_and_reorder_nothing(
     outboxes over; nothing is lost or reordered, and copies are bounded by what the killed
     members had in flight (at-least-once)."""
     home, second = databases
-    await migrate(home, *(f"tenant_{n}" for n in range(4)))
-    await migrate(second, "shard_b")
-    rate = scale(100, 150)
-    tenants = [await tenant(home, f"tenant_{n}", make_topic, rate) for n in range(4)]
-    tenants.append(await tenant(second, "shard_b", make_topic, rate))
+    tenants = await scenario_tenants(home, second, make_topic, scale(100, 150))
     settings = member_settings(make_settings, home, second)
     members = Members(settings, tmp_path)
     duration = scale(30, 180)
