@@ -36,12 +36,15 @@ ASKED_AT_ONCE = 3
 TRANSACTION_RETRY_SECONDS = 0.002
 
 
-async def topic_config(admin: AIOKafkaAdminClient, topic: str) -> dict[str, str]:
-    """A topic's configuration, every entry (aiokafka exports no ConfigResource: the progress
-    topic's check, kafka/exactly_once/topic.py)."""
+async def topic_config(admin: AIOKafkaAdminClient, topic: str) -> dict[str, str] | None:
+    """A topic's configuration, every entry, or None when the broker asked does not know the
+    topic (aiokafka exports no ConfigResource: the progress topic's check,
+    kafka/exactly_once/topic.py)."""
     [response] = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
-    entries = response.to_object()["resources"][0]["config_entries"]
-    return {str(e["config_names"]): str(e["config_value"]) for e in entries}
+    resource = response.to_object()["resources"][0]
+    if resource["error_code"]:
+        return None
+    return {str(e["config_names"]): str(e["config_value"]) for e in resource["config_entries"]}
 
 
 async def describe_topics(admin: AIOKafkaAdminClient, topics: list[str]) -> list[Any]:

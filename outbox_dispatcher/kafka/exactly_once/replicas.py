@@ -68,7 +68,7 @@ async def short_of_replicas(
 
 
 async def _min_insync(admin: AIOKafkaAdminClient, topic: str) -> int:
-    config = await internals.topic_config(admin, topic)
+    config = await internals.topic_config(admin, topic) or {}
     return int(config.get("min.insync.replicas") or 1)
 
 

@@ -7,11 +7,15 @@ while dispatchers run is made again by their next send with the broker's default
 held is gone, so the mode stops with ProgressTopicError rather than decide from it. At start a
 missing topic is created only while no key of the table is leased or holds the reconcile duty
 (`unsettled`): otherwise it was deleted or renamed with batches in it that a takeover needs.
+A topic one broker does not know yet (created just now by another dispatcher, the metadata still
+on its way) is asked about again for PROPAGATION_SECONDS before it is called missing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -33,6 +37,10 @@ TOPIC_CONFIG = {
     "min.cleanable.dirty.ratio": "0.1",
 }
 UNKNOWN_TOPIC = kafka_errors.UnknownTopicOrPartitionError.errno
+# How long a topic missing from one broker's answer is asked about again: a topic made by another
+# dispatcher a moment ago reaches every broker's metadata within a few hundred milliseconds.
+PROPAGATION_SECONDS = 10.0
+ASK_AGAIN_SECONDS = 0.25
 
 
 class ProgressTopicError(errors.OutboxDispatcherError):
@@ -84,8 +92,9 @@ async def ensure(
     await admin.start()
     try:
         needed = Needed(len((await admin.describe_cluster())["brokers"]))
-        if topic not in await admin.list_topics():
-            if keys := await unsettled():
+        if not await _listed(admin, topic, wait=0.0):
+            keys = await unsettled()
+            if keys and not await _listed(admin, topic, wait=PROPAGATION_SECONDS):
                 missing = (
                     f"it does not exist, while {keys} keys of the table are leased or hold the "
                     "reconcile duty (their committed batches were in it: deleted, or "
@@ -93,14 +102,22 @@ async def ensure(
                     "start beside dispatchers of at-least-once), create it yourself"
                 )
                 raise ProgressTopicError(_advice(topic, needed, [missing]))
-            with contextlib.suppress(kafka_errors.TopicAlreadyExistsError):
-                new = NewTopic(topic, 1, needed.replicas, topic_configs=needed.config())
-                await admin.create_topics([new])
-                log.info("progress_topic_created", topic=topic, replicas=needed.replicas)
+            if not keys:
+                await _create(admin, topic, needed)
                 return
         await _check(admin, topic, needed)
     finally:
         await admin.close()
+
+
+async def _create(admin: AIOKafkaAdminClient, topic: str, needed: Needed) -> None:
+    """Make the topic as needed; one made a moment ago by another dispatcher is checked."""
+    with contextlib.suppress(kafka_errors.TopicAlreadyExistsError):
+        new = NewTopic(topic, 1, needed.replicas, topic_configs=needed.config())
+        await admin.create_topics([new])
+        log.info("progress_topic_created", topic=topic, replicas=needed.replicas)
+        return
+    await _check(admin, topic, needed)
 
 
 async def check(connection: ConnectionConfig, topic: str) -> None:
@@ -113,15 +130,40 @@ async def check(connection: ConnectionConfig, topic: str) -> None:
         await admin.close()
 
 
+async def _listed(admin: AIOKafkaAdminClient, topic: str, wait: float) -> bool:
+    """Whether the topic exists, asked again for `wait` seconds while an answer lacks it."""
+    deadline = time.monotonic() + wait
+    while topic not in await admin.list_topics():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(ASK_AGAIN_SECONDS)
+    return True
+
+
 async def _check(admin: AIOKafkaAdminClient, topic: str, needed: Needed) -> None:
+    deadline = time.monotonic() + PROPAGATION_SECONDS
+    while (found := await _described(admin, topic)) is None:
+        if time.monotonic() >= deadline:
+            raise ProgressTopicError(_advice(topic, needed, ["it does not exist (deleted?)"]))
+        await asyncio.sleep(ASK_AGAIN_SECONDS)
+    partitions, replicas, config = found
+    if problems := needed.problems(partitions, replicas, config):
+        raise ProgressTopicError(_advice(topic, needed, problems))
+
+
+async def _described(
+    admin: AIOKafkaAdminClient, topic: str
+) -> tuple[int, int, dict[str, str]] | None:
+    """The topic's partition count, least replication and configuration; None while the broker
+    asked does not know it."""
     [described] = await admin.describe_topics([topic])
     if described["error_code"] == UNKNOWN_TOPIC or not described["partitions"]:
-        raise ProgressTopicError(_advice(topic, needed, ["it does not exist (deleted?)"]))
+        return None
     partitions = described["partitions"]
-    replicas = min(len(p["replicas"]) for p in partitions)
     config = await internals.topic_config(admin, topic)
-    if found := needed.problems(len(partitions), replicas, config):
-        raise ProgressTopicError(_advice(topic, needed, found))
+    if config is None:
+        return None
+    return len(partitions), min(len(p["replicas"]) for p in partitions), config
 
 
 def _advice(topic: str, needed: Needed, found: list[str]) -> str:
