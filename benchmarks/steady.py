@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer
@@ -94,6 +96,8 @@ async def sustained(
                 await counter.read()
         finally:
             await consumer.stop()
+    if timeline := os.environ.get("OUTBOX_BENCH_TIMELINE"):  # commit time and latency per row
+        write_timeline(Path(timeline), committed, received)
     latencies = sorted((received[e] - t) * 1000 for e, t in committed.items() if e in received)
     # Committed and never consumed: nothing new arrived for 30 s after the writers stopped.
     stranded = len(committed) - len(latencies)
@@ -119,6 +123,13 @@ async def sustained(
         "postgres_cpu_ms_per_1k": pg * 1000 / (max(written, 1) / 1000),
         "rows_stranded": float(stranded),
     }
+
+
+def write_timeline(path: Path, committed: dict[str, float], received: dict[str, float]) -> None:
+    """Each consumed row's commit time and latency (ms), in commit order, appended to `path`."""
+    rows = sorted((t, (received[e] - t) * 1000) for e, t in committed.items() if e in received)
+    with path.open("a") as out:
+        out.writelines(f"{t:.6f} {latency:.3f}\n" for t, latency in rows)
 
 
 async def idle(stack: Stack, seconds: float) -> dict[str, float]:
