@@ -11,11 +11,13 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
 from outbox_dispatcher import metrics
+from outbox_dispatcher.batch_histogram import BatchHistogram
 from outbox_dispatcher.config.names import env_name as _env_name
 from outbox_dispatcher.config.settings import Settings
 
@@ -119,14 +121,25 @@ def valid_env_name(name: str) -> bool:
 
 
 def exported_metrics() -> dict[str, frozenset[str]]:
-    """Every series name the dispatcher exports under outbox_, with its label names.
+    """Every series name the dispatcher exports under outbox_, with its label names: those of
+    the single-table process and of a process of many outboxes (OUTBOX_SOURCES: the per-outbox
+    families add `source`), united, since one dashboard and one rule file serve both.
 
     Derived from metrics.NAMES with the suffixes the client adds (counters are listed with
-    _total; histograms add _bucket/_sum/_count), labels from a live Metrics() registry.
+    _total; histograms add _bucket/_sum/_count), labels from live Metrics() registries.
     """
-    wrappers = [
-        value for value in vars(metrics.Metrics()).values() if isinstance(value, MetricWrapperBase)
-    ]
+    single, many = _exported_by(metrics.Metrics()), _exported_by(metrics.Metrics(max_sources=2))
+    return {name: single.get(name, frozenset()) | many.get(name, frozenset()) for name in many}
+
+
+def per_source_metrics() -> frozenset[str]:
+    """The series a process of many outboxes labels with `source`."""
+    many = _exported_by(metrics.Metrics(max_sources=2))
+    return frozenset(name for name, labels in many.items() if "source" in labels)
+
+
+def _exported_by(registry: metrics.Metrics) -> dict[str, frozenset[str]]:
+    wrappers = [value for value in vars(registry).values() if isinstance(value, MetricWrapperBase)]
     # _name and _labelnames are prometheus_client internals: labelled metrics without children
     # expose no samples to read the label names from.
     by_name: dict[str, MetricWrapperBase] = {}
@@ -135,22 +148,18 @@ def exported_metrics() -> dict[str, frozenset[str]]:
         if isinstance(wrapper, Counter):
             name += "_total"
         by_name[name] = wrapper
-    # Histograms fed a batch at a time (metrics.BatchHistogram): no labels.
+    # Histograms fed a batch at a time (BatchHistogram).
     batched = [
-        value.name
-        for value in vars(metrics.Metrics()).values()
-        if isinstance(value, metrics.BatchHistogram)
+        value for value in vars(registry).values() if isinstance(value, BatchHistogram)
     ]
-    assert set(by_name) | set(batched) == set(metrics.NAMES), (
+    assert set(by_name) | {b.name for b in batched} == set(metrics.NAMES), (
         "metrics.NAMES is out of step with Metrics()"
     )
     exported: dict[str, frozenset[str]] = {}
-    for name in batched:
-        exported |= {f"{name}_bucket": frozenset({"le"}), f"{name}_sum": frozenset()}
-        exported[f"{name}_count"] = frozenset()
-    for name, wrapper in by_name.items():
+    families: list[tuple[str, Any]] = [*by_name.items(), *((b.name, b) for b in batched)]
+    for name, wrapper in families:
         labels = frozenset(wrapper._labelnames)
-        if isinstance(wrapper, Histogram):
+        if isinstance(wrapper, (Histogram, BatchHistogram)):
             exported[f"{name}_bucket"] = labels | {"le"}
             exported[f"{name}_sum"] = labels
             exported[f"{name}_count"] = labels

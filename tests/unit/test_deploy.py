@@ -26,12 +26,14 @@ from outbox_dispatcher.config.settings import Settings
 from tests.deploy_files import (
     DEPLOY,
     DOCKERFILE,
+    METRIC,
     ROOT,
     exec_form,
     exported_metrics,
     grouping_labels,
     healthcheck_command,
     parse_dockerfile,
+    per_source_metrics,
     promql_problems,
     run_words,
     valid_env_name,
@@ -703,6 +705,64 @@ def test_dashboard_uses_only_exported_metrics_and_labels() -> None:
     assert wanted <= used, wanted - used
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
+
+
+SELECTOR_OF = re.compile(r"\b(outbox_[a-z0-9_]+)(\{[^}]*\})?")
+AGGREGATION = re.compile(r"\b(sum|max|min|avg|count|topk|bottomk)\s*(by|without)?\s*\(([^)]*)\)?")
+
+
+def drops_source(expr: str) -> bool:
+    """Whether an expression aggregates the `source` label away: an aggregation with no clause,
+    with `by (...)` not naming source, or `without (...)` naming it."""
+    for op, clause, labels in AGGREGATION.findall(expr):
+        named = {label.strip() for label in labels.split(",")}
+        if op in ("topk", "bottomk"):
+            continue
+        if not clause or (clause == "by") != ("source" in named):
+            return True
+    return False
+
+
+def test_alert_rules_keep_the_source_label() -> None:
+    """Issue 36: with OUTBOX_SOURCES the per-outbox families carry `source`; a rule on them must
+    keep it, so that each alert names the outbox (aggregate `without (instance, pod)`)."""
+    per_source = per_source_metrics()
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yaml").read_text())
+    on_sources = [
+        r
+        for g in rules["groups"]
+        for r in g["rules"]
+        if set(METRIC.findall(r["expr"])) & per_source
+    ]
+    assert len(on_sources) >= 8
+    assert [r["alert"] for r in on_sources if drops_source(r["expr"])] == []
+    assert drops_source("max(outbox_dead_rows) > 0")
+    assert drops_source("max by (reason) (outbox_blocked_keys) > 0")
+    assert drops_source("sum without (source) (rate(outbox_published_total[5m]))")
+    assert not drops_source("max without (instance, pod) (outbox_dead_rows) > 0")
+
+
+def test_dashboard_filters_by_source_and_ranks_the_sources() -> None:
+    """Issue 36: every per-outbox series the dashboard reads is filtered by its `source`
+    variable, and a row ranks the outboxes (the worst ten by lag, backlog, flow, dead rows)."""
+    per_source = per_source_metrics()
+    dashboard = json.loads((DEPLOY / "grafana" / "outbox-dispatcher.json").read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["source"]["includeAll"] and variables["source"]["allValue"] == ".*"
+    unfiltered = [
+        expr
+        for expr, _ in dashboard_queries(dashboard)
+        if "label_values(" not in expr
+        for name, selector in SELECTOR_OF.findall(expr)
+        if name in per_source and 'source=~"$source"' not in selector
+    ]
+    assert unfiltered == []
+    [row] = [p for p in dashboard["panels"] if p["type"] == "row" and "Sources" in p["title"]]
+    ranked = [t["expr"] for panel in row["panels"] for t in panel["targets"]]
+    for metric in ("oldest_pending_age_seconds", "pending_rows", "published_total", "dead_rows"):
+        [expr] = [e for e in ranked if f"outbox_{metric}" in e]
+        assert expr.startswith("topk(10, ") and "by (source)" in expr, expr
+    assert {t["legendFormat"] for p in row["panels"] for t in p["targets"]} == {"{{source}}"}
 
 
 def test_promql_checker_catches_wrong_names_and_labels() -> None:
