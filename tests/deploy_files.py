@@ -149,9 +149,7 @@ def _exported_by(registry: metrics.Metrics) -> dict[str, frozenset[str]]:
             name += "_total"
         by_name[name] = wrapper
     # Histograms fed a batch at a time (BatchHistogram).
-    batched = [
-        value for value in vars(registry).values() if isinstance(value, BatchHistogram)
-    ]
+    batched = [value for value in vars(registry).values() if isinstance(value, BatchHistogram)]
     assert set(by_name) | {b.name for b in batched} == set(metrics.NAMES), (
         "metrics.NAMES is out of step with Metrics()"
     )

@@ -424,7 +424,9 @@ REPAIR = (
 
 
 def configure_check_parser(commands: Commands) -> None:
-    switch(command(commands, "check", _check, EVERY), "--repair", REPAIR)
+    checks = command(commands, "check", _check, EVERY)
+    switch(checks, "--repair", REPAIR)
+    source_flag(checks, acts=False)
 
 
 async def _check(settings: Settings, args: argparse.Namespace) -> int:
@@ -432,9 +434,10 @@ async def _check(settings: Settings, args: argparse.Namespace) -> int:
 
     Check the settings, the database and its schema version, that every pending row is where a
     claim will look for it, the broker, and that the topics of pending rows and
-    OUTBOX_DEFAULT_TOPIC exist. One line per problem on stderr; exit 1 if there is any."""
+    OUTBOX_DEFAULT_TOPIC exist. With OUTBOX_SOURCES, every outbox of the sources (--source and
+    --schema narrow them). One line per problem on stderr; exit 1 if there is any."""
     problems = 0
-    for finding in await check(settings, repair=args.repair):
+    for finding in await check(settings, repair=args.repair, source=args.source):
         line = f"{finding.level}: {display.inert(finding.text)}"
         if finding.level in ("ok", "note"):
             out(line)

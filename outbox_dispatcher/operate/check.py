@@ -13,13 +13,15 @@ from typing import Literal
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.config.names import env_name
+from outbox_dispatcher.config.outboxes import Outbox, sources_of
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.config.sources import SECRETS_DIR_VARIABLE
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka.publisher import KafkaPublisher
-from outbox_dispatcher.operate import reads
+from outbox_dispatcher.operate import reads, sources
 from outbox_dispatcher.operate.session import Session
 from outbox_dispatcher.routing import Router
+from outbox_dispatcher.sources.registry import State
 from outbox_dispatcher.store import StoreBase, db, migrations
 
 # Ids a step of `check --repair`'s sweep walks (at least).
@@ -32,12 +34,15 @@ CHECK_BROKER_SECONDS = 15.0
 TOOLING_PREFIXES = ("OUTBOX_TEST_", "OUTBOX_SERVICES_", "OUTBOX_PGBOUNCER_", "OUTBOX_KAFKA_AUTO_")
 
 
+Level = Literal["ok", "note", "warning", "problem"]
+
+
 @dataclass(frozen=True)
 class Finding:
     """One line of the report: `ok` and `note` inform, a `warning` is worth a look, and any
     `problem` fails the check."""
 
-    level: Literal["ok", "note", "warning", "problem"]
+    level: Level
     text: str
 
 
@@ -46,9 +51,10 @@ class _Findings:
     found: list[Finding] = field(default_factory=list)
     needed: dict[str, str] = field(default_factory=dict)  # topic -> who needs it
     dead_topics: set[str] = field(default_factory=set)
+    where: str = ""  # with OUTBOX_SOURCES: the outbox being checked, before each line
 
-    def add(self, level: Literal["ok", "note", "warning", "problem"], text: str) -> None:
-        self.found.append(Finding(level, text))
+    def add(self, level: Level, text: str) -> None:
+        self.found.append(Finding(level, self.where + text))
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
@@ -67,28 +73,48 @@ def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]
     return found
 
 
-async def check(settings: Settings, *, repair: bool = False) -> list[Finding]:
+async def check(
+    settings: Settings, *, repair: bool = False, source: str | None = None
+) -> list[Finding]:
     """Configuration, database, schema version, the claim engine's view of the table (`repair`:
-    run the sweep over the whole table first), broker and the topics rows need."""
+    run the sweep over the whole table first), broker and the topics rows need. With
+    OUTBOX_SOURCES, every outbox of the sources (`source` and --schema filter them)."""
     report = _Findings()
-    report.add("ok", f"settings are valid (table {settings.db_schema}.{settings.table})")
+    if settings.sources is None and source is not None:
+        report.add(
+            "problem", "--source needs OUTBOX_SOURCES: without it the table is OUTBOX_SCHEMA's"
+        )
+        return report.found
+    what = (
+        f"table {settings.db_schema}.{settings.table}"
+        if settings.sources is None
+        else f"{len(sources_of(settings))} sources"
+    )
+    report.add("ok", f"settings are valid ({what})")
     for variable, close in unknown_variables(os.environ):
         hint = f": did you mean {close}?" if close else ""
         # A problem, not a warning: the setting the operator meant is not in effect.
         report.add("problem", f"{variable} is not a setting and is ignored{hint}")
     if settings.default_topic:
         report.needed[settings.default_topic] = "OUTBOX_DEFAULT_TOPIC"
+    if settings.sources is None:
+        await _check_table(settings, report, repair=repair)
+    else:
+        await _check_outboxes(settings, report, sources.Filter.of(settings, source), repair=repair)
+    await _check_broker(settings, report)
+    return report.found
+
+
+async def _check_table(settings: Settings, report: _Findings, *, repair: bool) -> None:
     try:
         conn = await db.connect(settings.database_url.get_secret_value(), settings)
     except errors.OutboxDispatcherError as exc:
         report.add("problem", f"database: {exc}")
-    else:
-        try:
-            await _check_database(conn, settings, report, repair=repair)
-        finally:
-            await conn.close()
-    await _check_broker(settings, report)
-    return report.found
+        return
+    try:
+        await _check_database(conn, settings, report, repair=repair)
+    finally:
+        await conn.close()
 
 
 async def _check_database(
@@ -117,7 +143,7 @@ async def _check_database(
     session = Session.of(conn, settings)
     store = session.store
     for row in await store.pending_topics():
-        report.needed.setdefault(row["topic"], "pending rows")
+        report.needed.setdefault(row["topic"], f"{report.where}pending rows")
     for row in await store.dead_topics():
         report.dead_topics.add(row["topic"])
     await _check_routed(session, settings, report)
@@ -128,6 +154,54 @@ async def _check_database(
     for p in await reads.read_pauses(session):
         what = "the whole table" if p.topic == reads.WHOLE_TABLE else f"topic {p.topic}"
         report.add("note", f"{what} is paused since {p.paused_at.isoformat(timespec='seconds')}")
+
+
+async def _check_outboxes(
+    settings: Settings, report: _Findings, only: sources.Filter, *, repair: bool
+) -> None:
+    """Every outbox of the sources that `only` matches: one that cannot be served now is a
+    problem (a migration under way: a warning); each served one is checked as a single table is,
+    its lines prefixed with its `source` label, one connection per database. An outbox with
+    nothing to say is counted, not listed (a pattern may stand for hundreds)."""
+    view = await sources.survey(settings, sources_of(settings), only)
+    for database in view.databases:
+        if not database.reachable:
+            report.add("problem", f"database {database.database}: {database.reason}")
+    if not view.outboxes:
+        report.add("problem", str(sources.nothing_matches(only, view)))
+        return
+    ready: dict[str, list[Outbox]] = {}
+    for o in view.outboxes:
+        if o.state is State.READY:
+            ready.setdefault(o.outbox.source.database_url.get_secret_value(), []).append(o.outbox)
+        elif o.state is not State.UNREACHABLE:  # its database's line says why
+            level: Level = "warning" if o.state is State.PENDING else "problem"
+            report.add(level, f"{o.label} ({sources.where(o.outbox)}): {o.state}: {o.reason}")
+    quiet = 0
+    for url, outboxes in ready.items():
+        try:
+            conn = await db.connect(url, settings)
+        except errors.OutboxDispatcherError as exc:
+            report.add("problem", f"database of {outboxes[0].label}: {exc}")
+            continue
+        try:
+            for outbox in outboxes:
+                quiet += await _check_outbox(conn, settings, outbox, report, repair=repair)
+        finally:
+            await conn.close()
+    report.add("ok", f"{quiet} of {len(view.outboxes)} outboxes ({only.text()}): nothing to report")
+
+
+async def _check_outbox(
+    conn: db.Connection, settings: Settings, outbox: Outbox, report: _Findings, *, repair: bool
+) -> bool:
+    """One served outbox checked as a single table; whether it had nothing but `ok` to say."""
+    one = _Findings(needed=report.needed, dead_topics=report.dead_topics, where=f"{outbox.label}: ")
+    table = settings.model_copy(update={"db_schema": outbox.schema, "table": outbox.table})
+    await _check_database(conn, table, one, repair=repair)
+    said = [f for f in one.found if f.level != "ok"]
+    report.found.extend(said)
+    return not said
 
 
 async def sweep_whole_table(store: StoreBase, settings: Settings) -> int:

@@ -306,6 +306,38 @@ async def test_operator_commands_act_on_the_one_outbox_a_filter_names(
     assert ran.code == EXIT_USAGE and "--source needs OUTBOX_SOURCES" in ran.err, ran.err
 
 
+async def test_check_checks_every_outbox_of_every_source_and_filters_them(
+    services: Services, databases: tuple[str, str], make_topic: MakeTopic, make_settings: Any
+) -> None:
+    """`check` with OUTBOX_SOURCES: every outbox, each line naming its outbox; a literal source
+    whose table is missing and a topic only one outbox's rows need are problems; outboxes with
+    nothing to say are counted; --source narrows it, and needs OUTBOX_SOURCES."""
+    settings, tenants = await four_outboxes(databases, make_topic, make_settings)
+    missing = f"missing-{tenants[1].topic}"
+    async with tenants[1].connect() as conn:
+        await conn.execute(
+            "INSERT INTO outbox (topic, ordering_key, payload) VALUES ($1, 'k', '{}')", missing
+        )
+    ran = await command(settings, "check")
+    assert ran.code == 1, (ran.out, ran.err)
+    assert "ok: settings are valid (3 sources)" in ran.out
+    assert "ok: 3 of 4 outboxes (no filter): nothing to report" in ran.out, ran.out
+    assert "problem: billing (billing.outbox of " in ran.err and ": missing: " in ran.err
+    assert f"problem: topic '{missing}' (tenants/tenant_b: pending rows) does not exist" in ran.err
+    assert "tenants/tenant_a" not in ran.out + ran.err, "nothing to say: counted, not listed"
+    assert "postgresql://" not in ran.out + ran.err
+    ran = await command(settings, "check", "--source", "shard_b")
+    assert ran.code == EXIT_OK, ran.err
+    assert "ok: 1 of 1 outboxes (--source shard_b): nothing to report" in ran.out
+    ran = await command(settings, "check", "--schema", "tenant_a")
+    assert ran.code == EXIT_OK, ran.err
+    ran = await command(settings, "check", "--source", "nope")
+    assert ran.code == 1 and "no outbox matches --source nope" in ran.err, ran.err
+    one = make_settings(database_url=databases[0], db_schema="tenant_a")
+    ran = await command(one, "check", "--source", "shard_b")
+    assert ran.code == 1 and "--source needs OUTBOX_SOURCES" in ran.err, ran.err
+
+
 async def test_the_console_serves_the_one_outbox_a_filter_names(
     services: Services,
     databases: tuple[str, str],
