@@ -53,11 +53,11 @@ class Deliveries(Protocol):
     broker answers, the final one last."""
 
     records: Sequence[OutboxRecord]
-    settled: set[int]
 
     @property
     def parked(self) -> bool: ...
     def __aiter__(self) -> AsyncGenerator[Part, None]: ...
+    def not_settled(self) -> list[int]: ...
     def outcomes(self, *, stopped: BaseException) -> list[BaseException | None]: ...
     def unsettled(self) -> list[int]: ...
 
@@ -207,9 +207,9 @@ class BatchRun:
             self._transient = self._transient or any(
                 res.failure is Failure.TRANSIENT for res in results
             )
-            settled = self.delivery.settled
+            waiting = set(self.delivery.not_settled())
             self._in_flight.add(
-                batch.token, [r.id for i, r in enumerate(batch.records) if i not in settled]
+                batch.token, [r.id for i, r in enumerate(batch.records) if i in waiting]
             )
         if not self._stalled.is_set() and (part.indices or await self._publisher.reachable(1.0)):
             self._stalled.set()

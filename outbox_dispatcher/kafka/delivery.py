@@ -322,6 +322,10 @@ class Delivery:
     def unsettled(self) -> list[int]:
         return [i for i in range(len(self.records)) if i not in self.settled]
 
+    def not_settled(self) -> list[int]:
+        """The rows no part has carried yet (batch.Deliveries; here as unsettled)."""
+        return self.unsettled()
+
     def acknowledged(self) -> list[int]:
         """Indices of rows not yet settled whose key has every row of the batch acknowledged
         (keyless rows: the row itself). A key with any row pending, failed or not yet sent waits

@@ -16,12 +16,14 @@ import asyncpg
 import orjson
 import pytest
 from aiokafka import AIOKafkaProducer
+from aiokafka import errors as kafka_errors
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.kafka.exactly_once.takeover import TakeoverWaitingError
 from outbox_dispatcher.kafka.exactly_once.topic import ProgressTopicError
+from outbox_dispatcher.kafka.exactly_once.transaction import State
 from outbox_dispatcher.retries import RetryPolicy
 
 from .helpers import Services, count, insert_sequenced, kill9, log_events, spawn
@@ -115,21 +117,36 @@ async def test_a_takeover_that_cannot_read_to_the_end_decides_nothing(
 async def test_a_commit_without_an_answer_is_resolved_past_an_open_transaction(
     conn: asyncpg.Connection, owners: Owners, topic: str, services: Services
 ) -> None:
-    """E4 (a): the lane's commit stood, its answer was lost; resolve replaces nothing (the
-    producer is fine), reads the progress past the open transaction before the lane's record,
-    and finds the commit. Before issue 35: "the commit did not take", and the rows went again."""
+    """E4 (a): the lane's commit stood at the broker, its answer was lost on the way back; the
+    delivery's transaction is UNKNOWN, the lane's producer is replaced under the same id (its
+    start ends the transaction), and the resolution reads the progress past the open
+    transaction before the lane's record and finds the commit. Before issue 35: "the commit did
+    not take", and the rows went again."""
     bootstrap = services.kafka_bootstrap_servers
     a = await owners.publisher("owner-a")
     async with open_transaction(bootstrap, owners.progress.topic) as other:
         await insert_sequenced(conn, topic, keys=2, per_key=3)
         batch = await owners.claim("owner-a")
         delivery = a.publish(batch.records)
-        assert (await run(delivery)).outcomes == [None] * 6 and delivery.committed
+        answer_lost(delivery.lane.producers.current())
         ending = asyncio.create_task(abort_later(other, 3.0))
-        resolved = await a._ends.resolve(delivery, list(range(6)))
+        part = await run(delivery)
         await ending
-    assert resolved, "the commit is found in the progress"
+    assert delivery.state is State.RESOLVED_COMMITTED, "the commit is found in the progress"
+    assert part.outcomes == [None] * 6 and delivery.committed
     assert len(await read_all(bootstrap, topic, "read_committed")) == 6
+
+
+def answer_lost(producer: AIOKafkaProducer) -> None:
+    """The producer's next commit is made at the broker, and its answer lost (as when the
+    connection drops before the coordinator's reply arrives)."""
+    commit = producer.commit_transaction
+
+    async def commit_whose_answer_is_lost() -> None:
+        await commit()
+        raise kafka_errors.KafkaConnectionError("the commit's answer was lost")
+
+    producer.commit_transaction = commit_whose_answer_is_lost  # type: ignore[method-assign]
 
 
 # --- the progress topic checked (review E10) ---------------------------------------------------

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import configs_of
+from outbox_dispatcher.kafka import internals
 from outbox_dispatcher.kafka.batches import Answer, Batches
 from outbox_dispatcher.kafka.exactly_once import progress
 from outbox_dispatcher.kafka.exactly_once.delivery import (
@@ -26,6 +27,12 @@ from outbox_dispatcher.kafka.exactly_once.delivery import (
 from outbox_dispatcher.kafka.exactly_once.endings import Stall
 from outbox_dispatcher.kafka.exactly_once.progress import ProgressConfig
 from outbox_dispatcher.kafka.exactly_once.publisher import TransactionalPublisher
+from outbox_dispatcher.kafka.exactly_once.transaction import (
+    MOVES,
+    IllegalMoveError,
+    State,
+    Transaction,
+)
 from outbox_dispatcher.kafka.records import RecordEncoder
 from outbox_dispatcher.models import Failure, OutboxRecord, Outcome, Result
 from outbox_dispatcher.retries import RetryPolicy
@@ -37,10 +44,10 @@ CONFIG = ProgressConfig(
 )
 
 
-def record(i: int, key: str | None = "k") -> OutboxRecord:
+def record(i: int, key: str | None = "k", topic: str = "t") -> OutboxRecord:
     from datetime import UTC, datetime
 
-    return OutboxRecord(i, "t", key, b"{}", None, uuid.uuid4(), datetime.now(UTC), 0, False)
+    return OutboxRecord(i, topic, key, b"{}", {}, uuid.uuid4(), datetime.now(UTC), 0, False)
 
 
 async def _nothing(*_: Any) -> Any:
@@ -201,29 +208,208 @@ def test_a_claims_rows_whose_transaction_ended_settle_before_those_still_looked_
     assert d.final_part().indices == [2, 3], "the rest, once every row is decided"
 
 
-async def test_a_split_claim_lists_every_committed_row_until_every_part_is_marked() -> None:
+class TransactionalFake(FakeProducer):
+    """Our producer seam's transactional calls over FakeProducer's batches: every begin,
+    progress record (key, value) and commit noted; the topic `late` is unknown until `found`
+    is set (its lookup waits for it)."""
+
+    def __init__(self) -> None:
+        super().__init__(partitions=1)
+        self.calls: list[str] = []
+        self.records: list[progress.Record] = []
+        self.found = asyncio.Event()
+        self._known = self.client.cluster.partitions_for_topic
+        self.client.cluster.partitions_for_topic = self._partitions
+
+    def _partitions(self, topic: str) -> set[int] | None:
+        found: set[int] | None = self._known(topic)
+        return None if topic == "late" and not self.found.is_set() else found
+
+    async def begin_transaction(self) -> None:
+        self.calls.append("begin")
+
+    async def send(self, topic: str, value: bytes | None, key: bytes) -> asyncio.Future[object]:
+        self.records.append((key, value))
+        answer: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        answer.set_result("metadata")
+        return answer
+
+    async def commit_transaction(self) -> None:
+        self.calls.append("commit")
+
+    async def abort_transaction(self) -> None:
+        self.calls.append("abort")
+
+    async def partitions_for(self, topic: str) -> set[int]:
+        await self.found.wait()
+        return {0}
+
+
+def served_by(publisher: Any, producer: TransactionalFake, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The publisher's first lane serving with `producer` since the loop's time 0."""
+    monkeypatch.setattr(internals, "load_topics", _nothing)  # the fake looks up: partitions_for
+    lane = publisher.lanes[0]
+    lane.producers.use(producer)
+    lane.producers.since = 0.0
+    return lane
+
+
+async def every_row_needed(pairs: list[tuple[int, int]]) -> tuple[str, set[int]]:
+    return ID, {i for i, _ in pairs}
+
+
+async def test_a_split_claim_lists_every_committed_row_until_every_part_is_marked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A claim split for its lookups commits in several transactions under one tag: each
     progress record lists every row its transactions committed (a takeover after a failed early
     mark must find the first ones), and the tag stays listed unless every part's mark changed
-    every row."""
-
-    publisher = publisher_of(Settings(delivery="exactly-once"))
-    lane = publisher.lanes[0]
-    d = TransactionalDelivery(publisher, lane, [record(i) for i in range(4)], 0.0)
-    d.sent = [(0, 0), (1, 0)]
-    lane.unmarked[d.tag] = d.committed_now()
-    d.sent = [(2, 0), (3, 0)]
-    assert d.listed() == [(0, 0), (1, 0), (2, 0), (3, 0)]
-    lane.unmarked[d.tag] = d.committed_now()
-    publisher.marked(d, every_row=False, final=False)  # the early part's mark missed a row
+    every row. Driven through the delivery's own parts: topic t is known, topic late is looked
+    up, so rows 0-1 go in a first transaction and rows 2-3 in a second once the lookup answers."""
+    publisher = publisher_of(Settings(delivery="exactly-once"), needed=every_row_needed)
+    producer = TransactionalFake()
+    lane = served_by(publisher, producer, monkeypatch)
+    rows = [record(0, "a"), record(1, "b"), record(2, "c", "late"), record(3, "d", "late")]
+    d = TransactionalDelivery(publisher, lane, rows, 1.0)
+    parts = []
+    async for part in d:
+        parts.append(part)
+        if not part.final:
+            assert part.indices == [0, 1] and d.state is State.COMMITTED
+            assert lane.unmarked[d.tag] == [(0, 0), (1, 0)]
+            publisher.marked(d, every_row=False, final=False)  # the early mark missed a row
+            producer.found.set()
+    assert [p.indices for p in parts] == [[0, 1], [2, 3]] and parts[-1].final
+    assert producer.calls == ["begin", "commit", "begin", "commit"], "two transactions"
+    first, second = (progress.last_batches(CONFIG, ID, [r]) for r in producer.records)
+    mine = lane.transactional_id
+    assert first[mine][d.tag] == [(0, 0), (1, 0)]
+    assert second[mine][d.tag] == [(0, 0), (1, 0), (2, 0), (3, 0)], "the first part's rows too"
     publisher.marked(d, every_row=True)
     assert lane.unmarked[d.tag] == [(0, 0), (1, 0), (2, 0), (3, 0)], "kept for the takeover"
-    fine = TransactionalDelivery(publisher, lane, [record(5)], 0.0)
-    lane.unmarked[fine.tag] = [(5, 0)]
+    fine = TransactionalDelivery(publisher, lane, [record(5, "e")], 1.0)
+    assert [p.indices async for p in fine] == [[0]]
+    assert lane.unmarked[fine.tag] == [(5, 0)]
     publisher.marked(fine, every_row=True, final=False)
     assert fine.tag in lane.unmarked, "not before the final part"
     publisher.marked(fine, every_row=True)
     assert fine.tag not in lane.unmarked
+
+
+# --- a transaction's states (transaction.py) -------------------------------------------------
+
+
+@pytest.mark.parametrize("start", list(State))
+def test_every_move_outside_the_table_raises(start: State) -> None:
+    for to in State:
+        transaction = Transaction([0], state=start)
+        if to in MOVES[start]:
+            transaction.move(to)
+            assert transaction.state is to
+        else:
+            with pytest.raises(IllegalMoveError, match=f"from {start.name} to {to.name}"):
+                transaction.move(to)
+            assert transaction.state is start, "left where it was"
+
+
+def test_a_claim_s_transactions_go_one_after_the_other() -> None:
+    d = delivery(2)
+    with pytest.raises(IllegalMoveError):
+        d.committing()  # no transaction yet
+    d.begin([0])
+    with pytest.raises(IllegalMoveError, match="while the claim's last one is BEGUN"):
+        d.begin([1])
+    d.aborted()
+    with pytest.raises(IllegalMoveError, match="no transaction of the claim is open"):
+        d.aborted()
+    d.begin([1])  # an ended one: the next may begin (a split claim's next part)
+    assert d.state is State.BEGUN
+
+
+def lane_of() -> Any:
+    return publisher_of(Settings(delivery="exactly-once")).lanes[0]
+
+
+def moved_to(state: State) -> TransactionalDelivery:
+    """Rows 0-1 (key k) in a transaction moved to `state` through the delivery's own moves;
+    row 2 (key other) and row 3 (key k) decided outside it (refused for their topic)."""
+    lane = lane_of()
+    rows = [record(0, "k"), record(1, "k"), record(2, "other"), record(3, "k")]
+    d = TransactionalDelivery(None, lane, rows, 0.0)  # type: ignore[arg-type]
+    d.decide([2, 3], RuntimeError("refused"))
+    path = {
+        State.NEW: [],
+        State.BEGUN: [State.BEGUN],
+        State.HANDED: [State.BEGUN, State.HANDED],
+        State.COMMITTING: [State.BEGUN, State.HANDED, State.COMMITTING],
+        State.COMMITTED: [State.BEGUN, State.HANDED, State.COMMITTING, State.COMMITTED],
+        State.ABORTED: [State.BEGUN, State.HANDED, State.ABORTED],
+        State.UNKNOWN: [State.BEGUN, State.HANDED, State.COMMITTING, State.UNKNOWN],
+        State.RESOLVED_COMMITTED: [
+            State.BEGUN,
+            State.HANDED,
+            State.COMMITTING,
+            State.UNKNOWN,
+            State.RESOLVED_COMMITTED,
+        ],
+        State.RESOLVED_ABORTED: [
+            State.BEGUN,
+            State.HANDED,
+            State.COMMITTING,
+            State.UNKNOWN,
+            State.RESOLVED_ABORTED,
+        ],
+    }[state]
+    listing: progress.Listed = {}
+    for step in path:
+        if step is State.BEGUN:
+            d.begin([0, 1])
+        elif step is State.HANDED:
+            listing = d.handed([0, 1], ID, [])
+        elif step is State.COMMITTING:
+            d.committing()
+        elif step is State.COMMITTED:
+            d.commit_answered([0, 1])
+        elif step is State.ABORTED:
+            d.aborted()
+            d.decide([0, 1], TransactionAbortedError("aborted"))
+        elif step is State.UNKNOWN:
+            d.commit_unanswered()
+        else:
+            found = step is State.RESOLVED_COMMITTED
+            value = progress.record_value(CONFIG, ID, lane.name, listing if found else {})
+            assert d.resolve([0, 1], [(lane.transactional_id.encode(), value)], CONFIG) is found
+    assert d.state is state
+    return d
+
+
+EVERY_ROW = [0, 1, 2, 3]
+PAIRS = [(0, 0), (1, 0)]
+# state: what its record lists under its tag, what its final part settles, what a shutdown
+# gives back (rows 0-1 open: they and row 3 of their key stay leased; row 2 goes).
+VIEWS = {
+    State.NEW: ([], [], EVERY_ROW),
+    State.BEGUN: ([], [], [2]),
+    State.HANDED: (PAIRS, [], [2]),
+    State.COMMITTING: (PAIRS, [], [2]),
+    State.UNKNOWN: (PAIRS, [], [2]),
+    State.COMMITTED: (PAIRS, EVERY_ROW, EVERY_ROW),
+    State.RESOLVED_COMMITTED: (PAIRS, EVERY_ROW, EVERY_ROW),
+    State.ABORTED: ([], EVERY_ROW, EVERY_ROW),
+    State.RESOLVED_ABORTED: ([], EVERY_ROW, EVERY_ROW),
+}
+
+
+@pytest.mark.parametrize("state", list(State))
+def test_what_a_delivery_lists_settles_and_gives_back_follows_its_state(state: State) -> None:
+    listed, settles, gives_back = VIEWS[state]
+    d = moved_to(state)
+    assert d.listed() == listed
+    assert d.unsettled() == gives_back
+    assert d.final_part().indices == settles
+    if state in (State.COMMITTED, State.RESOLVED_COMMITTED):
+        assert d.lane.unmarked[d.tag] == PAIRS, "listed in its lane until marked"
+        assert d.outcomes(stopped=RuntimeError())[:2] == [None, None]
 
 
 class _NeverAnswered:
@@ -260,6 +446,7 @@ async def test_a_failed_progress_send_waits_for_the_submissions_within_the_stall
     lane = publisher.lanes[0]
     lane.producers.current = lambda: _RefusesProgress()  # type: ignore[method-assign]
     d = TransactionalDelivery(publisher, lane, [record(0)], 0.0)
+    d.begin([0])  # (as _transaction does before it sends)
     batches = _NeverAnswered()
     answers: list[Answer] = [None]
     found = await asyncio.wait_for(

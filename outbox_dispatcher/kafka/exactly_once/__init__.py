@@ -14,7 +14,9 @@ first (takeover.py fences the lost owner's transactional ids and reads what it c
 
 Its modules:
 - publisher.py: the TransactionalPublisher, which sends a claim's delivery in a transaction.
-- delivery.py: one claim's transaction (its rows, its lane, how it ended).
+- delivery.py: one claim's transactions (its rows, its lane, what each transaction's state
+  lets it list, settle and give back).
+- transaction.py: a transaction's states and the moves between them.
 - endings.py: how a transaction ends (committed, aborted, its outcome unknown).
 - lanes.py: the two transactional producers of a process and their generations' ids.
 - progress.py: the progress record's form, its reading, and fencing a transactional id.

@@ -1,20 +1,33 @@
-"""Exactly-once's claim in one transaction (publisher.py sends it): its rows, every
-row's outcome once decided, and what may be settled. All or nothing: while a begun transaction's
-outcome is unknown, no row of it is settled (a partial settle would release their keys)."""
+"""Exactly-once's claim (publisher.py sends it; endings.py ends its transactions): its rows, its
+transactions one after the other (transaction.py: one, or several when the claim is split for
+its lookups), every row's outcome once decided, and what may be settled. What its progress
+record lists, what a part may settle and what a shutdown may give back follow from its
+transactions' states, which only its own methods move. All or nothing: while an open
+transaction's outcome is unknown, no row of it is settled (a partial settle would release their
+keys)."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Iterable, Sequence
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Protocol
 
 from outbox_dispatcher import errors
+from outbox_dispatcher.kafka.exactly_once import progress
+from outbox_dispatcher.kafka.exactly_once.progress import Listed, Pair, ProgressConfig, Record
+from outbox_dispatcher.kafka.exactly_once.transaction import (
+    COMMITTED,
+    IN_RECORD,
+    OPEN,
+    IllegalMoveError,
+    State,
+    Transaction,
+)
 from outbox_dispatcher.models import OutboxRecord, Part
 
 if TYPE_CHECKING:
     from outbox_dispatcher.kafka.exactly_once.lanes import Lane
-    from outbox_dispatcher.kafka.exactly_once.progress import Listed
 
 UNKNOWN: BaseException = errors.BrokerUnavailableError("the transaction's outcome is unknown")
 
@@ -48,9 +61,10 @@ class TransactionRefusedError(TransactionAbortedError, errors.NotAttempted):
 
 
 class TransactionalDelivery:
-    """One claim in one transaction: one part, the final one, once the transaction ended. If
-    its outcome is unknown no row is in it (a partial settle would release their keys): the
-    claim stays leased, and the takeover that follows its expiry reads the progress."""
+    """One claim in its transactions: one part as each but the last ends, the final one last.
+    If an open transaction's outcome is unknown, no row is in the final part (a partial settle
+    would release their keys): the claim stays leased, and the takeover that follows its expiry
+    reads the progress."""
 
     def __init__(
         self,
@@ -59,31 +73,52 @@ class TransactionalDelivery:
         records: Sequence[OutboxRecord],
         claimed_at: float,
     ) -> None:
-        self.lane = lane  # its producer, chosen at the claim (kafka/exactly_once/lanes.py)
-        lane.given.add(self)
-        self.records = list(records)  # grows by the rows a takeover adopts (see adopt)
-        self.parked = False
-        self.settled: set[int] = set()
-        self.tag = uuid.uuid4().hex  # this batch in progress records
-        # (id, replays) of the rows in the transaction, for the progress record
-        self.sent: list[tuple[int, int]] = []
-        # Those its earlier transactions committed (a claim split for its lookups): listed under
-        # its tag with each later one, until every part's mark changed every row.
-        self.earlier: list[tuple[int, int]] = []
-        self.marked_every_row = True
-        # What its last transaction's progress record said: the outbox's identity, the tags
-        # listed, the keys tombstoned (kafka/exactly_once/retirement.py).
-        self.identity = ""
-        self.listed_tags: frozenset[str] = frozenset()
-        self.tombstones: list[str] = []
-        self.begun = False  # a transaction of it was begun: unknown rows may be in Kafka
-        self.doubtful: set[int] = set()  # rows of a begun transaction, not decided yet
-        self.committed = False
+        self._lane = lane  # its producer, chosen at the claim (kafka/exactly_once/lanes.py)
+        lane.given.add(self)  # counted as waiting for the lane until its turn comes
+        self.records = list(records)  # the claim's rows; grows only by those adopted (adopt)
+        self._tag = uuid.uuid4().hex  # this batch in progress records
         # When the claim began (the loop's clock): a producer that began to serve after it (this
-        # dispatcher was fenced, or the lane took a new id) never sends it (_send_and_commit).
-        self.claimed_at = claimed_at
+        # dispatcher was fenced, or the lane took a new id) never sends it (began_before).
+        self._claimed_at = claimed_at
         self._publisher = publisher
+        self._transactions: list[Transaction] = []  # in order; only the last may be open
         self._outcomes: list[BaseException | None] = [UNKNOWN] * len(records)
+        self._settled: set[int] = set()  # rows a part has carried
+        self._marks_whole = True  # every part's mark so far changed every row of it
+
+    @property
+    def lane(self) -> Lane:
+        return self._lane
+
+    @property
+    def tag(self) -> str:
+        return self._tag
+
+    @property
+    def parked(self) -> bool:
+        """Never: a transaction has no partial outcome to wait for (batch.Deliveries)."""
+        return False
+
+    @property
+    def state(self) -> State:
+        """Its last transaction's state (NEW before the first)."""
+        return self._transactions[-1].state if self._transactions else State.NEW
+
+    # What tests and logs may read of it (derived from the states).
+    @property
+    def begun(self) -> bool:
+        """A transaction of it began: records of it may have been handed to the producer."""
+        return bool(self._transactions)
+
+    @property
+    def committed(self) -> bool:
+        return any(t.state in COMMITTED for t in self._transactions)
+
+    @property
+    def sent(self) -> list[Pair]:
+        """The pairs its last transaction carried, unless it ended without a commit."""
+        last = self._transactions[-1] if self._transactions else None
+        return list(last.pairs) if last is not None and last.state in IN_RECORD else []
 
     def __aiter__(self) -> AsyncGenerator[Part, None]:
         return self._parts()
@@ -94,70 +129,139 @@ class TransactionalDelivery:
                 yield part
         yield self.final_part()
 
-    def early_part(self, indices: Sequence[int]) -> Part:
-        """Rows of `indices` whose transaction ended, settled before the claim's other rows
-        (whole keys: topics.ClaimLookups keeps a key's rows together)."""
-        done = [i for i in indices if i not in self.settled and self._outcomes[i] is not UNKNOWN]
-        self.settled.update(done)
-        return Part(done, [self._outcomes[i] for i in done])
+    # --- the moves of its transactions (transaction.MOVES), in the order they come ---
 
-    def final_part(self) -> Part:
-        """Every row not settled yet, unless one's outcome is unknown: then none."""
-        rest = (
-            []
-            if self.undecided()
-            else [i for i in range(len(self.records)) if i not in self.settled]
-        )
-        self.settled.update(rest)
-        return Part(rest, [self._outcomes[i] for i in rest], final=True)
-
-    def listed(self) -> list[tuple[int, int]]:
-        """The pairs its progress record lists under its tag: every row of its transactions."""
-        return list(dict.fromkeys(self.earlier + self.sent))
-
-    def committed_now(self) -> list[tuple[int, int]]:
-        """Its transaction committed: every pair of its committed transactions so far, listed
-        under its tag in its lane's batches not seen marked (returned too)."""
-        self.earlier = self.listed()
-        self.committed = True
-        self.lane.unmarked[self.tag] = list(self.earlier)
-        return list(self.earlier)
-
-    def not_committed(self) -> None:
-        """Its transaction ended without committing (aborted, given up): none of its rows is
-        in Kafka, so none is listed as sent."""
-        self.sent.clear()
+    def begin(self, indices: Sequence[int]) -> None:
+        """A transaction of these rows begins, before the producer is asked: from now on records
+        of them may be handed, so until they are decided their keys stay leased. The claim's
+        transactions go one after the other: the last must have ended."""
+        if self._transactions and self.state in OPEN:
+            msg = f"a transaction begins while the claim's last one is {self.state.name}"
+            raise IllegalMoveError(msg)
+        transaction = Transaction(list(indices))
+        transaction.move(State.BEGUN)
+        self._transactions.append(transaction)
 
     def handed(self, indices: Sequence[int], identity: str, tombstones: list[str]) -> Listed:
         """Its rows `indices` were handed to the producer: what its progress record lists (its
         lane's batches not seen marked, and its own under its tag), remembered with the outbox's
-        identity and the keys tombstoned in the same transaction (endings.py reads them)."""
-        self.sent = [self.records[i].pair for i in indices]
-        listed = {**self.lane.unmarked, self.tag: self.listed()}
-        self.identity = identity
-        self.listed_tags = frozenset(listed)
-        self.tombstones = tombstones
+        identity and the keys tombstoned in the same transaction."""
+        pairs = [self.records[i].pair for i in indices]
+        listed = self._listing(pairs)
+        self._open().handed(pairs, identity, frozenset(listed), tombstones)
         return listed
+
+    def committing(self) -> None:
+        self._open().move(State.COMMITTING)
+
+    def commit_answered(self, indices: Sequence[int]) -> None:
+        """The commit answered: its rows are published, listed under its tag with every row of
+        its earlier transactions in its lane's batches not seen marked (until marked)."""
+        transaction = self._open()
+        transaction.move(State.COMMITTED)
+        self._committed(transaction, indices)
+
+    def commit_unanswered(self) -> None:
+        """The commit got no answer (or was cancelled): its rows stay undecided, leased."""
+        self._open().move(State.UNKNOWN)
+
+    def resolve(
+        self, indices: Sequence[int], records: Iterable[Record], config: ProgressConfig
+    ) -> bool:
+        """An unknown commit, once its id's transaction was ended by a fresh producer: committed
+        if its lane's last record, under the identity it was written with, lists every row of it
+        under its tag (the tag also lists its earlier transactions' rows)."""
+        transaction = self._open()
+        last = progress.last_batches(config, transaction.identity, records)
+        mine = last.get(self._lane.transactional_id, {})
+        if set(mine.get(self._tag, [])) >= set(transaction.pairs):
+            transaction.move(State.RESOLVED_COMMITTED)
+            self._committed(transaction, indices)
+            return True
+        transaction.move(State.RESOLVED_ABORTED)
+        self.decide(indices, TransactionAbortedError("the commit did not take"))
+        return False
+
+    def aborted(self) -> None:
+        """Its transaction ended without a commit (aborted, given up, its begin refused): none
+        of its rows is in Kafka, so none is listed; the caller decides each row's outcome."""
+        self._open().move(State.ABORTED)
+
+    def _open(self) -> Transaction:
+        if not self._transactions or self.state not in OPEN:
+            msg = f"no transaction of the claim is open (its last is {self.state.name})"
+            raise IllegalMoveError(msg)
+        return self._transactions[-1]
+
+    def _committed(self, transaction: Transaction, indices: Sequence[int]) -> None:
+        self._lane.unmarked[self._tag] = self.listed()
+        self._lane.last_listed = transaction.tags  # its id's last committed record listed them
+        self.decide(indices, None)
+
+    # --- what its states allow ---
+
+    def listed(self) -> list[Pair]:
+        """The pairs its progress record lists under its tag: every row of its committed
+        transactions, and of the one whose record is handed unless it ended without a commit."""
+        return list(
+            dict.fromkeys(p for t in self._transactions if t.state in IN_RECORD for p in t.pairs)
+        )
+
+    def listing(self, indices: Sequence[int]) -> Listed:
+        """What its progress record would list if its rows `indices` were sent now (retirement
+        checks that it fits a request before anything is handed)."""
+        return self._listing([self.records[i].pair for i in indices])
+
+    def _listing(self, pairs: list[Pair]) -> Listed:
+        return {**self._lane.unmarked, self._tag: list(dict.fromkeys(self.listed() + pairs))}
+
+    def tombstoned(self) -> list[str]:
+        """The keys its last transaction tombstoned (retirement forgets them once committed)."""
+        return list(self._transactions[-1].tombstones) if self._transactions else []
+
+    def began_before(self, since: float) -> bool:
+        """The claim began before `since` (when its lane's producer began to serve): such a
+        producer never sends it, since its lease may have expired meanwhile."""
+        return self._claimed_at < since
+
+    def turn_taken(self) -> None:
+        """Its lane's turn came: no longer counted as waiting (lanes.least_busy)."""
+        self._lane.given.discard(self)
+
+    def give_back_unsent(self, outcome: BaseException) -> None:
+        """A takeover that sent nothing: its undecided rows take `outcome`, unless a transaction
+        of it began (then that transaction's outcome decides them, or they stay leased)."""
+        if not self._transactions:
+            self.decide(self.undecided(), outcome)
 
     def marked(self, *, every_row: bool, final: bool) -> None:
         """A part's mark is in the database (TransactionalPublisher.marked says why): once the
         final one is, and every part's mark changed every row, its lane's later progress
         records leave it out."""
-        self.marked_every_row = self.marked_every_row and every_row
-        if final and self.marked_every_row:
-            self.lane.unmarked.pop(self.tag, None)
+        self._marks_whole = self._marks_whole and every_row
+        if final and self._marks_whole:
+            self._lane.unmarked.pop(self._tag, None)
 
-    def begin(self, indices: Sequence[int]) -> None:
-        """A transaction of these rows begins: until they are decided, their outcome may be
-        anything (unsettled keeps their keys leased)."""
-        self.begun = True
-        self.doubtful.update(indices)
+    def early_part(self, indices: Sequence[int]) -> Part:
+        """Rows of `indices` whose transaction ended, settled before the claim's other rows
+        (whole keys: topics.ClaimLookups keeps a key's rows together)."""
+        done = [i for i in indices if i not in self._settled and self._outcomes[i] is not UNKNOWN]
+        self._settled.update(done)
+        return Part(done, [self._outcomes[i] for i in done])
+
+    def final_part(self) -> Part:
+        """Every row not settled yet, unless one's outcome is unknown: then none."""
+        rest = [] if self.undecided() else self.not_settled()
+        self._settled.update(rest)
+        return Part(rest, [self._outcomes[i] for i in rest], final=True)
+
+    def not_settled(self) -> list[int]:
+        """The rows no part has carried yet (in flight, for the dispatcher's registry)."""
+        return [i for i in range(len(self.records)) if i not in self._settled]
 
     def decide(self, indices: Sequence[int], outcome: BaseException | None) -> None:
         for i in indices:
             self._outcomes[i] = outcome
-            if outcome is not UNKNOWN:
-                self.doubtful.discard(i)
 
     def adopt(self, rows: Sequence[OutboxRecord]) -> None:
         """Rows of this claim's keys that a lost claim committed beyond its batch: settled with
@@ -186,14 +290,21 @@ class TransactionalDelivery:
         return [stopped if o is UNKNOWN else o for o in self._outcomes]
 
     def unsettled(self) -> list[int]:
-        """The rows a shutdown cancel may settle: every row not settled yet, but for the keys of
-        rows whose begun transaction's outcome is unknown (they stay leased, whole: a settle of
-        some rows of a key releases the key)."""
-        held = {self.records[i].ordering_key for i in self.doubtful}
+        """The rows a shutdown cancel may give back: every row not settled yet, but for the
+        undecided rows of an open transaction (it may commit, or may have) and every row of
+        their keys (they stay leased, whole: a settle of some rows of a key releases the
+        key)."""
+        doubtful = {
+            i
+            for t in self._transactions
+            if t.state in OPEN
+            for i in t.indices
+            if self._outcomes[i] is UNKNOWN
+        }
+        held = {self.records[i].ordering_key for i in doubtful}
         return [
             i
-            for i, r in enumerate(self.records)
-            if i not in self.settled
-            and i not in self.doubtful
-            and (r.ordering_key is None or r.ordering_key not in held)
+            for i in self.not_settled()
+            if i not in doubtful
+            and (self.records[i].ordering_key is None or self.records[i].ordering_key not in held)
         ]

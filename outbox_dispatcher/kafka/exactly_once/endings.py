@@ -15,7 +15,7 @@ from aiokafka import errors as kafka_errors
 from outbox_dispatcher import errors
 from outbox_dispatcher.kafka import failures, internals
 from outbox_dispatcher.kafka.batches import Answer, Batches
-from outbox_dispatcher.kafka.exactly_once import progress, replicas
+from outbox_dispatcher.kafka.exactly_once import replicas
 from outbox_dispatcher.kafka.exactly_once.delivery import (
     UNKNOWN,
     TransactionAbortedError,
@@ -95,7 +95,7 @@ class Endings:
             else:
                 outcome = TransactionFencedError(f"given up: partitions {', '.join(names)} {where}")
             d.decide([i], outcome)
-        d.not_committed()
+        d.aborted()
         await self.lanes.renew(d.lane, f"partitions {', '.join(names)} {where}")
         self.renewed("stalled" if short or stall.progress else "coordinator")
         # The closed producer failed them; their errors read, none left unretrieved.
@@ -138,7 +138,7 @@ class Endings:
             # The refused batch used up sequence numbers the broker never saw: the next
             # transaction starts a fresh producer (a new epoch under the same id).
             producers.condemn(cause)
-        d.not_committed()
+        d.aborted()
         aborted: type[TransactionAbortedError] = TransactionAbortedError  # an outage: the pause
         if fenced:
             aborted = TransactionFencedError
@@ -150,17 +150,18 @@ class Endings:
 
     async def commit(self, d: TransactionalDelivery, indices: list[int]) -> bool:
         """Commit; whether it committed (an unknown outcome is resolved, or left unknown)."""
+        d.committing()
         try:
             async with asyncio.timeout(self.progress.timeout_seconds):
                 await d.lane.producers.current().commit_transaction()
         except (*KAFKA_TROUBLE, asyncio.CancelledError) as exc:
+            d.commit_unanswered()
             d.lane.producers.condemn(exc if isinstance(exc, Exception) else UNKNOWN)
-            log.warning("commit_unknown", rows=len(d.sent), error=errors.describe(exc))
+            log.warning("commit_unknown", rows=len(indices), error=errors.describe(exc))
             if isinstance(exc, asyncio.CancelledError):
                 raise  # left unknown, leased: the next takeover reads the progress
             return await self.resolve(d, indices)
-        d.committed_now()
-        d.decide(indices, None)
+        d.commit_answered(indices)
         return True
 
     async def resolve(self, d: TransactionalDelivery, indices: list[int]) -> bool:
@@ -174,16 +175,9 @@ class Endings:
                 await producer.abort_transaction()
             values = await self.takeover.read(self.lanes)
         except (*KAFKA_TROUBLE, errors.BrokerUnavailableError) as exc:
-            log.warning("commit_outcome_unread", rows=len(d.sent), error=errors.describe(exc))
+            log.warning("commit_outcome_unread", rows=len(indices), error=errors.describe(exc))
             return False  # unknown: the rows stay leased for a takeover to decide
-        last = progress.last_batches(self.progress, d.identity, values)
-        mine = last.get(d.lane.transactional_id, {})
-        if set(mine.get(d.tag, [])) >= set(d.sent):  # the tag also lists earlier transactions
-            d.committed_now()
-            d.decide(indices, None)
-            return True
-        d.decide(indices, TransactionAbortedError("the commit did not take"))
-        return False
+        return d.resolve(indices, values, self.progress)
 
 
 def failure_of(answer: asyncio.Future[object]) -> BaseException | None:

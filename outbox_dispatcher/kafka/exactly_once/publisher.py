@@ -253,7 +253,7 @@ class TransactionalPublisher:
             async with contextlib.AsyncExitStack() as turns:
                 for lane in self.lanes if takeover else [d.lane]:
                     await turns.enter_async_context(lane.turn)
-                d.lane.given.discard(d)
+                d.turn_taken()
                 await self.retire.check(self.lanes)
                 if takeover:
                     await self._takeover.reconcile(d, self.lanes)
@@ -268,19 +268,14 @@ class TransactionalPublisher:
             log.warning(
                 "takeover_waits_for_progress", rows=len(d.records), reason=reason, error=str(exc)
             )
-            if not d.begun:  # (a transaction begun: its outcome decides, or the rows stay)
-                self._give_back(d, exc)
+            # Sent nothing: its rows go back, uncounted, after a wait (review E7). Their keys
+            # keep the reconcile duty (a settle never clears it), so whoever claims them next
+            # reads the progress first; and no attempt is counted for the wait: kept leased until
+            # their lease expired, each try counted one, and a few rounds dead-lettered them as a
+            # crash loop.
+            d.give_back_unsent(TakeoverWaitingError(exc, self._takeover.fence_seconds))
         finally:
-            d.lane.given.discard(d)
-
-    def _give_back(self, d: TransactionalDelivery, exc: ProgressUnavailableError) -> None:
-        """A takeover that could not fence a lost owner or read the progress sent nothing: its
-        undecided rows go back, uncounted, after a wait (review E7). Their keys keep the
-        reconcile duty (a settle never clears it), so whoever claims them next reads the
-        progress first; and no attempt is counted for the wait: kept leased until their lease
-        expired, each try counted one, and a few rounds dead-lettered them as a crash loop."""
-        waiting = TakeoverWaitingError(exc, self._takeover.fence_seconds)
-        d.decide(d.undecided(), waiting)
+            d.turn_taken()
 
     async def _send_and_commit(
         self, d: TransactionalDelivery, rows: list[int], known: Mapping[str, BaseException]
@@ -295,7 +290,7 @@ class TransactionalPublisher:
         except (errors.BrokerUnavailableError, errors.DatabaseUnavailableError) as exc:
             d.decide(indices, TransactionAbortedError(errors.describe(exc)))
             return
-        if lane.producers.since > d.claimed_at:
+        if d.began_before(lane.producers.since):
             # Replaced since the claim began (fenced, or a new id): the lease may have expired
             # meanwhile and another claim sent the rows; given back, never sent by this one.
             d.decide(indices, TransactionFencedError(REPLACED))
@@ -335,6 +330,7 @@ class TransactionalPublisher:
             await producer.begin_transaction()
         except KAFKA_TROUBLE as exc:
             lane.producers.condemn(exc)
+            d.aborted()
             d.decide(indices, TransactionAbortedError(errors.describe(exc)))
             return
         answers: list[Answer] = [None] * len(d.records)
@@ -359,8 +355,7 @@ class TransactionalPublisher:
         else:
             if await self._ends.commit(d, sent):
                 self.holds.acknowledged(batches.where.values())
-                lane.last_listed = d.listed_tags
-                self.retire.sent(d.tombstones)
+                self.retire.sent(d.tombstoned())
 
     async def _send_all(
         self,
@@ -393,15 +388,15 @@ class TransactionalPublisher:
         ]
         lane = d.lane
         # The lane's own batches: keyed by its id.
-        listed = d.handed(handed, self.retire.identity, self.retire.to_send(self.lanes))
-        value = progress.record_value(self._progress, d.identity, lane.name, listed)
+        identity, ended = self.retire.identity, self.retire.to_send(self.lanes)
+        listed = d.handed(handed, identity, ended)
+        value = progress.record_value(self._progress, identity, lane.name, listed)
         key = lane.transactional_id.encode()
         try:
             producer = lane.producers.current()
             acked = await producer.send(self._progress.topic, value, key=key)
             tombstones = [
-                await producer.send(self._progress.topic, None, key=k.encode())
-                for k in d.tombstones
+                await producer.send(self._progress.topic, None, key=k.encode()) for k in ended
             ]
         except KAFKA_TROUBLE as exc:
             # Their answers read before an abort (none of the epoch left in flight), within the

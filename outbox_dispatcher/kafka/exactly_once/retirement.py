@@ -75,14 +75,12 @@ class Retirement:
         after the pause, the producer kept); what is still needed is checked first next time
         (soon). Here because what the record lists is the retirement's to keep bounded."""
         lane = d.lane
-        listed = sum(map(len, lane.unmarked.values())) + len(d.earlier) + len(indices)
+        listing = d.listing(indices)
+        listed = sum(map(len, listing.values()))
         at_most = progress.RECORD_OVERHEAD_BYTES + listed * progress.PAIR_BYTES_AT_MOST
         if at_most <= max_request_bytes:  # one batch always fits (config/checks.py)
             return None
-        rows = d.earlier + [d.records[i].pair for i in indices]
-        value = progress.record_value(
-            config, self.identity, lane.name, {**lane.unmarked, d.tag: rows}
-        )
+        value = progress.record_value(config, self.identity, lane.name, listing)
         size = len(value) + len(lane.transactional_id) + progress.RECORD_OVERHEAD_BYTES
         if size <= max_request_bytes:
             return None
