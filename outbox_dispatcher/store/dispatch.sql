@@ -304,6 +304,19 @@ WITH checked AS (
 )
 SELECT count(*) FROM checked
 
+-- crash_loops_published --
+-- exactly-once (review E13), in the reclaimer's transaction right after its dead-letter: the
+-- crash-loop rows $ids that the lost claim committed (the progress, read after the claim's owner
+-- was fenced, lists them) are published as that claim's late mark would record them (settle_late,
+-- under the lease token the dead-letter kept: a key they blocked goes on), so that a committed row
+-- is never shown dead, not even for a moment. Returns their ids.
+SELECT p.id
+  FROM (SELECT o.lease_token, min(o.lease_owner) AS owner, array_agg(o.id ORDER BY o.id) AS ids
+          FROM {table} o
+         WHERE o.id = ANY ($ids::bigint[]) AND o.dead_at IS NOT NULL AND o.lease_token IS NOT NULL
+         GROUP BY o.lease_token) t
+ CROSS JOIN LATERAL {settle_late_fn}(t.lease_token, t.owner, t.ids, $delete_published) AS p(id)
+
 -- unsettled_work --
 -- exactly-once, at start when the progress topic is missing: keys whose rows a claim holds or
 -- held (a lease, live or expired) or whose lost owner's outcome nobody read (the reconcile duty).
@@ -561,6 +574,34 @@ SELECT count(*) FROM {dispatchers}
 UPDATE {dispatchers} SET transactional_ids = $ids::text[], heartbeat_at = now()
  WHERE owner = $owner
 RETURNING owner
+
+-- transactional_ids_silent --
+-- Exactly-once (issue 35, E9): the dispatchers that no longer beat (no heartbeat within
+-- $live_seconds seconds) and still list transactional ids, each with the heartbeat seen (its ids
+-- are forgotten only while it is unchanged) and whether the table still names it (`named`): a key
+-- leased by it (a lease live or expired: the key's takeover reads its progress and fences it
+-- strictly) or a key whose reconcile duty names it. At most $limit, the longest silent first.
+SELECT d.owner, d.heartbeat_at, d.transactional_ids,
+       EXISTS (SELECT 1 FROM {work} w
+                WHERE w.claim_token IS NOT NULL AND w.claim_owner = d.owner)
+       OR EXISTS (SELECT 1 FROM {work} w WHERE w.reconcile_owner = d.owner) AS named
+  FROM {dispatchers} d
+ WHERE d.heartbeat_at <= now() - $live_seconds * interval '1 second'
+   AND cardinality(d.transactional_ids) > 0
+ ORDER BY d.heartbeat_at, d.owner
+ LIMIT $limit
+
+-- transactional_ids_forget --
+-- Exactly-once (issue 35, E9): the ids $ids of dispatcher $owner were fenced and their progress
+-- keys ended (kafka/exactly_once/orphans.py): forgotten, so that nobody fences or sweeps them
+-- again. Only while its heartbeat is still $heartbeat_at: a dispatcher that was only paused and
+-- came back beat since, or recorded its ids again (which it does before any producer starts
+-- under one of them), and keeps them. Returns its owner if it forgot.
+UPDATE {dispatchers} d
+   SET transactional_ids = array(SELECT t FROM unnest(d.transactional_ids) AS t
+                                  WHERE t <> ALL ($ids::text[]))
+ WHERE d.owner = $owner AND d.heartbeat_at = $heartbeat_at::timestamptz
+RETURNING d.owner
 
 -- transactional_ids_live --
 -- Exactly-once: the dispatchers that beat within $live_seconds seconds, each with its delivery

@@ -1224,6 +1224,10 @@ ALTER TABLE ${schema}.${table}_work ADD COLUMN last_seen bigint;
 -- progress (dispatch.sql `reconciled`); until then every claim of the key returns its rows as
 -- reclaimed. See <table>_work in tables.sql.
 ALTER TABLE ${schema}.${table}_work ADD COLUMN reconcile_owner text;
+-- Issue 35 (E9): the owners a duty names, for the sweep of dead dispatchers' progress keys
+-- (dispatch.sql `transactional_ids_silent`); few rows, and only until a takeover.
+CREATE INDEX ${table}_work_duty_idx ON ${schema}.${table}_work (reconcile_owner)
+    WHERE reconcile_owner IS NOT NULL;
 
 CREATE OR REPLACE VIEW ${schema}.${table}_leases AS
 SELECT o.id, o.topic, o.ordering_key, w.claim_token AS lease_token, w.claim_owner AS lease_owner,
