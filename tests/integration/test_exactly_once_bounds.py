@@ -356,6 +356,10 @@ async def test_the_progress_stays_bounded_over_many_restarts_and_failed_marks(
         mine = survivor.lanes.ids()
         live = live_of(last)
         unmarked = [len(lane.unmarked) for lane in survivor.lanes]
+        still_listed = await conn.fetchval(
+            "SELECT count(*) FROM outbox_dispatchers"
+            " WHERE cardinality(transactional_ids) > 0 AND owner <> 'survivor'"
+        )
     finally:
         await survivor.stop()
     copies = await read_all(bootstrap, topic, "read_committed")
@@ -368,6 +372,7 @@ async def test_the_progress_stays_bounded_over_many_restarts_and_failed_marks(
         "survivor_lanes_listed_max": listed_max,
         "failed_marks_between_takeovers_max": since_takeover_max,
         "survivor_unmarked_at_end": unmarked,
+        "dead_dispatchers_still_listing_ids": still_listed,
         "rows": await count(conn),
         "copies_read_committed": len(copies),
     }
@@ -378,6 +383,7 @@ async def test_the_progress_stays_bounded_over_many_restarts_and_failed_marks(
     assert len(live) <= LANES + 2
     assert listed_max <= since_takeover_max + 2, "listed more than the failed marks not taken over"
     assert unmarked == [0] * LANES
+    assert still_listed == 0, "the registry still lists dead dispatchers' ids (fenced by takeovers)"
     assert len(copies) == await count(conn) == await count(conn, "published_at IS NOT NULL")
 
 
@@ -390,7 +396,7 @@ INSERT INTO refuse_marks VALUES (false);
 CREATE FUNCTION refuse_marks() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF (SELECT on_ FROM refuse_marks) THEN
-        RAISE EXCEPTION 'marks refused for a while (a test)';
+        RAISE EXCEPTION 'marks refused for a while (a test)' USING ERRCODE = 'lock_not_available';
     END IF;
     RETURN NEW;
 END $$;
@@ -423,13 +429,14 @@ async def test_the_progress_stays_bounded_over_process_restarts_and_refused_mark
     record_property: Any,
 ) -> None:
     """The goal row with real processes: two dispatchers under a steady writer, restarted in
-    turn (kill -9 or SIGTERM, at random), while the database refuses every mark for a second or
-    two at a time (a trigger raising on the mark's UPDATE: settles fail, leases expire, the
-    takeovers' marks fail too until it ends). A killed dispatcher's heartbeat is aged at once
-    (fast-forwarded: it never beats again) so that the sweep need not wait registry.LIVE_SECONDS
-    for it. At the end: the live keys are the running dispatchers' lanes' and at most 2 more;
-    records written once the last refusal ended (past a lease and the retirement's pace) list
-    at most the batches in flight; a read_committed consumer sees every row once."""
+    turn (kill -9 or SIGTERM, at random), while the database refuses every mark for a lease and
+    a second or two at a time (a trigger raising lock_not_available on the mark's UPDATE:
+    settles give up, leases expire, the takeovers' marks fail too until it ends). A killed
+    dispatcher's heartbeat is aged at once (fast-forwarded: it never beats again) so that the
+    sweep need not wait registry.LIVE_SECONDS for it. At the end: the live keys are the running
+    dispatchers' lanes' and at most 2 more; records written once the last refusal ended (past
+    its settles, their leases and the retirement's pace) list at most the batches in flight; a
+    read_committed consumer sees every row once."""
     restarts = int(scale(6, 50))
     settings = eos(lease_seconds=3.0, batch_size=20)
     bootstrap = services.kafka_bootstrap_servers
@@ -444,7 +451,9 @@ async def test_the_progress_stays_bounded_over_process_restarts_and_refused_mark
                 if n % 2 == 0:
                     await refuse(True)
                     refusals += 1
-                    await asyncio.sleep(rng.uniform(1.0, 2.0))
+                    # Longer than a lease: settles give up, leases expire, takeovers' marks
+                    # are refused too until it ends.
+                    await asyncio.sleep(settings.lease_seconds + rng.uniform(1.0, 2.0))
                     await refuse(False)
                     last_refusal = time.time()
                 slot = rng.randrange(2)
@@ -479,6 +488,11 @@ async def test_the_progress_stays_bounded_over_process_restarts_and_refused_mark
         last = await latest_values(bootstrap, settings.progress_topic)
         live = live_of(last)
     verdict = await verdict_for(database_url, bootstrap, [topic], timeout=60)
+    logs = await asyncio.to_thread(lambda: list(tmp_path.glob("d*.log")))
+
+    def logged(event: str) -> int:
+        return sum(len(log_events(p, event)) for p in logs)
+
     records = await progress_records(bootstrap, settings.progress_topic)
     listed_all = [listed(v) for _, v, _ in records if v is not None]
     listed_calm = [listed(v) for _, v, at in records if v is not None and at >= calm]
@@ -489,6 +503,12 @@ async def test_the_progress_stays_bounded_over_process_restarts_and_refused_mark
         restarts=restarts,
         kills=kills,
         refusals=refusals,
+        marks_failed=logged("settle_failed"),
+        marks_retried=logged("settle_retrying"),
+        takeovers_that_found_committed=logged("takeover_found_committed"),
+        keys_swept=sum(
+            int(e["tombstoned"]) for p in logs for e in log_events(p, "progress_keys_swept")
+        ),
         keys_ever=len(last),
         live_keys_at_end=len(live),
         running_lanes=len(running),
@@ -499,6 +519,8 @@ async def test_the_progress_stays_bounded_over_process_restarts_and_refused_mark
     )
     assert_sound(verdict)
     assert verdict.duplicates == 0, verdict.summary()
+    assert logged("settle_failed") > 0, "no mark failed: the refusals did not bite"
+    assert logged("failed") == 0, "a dispatcher died"
     assert len(live - running) <= 2, sorted(live - running)
     assert len(live) <= len(running) + 2
     assert len(last) > len(running), "restarts left keys to end"
