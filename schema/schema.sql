@@ -406,7 +406,7 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_discover(
     p_block_on_dead boolean
 ) RETURNS TABLE (
     id bigint, topic text, ordering_key text, payload bytea, headers jsonb, event_id uuid,
-    created_at timestamptz, attempts integer, reclaimed boolean
+    created_at timestamptz, attempts integer, reclaimed boolean, replays integer
 )
     LANGUAGE plpgsql VOLATILE
     SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
@@ -705,7 +705,7 @@ BEGIN
     END IF;
     RETURN QUERY
     SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
-           o.attempts, false
+           o.attempts, false, o.replays
       FROM ${schema}.${table} o
      WHERE o.id = ANY (v_mine)
      ORDER BY o.id;
@@ -732,6 +732,8 @@ $fn$;
 -- its rows as reclaimed until an exactly-once takeover has read the progress and cleared it
 -- (dispatch.sql `reconciled`). No path of the engine clears it; the work row goes only with the
 -- key's last pending row.
+-- Each row comes with its replay count (version 16; issue 35, E5: exactly-once lists (id,
+-- replays) pairs), read with its other columns.
 CREATE OR REPLACE FUNCTION ${schema}.${table}_claim_work(
     p_limit integer,
     p_max_keys integer,
@@ -743,7 +745,7 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_claim_work(
     p_scan integer
 ) RETURNS TABLE (
     id bigint, topic text, ordering_key text, payload bytea, headers jsonb, event_id uuid,
-    created_at timestamptz, attempts integer, reclaimed boolean
+    created_at timestamptz, attempts integer, reclaimed boolean, replays integer
 )
     LANGUAGE plpgsql VOLATILE
     SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
@@ -1088,7 +1090,7 @@ BEGIN
         RETURNING o.id, o.attempts
     )
     SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
-           coalesce(b.attempts, o.attempts), t.old OR v_duty[t.n]
+           coalesce(b.attempts, o.attempts), t.old OR v_duty[t.n], o.replays
       FROM took t
       JOIN ${schema}.${table} o ON o.id = t.id
       LEFT JOIN bumped b ON b.id = t.id

@@ -134,7 +134,7 @@ class Dispatcher:
                 pool,
                 self.statements,
                 steady=version >= migrations.STEADY_VERSION,
-                replays=version >= migrations.CONSOLE_VERSION,  # the column came with 12
+                replays=version >= migrations.STEADY_VERSION,  # the claim returns it from 16
             )
             if (cache := await store.id_cache()) > 1:
                 # Runs anyway (nothing is lost: the sweep finds such rows), but out of order.

@@ -41,7 +41,8 @@ class DispatchStore(StoreBase):
     """The hot path and the upkeep of one outbox table. `steady` (schema version 16 on): the
     claim and the settle try the steady path's one statement first (dispatch.sql
     `claim_steady`, `settle_steady`), and run the engine's functions only when it says so.
-    `replays` (version 12 on): claims read each row's replay count (exactly-once lists it)."""
+    `replays` (version 16 on): the claim function returns each row's replay count (exactly-once
+    lists it); below, the claim reads 0."""
 
     def __init__(
         self,

@@ -5,20 +5,17 @@
 -- claim --
 -- Lease up to $limit rows of at most $max_keys keys under the token $token the dispatcher chose,
 -- looking at up to $scan new rows (see the claim function in schema/); one round trip. Exactly
--- OutboxRecord's fields, in its order (the function's order kept). `replays` is read beside the
--- function (its result has no such column): exactly-once lists (id, replays) in its progress
--- records (issue 35, E5). A row this statement's snapshot does not see yet was written after
--- it began, with the column's default (0); a replay committed after the snapshot leaves the
--- older count, which only makes a takeover send the row again (never mark it unsent).
+-- OutboxRecord's fields, in its order (the function's order kept), each row's replay count among
+-- them (schema version 16: exactly-once lists (id, replays) pairs in its progress records, issue
+-- 35, E5), read by the function with the row's other columns.
 SELECT c.id, c.topic, c.ordering_key, c.payload, c.headers, c.event_id, c.created_at,
-       c.attempts, c.reclaimed,
-       coalesce((SELECT o.replays FROM {table} o WHERE o.id = c.id), 0) AS replays
+       c.attempts, c.reclaimed, c.replays
   FROM {claim_fn}($limit, $max_keys, $owner, $lease_seconds, $token, $block_on_dead,
                   $max_attempts, $scan) c
 
 -- claim_without_replays --
--- `claim` for a table below schema version 12, which has no `replays` column yet (a release
--- beside its predecessor during an upgrade, docs/operations.md): 0 for every row. Only
+-- `claim` for a table below schema version 16, whose claim function returns no replay count (a
+-- release beside its predecessor during an upgrade, docs/operations.md): 0 for every row. Only
 -- exactly-once lists replays, and it needs version 16.
 SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts, reclaimed,
        0 AS replays

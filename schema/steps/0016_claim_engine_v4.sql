@@ -10,6 +10,15 @@
 
 -- @engine running
 
+-- The claim and its discovery return each row's replay count (issue 35: exactly-once read it
+-- beside the claim function): a new result type, so they are made again. A dispatcher of version
+-- 10 to 15 selects the result's columns by name and reads no `replays` from it.
+DROP FUNCTION IF EXISTS ${schema}.${table}_claim_work(
+    integer, integer, text, double precision, uuid, boolean, integer, integer);
+DROP FUNCTION IF EXISTS ${schema}.${table}_discover(
+    ${schema}.${table}_cursor, integer, text, double precision, uuid, integer, text[],
+    double precision, boolean);
+
 -- @engine claim_work
 
 -- @engine discover

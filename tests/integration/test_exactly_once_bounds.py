@@ -526,3 +526,27 @@ async def test_the_progress_stays_bounded_over_process_restarts_and_refused_mark
     assert len(last) > len(running), "restarts left keys to end"
     assert listed_calm, "records were written after the last refusal"
     assert max(listed_calm) <= settings.claim_tasks + 2, "batches stuck in the lists"
+
+
+# --- the claim returns replays (issue 35: no read beside the claim function) ---------------------
+
+
+async def test_the_claim_function_returns_each_rows_replay_count(
+    conn: asyncpg.Connection, pool: asyncpg.Pool, topic: str, eos: Callable[..., Settings]
+) -> None:
+    """The claim function (and its discovery, which takes new rows) returns each row's replay
+    count with its other columns, which the claim's records carry (exactly-once lists (id,
+    replays) pairs): the `claim` statement no longer reads it beside the function."""
+    await write(conn, topic, "new", 1, per=1)
+    await conn.execute("UPDATE outbox SET replays = 3")
+    d = Dispatchers(eos(), pool)
+    batch = await d.claim("o")  # discovery takes the new row
+    assert batch is not None and [r.replays for r in batch.records] == [3]
+    await expire(conn)
+    await conn.execute("UPDATE outbox SET replays = 4")
+    row = await conn.fetchrow(
+        "SELECT * FROM outbox_claim_work(10, 10, 'p', 30, gen_random_uuid(), false, 5, 100)"
+    )
+    assert row is not None and row["replays"] == 4 and row["reclaimed"]
+    sql = STATEMENTS["claim"].sql
+    assert "SELECT o.replays" not in sql and "c.replays" in sql
