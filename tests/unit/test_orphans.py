@@ -1,7 +1,7 @@
 """Exactly-once's sweep of dead dispatchers' progress keys (kafka/exactly_once/orphans.py; issue
 35, E9): which ids it fences, which keys it ends and which ids it forgets. Faked at our seams
 (the store, the progress read, the fence and the tombstone); the same against real processes,
-PostgreSQL and Kafka: tests/integration/test_exactly_once_bounds.py."""
+PostgreSQL and Kafka: tests/integration/test_exactly_once_bounds.py, test_exactly_once_goal.py."""
 
 from __future__ import annotations
 
