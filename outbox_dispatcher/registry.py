@@ -87,7 +87,7 @@ class TableRegistry:
 
     async def live(self) -> list[Registered]:
         rows = await self._store.transactional_ids_live(live_seconds=FENCE_WINDOW_SECONDS)
-        return _registered(rows)
+        return registered(rows)
 
     async def record(self, ids: Sequence[str]) -> None:
         if not await self._store.transactional_ids_record(owner=self.owner, ids=ids):
@@ -98,7 +98,7 @@ class TableRegistry:
         rows = await self._store.lost_owners(
             keys=[k for k, _ in keys], keyless=[kl for _, kl in keys], owners=owners
         )
-        return _registered(rows)
+        return registered(rows)
 
 
 def transactional_registry(store: DispatchStore, owner: str) -> TableRegistry:
@@ -106,5 +106,6 @@ def transactional_registry(store: DispatchStore, owner: str) -> TableRegistry:
     return TableRegistry(store, owner)
 
 
-def _registered(rows: Sequence[Row]) -> list[Registered]:
+def registered(rows: Sequence[Row]) -> list[Registered]:
+    """Registry rows as exactly-once names them: owner, delivery mode, recorded ids."""
     return [(str(r["owner"]), r["delivery"], r["transactional_ids"]) for r in rows]

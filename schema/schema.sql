@@ -222,6 +222,11 @@ CREATE INDEX ${table}_work_blocked_idx ON ${schema}.${table}_work (head_id)
     WHERE claim_token IS NULL AND state = 'b';
 CREATE INDEX ${table}_work_looping_idx ON ${schema}.${table}_work (claim_expires_at)
     WHERE state = 'x';
+-- Keys whose reconcile duty names an owner (exactly-once; few, and only until a takeover read
+-- the progress): the sweep of dead dispatchers' progress keys leaves an owner a duty names to the
+-- takeover (store/dispatch.sql `transactional_ids_silent`).
+CREATE INDEX ${table}_work_duty_idx ON ${schema}.${table}_work (reconcile_owner)
+    WHERE reconcile_owner IS NOT NULL;
 
 CREATE TABLE ${schema}.${table}_cursor (
     one boolean PRIMARY KEY DEFAULT true CHECK (one),
@@ -401,7 +406,7 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_discover(
     p_block_on_dead boolean
 ) RETURNS TABLE (
     id bigint, topic text, ordering_key text, payload bytea, headers jsonb, event_id uuid,
-    created_at timestamptz, attempts integer, reclaimed boolean
+    created_at timestamptz, attempts integer, reclaimed boolean, replays integer
 )
     LANGUAGE plpgsql VOLATILE
     SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
@@ -700,7 +705,7 @@ BEGIN
     END IF;
     RETURN QUERY
     SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
-           o.attempts, false
+           o.attempts, false, o.replays
       FROM ${schema}.${table} o
      WHERE o.id = ANY (v_mine)
      ORDER BY o.id;
@@ -727,6 +732,8 @@ $fn$;
 -- its rows as reclaimed until an exactly-once takeover has read the progress and cleared it
 -- (dispatch.sql `reconciled`). No path of the engine clears it; the work row goes only with the
 -- key's last pending row.
+-- Each row comes with its replay count (version 16; issue 35, E5: exactly-once lists (id,
+-- replays) pairs), read with its other columns.
 CREATE OR REPLACE FUNCTION ${schema}.${table}_claim_work(
     p_limit integer,
     p_max_keys integer,
@@ -738,7 +745,7 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_claim_work(
     p_scan integer
 ) RETURNS TABLE (
     id bigint, topic text, ordering_key text, payload bytea, headers jsonb, event_id uuid,
-    created_at timestamptz, attempts integer, reclaimed boolean
+    created_at timestamptz, attempts integer, reclaimed boolean, replays integer
 )
     LANGUAGE plpgsql VOLATILE
     SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
@@ -1083,7 +1090,7 @@ BEGIN
         RETURNING o.id, o.attempts
     )
     SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
-           coalesce(b.attempts, o.attempts), t.old OR v_duty[t.n]
+           coalesce(b.attempts, o.attempts), t.old OR v_duty[t.n], o.replays
       FROM took t
       JOIN ${schema}.${table} o ON o.id = t.id
       LEFT JOIN bumped b ON b.id = t.id

@@ -221,6 +221,11 @@ CREATE INDEX ${table}_work_blocked_idx ON ${schema}.${table}_work (head_id)
     WHERE claim_token IS NULL AND state = 'b';
 CREATE INDEX ${table}_work_looping_idx ON ${schema}.${table}_work (claim_expires_at)
     WHERE state = 'x';
+-- Keys whose reconcile duty names an owner (exactly-once; few, and only until a takeover read
+-- the progress): the sweep of dead dispatchers' progress keys leaves an owner a duty names to the
+-- takeover (store/dispatch.sql `transactional_ids_silent`).
+CREATE INDEX ${table}_work_duty_idx ON ${schema}.${table}_work (reconcile_owner)
+    WHERE reconcile_owner IS NOT NULL;
 
 CREATE TABLE ${schema}.${table}_cursor (
     one boolean PRIMARY KEY DEFAULT true CHECK (one),

@@ -260,3 +260,12 @@ class FakeProgressStore:
 
     async def unsettled(self) -> int:
         return 0
+
+    async def running(self) -> Sequence[Any]:
+        return []
+
+    async def silent(self) -> Sequence[Any]:
+        return []
+
+    async def forget(self, silent: Any, ids: Sequence[str]) -> bool:
+        return False

@@ -164,6 +164,9 @@ class Settings(BaseSettings):
     """exactly-once: the broker aborts a transaction open longer than this (it must end
     before the lease, OUTBOX_LEASE_SECONDS); a transaction's acks are waited for 0.8 x this at
     most (and publish_timeout at most) before it is given up."""
+    progress_sweep_seconds: PositiveSeconds = 60.0
+    """exactly-once: how often (jittered by half either way) each dispatcher ends the progress
+    keys of the table's dispatchers that stopped beating while they held no lease."""
     kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     """Kafka security protocol."""
     kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None

@@ -116,18 +116,17 @@ async def reclaim_step(
 ) -> None:
     """One step of the reclaimer. Exactly-once reads the progress of the rows it is about to
     dead-letter first, and dead-letters nothing while it cannot (review E13)."""
-    read: Checked | None = (set(), set())
-    if committed_of is not None:
-        read = await read_crash_loops_first(store, settings, committed_of)
-    if read is not None:
+    if committed_of is None:
         dead = await store.dead_letter_crash_loops(
             max_attempts=settings.max_attempts,
             block_on_dead=settings.dead_letter_policy is DeadLetterPolicy.BLOCK,
         )
         report_crash_loops(dead, metrics)
+    else:
+        await dead_letter_read_crash_loops(store, settings, metrics, committed_of)
     expired = await store.count_expired_leases()
     if committed_of is not None:
-        await settle_crash_loops(store, settings, committed_of, read or (set(), set()))
+        await settle_crash_loops(store, settings, committed_of)
     if expired:
         log.info("expired_leases_awaiting_takeover", leases=expired)
     if settings.sweep_rows and (sweep_due is None or sweep_due()):
@@ -139,6 +138,9 @@ async def reclaim_step(
 CommittedOf = Callable[[Sequence[tuple[int, int]], Sequence[str]], Awaitable[set[int]]]
 # Crash-loop rows looked at per reclaimer step (each look fences and reads the progress once).
 CRASH_LOOPS_AT_ONCE = 500
+# Reads of a step whose dead-letter met rows whose leases expired after the read (each read
+# again with them); past these, the next step.
+CRASH_LOOP_READS = 3
 
 
 # Rows whose progress was read (after their lost claims' owners were fenced), and which of them
@@ -146,14 +148,66 @@ CRASH_LOOPS_AT_ONCE = 500
 Checked = tuple[set[int], set[int]]
 
 
+async def dead_letter_read_crash_loops(
+    store: DispatchStore, settings: Settings, metrics: OutboxMetrics, committed_of: CommittedOf
+) -> None:
+    """Exactly-once (review E13): the progress of the rows the reclaimer is about to dead-letter
+    is read first (their lost claims' owners fenced); then, in one database transaction, they
+    are dead-lettered, those their claim committed published and the others dead for good
+    (dead_letter_as_read). So a committed row is never shown dead: before, a
+    database failure between the dead-letter and the publish left it dead until a later step.
+    Nothing is dead-lettered while the progress cannot be read, nor when a row's lease expired
+    after the read (read again, at most CRASH_LOOP_READS times a step)."""
+    for _ in range(CRASH_LOOP_READS):
+        read = await read_crash_loops_first(store, settings, committed_of)
+        if read is None or not read[0]:
+            return
+        try:
+            dead, published = await dead_letter_as_read(store, settings, read)
+        except _ReadBeforeError:
+            log.info("crash_loops_read_again", rows=len(read[0]))
+            continue
+        report_crash_loops(dead, metrics)
+        if published:
+            log.warning("crash_loop_rows_found_committed", rows=len(published))
+        return
+
+
+async def dead_letter_as_read(
+    store: DispatchStore, settings: Settings, checked: Checked
+) -> tuple[list[Row], list[int]]:
+    """In one transaction: the crash loops dead-lettered, those of their rows the lost claim
+    committed (`checked`: the rows whose progress was read, and those it lists) published at
+    once, the others dead for good. The rows dead, the ids published; _ReadBeforeError (nothing
+    changed) when the dead-letter met a row whose progress was not read."""
+    read, committed = checked
+    async with store.transaction() as tx:
+        dead = await tx.dead_letter_crash_loops(
+            max_attempts=settings.max_attempts,
+            block_on_dead=settings.dead_letter_policy is DeadLetterPolicy.BLOCK,
+        )
+        ids = {int(r["id"]) for r in dead}
+        if not ids <= read:
+            raise _ReadBeforeError
+        found = ids & committed
+        published = await tx.crash_loops_published(
+            ids=sorted(found), delete_published=settings.delete_on_publish
+        )
+        await tx.crash_loops_checked(ids=sorted(ids - found))
+    return [r for r in dead if int(r["id"]) not in found], published
+
+
+class _ReadBeforeError(Exception):
+    """A crash loop's row whose progress was not read: its dead-letter is rolled back."""
+
+
 async def read_crash_loops_first(
     store: DispatchStore, settings: Settings, committed_of: CommittedOf
 ) -> Checked | None:
-    """Exactly-once (review E13): the progress of the rows the reclaimer is about to dead-letter,
-    read first (their lost claims' owners fenced), so that the rows their claim committed are
-    published right after (settle_crash_loops) rather than shown dead until a later read; None
-    when it cannot be read: nothing is dead-lettered meanwhile (the keys stay as they are, left
-    to the reclaimer, until the progress can be read)."""
+    """Exactly-once (review E13): the rows the reclaimer would dead-letter now and which of
+    them their lost claims committed, read after those claims' owners were fenced; None when
+    it cannot be read: nothing is dead-lettered meanwhile (the keys stay as they are, left to
+    the reclaimer, until the progress can be read)."""
     rows = await store.crash_loop_candidates(max_attempts=settings.max_attempts)
     if not rows:
         return set(), set()
@@ -168,31 +222,24 @@ async def read_crash_loops_first(
 
 
 async def settle_crash_loops(
-    store: DispatchStore,
-    settings: Settings,
-    committed_of: CommittedOf,
-    checked: Checked = (set(), set()),
+    store: DispatchStore, settings: Settings, committed_of: CommittedOf
 ) -> None:
-    """Exactly-once (review E13): the reclaimer dead-lettered a crash loop's rows; their lease
-    token stays on them until their progress is read (durable: a crash meanwhile leaves them to
-    the next step): those in it are published, settled as the lost claim's late mark would be
-    (settle_late: a key they blocked goes on); the others are dead for good. `checked`: rows
-    whose progress this step read just before dead-lettering them (not read again). Rows whose
-    progress cannot be read stay as they are."""
+    """Exactly-once (review E13): crash-loop rows dead-lettered with their lease token and not
+    decided in the same transaction (by a reclaimer of an earlier release, or of an
+    at-least-once dispatcher beside this one): their progress is read (durable: a crash
+    meanwhile leaves them to the next step); those in it are published, settled as the lost
+    claim's late mark would be (settle_late: a key they blocked goes on); the others are dead
+    for good. Rows whose progress cannot be read stay as they are."""
     rows = await store.crash_loops_unsettled(limit=CRASH_LOOPS_AT_ONCE)
     if not rows:
         return
-    read, known = checked
-    committed = known & {int(r["id"]) for r in rows}
-    unread = [r for r in rows if int(r["id"]) not in read]
-    if unread:
-        owners = sorted({str(r["lease_owner"]) for r in unread if r["lease_owner"] is not None})
-        try:
-            pairs = [(int(r["id"]), int(r["replays"])) for r in unread]
-            committed |= await committed_of(pairs, owners)
-        except errors.BrokerUnavailableError as exc:
-            log.warning("crash_loops_wait_for_progress", rows=len(unread), error=str(exc))
-            rows = [r for r in rows if int(r["id"]) in read]  # those read are decided
+    owners = sorted({str(r["lease_owner"]) for r in rows if r["lease_owner"] is not None})
+    try:
+        pairs = [(int(r["id"]), int(r["replays"])) for r in rows]
+        committed = await committed_of(pairs, owners)
+    except errors.BrokerUnavailableError as exc:
+        log.warning("crash_loops_wait_for_progress", rows=len(rows), error=str(exc))
+        return
     by_token: dict[uuid.UUID, list[Row]] = {}
     for r in rows:
         if int(r["id"]) in committed:

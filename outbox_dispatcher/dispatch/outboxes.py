@@ -79,7 +79,7 @@ class OutboxRuntime:
             pool,
             statements,
             steady=self.steady,
-            replays=version >= migrations.CONSOLE_VERSION,  # the column came with 12
+            replays=version >= migrations.STEADY_VERSION,  # the claim returns it from 16
         )
         self.claimer = Claimer(self.store, s, shared.owner)
         settler = Settler(

@@ -8,9 +8,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from outbox_dispatcher import errors, registry
+from outbox_dispatcher.kafka.exactly_once.lanes import Registered
 from outbox_dispatcher.kafka.exactly_once.progress import Pair
+from outbox_dispatcher.kafka.exactly_once.store import Silent
 from outbox_dispatcher.models import OutboxRecord
 from outbox_dispatcher.store import DispatchStore, db
+
+# Silent dispatchers read per sweep of dead dispatchers' progress keys (those not forgotten yet).
+SILENT_AT_ONCE = 1000
 
 
 class TableProgressStore(registry.TableRegistry):
@@ -41,6 +46,24 @@ class TableProgressStore(registry.TableRegistry):
     async def beating(self) -> set[str]:
         rows = await self._store.transactional_ids_live(live_seconds=registry.LIVE_SECONDS)
         return {t for r in rows for t in r["transactional_ids"] or ()}
+
+    async def running(self) -> list[Registered]:
+        rows = await self._store.transactional_ids_live(live_seconds=registry.LIVE_SECONDS)
+        return registry.registered(rows)
+
+    async def silent(self) -> list[Silent]:
+        rows = await self._store.transactional_ids_silent(
+            live_seconds=registry.LIVE_SECONDS, limit=SILENT_AT_ONCE
+        )
+        return [
+            Silent(str(r["owner"]), r["heartbeat_at"], tuple(r["transactional_ids"]), r["named"])
+            for r in rows
+        ]
+
+    async def forget(self, silent: Silent, ids: Sequence[str]) -> bool:
+        return await self._store.transactional_ids_forget(
+            owner=silent.owner, heartbeat_at=silent.heartbeat, ids=ids
+        )
 
     async def unsettled(self) -> int:
         return await self._store.unsettled_work()

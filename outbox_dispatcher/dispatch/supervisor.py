@@ -32,6 +32,7 @@ from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.wakeup import Waiting, Wakeup
 from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
 from outbox_dispatcher.kafka.delivery import DeliveryConfig
+from outbox_dispatcher.kafka.exactly_once import orphans
 from outbox_dispatcher.kafka.exactly_once.progress import ProgressConfig
 from outbox_dispatcher.kafka.exactly_once.publisher import TransactionalPublisher
 from outbox_dispatcher.kafka.producers import ProducerConfig
@@ -74,6 +75,8 @@ class Dispatcher:
         self._settling: Settling | None = None  # made with the pool (see _supervise)
         # Exactly-once: which crash-loop rows a lost claim committed (leases.settle_crash_loops).
         self._committed_of: leases.CommittedOf | None = None
+        # Exactly-once: the sweep of the progress keys dead dispatchers left.
+        self._orphans: orphans.Orphans | None = None
         self.wakeup = Wakeup()
         self.metrics = metrics.Metrics()
         self.metrics.delivery.labels(settings.delivery.value).set(1)
@@ -131,7 +134,7 @@ class Dispatcher:
                 pool,
                 self.statements,
                 steady=version >= migrations.STEADY_VERSION,
-                replays=version >= migrations.CONSOLE_VERSION,  # the column came with 12
+                replays=version >= migrations.STEADY_VERSION,  # the claim returns it from 16
             )
             if (cache := await store.id_cache()) > 1:
                 # Runs anyway (nothing is lost: the sweep finds such rows), but out of order.
@@ -195,6 +198,7 @@ class Dispatcher:
         settling = self._settling = Settling(settler, self.retry_policy, self.metrics)
         if isinstance(publisher, TransactionalPublisher):
             self._committed_of = publisher.committed_of
+            self._orphans = publisher.orphans
         readiness = ReadinessCache(lambda: self._readiness(store, publisher))
         # Without LISTEN nobody hears a notification: writers are never asked to send one.
         waiting = (
@@ -244,6 +248,8 @@ class Dispatcher:
             "readiness": self._refresh_readiness(readiness),
             "heartbeat": self._beat(store),
         }
+        if self._orphans is not None:
+            side["progress-sweep"] = orphans.sweep_every(self._orphans, s.progress_sweep_seconds)
         if s.listen:
             side["listener"] = listen.listen(s, self.wakeup.notify)
         if s.http_enabled:

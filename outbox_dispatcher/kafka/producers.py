@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,9 @@ class Producers:
         # The loop's time when the current producer began to serve (exactly-once sends a claim
         # only with a producer that served before the claim began: kafka/exactly_once/publisher.py).
         self.since = float("inf")
+        # exactly-once: what must happen before a fresh producer starts under the transactional
+        # id (the lanes record their ids: kafka/exactly_once/lanes.py); it raises to refuse.
+        self.before_start: Callable[[], Awaitable[None]] | None = None
 
     def _aiokafka(self, context: ssl.SSLContext | None) -> AIOKafkaProducer:
         c, s = self._config, self._config.connection
@@ -194,6 +197,8 @@ class Producers:
             if self._broken is None:
                 return
             reason = errors.describe(self._broken)
+            if self.before_start is not None:
+                await self.before_start()
             try:
                 fresh = await self._start_fresh(
                     max(self._config.connection.request_timeout_seconds, 10.0)

@@ -7,6 +7,7 @@ import re
 import socket
 import ssl
 import urllib.parse
+from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -71,6 +72,18 @@ async def fetch(
     except asyncpg.InternalClientError:
         executor.terminate()
         raise
+
+
+@contextlib.asynccontextmanager
+async def transaction(executor: asyncpg.Pool | Executor) -> AsyncIterator[Executor]:
+    """One database transaction (a connection of the pool's, or the executor itself): what
+    runs on the connection it yields commits together, or not at all when the block raises."""
+    if isinstance(executor, asyncpg.Pool):
+        async with executor.acquire() as conn, conn.transaction():
+            yield conn
+        return
+    async with executor.transaction():
+        yield executor
 
 
 async def init_connection(conn: asyncpg.Connection) -> None:

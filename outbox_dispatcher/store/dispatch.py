@@ -8,8 +8,11 @@ to talk SQL, so a change of the engine touches this file, the schema and their t
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from datetime import datetime
 from typing import Any, Unpack
 
 import asyncpg
@@ -38,7 +41,8 @@ class DispatchStore(StoreBase):
     """The hot path and the upkeep of one outbox table. `steady` (schema version 16 on): the
     claim and the settle try the steady path's one statement first (dispatch.sql
     `claim_steady`, `settle_steady`), and run the engine's functions only when it says so.
-    `replays` (version 12 on): claims read each row's replay count (exactly-once lists it)."""
+    `replays` (version 16 on): the claim function returns each row's replay count (exactly-once
+    lists it); below, the claim reads 0."""
 
     def __init__(
         self,
@@ -207,6 +211,25 @@ class DispatchStore(StoreBase):
             "dead_letter_crash_loops", max_attempts=max_attempts, block_on_dead=block_on_dead
         )
 
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[DispatchStore]:
+        """This store over one connection in one transaction: the statements run through the
+        store it yields commit together, or not at all when the block raises."""
+        async with db.transaction(self.executor) as conn:
+            inner = copy.copy(self)
+            inner.executor = conn
+            yield inner
+
+    async def crash_loops_published(
+        self, *, ids: Sequence[int], delete_published: bool
+    ) -> list[int]:
+        """These crash-loop rows (dead, their lease token kept) were committed by their lost
+        claim: published as its late mark would record them (exactly-once, review E13)."""
+        rows = await self._fetch(
+            "crash_loops_published", ids=list(ids), delete_published=delete_published
+        )
+        return [int(r["id"]) for r in rows]
+
     async def count_expired_leases(self) -> int:
         return int(await self._value("count_expired_leases"))
 
@@ -232,6 +255,22 @@ class DispatchStore(StoreBase):
     async def transactional_ids_live(self, *, live_seconds: float) -> list[Row]:
         """The dispatchers that beat within `live_seconds`: owner, delivery, transactional_ids."""
         return await self._fetch("transactional_ids_live", live_seconds=live_seconds)
+
+    async def transactional_ids_silent(self, *, live_seconds: float, limit: int) -> list[Row]:
+        """The dispatchers that no longer beat and still list transactional ids: owner,
+        heartbeat_at, transactional_ids, and whether a lease or a reconcile duty names them
+        (exactly-once's sweep of dead dispatchers' progress keys: dispatch.sql)."""
+        return await self._fetch("transactional_ids_silent", live_seconds=live_seconds, limit=limit)
+
+    async def transactional_ids_forget(
+        self, *, owner: str, heartbeat_at: datetime, ids: Sequence[str]
+    ) -> bool:
+        """Forget these fenced and ended ids of `owner`, unless it beat since `heartbeat_at`;
+        whether it forgot."""
+        rows = await self._fetch(
+            "transactional_ids_forget", owner=owner, heartbeat_at=heartbeat_at, ids=list(ids)
+        )
+        return bool(rows)
 
     async def lost_owners(
         self, *, keys: Sequence[str], keyless: Sequence[bool], owners: Sequence[str] = ()

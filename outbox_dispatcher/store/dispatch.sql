@@ -5,20 +5,17 @@
 -- claim --
 -- Lease up to $limit rows of at most $max_keys keys under the token $token the dispatcher chose,
 -- looking at up to $scan new rows (see the claim function in schema/); one round trip. Exactly
--- OutboxRecord's fields, in its order (the function's order kept). `replays` is read beside the
--- function (its result has no such column): exactly-once lists (id, replays) in its progress
--- records (issue 35, E5). A row this statement's snapshot does not see yet was written after
--- it began, with the column's default (0); a replay committed after the snapshot leaves the
--- older count, which only makes a takeover send the row again (never mark it unsent).
+-- OutboxRecord's fields, in its order (the function's order kept), each row's replay count among
+-- them (schema version 16: exactly-once lists (id, replays) pairs in its progress records, issue
+-- 35, E5), read by the function with the row's other columns.
 SELECT c.id, c.topic, c.ordering_key, c.payload, c.headers, c.event_id, c.created_at,
-       c.attempts, c.reclaimed,
-       coalesce((SELECT o.replays FROM {table} o WHERE o.id = c.id), 0) AS replays
+       c.attempts, c.reclaimed, c.replays
   FROM {claim_fn}($limit, $max_keys, $owner, $lease_seconds, $token, $block_on_dead,
                   $max_attempts, $scan) c
 
 -- claim_without_replays --
--- `claim` for a table below schema version 12, which has no `replays` column yet (a release
--- beside its predecessor during an upgrade, docs/operations.md): 0 for every row. Only
+-- `claim` for a table below schema version 16, whose claim function returns no replay count (a
+-- release beside its predecessor during an upgrade, docs/operations.md): 0 for every row. Only
 -- exactly-once lists replays, and it needs version 16.
 SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts, reclaimed,
        0 AS replays
@@ -304,6 +301,19 @@ WITH checked AS (
 )
 SELECT count(*) FROM checked
 
+-- crash_loops_published --
+-- exactly-once (review E13), in the reclaimer's transaction right after its dead-letter: the
+-- crash-loop rows $ids that the lost claim committed (the progress, read after the claim's owner
+-- was fenced, lists them) are published as that claim's late mark would record them (settle_late,
+-- under the lease token the dead-letter kept: a key they blocked goes on), so that a committed row
+-- is never shown dead, not even for a moment. Returns their ids.
+SELECT p.id
+  FROM (SELECT o.lease_token, min(o.lease_owner) AS owner, array_agg(o.id ORDER BY o.id) AS ids
+          FROM {table} o
+         WHERE o.id = ANY ($ids::bigint[]) AND o.dead_at IS NOT NULL AND o.lease_token IS NOT NULL
+         GROUP BY o.lease_token) t
+ CROSS JOIN LATERAL {settle_late_fn}(t.lease_token, t.owner, t.ids, $delete_published) AS p(id)
+
 -- unsettled_work --
 -- exactly-once, at start when the progress topic is missing: keys whose rows a claim holds or
 -- held (a lease, live or expired) or whose lost owner's outcome nobody read (the reconcile duty).
@@ -561,6 +571,34 @@ SELECT count(*) FROM {dispatchers}
 UPDATE {dispatchers} SET transactional_ids = $ids::text[], heartbeat_at = now()
  WHERE owner = $owner
 RETURNING owner
+
+-- transactional_ids_silent --
+-- Exactly-once (issue 35, E9): the dispatchers that no longer beat (no heartbeat within
+-- $live_seconds seconds) and still list transactional ids, each with the heartbeat seen (its ids
+-- are forgotten only while it is unchanged) and whether the table still names it (`named`): a key
+-- leased by it (a lease live or expired: the key's takeover reads its progress and fences it
+-- strictly) or a key whose reconcile duty names it. At most $limit, the longest silent first.
+SELECT d.owner, d.heartbeat_at, d.transactional_ids,
+       EXISTS (SELECT 1 FROM {work} w
+                WHERE w.claim_token IS NOT NULL AND w.claim_owner = d.owner)
+       OR EXISTS (SELECT 1 FROM {work} w WHERE w.reconcile_owner = d.owner) AS named
+  FROM {dispatchers} d
+ WHERE d.heartbeat_at <= now() - $live_seconds * interval '1 second'
+   AND cardinality(d.transactional_ids) > 0
+ ORDER BY d.heartbeat_at, d.owner
+ LIMIT $limit
+
+-- transactional_ids_forget --
+-- Exactly-once (issue 35, E9): the ids $ids of dispatcher $owner were fenced and their progress
+-- keys ended (kafka/exactly_once/orphans.py): forgotten, so that nobody fences or sweeps them
+-- again. Only while its heartbeat is still $heartbeat_at: a dispatcher that was only paused and
+-- came back beat since, or recorded its ids again (which it does before any producer starts
+-- under one of them), and keeps them. Returns its owner if it forgot.
+UPDATE {dispatchers} d
+   SET transactional_ids = array(SELECT t FROM unnest(d.transactional_ids) AS t
+                                  WHERE t <> ALL ($ids::text[]))
+ WHERE d.owner = $owner AND d.heartbeat_at = $heartbeat_at::timestamptz
+RETURNING d.owner
 
 -- transactional_ids_live --
 -- Exactly-once: the dispatchers that beat within $live_seconds seconds, each with its delivery

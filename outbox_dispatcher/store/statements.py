@@ -115,6 +115,7 @@ _TABLE_SUFFIXES = {
     "steps_table": "schema_steps",
     "claim_fn": "claim_work",
     "settle_fn": "settle_work",
+    "settle_late_fn": "settle_late",
     "extend_fn": "extend_work",
     "release_fn": "release_work",
     "reclaim_fn": "reclaim_work",

@@ -18,6 +18,8 @@
 -- its rows as reclaimed until an exactly-once takeover has read the progress and cleared it
 -- (dispatch.sql `reconciled`). No path of the engine clears it; the work row goes only with the
 -- key's last pending row.
+-- Each row comes with its replay count (version 16; issue 35, E5: exactly-once lists (id,
+-- replays) pairs), read with its other columns.
 CREATE OR REPLACE FUNCTION ${schema}.${table}_claim_work(
     p_limit integer,
     p_max_keys integer,
@@ -29,7 +31,7 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_claim_work(
     p_scan integer
 ) RETURNS TABLE (
     id bigint, topic text, ordering_key text, payload bytea, headers jsonb, event_id uuid,
-    created_at timestamptz, attempts integer, reclaimed boolean
+    created_at timestamptz, attempts integer, reclaimed boolean, replays integer
 )
     LANGUAGE plpgsql VOLATILE
     SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
@@ -374,7 +376,7 @@ BEGIN
         RETURNING o.id, o.attempts
     )
     SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
-           coalesce(b.attempts, o.attempts), t.old OR v_duty[t.n]
+           coalesce(b.attempts, o.attempts), t.old OR v_duty[t.n], o.replays
       FROM took t
       JOIN ${schema}.${table} o ON o.id = t.id
       LEFT JOIN bumped b ON b.id = t.id

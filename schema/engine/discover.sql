@@ -28,7 +28,7 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_discover(
     p_block_on_dead boolean
 ) RETURNS TABLE (
     id bigint, topic text, ordering_key text, payload bytea, headers jsonb, event_id uuid,
-    created_at timestamptz, attempts integer, reclaimed boolean
+    created_at timestamptz, attempts integer, reclaimed boolean, replays integer
 )
     LANGUAGE plpgsql VOLATILE
     SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
@@ -327,7 +327,7 @@ BEGIN
     END IF;
     RETURN QUERY
     SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
-           o.attempts, false
+           o.attempts, false, o.replays
       FROM ${schema}.${table} o
      WHERE o.id = ANY (v_mine)
      ORDER BY o.id;

@@ -33,6 +33,15 @@ SELECT coalesce(array_agg(r.t ORDER BY r.t), '{}')
         SELECT 'prepared ' || p.transaction::text FROM pg_catalog.pg_prepared_xacts p) r;
 $fn$;
 
+-- The claim and its discovery return each row's replay count (issue 35: exactly-once read it
+-- beside the claim function): a new result type, so they are made again. A dispatcher of version
+-- 10 to 15 selects the result's columns by name and reads no `replays` from it.
+DROP FUNCTION IF EXISTS ${schema}.${table}_claim_work(
+    integer, integer, text, double precision, uuid, boolean, integer, integer);
+DROP FUNCTION IF EXISTS ${schema}.${table}_discover(
+    ${schema}.${table}_cursor, integer, text, double precision, uuid, integer, text[],
+    double precision, boolean);
+
 -- The claim: one round trip, one short transaction.
 -- 1. New rows, by the claim that gets the cursor when there are some (see <table>_discover).
 -- 2. Known work, while the batch has room: keys whose lease expired (their owner died), due
@@ -53,6 +62,8 @@ $fn$;
 -- its rows as reclaimed until an exactly-once takeover has read the progress and cleared it
 -- (dispatch.sql `reconciled`). No path of the engine clears it; the work row goes only with the
 -- key's last pending row.
+-- Each row comes with its replay count (version 16; issue 35, E5: exactly-once lists (id,
+-- replays) pairs), read with its other columns.
 CREATE OR REPLACE FUNCTION ${schema}.${table}_claim_work(
     p_limit integer,
     p_max_keys integer,
@@ -64,7 +75,7 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_claim_work(
     p_scan integer
 ) RETURNS TABLE (
     id bigint, topic text, ordering_key text, payload bytea, headers jsonb, event_id uuid,
-    created_at timestamptz, attempts integer, reclaimed boolean
+    created_at timestamptz, attempts integer, reclaimed boolean, replays integer
 )
     LANGUAGE plpgsql VOLATILE
     SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
@@ -409,7 +420,7 @@ BEGIN
         RETURNING o.id, o.attempts
     )
     SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
-           coalesce(b.attempts, o.attempts), t.old OR v_duty[t.n]
+           coalesce(b.attempts, o.attempts), t.old OR v_duty[t.n], o.replays
       FROM took t
       JOIN ${schema}.${table} o ON o.id = t.id
       LEFT JOIN bumped b ON b.id = t.id
@@ -447,7 +458,7 @@ CREATE OR REPLACE FUNCTION ${schema}.${table}_discover(
     p_block_on_dead boolean
 ) RETURNS TABLE (
     id bigint, topic text, ordering_key text, payload bytea, headers jsonb, event_id uuid,
-    created_at timestamptz, attempts integer, reclaimed boolean
+    created_at timestamptz, attempts integer, reclaimed boolean, replays integer
 )
     LANGUAGE plpgsql VOLATILE
     SET jit = off SET enable_bitmapscan = off SET enable_seqscan = off
@@ -746,7 +757,7 @@ BEGIN
     END IF;
     RETURN QUERY
     SELECT o.id, o.topic, o.ordering_key, o.payload, o.headers, o.event_id, o.created_at,
-           o.attempts, false
+           o.attempts, false, o.replays
       FROM ${schema}.${table} o
      WHERE o.id = ANY (v_mine)
      ORDER BY o.id;
@@ -1224,6 +1235,10 @@ ALTER TABLE ${schema}.${table}_work ADD COLUMN last_seen bigint;
 -- progress (dispatch.sql `reconciled`); until then every claim of the key returns its rows as
 -- reclaimed. See <table>_work in tables.sql.
 ALTER TABLE ${schema}.${table}_work ADD COLUMN reconcile_owner text;
+-- Issue 35 (E9): the owners a duty names, for the sweep of dead dispatchers' progress keys
+-- (dispatch.sql `transactional_ids_silent`); few rows, and only until a takeover.
+CREATE INDEX ${table}_work_duty_idx ON ${schema}.${table}_work (reconcile_owner)
+    WHERE reconcile_owner IS NOT NULL;
 
 CREATE OR REPLACE VIEW ${schema}.${table}_leases AS
 SELECT o.id, o.topic, o.ordering_key, w.claim_token AS lease_token, w.claim_owner AS lease_owner,

@@ -10,6 +10,15 @@
 
 -- @engine running
 
+-- The claim and its discovery return each row's replay count (issue 35: exactly-once read it
+-- beside the claim function): a new result type, so they are made again. A dispatcher of version
+-- 10 to 15 selects the result's columns by name and reads no `replays` from it.
+DROP FUNCTION IF EXISTS ${schema}.${table}_claim_work(
+    integer, integer, text, double precision, uuid, boolean, integer, integer);
+DROP FUNCTION IF EXISTS ${schema}.${table}_discover(
+    ${schema}.${table}_cursor, integer, text, double precision, uuid, integer, text[],
+    double precision, boolean);
+
 -- @engine claim_work
 
 -- @engine discover
@@ -78,6 +87,10 @@ ALTER TABLE ${schema}.${table}_work ADD COLUMN last_seen bigint;
 -- progress (dispatch.sql `reconciled`); until then every claim of the key returns its rows as
 -- reclaimed. See <table>_work in tables.sql.
 ALTER TABLE ${schema}.${table}_work ADD COLUMN reconcile_owner text;
+-- Issue 35 (E9): the owners a duty names, for the sweep of dead dispatchers' progress keys
+-- (dispatch.sql `transactional_ids_silent`); few rows, and only until a takeover.
+CREATE INDEX ${table}_work_duty_idx ON ${schema}.${table}_work (reconcile_owner)
+    WHERE reconcile_owner IS NOT NULL;
 
 CREATE OR REPLACE VIEW ${schema}.${table}_leases AS
 SELECT o.id, o.topic, o.ordering_key, w.claim_token AS lease_token, w.claim_owner AS lease_owner,

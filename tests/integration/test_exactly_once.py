@@ -29,6 +29,7 @@ from outbox_dispatcher.kafka.exactly_once.delivery import (
 )
 from outbox_dispatcher.kafka.exactly_once.lanes import LANES, Registered, Registry, WorkKeys
 from outbox_dispatcher.kafka.exactly_once.publisher import TransactionalPublisher
+from outbox_dispatcher.kafka.exactly_once.store import Silent
 from outbox_dispatcher.kafka.exactly_once.takeover import TakeoverWaitingError
 from outbox_dispatcher.models import PUBLISHED, Batch, OutboxRecord, Part
 from outbox_dispatcher.retries import RetryPolicy
@@ -188,6 +189,15 @@ class OwnerStore:
 
     async def unsettled(self) -> int:
         return 0  # the table is taken as new (as without the seam before)
+
+    async def running(self) -> Sequence[Registered]:
+        return await self.registry.live()
+
+    async def silent(self) -> Sequence[Silent]:
+        return []  # (the table's registry: tests/integration/test_exactly_once_bounds.py)
+
+    async def forget(self, silent: Silent, ids: Sequence[str]) -> bool:
+        return False
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from outbox_dispatcher.kafka.exactly_once.takeover import TakeoverWaitingError
 from outbox_dispatcher.metrics import Metrics
 from outbox_dispatcher.models import PUBLISHED, Batch
 from outbox_dispatcher.retries import RetryPolicy
-from outbox_dispatcher.store import migrations
+from outbox_dispatcher.store import DispatchStore, migrations
 
 from .helpers import Services, cli, count, insert_sequenced
 from .test_exactly_once import Owners, eos_settings, expire, read_all, run
@@ -247,6 +247,61 @@ async def test_the_reclaimer_dead_letters_nothing_while_the_progress_cannot_be_r
     assert await count(conn, "dead_at IS NOT NULL") == 0, "dead before their progress was read"
     monkeypatch.setattr(takeover.progress, "read_committed", real_read)
     await reclaim_step(owners.store, settings, Metrics(), b.committed_of)
+    published = "published_at IS NOT NULL AND dead_at IS NULL"
+    assert await count(conn, f"ordering_key = 'key-0' AND {published}") == 3
+    assert await count(conn, "ordering_key = 'key-1' AND dead_at IS NOT NULL") == 3
+    assert await count(conn, "lease_token IS NOT NULL") == 0, "every one decided"
+    assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 3
+
+
+class _DiesAfterTheDeadLetter(DispatchStore):
+    """The database goes away right after the crash-loop dead-letter statement (once): the
+    next statement fails as a dropped connection does."""
+
+    def __init__(self, store: DispatchStore, fault: dict[str, bool]) -> None:
+        super().__init__(store.executor, store.statements)
+        self.fault = fault  # shared with copies of the store
+
+    async def _fetch(self, name: str, **values: object) -> list[Any]:
+        if self.fault["armed"] and self.fault["dead_lettered"]:
+            self.fault["armed"] = False
+            raise asyncpg.ConnectionDoesNotExistError("the database went away")
+        rows = await super()._fetch(name, **values)
+        if name == "dead_letter_crash_loops":
+            self.fault["dead_lettered"] = True
+        return rows
+
+
+async def test_a_database_failure_right_after_the_dead_letter_shows_no_committed_row_dead(
+    conn: asyncpg.Connection,
+    owners: Registered,
+    eos_settings: Callable[..., Settings],
+    topic: str,
+    services: Services,
+) -> None:
+    """E13's last gap: owner-a committed key-0's rows, claimed key-1's and sent none, and was
+    killed before its mark (max_attempts 1). The reclaimer reads the progress, dead-letters, and
+    the database fails right after the dead-letter statement. The dead-letter, the publish of
+    what the lost claim committed and the checked mark of the rest are one transaction: nothing
+    is dead-lettered (before: key-0's 3 committed rows stayed dead until a later step read
+    them, and a `dead requeue` meanwhile sent them again). The next step decides them all."""
+    settings = eos_settings(max_attempts=1)
+    await insert_sequenced(conn, topic, keys=2, per_key=3)
+    a = await owners.publisher("owner-a")
+    b = await owners.publisher("owner-b")
+    lost = await owners.claim("owner-a", settings)
+    sent = [r for r in lost.records if r.ordering_key == "key-0"]
+    assert (await run(a.publish(sent))).outcomes == [None] * 3
+    await a.stop()  # killed before its mark
+    await expire(conn)
+    fault = {"armed": True, "dead_lettered": False}
+    failing = _DiesAfterTheDeadLetter(owners.store, fault)
+    with pytest.raises(asyncpg.ConnectionDoesNotExistError):
+        await reclaim_step(failing, settings, Metrics(), b.committed_of)
+    assert fault["dead_lettered"], "the fault came after the dead-letter"
+    shown_dead = await count(conn, "ordering_key = 'key-0' AND dead_at IS NOT NULL")
+    assert shown_dead == 0, "committed rows shown dead"
+    await reclaim_step(failing, settings, Metrics(), b.committed_of)
     published = "published_at IS NOT NULL AND dead_at IS NULL"
     assert await count(conn, f"ordering_key = 'key-0' AND {published}") == 3
     assert await count(conn, "ordering_key = 'key-1' AND dead_at IS NOT NULL") == 3

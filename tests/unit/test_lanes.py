@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -193,3 +194,50 @@ async def test_two_lanes_renewing_at_once_leave_every_serving_id_recorded(
     serving = made.ids()
     assert serving == ["x.public.outbox.o.0.1", "x.public.outbox.o.1.1"]
     assert registry.recorded[-1] == serving
+
+
+async def test_a_fresh_producer_under_a_lane_s_id_records_the_ids_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 35 (E9): a lane whose commit went unanswered keeps its id and starts a fresh
+    producer under it. A sweep of dead dispatchers' keys (orphans.py) may have forgotten the
+    ids of this dispatcher while it was paused; they are recorded again before the fresh
+    producer starts, so that a takeover fences every id it may commit under. While the database
+    is away, no fresh producer starts (IdUnrecordedError, a broker outage's kind)."""
+    events: list[str] = []
+
+    async def start(self: Producers, seconds: float | None = None) -> None:
+        self.since = asyncio.get_running_loop().time()
+
+    async def fresh(self: Producers, seconds: float | None) -> Any:
+        events.append(f"start {self._config.transactional_id}")
+        return SimpleNamespace(_txn_manager=None)
+
+    monkeypatch.setattr(Producers, "start", start)
+    monkeypatch.setattr(Producers, "_start_fresh", fresh)
+    monkeypatch.setattr(Producers, "retire", lambda self, producer, reason: None)
+    registry = _Registry()
+    made = _made(2, registry)
+    await made.start()
+    registry.recorded.clear()
+    first: Lane = made[0]
+    first.producers.condemn(TimeoutError("the commit went unanswered"))
+    registry.fail = True
+    with pytest.raises(lanes.IdUnrecordedError):
+        await first.producers.replace_if_broken()
+    assert events == [], "nothing starts under an id not recorded"
+    registry.fail = False
+    await first.producers.replace_if_broken()
+    assert registry.recorded == [["x.public.outbox.o", "x.public.outbox.o.1"]]
+    assert events == ["start x.public.outbox.o"]
+    monkeypatch.setattr(lanes.progress, "fence", _no_fence)
+    first.producers.use(None)  # (nothing to close)
+    await made.renew(first, "a test")  # a renewed lane's producers record too
+    first.producers.condemn(TimeoutError("again"))
+    registry.recorded.clear()
+    await first.producers.replace_if_broken()
+    assert registry.recorded[-1] == ["x.public.outbox.o.0.1", "x.public.outbox.o.1"]
+
+
+async def _no_fence(config: Any, transactional_id: str, seconds: float) -> None:
+    pass

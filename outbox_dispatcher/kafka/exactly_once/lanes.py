@@ -158,6 +158,8 @@ class Lanes(Sequence[Lane]):
         # the other lane's new id while that lane served under it.
         self._recording = asyncio.Lock()
         self._fences: set[asyncio.Future[None]] = set()  # given-up ids being fenced
+        for lane in self._lanes:
+            lane.producers.before_start = self._recorded
 
     @overload
     def __getitem__(self, index: int) -> Lane: ...
@@ -206,6 +208,7 @@ class Lanes(Sequence[Lane]):
         given_up = lane.transactional_id
         self._unready.add(lane.number)  # first: its new producers do not serve yet
         old = lane.renew()
+        lane.producers.before_start = self._recorded
         with contextlib.suppress(errors.OutboxDispatcherError):  # never started
             producer = old.current()
             internals.fail_buffered(producer, errors.BrokerUnavailableError("given up"))
@@ -241,6 +244,17 @@ class Lanes(Sequence[Lane]):
         async with self._recording:
             await self._registry.record(self.ids())
 
+    async def _recorded(self) -> None:
+        """Before a fresh producer starts under a lane's id (a commit without an answer, a
+        producer state the broker lost): every lane's id recorded again. A sweep of dead
+        dispatchers' ids (orphans.py) may have forgotten them while this dispatcher was paused
+        past its heartbeat; the fresh producer could commit under the id again, and a takeover
+        fences only what the registry lists."""
+        try:
+            await self._record()
+        except Exception as exc:
+            raise IdUnrecordedError(errors.describe(exc)) from exc
+
     async def _fence(self, transactional_id: str) -> None:
         """At most for the transaction timeout: past it the broker aborted the transaction."""
         try:
@@ -252,3 +266,14 @@ class Lanes(Sequence[Lane]):
 def least_busy(lanes: Sequence[Lane]) -> Lane:
     """The lane with the fewest deliveries given and not transacted yet (the first on a tie)."""
     return min(lanes, key=lambda lane: len(lane.given) + lane.turn.locked())
+
+
+class IdUnrecordedError(errors.BrokerUnavailableError):
+    """A lane's producer was not started afresh: its transactional id could not be recorded in
+    the registry first (the database did not answer). Nothing is sent under it until it is."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(
+            f"the lane's transactional id could not be recorded before its producer started "
+            f"({cause}); it is tried again"
+        )

@@ -37,6 +37,7 @@ from outbox_dispatcher.kafka.exactly_once.endings import (
     cause_of,
     failure_of,
 )
+from outbox_dispatcher.kafka.exactly_once.orphans import Orphans
 from outbox_dispatcher.kafka.exactly_once.progress import (
     Pair,
     ProgressConfig,
@@ -112,6 +113,8 @@ class TransactionalPublisher:
             self.retire,
             fence_failed,
         )
+        # The keys dead dispatchers left in the progress topic (swept by the supervisor).
+        self.orphans = Orphans(progress_config, producer, store, self._takeover, self.lanes)
         self._encoder = RecordEncoder(config.records)
         self._tracer = Tracer(config.tracing)
         # How long a transaction's acks are waited for before it is given up (stalls.py):

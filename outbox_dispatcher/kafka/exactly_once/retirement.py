@@ -13,8 +13,9 @@ dispatcher; it also reads the outbox's identity, so that a dispatcher learns of 
 Keys (transactional ids) are ended by a tombstone, in a transaction of a lane, once nothing
 their last record listed is needed: a lane's own id at a graceful stop; a lane's given-up ids
 once their batches left its list; the keys a takeover read of dispatchers that no longer beat.
-A tombstone can only make a takeover send a row again (it removes knowledge of a commit),
-never mark one unsent.
+The keys of dispatchers that died while they held no lease (no takeover reads them) are ended
+by every dispatcher's sweep (orphans.py), each under its own id. A tombstone can only make a
+takeover send a row again (it removes knowledge of a commit), never mark one unsent.
 """
 
 from __future__ import annotations

@@ -9,11 +9,24 @@ it. Every method may raise when the database does not answer; each caller says w
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Protocol
 
-from outbox_dispatcher.kafka.exactly_once.lanes import Registry
+from outbox_dispatcher.kafka.exactly_once.lanes import Registered, Registry
 from outbox_dispatcher.kafka.exactly_once.progress import Pair
 from outbox_dispatcher.models import OutboxRecord
+
+
+@dataclass(frozen=True)
+class Silent:
+    """A dispatcher that no longer beats and still lists transactional ids (store
+    `transactional_ids_silent`)."""
+
+    owner: str
+    heartbeat: datetime  # as seen: its ids are forgotten only while it is unchanged
+    ids: tuple[str, ...]
+    named: bool  # a lease of its or a key's reconcile duty names it: a takeover fences it
 
 
 class ProgressStore(Registry, Protocol):
@@ -45,4 +58,19 @@ class ProgressStore(Registry, Protocol):
     async def unsettled(self) -> int:
         """How many keys are leased or hold the reconcile duty: a missing progress topic is
         then not made again at start (topic.py)."""
+        ...
+
+    async def running(self) -> Sequence[Registered]:
+        """The dispatchers that beat lately (registry.LIVE_SECONDS, not the fence window's
+        hour), with their delivery mode and the ids they recorded."""
+        ...
+
+    async def silent(self) -> Sequence[Silent]:
+        """The dispatchers that no longer beat and still list transactional ids (the sweep of
+        dead dispatchers' progress keys: orphans.py)."""
+        ...
+
+    async def forget(self, silent: Silent, ids: Sequence[str]) -> bool:
+        """Forget these ids (fenced, their keys ended) of a silent dispatcher, unless it beat
+        since it was seen; whether it forgot."""
         ...
