@@ -35,7 +35,15 @@ $fn$;
 
 -- The claim and its discovery return each row's replay count (issue 35: exactly-once read it
 -- beside the claim function): a new result type, so they are made again. A dispatcher of version
--- 10 to 15 selects the result's columns by name and reads no `replays` from it.
+-- 10 to 15 selects the result's columns by name and reads no `replays` from it. Their EXECUTE
+-- rights (schema/roles.sql revokes PUBLIC's and grants the dispatcher's role) are read before
+-- the drop and given again after it, so that a least-privilege set-up stays as it was.
+CREATE TEMPORARY TABLE outbox_dispatcher_0016_rights AS
+SELECT p.proname::text AS name, p.proacl AS acl
+  FROM pg_proc p
+ WHERE p.pronamespace = to_regnamespace('${schema}')
+   AND p.proname IN ('${table}_claim_work', '${table}_discover')
+   AND p.proacl IS NOT NULL;
 DROP FUNCTION IF EXISTS ${schema}.${table}_claim_work(
     integer, integer, text, double precision, uuid, boolean, integer, integer);
 DROP FUNCTION IF EXISTS ${schema}.${table}_discover(
@@ -763,6 +771,29 @@ BEGIN
      ORDER BY o.id;
 END;
 $fn$;
+
+DO $rights$
+DECLARE
+    v record;
+    v_fn regprocedure;
+    v_role regrole;
+BEGIN
+    FOR v IN SELECT name, acl FROM outbox_dispatcher_0016_rights LOOP
+        SELECT p.oid::regprocedure INTO v_fn
+          FROM pg_proc p
+         WHERE p.pronamespace = to_regnamespace('${schema}') AND p.proname = v.name;
+        IF NOT EXISTS (SELECT 1 FROM aclexplode(v.acl) a
+                        WHERE a.grantee = 0 AND a.privilege_type = 'EXECUTE') THEN
+            EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', v_fn);
+        END IF;
+        FOR v_role IN SELECT DISTINCT a.grantee::regrole FROM aclexplode(v.acl) a
+                       WHERE a.grantee <> 0 AND a.privilege_type = 'EXECUTE' LOOP
+            EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO %s', v_fn, v_role);
+        END LOOP;
+    END LOOP;
+END
+$rights$;
+DROP TABLE outbox_dispatcher_0016_rights;
 
 -- The lease keeper: extend only live leases of the caller's tokens (an expired one may belong to
 -- someone else already). Returns the ids whose work is still held.

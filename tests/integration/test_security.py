@@ -433,6 +433,41 @@ async def test_dispatcher_role_publishes_and_can_do_nothing_else(
             await admin.close()
 
 
+RIGHTS = """
+SELECT p.proname::text AS name,
+       bool_or(a.grantee = 0) AS public,
+       bool_or(a.grantee = to_regrole($1)) AS dispatcher
+  FROM pg_proc p, aclexplode(p.proacl) a
+ WHERE p.proname IN ('outbox_claim_work', 'outbox_discover') AND a.privilege_type = 'EXECUTE'
+ GROUP BY p.proname ORDER BY p.proname
+"""
+
+
+async def test_the_upgrade_to_version_16_keeps_the_least_privilege_rights(
+    services: Services,
+) -> None:
+    """Step 16 makes the claim and its discovery again (a new result type): the EXECUTE rights
+    schema/roles.sql gave at version 15 (PUBLIC revoked, the dispatcher's role granted) hold
+    after it. Before, the new functions had PUBLIC's EXECUTE and no grant of the role."""
+    async with _roles_database(services) as (url, owner, dispatcher):
+        sql = migrations.render_roles("public", "outbox", owner, dispatcher)
+        admin = await asyncpg.connect(url)
+        try:
+            await admin.execute(sql)
+            for migration in migrations.load_migrations()[:15]:
+                async with admin.transaction():
+                    await admin.execute(
+                        migrations.render(migration.path.read_text("utf-8"), "public", "outbox")
+                    )
+            await admin.execute(sql)  # the dispatcher's grants at version 15
+            expected = [("outbox_claim_work", False, True), ("outbox_discover", False, True)]
+            assert [tuple(r) for r in await admin.fetch(RIGHTS, dispatcher)] == expected
+            assert (await migrations.migrate(admin, "public", "outbox")) == [16]
+            assert [tuple(r) for r in await admin.fetch(RIGHTS, dispatcher)] == expected
+        finally:
+            await admin.close()
+
+
 # --- Identifiers -------------------------------------------------------------------------------
 
 MALICIOUS = [
