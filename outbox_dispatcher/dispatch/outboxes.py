@@ -95,6 +95,12 @@ class OutboxRuntime:
         self.waiting = Waiting(self.store, shared.owner, ttl=ttl) if s.listen else None
         self.heartbeat = registry.Heartbeat(self.store, s, shared.owner, self.metrics.totals)
         self.in_flight = leases.InFlight()
+        # The writes to its tables the statistics count (set by the idle probe at each interval,
+        # dispatch/probe.py; None: not known), and their count when its last complete sweep
+        # pass began: an idle outbox whose tables were not written since sweeps nothing new.
+        self.writes: int | None = None
+        self._swept: int | None = None
+        self._pass_from: int | None = None
         self.pace = UpkeepPace()  # its upkeep's pace: slow while idle (dispatch/idle.py)
         self.backoff = Backoff(s.backoff_initial_seconds, s.backoff_max_seconds)
         self.retry_in: float | None = None  # set by a failed turn: back off this long
@@ -220,7 +226,7 @@ class OutboxRuntime:
             if due():
                 await leases.reclaim_step(self.store, s, m, None, sweep_due)
             elif s.sweep_rows and sweep_due():
-                await leases.sweep_step(self.store, s, m)
+                await self.sweep()
 
         await every(
             s.reclaim_interval_seconds,
@@ -229,6 +235,22 @@ class OutboxRuntime:
             failed="reclaim_failed",
             tolerated=db.RETRIABLE_ERRORS,
         )
+
+    async def sweep(self) -> bool:
+        """One step of its sweep while idle, unless no write to its tables was counted since
+        its last complete pass began (whether it ran): the sweep looks for rows written around
+        the claim engine's bookkeeping, which are writes the statistics count, and an idle
+        outbox's step re-walks its whole table (its function was most of an idle fleet's
+        upkeep once the probe and the heartbeat were batched)."""
+        writes = self.writes
+        if writes is not None and writes == self._swept:
+            return False
+        if self._pass_from is None:
+            self._pass_from = writes
+        s = self.shared.settings
+        if await leases.sweep_step(self.store, s, self.metrics):
+            self._swept, self._pass_from = self._pass_from, None
+        return True
 
     async def _sample_gauges(self) -> NoReturn:
         """Its table gauges under its `source` label, every metrics interval while the outbox is

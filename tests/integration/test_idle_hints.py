@@ -214,3 +214,22 @@ async def live(fleet: Fleet, tenant: str) -> list[str]:
     store = DispatchStore(fleet.pool, Statements.for_table(tenant, "outbox"))
     rows = await store.dispatchers_live(live_seconds=registry.LIVE_SECONDS)
     return [r["owner"] for r in rows]
+
+
+async def test_an_idle_outbox_sweeps_again_only_once_its_tables_were_written(
+    database: str, fleet: Fleet
+) -> None:
+    probe = IdleProbe(fleet.database, fleet.session, fleet.slots, fleet.settings, 0.2)
+    await probe.once()  # the statistics: each outbox's writes so far
+    runtime = next(o for o in fleet.slots.outboxes.values() if o.outbox.schema == "t_02")
+    assert await runtime.sweep(), "its first pass"
+    assert not await runtime.sweep(), "nothing written since: nothing new to find"
+    await insert(database, "t_02")
+
+    async def written() -> bool:
+        before = runtime.writes
+        await probe.once()
+        return runtime.writes != before
+
+    await wait_until(written, 10, "the write counted")
+    assert await runtime.sweep(), "written since its last pass"
