@@ -99,6 +99,7 @@ class OutboxRuntime:
         # dispatch/probe.py; None: not known), and their count when its last complete sweep
         # pass began: an idle outbox whose tables were not written since sweeps nothing new.
         self.writes: int | None = None
+        self.counted = False  # the probe has read its counts (or found none: track_counts off)
         self._swept: int | None = None
         self._pass_from: int | None = None
         self.pace = UpkeepPace()  # its upkeep's pace: slow while idle (dispatch/idle.py)
@@ -225,8 +226,8 @@ class OutboxRuntime:
         async def tick() -> None:
             if due():
                 await leases.reclaim_step(self.store, s, m, None, sweep_due)
-            elif s.sweep_rows and sweep_due():
-                await self.sweep()
+            elif s.sweep_rows and (self.counted or not self.steady) and sweep_due():
+                await self.sweep()  # once its counts are known: a pass it can skip later
 
         await every(
             s.reclaim_interval_seconds,

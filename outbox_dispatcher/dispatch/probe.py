@@ -123,6 +123,7 @@ class IdleProbe:
         known: list[int | None] = [*counts] if counts is not None else [None] * len(steady)
         for runtime, writes in zip(steady, known, strict=True):
             runtime.writes = writes  # what its idle sweep looks at (OutboxRuntime.sweep)
+            runtime.counted = True
         if counts is None:  # the server counts no writes: every outbox, every interval
             full = True
         looked = list(steady) if full else self._changed(steady, idle, counts or [], now)
