@@ -95,9 +95,10 @@ class OutboxRuntime:
         self.waiting = Waiting(self.store, shared.owner, ttl=ttl) if s.listen else None
         self.heartbeat = registry.Heartbeat(self.store, s, shared.owner, self.metrics.totals)
         self.in_flight = leases.InFlight()
-        # The writes to its tables the statistics count (set by the idle probe at each interval,
+        # The writes to its table the statistics count (set by the idle probe at each interval,
         # dispatch/probe.py; None: not known), and their count when its last complete sweep
-        # pass began: an idle outbox whose tables were not written since sweeps nothing new.
+        # pass began: an idle outbox whose table was not written since sweeps nothing new (the
+        # sweep's own writes go to its cursor and work, not counted here).
         self.writes: int | None = None
         self.counted = False  # the probe has read its counts (or found none: track_counts off)
         self._swept: int | None = None
@@ -238,7 +239,7 @@ class OutboxRuntime:
         )
 
     async def sweep(self) -> bool:
-        """One step of its sweep while idle, unless no write to its tables was counted since
+        """One step of its sweep while idle, unless no write to its table was counted since
         its last complete pass began (whether it ran): the sweep looks for rows written around
         the claim engine's bookkeeping, which are writes the statistics count, and an idle
         outbox's step re-walks its whole table (its function was most of an idle fleet's

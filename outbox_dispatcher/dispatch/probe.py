@@ -119,10 +119,11 @@ class IdleProbe:
         tables = [(o.outbox.schema, o.outbox.table) for o in steady]
         if keys != self._served:
             self._oids = await statements.relations(self.session, tables)
-        counts = await statements.changes(self.session, self._oids)
-        known: list[int | None] = [*counts] if counts is not None else [None] * len(steady)
-        for runtime, writes in zip(steady, known, strict=True):
-            runtime.writes = writes  # what its idle sweep looks at (OutboxRuntime.sweep)
+        counted = await statements.changes(self.session, self._oids)
+        counts = None if counted is None else [every for every, _ in counted]
+        rows: list[int | None] = [r for _, r in counted] if counted else [None] * len(steady)
+        for runtime, written in zip(steady, rows, strict=True):
+            runtime.writes = written  # what its idle sweep looks at (OutboxRuntime.sweep)
             runtime.counted = True
         if counts is None:  # the server counts no writes: every outbox, every interval
             full = True

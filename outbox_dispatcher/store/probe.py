@@ -217,12 +217,12 @@ async def relations(session: Session, tables: Sequence[tuple[str, str]]) -> list
     return [int(oid) for oid in row["relations"]]
 
 
-async def changes(session: Session, oids: Sequence[int]) -> list[int] | None:
-    """The writes counted so far to each table's WATCHED relations (one sum per table), or
-    None when the server counts none (track_counts off)."""
+async def changes(session: Session, oids: Sequence[int]) -> list[tuple[int, int]] | None:
+    """The writes counted so far, for each table: to its WATCHED relations, and to the table
+    itself (the rows); None when the server counts none (track_counts off)."""
     row = await session.named("counters", relations=list(oids))
     if not row["counting"]:
         return None
     counts = [int(n) for n in row["changes"]]
     step = len(WATCHED)
-    return [sum(counts[i : i + step]) for i in range(0, len(counts), step)]
+    return [(sum(counts[i : i + step]), counts[i]) for i in range(0, len(counts), step)]
