@@ -219,15 +219,15 @@ class OutboxRuntime:
         }
 
     async def _reclaim(self, due: Callable[[], bool], sweep_due: Callable[[], bool]) -> NoReturn:
-        """The reclaimer (and its sweep step) at the ticks `due` allows; the sweep alone at
-        those `sweep_due` allows (its pace is its own: it is the one path for rows written around
-        the claim engine's bookkeeping, which no probe sees)."""
+        """The reclaimer at the ticks `due` allows, then its sweep step at those `sweep_due`
+        allows (its pace is its own: it is the one path for rows written around the claim
+        engine's bookkeeping, which no probe sees), each step through `sweep`."""
         s, m = self.shared.settings, self.metrics
 
         async def tick() -> None:
             if due():
-                await leases.reclaim_step(self.store, s, m, None, sweep_due)
-            elif s.sweep_rows and (self.counted or not self.steady) and sweep_due():
+                await leases.reclaim_step(self.store, s, m, None, lambda: False)
+            if s.sweep_rows and (self.counted or not self.steady) and sweep_due():
                 await self.sweep()  # once its counts are known: a pass it can skip later
 
         await every(
@@ -239,7 +239,7 @@ class OutboxRuntime:
         )
 
     async def sweep(self) -> bool:
-        """One step of its sweep while idle, unless no write to its table was counted since
+        """One step of its sweep, unless no write to its table was counted since
         its last complete pass began (whether it ran): the sweep looks for rows written around
         the claim engine's bookkeeping, which are writes the statistics count, and an idle
         outbox's step re-walks its whole table (its function was most of an idle fleet's
