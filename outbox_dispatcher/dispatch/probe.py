@@ -117,7 +117,7 @@ class IdleProbe:
         now = time.monotonic()
         full = now >= self._full_at or keys != self._served
         tables = [(o.outbox.schema, o.outbox.table) for o in steady]
-        if keys != self._served:
+        if full:  # read again each time: a table dropped and made again has new oids
             self._oids = await statements.relations(self.session, tables)
         counted = await statements.changes(self.session, self._oids)
         counts = None if counted is None else [every for every, _ in counted]
