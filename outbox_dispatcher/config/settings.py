@@ -78,8 +78,8 @@ class Settings(BaseSettings):
     secret when it holds a database URL: use OUTBOX_SOURCES_FILE or OUTBOX_SECRETS_DIR."""
     max_connections: int = Field(default=0, ge=0, le=10_000)
     """With OUTBOX_SOURCES: the most PostgreSQL connections of the process over every database
-    (pools, LISTEN, discovery and the fleet's membership); 0 means claim_tasks + 4 per
-    database, and one."""
+    (pools, LISTEN, discovery, the idle probe and the fleet's membership); 0 means
+    claim_tasks + 5 per database, and one."""
     kafka_bootstrap_servers: str = "127.0.0.1:9092"
     """Comma-separated Kafka bootstrap servers."""
     kafka_client_id: str = "outbox-dispatcher"

@@ -3,8 +3,9 @@ created when its first outbox is served, and one LISTEN connection per database 
 channels of its served outboxes, all within OUTBOX_MAX_CONNECTIONS.
 
 The budget is split, not shared: one connection for the fleet's membership (the home
-database), and each database gets its discovery connection (the source registry's), its LISTEN
-connection, and a pool of at most `pool_size_of` connections, so the
+database), and each database gets its discovery connection (the source registry's), the idle
+probe's (dispatch/probe.py: its statements stay prepared there), its LISTEN connection, and a
+pool of at most `pool_size_of` connections, so the
 process never holds more than the budget, whatever the number of outboxes (an outbox borrows a
 connection per statement and holds none while idle)."""
 
@@ -28,8 +29,9 @@ HOME = 1
 
 
 def fixed_per_database(settings: Settings) -> int:
-    """Connections a database costs besides its pool: discovery's, and LISTEN's."""
-    return 1 + int(settings.listen)
+    """Connections a database costs besides its pool: discovery's, the idle probe's, and
+    LISTEN's."""
+    return 2 + int(settings.listen)
 
 
 def pool_size_of(settings: Settings, databases: int) -> int:
@@ -44,7 +46,8 @@ def pool_size_of(settings: Settings, databases: int) -> int:
         msg = (
             f"OUTBOX_MAX_CONNECTIONS={settings.max_connections} is too few for the "
             f"{databases} database(s) of OUTBOX_SOURCES: each needs {fixed} connection(s) for "
-            f"discovery{' and LISTEN' if settings.listen else ''} and at least one pooled, and "
+            f"discovery, the idle probe{' and LISTEN' if settings.listen else ''} and at least "
+            "one pooled, and "
             f"the fleet's membership takes one: set it to {least} or more (or 0: claim_tasks + "
             f"{fixed + 2} per database, and one)"
         )

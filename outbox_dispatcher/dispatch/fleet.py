@@ -20,6 +20,7 @@ import structlog
 from outbox_dispatcher import errors, metrics, source_metrics
 from outbox_dispatcher.config.outboxes import Outbox, Source
 from outbox_dispatcher.config.settings import DeliveryMode, Settings
+from outbox_dispatcher.dispatch.beats import BatchedHeartbeat
 from outbox_dispatcher.dispatch.databases import Databases
 from outbox_dispatcher.dispatch.every import every
 from outbox_dispatcher.dispatch.outboxes import Key, OutboxRuntime, Shared, channel_of, key_of
@@ -32,6 +33,7 @@ from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.sources.fleet import FleetMember
 from outbox_dispatcher.sources.registry import SourceRegistry, State, View
 from outbox_dispatcher.store import db, listen
+from outbox_dispatcher.store.probe import Session
 
 log = structlog.get_logger(__name__)
 
@@ -69,6 +71,7 @@ class FleetDispatcher:
         self._http: HealthServer | None = None
         self.member: FleetMember | None = None  # made by run
         self.probes: dict[str, IdleProbe] = {}  # the idle probe of each database
+        self.beats: dict[str, BatchedHeartbeat] = {}  # and its batched heartbeat
 
     @property
     def published(self) -> int:
@@ -118,6 +121,8 @@ class FleetDispatcher:
         finally:
             await publisher.stop()
             await registry.close()
+            for probe in self.probes.values():
+                await probe.session.close()
             await databases.close()
         log.info("stopped", published=self.published)
 
@@ -162,8 +167,11 @@ class FleetDispatcher:
             "readiness": self._refresh_readiness(readiness),
         }
         for database in databases.channels:
-            self.probes[database] = IdleProbe(database, self.slots, s, self.idle_poll)
+            session = Session(databases.url(database), s)  # both run on its connection
+            self.probes[database] = IdleProbe(database, session, self.slots, s, self.idle_poll)
             side[f"idle-probe:{database}"] = self.probes[database].run()
+            self.beats[database] = BatchedHeartbeat(database, session, self.slots, s, self.owner)
+            side[f"heartbeats:{database}"] = self.beats[database].run()
         if s.http_enabled:
             self._http = HealthServer(
                 s.http_host,

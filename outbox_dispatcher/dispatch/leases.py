@@ -276,16 +276,16 @@ def report_crash_loops(dead: list[Row], metrics: OutboxMetrics) -> None:
         )
 
 
-async def sweep_step(store: DispatchStore, settings: Settings, metrics: OutboxMetrics) -> None:
+async def sweep_step(store: DispatchStore, settings: Settings, metrics: OutboxMetrics) -> bool:
     """One step of the sweep; another dispatcher's step or a claim's discovery in progress
-    makes it a no-op this time."""
+    makes it a no-op this time. Whether it finished a pass over the table."""
     try:
         repaired, wrapped = await store.sweep(
             rows=settings.sweep_rows, hold_seconds=settings.lease_seconds
         )
     except db.RETRIABLE_ERRORS as exc:
         log.warning("sweep_failed", error=repr(exc))
-        return
+        return False
     if repaired:
         metrics.sweep_repaired.inc(repaired)
         log.warning(
@@ -299,3 +299,4 @@ async def sweep_step(store: DispatchStore, settings: Settings, metrics: OutboxMe
         )
     if wrapped:
         metrics.sweep_passes.inc()
+    return wrapped

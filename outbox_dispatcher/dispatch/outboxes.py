@@ -10,6 +10,7 @@ does."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections.abc import Callable, Coroutine
@@ -92,7 +93,16 @@ class OutboxRuntime:
         self.settling = Settling(settler, shared.retry_policy, self.metrics)
         ttl = 2 * shared.idle_poll_seconds + 5
         self.waiting = Waiting(self.store, shared.owner, ttl=ttl) if s.listen else None
+        self.heartbeat = registry.Heartbeat(self.store, s, shared.owner, self.metrics.totals)
         self.in_flight = leases.InFlight()
+        # The writes to its table the statistics count (set by the idle probe at each interval,
+        # dispatch/probe.py; None: not known), and their count when its last complete sweep
+        # pass began: an idle outbox whose table was not written since sweeps nothing new (the
+        # sweep's own writes go to its cursor and work, not counted here).
+        self.writes: int | None = None
+        self.counted = False  # the probe has read its counts (or found none: track_counts off)
+        self._swept: int | None = None
+        self._pass_from: int | None = None
         self.pace = UpkeepPace()  # its upkeep's pace: slow while idle (dispatch/idle.py)
         self.backoff = Backoff(s.backoff_initial_seconds, s.backoff_max_seconds)
         self.retry_in: float | None = None  # set by a failed turn: back off this long
@@ -171,19 +181,21 @@ class OutboxRuntime:
         s, m, gate = self.shared.settings, self.metrics, self.pace.gate
         # Its own liveness book: the process's liveness is its claim slots'.
         beats = Heartbeats(s.liveness_timeout_seconds)
-        heartbeat = registry.Heartbeat(self.store, s, self.shared.owner, m.totals)
+        # At the steady version an idle outbox's beat is its database's batch (dispatch/beats.py),
+        # and its reclaimer runs only when the probe finds an expired lease (UpkeepPace.want):
+        # its every duty is a lease that expired, which the probe looks for at each full probe
+        # and when a live lease's time comes (dispatch/probe.py).
+        idle_beat = math.inf if self.steady else HEARTBEAT_SLOW
+        idle_reclaim = math.inf if self.steady else RECLAIM_SLOW
         found: dict[str, Callable[[], Loop]] = {
             "lease-keeper": lambda: leases.keep_leases(self.store, s, self.in_flight, beats),
-            "reclaimer": lambda: leases.reclaim(
-                self.store,
-                s,
-                m,
-                due=gate("reclaimer", s.reclaim_interval_seconds, RECLAIM_SLOW),
-                sweep_due=gate("sweep", s.reclaim_interval_seconds, SWEEP_SLOW),
+            "reclaimer": lambda: self._reclaim(
+                gate("reclaimer", s.reclaim_interval_seconds, idle_reclaim),
+                gate("sweep", s.reclaim_interval_seconds, SWEEP_SLOW),
             ),
             "heartbeat": lambda: upkeep.heartbeat(
-                heartbeat,
-                due=gate("heartbeat", registry.HEARTBEAT_SECONDS, HEARTBEAT_SLOW),
+                self.heartbeat,
+                due=gate("heartbeat", registry.HEARTBEAT_SECONDS, idle_beat),
                 source=self.label,
             ),
         }
@@ -205,6 +217,42 @@ class OutboxRuntime:
         return {
             name: self._isolated(name, make, phase.get(name, 0.0)) for name, make in found.items()
         }
+
+    async def _reclaim(self, due: Callable[[], bool], sweep_due: Callable[[], bool]) -> NoReturn:
+        """The reclaimer at the ticks `due` allows, then its sweep step at those `sweep_due`
+        allows (its pace is its own: it is the one path for rows written around the claim
+        engine's bookkeeping, which no probe sees), each step through `sweep`."""
+        s, m = self.shared.settings, self.metrics
+
+        async def tick() -> None:
+            if due():
+                await leases.reclaim_step(self.store, s, m, None, lambda: False)
+            if s.sweep_rows and (self.counted or not self.steady) and sweep_due():
+                await self.sweep()  # once its counts are known: a pass it can skip later
+
+        await every(
+            s.reclaim_interval_seconds,
+            tick,
+            log=leases.log,
+            failed="reclaim_failed",
+            tolerated=db.RETRIABLE_ERRORS,
+        )
+
+    async def sweep(self) -> bool:
+        """One step of its sweep, unless no write to its table was counted since
+        its last complete pass began (whether it ran): the sweep looks for rows written around
+        the claim engine's bookkeeping, which are writes the statistics count, and an idle
+        outbox's step re-walks its whole table (its function was most of an idle fleet's
+        upkeep once the probe and the heartbeat were batched)."""
+        writes = self.writes
+        if writes is not None and writes == self._swept:
+            return False
+        if self._pass_from is None:
+            self._pass_from = writes
+        s = self.shared.settings
+        if await leases.sweep_step(self.store, s, self.metrics):
+            self._swept, self._pass_from = self._pass_from, None
+        return True
 
     async def _sample_gauges(self) -> NoReturn:
         """Its table gauges under its `source` label, every metrics interval while the outbox is

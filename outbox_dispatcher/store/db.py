@@ -287,13 +287,20 @@ async def create_pool(
 
 
 async def connect(
-    dsn: str, settings: Settings, setting: str = "OUTBOX_DATABASE_URL"
+    dsn: str,
+    settings: Settings,
+    setting: str = "OUTBOX_DATABASE_URL",
+    *,
+    statement_cache_size: int = 100,
 ) -> asyncpg.Connection:
-    """A single connection outside the pool (LISTEN, migrations, status); `setting` names where
-    the DSN came from, for the error message."""
+    """A single connection outside the pool (LISTEN, migrations, status, the idle probe's);
+    `setting` names where the DSN came from, for the error message."""
     try:
         conn: asyncpg.Connection = await asyncpg.connect(
-            dsn, server_settings=server_settings(settings), timeout=10
+            dsn,
+            server_settings=server_settings(settings),
+            timeout=10,
+            statement_cache_size=statement_cache_size,
         )
     except Exception as exc:
         translated = translate(exc, dsn, setting)

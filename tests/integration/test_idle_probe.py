@@ -51,6 +51,18 @@ async def named(conn: asyncpg.Connection, schemas: tuple[str, ...]) -> dict[str,
     return {
         schemas[f.index]: ("expired" if f.expired else "") + ("work" if f.work else "")
         for f in found
+        if f.found
+    }
+
+
+async def later(conn: asyncpg.Connection, schemas: tuple[str, ...]) -> dict[str, object]:
+    """What the probe says to look at again without any write: a hole whose transactions run,
+    or the seconds until a live lease expires or a retry falls due (rounded)."""
+    found = await probe.probe(conn, [(s, "outbox") for s in schemas], takes_blocked=True)
+    return {
+        schemas[f.index]: "hole" if f.hole else round(f.due_in or 0, -1)
+        for f in found
+        if f.hole or (f.due_in or 0) > 0
     }
 
 
@@ -80,10 +92,12 @@ async def test_the_probe_names_exactly_the_outboxes_with_work(database: str) -> 
             "t_expired": "expired",
             "t_due": "work",
         }
+        # looked at again when the live lease expires, when the retry falls due
+        assert await later(conn, TENANTS) == {"t_live": 60.0, "t_later": 3600.0}
         # many outboxes: several chunks, each numbered on from the last
         many = TENANTS * (probe.CHUNK // len(TENANTS) + 2)
         found = await probe.probe(conn, [(s, "outbox") for s in many], takes_blocked=True)
-        assert sorted(f.index for f in found) == [
+        assert sorted(f.index for f in found if f.found) == [
             i for i, s in enumerate(many) if s in ("t_rows", "t_expired", "t_due")
         ]
     finally:
@@ -113,6 +127,8 @@ async def test_a_row_committed_between_two_probes_is_found_by_the_second(databas
         assert await named(conn, ("t_a", "t_b")) == {"t_b": "work"}
         assert await claim(conn, "t_b", 60) == []
         assert await named(conn, ("t_a", "t_b")) == {}
+        # (and t_a's live lease: looked at again when it expires)
+        assert await later(conn, ("t_a", "t_b")) == {"t_a": 60.0, "t_b": "hole"}
         await late.commit()
         assert await named(conn, ("t_a", "t_b")) == {"t_b": "work"}
         assert await claim(conn, "t_b", 60)  # the late row, as the probe said

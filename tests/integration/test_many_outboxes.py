@@ -120,7 +120,8 @@ async def test_one_process_serves_three_tenant_schemas_and_a_second_database_in_
     tenants.append(Tenant(b, "public", await make_topic()))
     for tenant in tenants:
         await tenant.insert(keys=20, per_key=25)  # a backlog before the start
-    budget = 9  # membership 1; two databases: discovery + LISTEN + a pool of 2 each
+    # membership 1; two databases: discovery + the idle probe + LISTEN + a pool of 2 each
+    budget = 11
     settings = fleet_settings(
         make_settings,
         a,

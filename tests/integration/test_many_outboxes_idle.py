@@ -119,6 +119,7 @@ async def test_idle_outboxes_cost_no_claims_and_slow_upkeep_and_their_rows_are_p
         after = await calls(services.database_url, database)
         claims = since(claims_of(after), claims_of(before))
         sweeps = since(per_tenant(after, "sweep"), per_tenant(before, "sweep"))
+        reclaims = since(per_tenant(after, "reclaim_work"), per_tenant(before, "reclaim_work"))
         probes = sum(n for q, n in since(after, before).items() if "AS outbox" in q)
         # The dead dispatcher's lease (expired after 6 s) is found by the probe and taken over.
         await tenants["tenant_d"].all_published(timeout=30)
@@ -131,11 +132,14 @@ async def test_idle_outboxes_cost_no_claims_and_slow_upkeep_and_their_rows_are_p
     assert codes == [0], log.read_text()[-3000:]
     # (tenant_d is claimed once its dead dispatcher's lease expires, maybe meanwhile: then it
     # is active, with its normal upkeep)
-    del claims["tenant_d"], sweeps["tenant_d"]
+    del claims["tenant_d"], sweeps["tenant_d"], reclaims["tenant_d"]
     assert claims == dict.fromkeys(TENANTS[:3], 0), "an idle outbox is claimed only when probed"
     assert probes >= 1, "the probe looked at them"
     # every 0.2 s while active: 20 in 4 s; idle: every 10 intervals, jittered (1.5-2 s)
     assert all(n <= 4 for n in sweeps.values()), sweeps
+    # an idle outbox's reclaimer runs only when the probe finds an expired lease (its slow
+    # round, every 30 intervals, ran 4.5-6 s after the first tick)
+    assert reclaims == dict.fromkeys(TENANTS[:3], 0), reclaims
     verdict = await tenants["tenant_b"].verdict(services)
     assert (verdict.delivered, verdict.lost, verdict.reordered) == (20, [], [])
 

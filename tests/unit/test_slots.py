@@ -211,8 +211,9 @@ async def test_an_outbox_let_go_during_its_claim_is_never_granted_again() -> Non
 
 def test_the_connection_budget_is_split_between_databases() -> None:
     settings = Settings(max_connections=10, claim_tasks=2)
-    assert pool_size_of(settings, 1) == 4  # pool_size: claim_tasks + 2, under 10 - 1 - 2
-    assert pool_size_of(settings, 2) == 2  # membership 1; 4 each: discovery, LISTEN, 2 pooled
+    assert pool_size_of(settings, 1) == 4  # pool_size: claim_tasks + 2, under 10 - 1 - 3
+    # membership 1; 4 each: discovery, the idle probe, LISTEN, 1 pooled
+    assert pool_size_of(settings, 2) == 1
     assert pool_size_of(Settings(max_connections=0), 7) == Settings().effective_pool_size
     with pytest.raises(errors.ConfigurationError, match="OUTBOX_MAX_CONNECTIONS=10 is too few"):
         pool_size_of(settings, 4)
