@@ -28,6 +28,7 @@ from tests.checker import verdict_for
 from .helpers import Services, kill9, log_events, wait_all_settled, wait_until
 from .test_chaos import FULL, assert_sound, fleet, report
 from .test_exactly_once import STATEMENTS, expire
+from .test_exactly_once_faults import eos_of
 from .test_exactly_once_lists import latest_values
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(3600 if FULL else 300)]
@@ -47,23 +48,8 @@ def sweep_bound(settings: Settings) -> float:
 
 @pytest.fixture
 def eos(make_settings: Any, topic: str) -> Callable[..., Settings]:
-    def make(**overrides: Any) -> Settings:
-        values: dict[str, Any] = {
-            "log_format": "json",
-            "http_port": 0,
-            "delivery": "exactly-once",
-            "progress_topic": f"progress-{topic}",
-            "transaction_timeout_seconds": 2.0,
-            "lease_seconds": 4.0,
-            "progress_sweep_seconds": SWEEP,
-            "claim_tasks": LANES,
-            "batch_size": 10,
-        }
-        values.update(overrides)
-        settings: Settings = make_settings(**values)
-        return settings
-
-    return make
+    bounded = {"progress_sweep_seconds": SWEEP, "claim_tasks": LANES, "batch_size": 10}
+    return eos_of(make_settings, topic, lease_seconds=4.0, **bounded)
 
 
 def live_of(last: dict[bytes, bytes | None], prefix: str = "") -> set[str]:

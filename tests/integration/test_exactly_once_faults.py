@@ -39,8 +39,10 @@ from .test_chaos import (
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800 if FULL else 300)]
 
 
-@pytest.fixture
-def eos(make_settings: Any, topic: str) -> Callable[..., Settings]:
+def eos_of(make_settings: Any, topic: str, **defaults: Any) -> Callable[..., Settings]:
+    """Settings of an exactly-once dispatcher process of the test: JSON logs, the topic's own
+    progress topic, a short transaction timeout; `defaults` and then a call's overrides win."""
+
     def make(**overrides: Any) -> Settings:
         values: dict[str, Any] = {
             "log_format": "json",
@@ -49,11 +51,15 @@ def eos(make_settings: Any, topic: str) -> Callable[..., Settings]:
             "progress_topic": f"progress-{topic}",
             "transaction_timeout_seconds": 2.0,
         }
-        values.update(overrides)
-        settings: Settings = make_settings(**values)
+        settings: Settings = make_settings(**(values | defaults | overrides))
         return settings
 
     return make
+
+
+@pytest.fixture
+def eos(make_settings: Any, topic: str) -> Callable[..., Settings]:
+    return eos_of(make_settings, topic)
 
 
 def events(f: Fleet, event: str) -> list[dict[str, Any]]:

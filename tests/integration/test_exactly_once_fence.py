@@ -215,6 +215,33 @@ async def test_a_takeover_whose_lease_expired_before_it_cleared_the_duty_sends_n
     assert await read_all(services.kafka_bootstrap_servers, topic, "read_committed") == []
 
 
+async def key_0_committed_by_a_lost_claim(
+    conn: asyncpg.Connection, owners: Registered, settings: Settings, topic: str
+) -> Any:
+    """owner-a claimed 2 keys x 3 rows, committed key-0's in Kafka, sent none of key-1's and
+    was killed before its mark; its lease has expired. owner-b's publisher (which reads the
+    progress for the reclaimer) is returned."""
+    await insert_sequenced(conn, topic, keys=2, per_key=3)
+    a = await owners.publisher("owner-a")
+    b = await owners.publisher("owner-b")
+    lost = await owners.claim("owner-a", settings)
+    sent = [r for r in lost.records if r.ordering_key == "key-0"]
+    assert (await run(a.publish(sent))).outcomes == [None] * 3
+    await a.stop()  # killed before its mark
+    await expire(conn)
+    return b
+
+
+async def assert_key_0_published_and_key_1_dead(
+    conn: asyncpg.Connection, services: Services, topic: str
+) -> None:
+    published = "published_at IS NOT NULL AND dead_at IS NULL"
+    assert await count(conn, f"ordering_key = 'key-0' AND {published}") == 3
+    assert await count(conn, "ordering_key = 'key-1' AND dead_at IS NOT NULL") == 3
+    assert await count(conn, "lease_token IS NOT NULL") == 0, "every one decided"
+    assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 3
+
+
 async def test_the_reclaimer_dead_letters_nothing_while_the_progress_cannot_be_read(
     conn: asyncpg.Connection,
     owners: Registered,
@@ -229,14 +256,7 @@ async def test_the_reclaimer_dead_letters_nothing_while_the_progress_cannot_be_r
     again once its work was gone); once it can, it reads first: key-0's rows are published,
     key-1's dead."""
     settings = eos_settings(max_attempts=1)
-    await insert_sequenced(conn, topic, keys=2, per_key=3)
-    a = await owners.publisher("owner-a")
-    b = await owners.publisher("owner-b")
-    lost = await owners.claim("owner-a", settings)
-    sent = [r for r in lost.records if r.ordering_key == "key-0"]
-    assert (await run(a.publish(sent))).outcomes == [None] * 3
-    await a.stop()  # killed before its mark
-    await expire(conn)
+    b = await key_0_committed_by_a_lost_claim(conn, owners, settings, topic)
     real_read = takeover.progress.read_committed
 
     async def unread(*_: Any, **__: Any) -> list[bytes | None]:
@@ -247,11 +267,7 @@ async def test_the_reclaimer_dead_letters_nothing_while_the_progress_cannot_be_r
     assert await count(conn, "dead_at IS NOT NULL") == 0, "dead before their progress was read"
     monkeypatch.setattr(takeover.progress, "read_committed", real_read)
     await reclaim_step(owners.store, settings, Metrics(), b.committed_of)
-    published = "published_at IS NOT NULL AND dead_at IS NULL"
-    assert await count(conn, f"ordering_key = 'key-0' AND {published}") == 3
-    assert await count(conn, "ordering_key = 'key-1' AND dead_at IS NOT NULL") == 3
-    assert await count(conn, "lease_token IS NOT NULL") == 0, "every one decided"
-    assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 3
+    await assert_key_0_published_and_key_1_dead(conn, services, topic)
 
 
 class _DiesAfterTheDeadLetter(DispatchStore):
@@ -286,14 +302,7 @@ async def test_a_database_failure_right_after_the_dead_letter_shows_no_committed
     is dead-lettered (before: key-0's 3 committed rows stayed dead until a later step read
     them, and a `dead requeue` meanwhile sent them again). The next step decides them all."""
     settings = eos_settings(max_attempts=1)
-    await insert_sequenced(conn, topic, keys=2, per_key=3)
-    a = await owners.publisher("owner-a")
-    b = await owners.publisher("owner-b")
-    lost = await owners.claim("owner-a", settings)
-    sent = [r for r in lost.records if r.ordering_key == "key-0"]
-    assert (await run(a.publish(sent))).outcomes == [None] * 3
-    await a.stop()  # killed before its mark
-    await expire(conn)
+    b = await key_0_committed_by_a_lost_claim(conn, owners, settings, topic)
     fault = {"armed": True, "dead_lettered": False}
     failing = _DiesAfterTheDeadLetter(owners.store, fault)
     with pytest.raises(asyncpg.ConnectionDoesNotExistError):
@@ -302,8 +311,4 @@ async def test_a_database_failure_right_after_the_dead_letter_shows_no_committed
     shown_dead = await count(conn, "ordering_key = 'key-0' AND dead_at IS NOT NULL")
     assert shown_dead == 0, "committed rows shown dead"
     await reclaim_step(failing, settings, Metrics(), b.committed_of)
-    published = "published_at IS NOT NULL AND dead_at IS NULL"
-    assert await count(conn, f"ordering_key = 'key-0' AND {published}") == 3
-    assert await count(conn, "ordering_key = 'key-1' AND dead_at IS NOT NULL") == 3
-    assert await count(conn, "lease_token IS NOT NULL") == 0, "every one decided"
-    assert len(await read_all(services.kafka_bootstrap_servers, topic, "read_committed")) == 3
+    await assert_key_0_published_and_key_1_dead(conn, services, topic)

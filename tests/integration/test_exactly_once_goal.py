@@ -20,7 +20,6 @@ from typing import Any
 import asyncpg
 import orjson
 import pytest
-from aiokafka import AIOKafkaConsumer
 
 from outbox_dispatcher import registry
 from outbox_dispatcher.config.settings import Settings
@@ -39,7 +38,7 @@ from .helpers import Services, count, kill9, log_events, wait_all_settled, wait_
 from .test_chaos import FULL, Writer, assert_sound, fleet, report, scale, writing
 from .test_exactly_once import STATEMENTS, expire, read_all, run
 from .test_exactly_once_bounds import eos, live_of, owner_of, recorded, write
-from .test_exactly_once_lists import latest_values
+from .test_exactly_once_lists import latest_values, progress_records
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(3600 if FULL else 300)]
 FIXTURES = (eos,)  # test_exactly_once_bounds.py's, used here by name
@@ -49,30 +48,6 @@ def listed(value: bytes) -> int:
     """How many batches a progress record lists (its lane's `unmarked`, and its own)."""
     batches = orjson.loads(value).get("batches") or {}
     return len(batches)
-
-
-async def progress_records(bootstrap: str, topic: str) -> list[tuple[bytes, bytes | None, float]]:
-    """Every committed record of the progress topic, in order: key, value, when it was
-    written (the broker's timestamp, seconds)."""
-    consumer = AIOKafkaConsumer(
-        topic,
-        bootstrap_servers=bootstrap,
-        auto_offset_reset="earliest",
-        enable_auto_commit=False,
-        isolation_level="read_committed",
-    )
-    await consumer.start()
-    found: list[tuple[bytes, bytes | None, float]] = []
-    try:
-        quiet = 0
-        while quiet < 4:
-            batch = await consumer.getmany(timeout_ms=500)
-            got = [(r.key or b"", r.value, r.timestamp / 1000) for rs in batch.values() for r in rs]
-            found.extend(got)
-            quiet = 0 if got else quiet + 1
-    finally:
-        await consumer.stop()
-    return found
 
 
 # --- the goal row: many restarts, many failed marks ---------------------------------------------

@@ -34,8 +34,9 @@ async def mark(owners: Owners, owner: str, batch: Batch, rows: list[Any]) -> int
     return int(await settler.settle(Batch(batch.token, rows), [PUBLISHED] * len(rows)))
 
 
-async def latest_values(bootstrap: str, topic: str) -> dict[bytes, bytes | None]:
-    """The progress topic's last committed value of each key (None: a tombstone)."""
+async def progress_records(bootstrap: str, topic: str) -> list[tuple[bytes, bytes | None, float]]:
+    """Every committed record of the progress topic, in order: key, value, when it was
+    written (the broker's timestamp, seconds)."""
     consumer = AIOKafkaConsumer(
         topic,
         bootstrap_servers=bootstrap,
@@ -44,17 +45,22 @@ async def latest_values(bootstrap: str, topic: str) -> dict[bytes, bytes | None]
         isolation_level="read_committed",
     )
     await consumer.start()
-    last: dict[bytes, bytes | None] = {}
+    found: list[tuple[bytes, bytes | None, float]] = []
     try:
         quiet = 0
         while quiet < 4:
             batch = await consumer.getmany(timeout_ms=500)
-            found = [r for rs in batch.values() for r in rs]
-            last.update((r.key or b"", r.value) for r in found)
-            quiet = 0 if found else quiet + 1
+            got = [(r.key or b"", r.value, r.timestamp / 1000) for rs in batch.values() for r in rs]
+            found.extend(got)
+            quiet = 0 if got else quiet + 1
     finally:
         await consumer.stop()
-    return last
+    return found
+
+
+async def latest_values(bootstrap: str, topic: str) -> dict[bytes, bytes | None]:
+    """The progress topic's last committed value of each key (None: a tombstone)."""
+    return {key: value for key, value, _ in await progress_records(bootstrap, topic)}
 
 
 # --- E5: pairs and the identity -------------------------------------------------------------------
