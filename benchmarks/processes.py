@@ -132,6 +132,34 @@ async def backend_cpu(conn: asyncpg.Connection) -> float:
     return sum((await backend_cpu_by_pid(conn)).values())
 
 
+class BackendCpuSampler:
+    """The dispatchers' backends' CPU over a window, read every `every` seconds: a pooled
+    connection that closes inside the window (a fleet's idle pools close after 30 s) keeps what
+    it used up to its last reading, which two readings at the window's ends would lose."""
+
+    def __init__(self, conn: asyncpg.Connection, every: float = 0.25) -> None:
+        self._conn = conn
+        self._every = every
+        self._first: dict[int, float] = {}
+        self._last: dict[int, float] = {}
+
+    async def read(self) -> None:
+        """A backend first seen now connected inside the window: it counts from zero."""
+        for pid, cpu in (await backend_cpu_by_pid(self._conn)).items():
+            self._first.setdefault(pid, 0.0)
+            self._last[pid] = cpu
+
+    async def window(self, seconds: float) -> float:
+        """CPU seconds the backends used in the next `seconds`."""
+        self._last = await backend_cpu_by_pid(self._conn)
+        self._first = dict(self._last)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            await asyncio.sleep(min(self._every, max(0.0, deadline - time.monotonic())))
+            await self.read()
+        return sum(cpu - self._first.get(pid, 0.0) for pid, cpu in self._last.items())
+
+
 def backend_cpu_since(before: dict[int, float], after: dict[int, float]) -> float:
     """CPU between two samples; a backend that connected meanwhile counts from zero (one that
     disconnected meanwhile is lost: the dispatcher's pool keeps its connections)."""
