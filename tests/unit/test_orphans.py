@@ -180,6 +180,22 @@ async def test_a_database_away_skips_the_sweep() -> None:
     assert sweep.log["fenced"] == []
 
 
+async def test_a_live_key_of_another_database_s_outbox_of_the_same_name_is_not_touched() -> None:
+    """Two clusters migrated the same way share a Kafka cluster and the progress topic: their
+    outboxes have the same name and oid, so their transactional ids the same prefix. The other
+    one's running dispatcher ("twin", in no registry of ours) writes records under its own
+    identity: the sweep neither fences its id nor ends its key (before: fenced at every sweep,
+    and its key tombstoned, its commits forgotten)."""
+    other = progress.record_value(PROGRESS, "another-identity", "n", {"t": [(7, 0)]})
+    twin = [(key("twin").encode(), other), (key("twin.1").encode(), value((2, 0)))]
+    twin.append((key("twin.1").encode(), other))  # its last record: the other identity's
+    sweep = _Sweep(_Table(), _Read([*RECORDS, *twin]))
+    await sweep.sweep()
+    assert not {key("twin"), key("twin.1")} & set(sweep.log["fenced"])
+    assert not {key("twin"), key("twin.1")} & set(sweep.log["tombstoned"])
+    assert orphans_module.own_live_keys(PROGRESS, ID, twin) == set()
+
+
 def test_live_keys_are_those_whose_last_value_is_a_record() -> None:
     assert orphans_module.live_keys([(b"a", b"1"), (b"b", b"2"), (b"a", None), (b"c", None)]) == {
         "b"

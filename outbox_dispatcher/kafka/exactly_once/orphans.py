@@ -87,7 +87,8 @@ class Orphans:
         keep.update(lane.transactional_id for lane in self.own)  # (a late heartbeat of its own)
         keep.update(t for s in silent if s.named for t in s.ids)
         mine = self.progress.transactional_id("")
-        live = live_keys(await self.takeover.read(self.own))
+        identity, _ = await self.store.needed([])
+        live = own_live_keys(self.progress, identity, await self.takeover.read(self.own))
         found = {k for k in live if k.startswith(mine)} | {
             t for s in silent if not s.named for t in s.ids
         }
@@ -178,6 +179,20 @@ class Orphans:
                     async with asyncio.timeout(self.progress.timeout_seconds):
                         await producer.abort_transaction()
             raise
+
+
+def own_live_keys(config: ProgressConfig, identity: str, records: Iterable[Record]) -> set[str]:
+    """The keys whose last value (in log order) is a record of this outbox under its identity.
+    Another database's outbox can have the same name, oid and so the same transactional-id
+    prefix (two clusters migrated the same way, one Kafka cluster and progress topic): its live
+    dispatchers' keys are not ours to fence or end, and they are told apart by the identity
+    their records carry. An id of ours whose last record is of an older identity (a TRUNCATE)
+    or release is swept through the registry of silent dispatchers instead."""
+    last: dict[str, bool] = {}
+    for key, value in records:
+        ours = value is not None and progress.last_batches(config, identity, [(key, value)])
+        last[(key or b"").decode(errors="replace")] = bool(ours)
+    return {k for k, is_ours in last.items() if is_ours}
 
 
 def live_keys(records: Iterable[Record]) -> set[str]:
