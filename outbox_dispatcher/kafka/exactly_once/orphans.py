@@ -98,7 +98,7 @@ class Orphans:
         fenced: dict[str, Producers] = {}
         try:
             await self._fence(candidates, fenced)
-            tombstoned, ended = await self._end(fenced)
+            tombstoned, ended = await self._end(fenced, identity)
         finally:  # (also when the dispatcher stops meanwhile)
             await asyncio.gather(*(p.stop() for p in fenced.values()), return_exceptions=True)
         forgotten = 0
@@ -134,14 +134,14 @@ class Orphans:
 
         await asyncio.gather(*(fence(t) for t in ids))
 
-    async def _end(self, fenced: dict[str, Producers]) -> tuple[int, set[str]]:
+    async def _end(self, fenced: dict[str, Producers], identity: str) -> tuple[int, set[str]]:
         """Read after the fences; tombstone each fenced id whose last record lists nothing
         needed, in a transaction of its own producer. The keys tombstoned, and the ids ended
-        (tombstoned, or without a live record)."""
+        (tombstoned, or without a live record); none when the outbox's identity is no longer
+        `identity` (a TRUNCATE since the sweep began)."""
         if not fenced:
             return 0, set()
         records = await self.takeover.read(self.own)
-        identity, _ = await self.store.needed([])
         last = progress.last_batches(self.progress, identity, records)
         listed = {t: [p for ps in last.get(t, {}).values() for p in ps] for t in fenced}
         pairs = sorted({p for ps in listed.values() for p in ps})
