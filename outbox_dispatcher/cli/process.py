@@ -202,8 +202,9 @@ async def _console(settings: Settings, ns: argparse.Namespace) -> int:
     rows, blocked keys and the audit as pages and under /api/v1/, to people logged in with
     OUTBOX_CONSOLE_TOKEN or named by a trusted proxy (OUTBOX_CONSOLE_TRUSTED_PROXIES), who may
     also requeue, discard, replay, pause and resume; with OUTBOX_CONSOLE_ANONYMOUS_READ=true
-    anyone may read. With OUTBOX_SOURCES, it serves the one outbox --source (and --schema)
-    name. Needs the install extra outbox-dispatcher[console]."""
+    anyone may read. With OUTBOX_SOURCES, the one outbox --source (and --schema) name is
+    served at /, and every other outbox under /outboxes/LABEL/. Needs the install extra
+    outbox-dispatcher[console]."""
     # Imported here: the web stack is an install extra, loaded only by the command that serves it.
     try:
         from outbox_dispatcher import console

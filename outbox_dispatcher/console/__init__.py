@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import uvicorn
 
 from outbox_dispatcher.config.outboxes import Source
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.console.app import create_app
-from outbox_dispatcher.console.tasks import Jobs
 
 __all__ = ["create_app", "serve"]
 
@@ -25,12 +24,12 @@ class _Server(uvicorn.Server):
     Reaches into uvicorn's private `_captured_signals`: the console-process test
     (tests/integration/test_console.py) fails if that changes."""
 
-    def __init__(self, config: uvicorn.Config, jobs: Jobs) -> None:
+    def __init__(self, config: uvicorn.Config, stop_jobs: Callable[[], Awaitable[None]]) -> None:
         super().__init__(config)
-        self.jobs = jobs
+        self.stop_jobs = stop_jobs
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        await self.jobs.stop()
+        await self.stop_jobs()
         await super().shutdown(sockets)
 
     @contextlib.contextmanager
@@ -55,4 +54,4 @@ async def serve(settings: Settings, fleet: Sequence[Source] = ()) -> None:
         server_header=False,
         lifespan="on",
     )
-    await _Server(config, app.state.console.jobs).serve()
+    await _Server(config, app.state.stop_jobs).serve()

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 import structlog
 from starlette.requests import Request
-from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.responses import JSONResponse, Response
 
 from outbox_dispatcher import display
 from outbox_dispatcher.console import auth, service
@@ -52,7 +52,7 @@ async def _body(request: Request) -> bytes | None:
     return b"".join(chunks)
 
 
-def _outcome(record: dict[str, Any]) -> dict[str, Any]:
+def _outcome(record: dict[str, Any], prefix: str) -> dict[str, Any]:
     """An action's answer from its record: what the API has always answered, and the record."""
     return {
         "command": record["command"],
@@ -62,7 +62,7 @@ def _outcome(record: dict[str, Any]) -> dict[str, Any]:
         "record": record["id"],
         "status": record["status"],
         "expected": record["expected"],
-        "job": f"/api/v1/jobs/{record['id']}",
+        "job": f"{prefix}/api/v1/jobs/{record['id']}",
     }
 
 
@@ -89,18 +89,18 @@ class Acts(Reads):
             return self.page(request, "login.html", {"failed": True, "wait": 0}, None, 401)
         self.throttle.succeeded(client)
         async with self.session(request) as (session, _who):
-            await auth.log_in(request, session, self.settings, client)
+            await auth.log_in(request, session, self.settings, client, self.prefix)
         log.info("console_login", client=client)
-        return RedirectResponse("/", status_code=303)
+        return self.to("/")
 
     async def logout(self, request: Request) -> Response:
         form = await request.form()
         if not auth.csrf_ok(request, form.get(auth.CSRF_FIELD)):
             return self.problem(request, 403, CSRF)
         async with self.session(request) as (session, who):
-            await auth.log_out(request, session)
+            await auth.log_out(request, session, self.prefix)
         log.info("console_logout", identity=who.identity, client=who.client)
-        return RedirectResponse("/login", status_code=303)
+        return self.to("/login")
 
     # --- actions from a page ---------------------------------------------------------------
 
@@ -167,7 +167,7 @@ class Acts(Reads):
         action = service.build(self.settings, name, body, who.by())
         record = await self._start(action, who, key)
         await self.jobs.settle(record, PAGE_WAIT_SECONDS)
-        return RedirectResponse(f"/jobs/{record}", status_code=303)
+        return self.to(f"/jobs/{record}")
 
     async def _start(self, action: Any, who: auth.Who, key: str | None) -> int:
         try:
@@ -200,7 +200,7 @@ class Acts(Reads):
             asked = await jobs.request_abort(session, record, who.identity)
         log.info("console_abort", record=record, identity=who.identity, asked=asked)
         await self.jobs.settle(record, PAGE_WAIT_SECONDS)
-        return RedirectResponse(f"/jobs/{record}", status_code=303)
+        return self.to(f"/jobs/{record}")
 
     # --- actions from the API --------------------------------------------------------------
 
@@ -235,6 +235,6 @@ class Acts(Reads):
                 found = await service.record(session, record)
             assert found is not None  # noqa: S101 - it was just written
             running = found["status"] == jobs.RUNNING
-            return JSONResponse(_outcome(found), status_code=202 if running else 200)
+            return JSONResponse(_outcome(found, self.prefix), status_code=202 if running else 200)
 
         return endpoint

@@ -7,20 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.sessions import SessionMiddleware
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.types import ASGIApp
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.config.outboxes import Source
 from outbox_dispatcher.config.settings import Settings
-from outbox_dispatcher.console import auth, history, security
+from outbox_dispatcher.console import auth, history, outboxes, security
 from outbox_dispatcher.console.acting import Acts
 from outbox_dispatcher.console.inputs import InputError
+from outbox_dispatcher.console.outboxes import Kept, OutboxConsoles
 from outbox_dispatcher.console.web import LoginNeededError
 from outbox_dispatcher.operate.session import DatabaseError
 
@@ -90,12 +94,18 @@ def create_app(
     settings: Settings, *, sample: bool = True, fleet: Sequence[Source] = ()
 ) -> Starlette:
     """The console for these settings; `sample`: run the backlog sampler (in the lifespan);
-    `fleet`: with OUTBOX_SOURCES, every source (the sources page lists their outboxes).
+    `fleet`: with OUTBOX_SOURCES, every source (the sources page lists their outboxes, and each
+    other outbox's pages are under /outboxes/LABEL/: console/outboxes.py).
     errors.ConfigurationError when nobody could use it (no token, no trusted proxy, no
     anonymous reading)."""
     console = Console(settings, sample=sample, fleet=fleet)
+    routes: list[BaseRoute] = list(console.routes())
+    others: OutboxConsoles | None = None
+    if fleet:
+        others = OutboxConsoles(settings, fleet, functools.partial(_other, console, sample))
+        routes.append(Mount(outboxes.MOUNT, app=others))
     app = Starlette(
-        routes=console.routes(),
+        routes=routes,
         middleware=[
             Middleware(security.AllowedHosts, hosts=security.allowed_hosts(settings)),
             Middleware(security.SecurityHeaders),
@@ -107,14 +117,42 @@ def create_app(
                 same_site="strict",
             ),
         ],
-        exception_handlers={
-            InputError: console.on_input_error,
-            LoginNeededError: console.on_login_needed,
-            HTTPException: console.on_not_found,
-            errors.OutboxDispatcherError: console.on_database_error,
-            DatabaseError: console.on_database_error,
-        },
+        exception_handlers=_handlers(console),
         lifespan=console.lifespan,
     )
     app.state.console = console
+
+    async def stop_jobs() -> None:
+        await console.jobs.stop()
+        if others is not None:
+            await others.stop()
+
+    app.state.stop_jobs = stop_jobs
     return app
+
+
+def _handlers(console: Console) -> dict[Any, Any]:
+    return {
+        InputError: console.on_input_error,
+        LoginNeededError: console.on_login_needed,
+        HTTPException: console.on_not_found,
+        errors.OutboxDispatcherError: console.on_database_error,
+        DatabaseError: console.on_database_error,
+    }
+
+
+def _other(home: Console, sample: bool, settings: Settings, prefix: str) -> tuple[ASGIApp, Kept]:
+    """The console of another outbox of the sources, its pages under `prefix`; its history is
+    sampled while the mount says so (outboxes.SAMPLED)."""
+    console = Console(settings, sample=False, fleet=home.fleet, prefix=prefix, home=home.settings)
+    console.templates = home.templates
+    app = Starlette(routes=console.routes(), exception_handlers=_handlers(console))
+
+    def sampler() -> asyncio.Task[None]:
+        return asyncio.create_task(history.sample_forever(settings, console.history))
+
+    return app, Kept(console.jobs.stop, sampler if sample else _no_sampler)
+
+
+def _no_sampler() -> asyncio.Task[None]:
+    return asyncio.create_task(asyncio.sleep(0))

@@ -145,14 +145,22 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-async def who(settings: Settings, proxies: Proxies, request: Request, session: Session) -> Who:
+def _sid(prefix: str) -> str:
+    """The cookie's field of a login to the outbox whose pages are under `prefix` (each outbox
+    keeps its logins in its own table: console/outboxes.py)."""
+    return f"sid{prefix}"
+
+
+async def who(
+    settings: Settings, proxies: Proxies, request: Request, session: Session, prefix: str = ""
+) -> Who:
     client = proxies.client(request)
     user = proxies.user(request)
     if user is not None:
         return Who(user, "proxy", client)
     if bearer_ok(settings, request):
         return Who(TOKEN_HOLDER, "bearer", client)
-    key = request.session.get("sid")
+    key = request.session.get(_sid(prefix))
     if isinstance(key, str) and settings.console_token is not None:
         found = await logins.find_login(session, digest=_digest(key), token_tag=token_tag(settings))
         if found is not None:
@@ -161,10 +169,10 @@ async def who(settings: Settings, proxies: Proxies, request: Request, session: S
 
 
 async def log_in(
-    request: Request, session: Session, settings: Settings, client: str | None
+    request: Request, session: Session, settings: Settings, client: str | None, prefix: str = ""
 ) -> None:
     """A new server-side session for this browser: a fresh cookie (the CSRF token of the
-    anonymous one is not carried over)."""
+    anonymous one is not carried over; the logins to other outboxes of the console are)."""
     key = secrets.token_urlsafe(32)
     digest = _digest(key)
     identity = f"{TOKEN_HOLDER} (session {digest.hex()[:8]})"
@@ -176,17 +184,19 @@ async def log_in(
         token_tag=token_tag(settings),
         seconds=SESSION_SECONDS,
     )
+    kept = {k: v for k, v in request.session.items() if k.startswith("sid") and k != _sid(prefix)}
     request.session.clear()
-    request.session["sid"] = key
+    request.session.update({**kept, _sid(prefix): key})
     csrf_token(request)
 
 
-async def log_out(request: Request, session: Session) -> None:
-    """End the session in the database (every copy of its cookie), then forget the cookie."""
-    key = request.session.get("sid")
+async def log_out(request: Request, session: Session, prefix: str = "") -> None:
+    """End the session in the database (every copy of its cookie), then forget it (the logins
+    to the console's other outboxes stay)."""
+    key = request.session.pop(_sid(prefix), None)
+    request.session.pop(CSRF_FIELD, None)  # a fresh one at the next form
     if isinstance(key, str):
         await logins.end_login(session, digest=_digest(key))
-    request.session.clear()
 
 
 def csrf_token(request: Request) -> str:

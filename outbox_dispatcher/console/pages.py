@@ -12,7 +12,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.responses import JSONResponse, Response
 
 from outbox_dispatcher.console import charts, history, openapi, service
 from outbox_dispatcher.console.inputs import (
@@ -159,20 +159,20 @@ class Reads(Base):
             row_id = await service.row_of_event(session, event_id)
         if row_id is None:
             return self.problem(request, 404, f"no row has event id {event_id}")
-        prefix = "/api/v1" if self.api(request) else ""
-        return RedirectResponse(f"{prefix}/rows/{row_id}", status_code=303)
+        api = "/api/v1" if self.api(request) else ""
+        return self.to(f"{api}/rows/{row_id}")
 
     async def find(self, request: Request) -> Response:
         """The search box: a row id, an event id, or a key."""
         text = request.query_params.get("q", "").strip()
         if text.isdigit():
-            return RedirectResponse(f"/rows/{int(text)}", status_code=303)
+            return self.to(f"/rows/{int(text)}")
         try:
-            return RedirectResponse(f"/events/{uuid.UUID(text)}", status_code=303)
+            return self.to(f"/events/{uuid.UUID(text)}")
         except ValueError:
             pass
         target = "/rows" if not text else f"/rows?{_query({'key': text})}"
-        return RedirectResponse(target, status_code=303)
+        return self.to(target)
 
     async def blocked(self, request: Request) -> Response:
         query = parse(BlockedQuery, from_query(request.query_params, {}))
@@ -197,12 +197,13 @@ class Reads(Base):
 
     async def sources(self, request: Request) -> Response:
         """With OUTBOX_SOURCES: every outbox of every source, its state and backlog (as
-        `status`), the one this console serves marked (its pages are this console's)."""
+        `status`), each linked to its pages: the console's own outbox at /, every other at
+        /outboxes/LABEL/ (console/outboxes.py)."""
         if not self.fleet:
             return self.problem(request, 404, NO_SOURCES)
         async with self.reading(request) as (_, who):
             pass  # who may read: the served table's logins and settings decide
-        found = await service.sources(self.settings, self.fleet)
+        found = await service.sources(self.home, self.fleet)
         if self.api(request):
             return JSONResponse(found)
         return self.page(request, "sources.html", found, who)

@@ -18,6 +18,7 @@ from outbox_dispatcher.config.outboxes import Source
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.console import auth, history, render, service, tasks
 from outbox_dispatcher.console.inputs import InputError
+from outbox_dispatcher.console.outboxes import MOUNT
 from outbox_dispatcher.operate.session import PrivilegeError, Session, connected
 from outbox_dispatcher.routing import Router
 
@@ -37,10 +38,21 @@ class Base:
     """The console's shared state and answers; the routes are in pages.py and acting.py."""
 
     def __init__(
-        self, settings: Settings, *, sample: bool = True, fleet: Sequence[Source] = ()
+        self,
+        settings: Settings,
+        *,
+        sample: bool = True,
+        fleet: Sequence[Source] = (),
+        prefix: str = "",
+        home: Settings | None = None,
     ) -> None:
         auth.check_configured(settings)
         self.settings = settings
+        # Where its pages are: "" for the outbox the console serves, /outboxes/LABEL for every
+        # other outbox of the sources (console/outboxes.py); each link, redirect and API path
+        # starts with it.
+        self.prefix = prefix
+        self.home = settings if home is None else home  # the settings of the outbox at "/"
         # With OUTBOX_SOURCES: every source (the console serves one outbox of them, `settings`').
         self.fleet = tuple(fleet)
         self.history = history.History()
@@ -57,7 +69,7 @@ class Base:
     async def session(self, request: Request) -> AsyncIterator[tuple[Session, auth.Who]]:
         """The request's database session and who is asking (no check of what they may do)."""
         async with connected(self.settings) as session:
-            who = await auth.who(self.settings, self.proxies, request, session)
+            who = await auth.who(self.settings, self.proxies, request, session, self.prefix)
             yield session, who
 
     @contextlib.asynccontextmanager
@@ -86,9 +98,12 @@ class Base:
 
     # --- answers ---------------------------------------------------------------------------
 
-    @staticmethod
-    def api(request: Request) -> bool:
-        return request.url.path.startswith("/api/")
+    def api(self, request: Request) -> bool:
+        return request.url.path.startswith(f"{self.prefix}/api/")
+
+    def to(self, path: str) -> RedirectResponse:
+        """A redirect to one of its own pages (`path` from its root)."""
+        return RedirectResponse(f"{self.prefix}{path}", status_code=303)
 
     def page(
         self,
@@ -110,6 +125,8 @@ class Base:
             "table": f"{self.settings.db_schema}.{self.settings.table}",
             "fleet": bool(self.fleet),
             "path": request.url.path,
+            "base": self.prefix,
+            "served": self.prefix.removeprefix(f"{MOUNT}/") if self.prefix else None,
         }
         return self.templates.TemplateResponse(
             request, name, {**base, **context}, status_code=status_code
@@ -145,7 +162,7 @@ class Base:
     async def on_login_needed(self, request: Request, exc: Exception) -> Response:
         if self.api(request) or request.method != "GET":
             return self.problem(request, 401, LOG_IN_TO_READ)
-        return RedirectResponse("/login", status_code=303)
+        return self.to("/login")
 
     async def on_not_found(self, request: Request, exc: Exception) -> Response:
         code = getattr(exc, "status_code", 404)

@@ -81,14 +81,7 @@ async def target(settings: Settings, source: str | None) -> Settings:
     everything = await survey(settings, sources_of(settings), Filter())
     found = [o for o in everything.outboxes if only.matches(o.outbox)]
     if len(found) == 1:
-        (one,) = found
-        return settings.model_copy(
-            update={
-                "database_url": one.outbox.source.database_url,
-                "db_schema": one.outbox.schema,
-                "table": one.outbox.table,
-            }
-        )
+        return settings_of(settings, found[0].outbox)
     if not found:
         raise nothing_matches(only, everything)
     msg = (
@@ -96,6 +89,25 @@ async def target(settings: Settings, source: str | None) -> Settings:
         "--source LABEL (or --schema NAME when that is enough)"
     )
     raise ActionRefusedError(msg)
+
+
+def settings_of(settings: Settings, outbox: Outbox) -> Settings:
+    """The settings of one outbox's table (an operator command's, a console's)."""
+    return settings.model_copy(
+        update={
+            "database_url": outbox.source.database_url,
+            "db_schema": outbox.schema,
+            "table": outbox.table,
+        }
+    )
+
+
+async def labelled(settings: Settings, sources: Sequence[Source], label: str) -> Settings | None:
+    """The settings of the outbox whose `source` label is `label` (the console's pages of
+    another outbox: console/outboxes.py), or None."""
+    view = await survey(settings, sources, Filter())
+    found = [o.outbox for o in view.outboxes if o.outbox.label == label]
+    return settings_of(settings, found[0]) if len(found) == 1 else None
 
 
 def nothing_matches(only: Filter, view: View) -> ActionRefusedError:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -17,10 +18,13 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import SecretStr
 
 from outbox_dispatcher.cli import EXIT_OK, EXIT_USAGE
+from outbox_dispatcher.config.outboxes import sources_of
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.console import create_app
+from outbox_dispatcher.operate import sources as operate_sources
 
 from .helpers import (
     Ran,
@@ -402,3 +406,71 @@ async def test_a_single_table_console_has_no_sources_page(make_settings: Any) ->
     assert answer.status_code == 404
     assert "OUTBOX_SOURCES is not set" in answer.json()["error"]
     assert 'href="/sources"' not in page.text
+
+
+async def test_one_console_serves_every_outbox_of_the_sources_under_its_label(
+    services: Services, databases: tuple[str, str], make_topic: MakeTopic, make_settings: Any
+) -> None:
+    """`console --source shard_b` serves shard_b at / and every other outbox at
+    /outboxes/LABEL/ (a named pattern's label is two segments): its reads, its actions (a pause
+    lands in that outbox's table and audit, nowhere else), its links and redirects, its logins
+    (a login to one outbox is not one to another: each keeps them in its own table)."""
+    settings, tenants = await four_outboxes(databases, make_topic, make_settings)
+    settings = settings.model_copy(
+        update={"console_token": SecretStr(CONSOLE_TOKEN), "console_anonymous_read": True}
+    )
+    home = await operate_sources.target(settings, "shard_b")
+    app = create_app(home, sample=False, fleet=sources_of(settings))
+    bearer = {"authorization": f"Bearer {CONSOLE_TOKEN}"}
+    b = "/outboxes/tenants/tenant_b"
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1"
+    ) as c:
+        status = (await c.get(f"{b}/api/v1/status", headers=bearer)).json()
+        assert status["totals"]["pending"] == 7, status  # tenant_b's rows, not shard_b's 3
+        assert (await c.get("/api/v1/status", headers=bearer)).json()["totals"]["pending"] == 3
+        paused = await c.post(f"{b}/api/v1/pause", headers=bearer, json={"topic": tenants[1].topic})
+        assert paused.status_code == 200, paused.text
+        assert paused.json()["job"].startswith(f"{b}/api/v1/jobs/")
+        listed = (await c.get("/api/v1/sources", headers=bearer)).json()
+        pauses = {o["source"]: o["paused"] for o in listed["outboxes"] if o["totals"]}
+        assert pauses == {
+            "tenants/tenant_a": [],
+            "tenants/tenant_b": [tenants[1].topic],
+            "shard_b": [],
+        }
+        audit = (await c.get(f"{b}/api/v1/audit", headers=bearer)).json()
+        assert [r["command"] for r in audit["actions"]] == ["pause"], audit
+        home_audit = (await c.get("/api/v1/audit", headers=bearer)).json()
+        assert home_audit["actions"] == [], home_audit
+        # Pages: links and forms under the outbox's own path; the sources page links each.
+        page = (await c.get("/outboxes/tenants/tenant_a/")).text
+        assert 'href="/outboxes/tenants/tenant_a/dead"' in page
+        assert 'action="/outboxes/tenants/tenant_a/find"' in page and 'href="/dead"' not in page
+        found = await c.get("/outboxes/tenants/tenant_a/find?q=17")
+        assert found.headers["location"] == "/outboxes/tenants/tenant_a/rows/17"
+        sources_page = (await c.get("/sources")).text
+        assert 'href="/outboxes/tenants/tenant_b/"' in sources_page
+        # Unknown labels, and the home outbox, are not mounted.
+        for path in ("/outboxes/nope/", "/outboxes/shard_b/", "/outboxes/nope/api/v1/status"):
+            assert (await c.get(path)).status_code == 404, path
+        # Logging in to tenant_a: it lands on tenant_a's overview, logged in there only.
+        form = (await c.get("/outboxes/tenants/tenant_a/login")).text
+        answer = await c.post(
+            "/outboxes/tenants/tenant_a/login",
+            data={"csrf": _csrf(form), "token": CONSOLE_TOKEN},
+        )
+        assert answer.headers["location"] == "/outboxes/tenants/tenant_a/"
+        assert 'id="not-logged-in"' not in (await c.get("/outboxes/tenants/tenant_a/")).text
+        assert 'id="not-logged-in"' in (await c.get(f"{b}/")).text
+        assert 'id="not-logged-in"' in (await c.get("/")).text
+    await app.state.stop_jobs()
+
+
+CONSOLE_TOKEN = "fleet-console-token-0123456789"
+
+
+def _csrf(html: str) -> str:
+    found = re.search(r'name="csrf" value="([^"]+)"', html)
+    assert found is not None, html[:500]
+    return found.group(1)
