@@ -213,6 +213,18 @@ class AuditQuery(_Input):
     _times = field_validator("since", "until")(_utc)
 
 
+class SourcesQuery(_Input):
+    """The sources page's filter, as `status --source --schema` filters (a schema name or a
+    pattern with '*'): hundreds of tenants are read only when asked for."""
+
+    source: str | None = Field(default=None, description="a source's name or an outbox's label")
+    schema_: str | None = Field(
+        default=None, alias="schema", description="a schema, or a pattern such as tenant_*"
+    )
+
+    _text = field_validator("source", "schema_")(_no_nul)
+
+
 class BlockedQuery(_Input):
     topic: str | None = None
     key: str | None = None

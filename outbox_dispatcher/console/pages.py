@@ -21,6 +21,7 @@ from outbox_dispatcher.console.inputs import (
     DeadQuery,
     GroupsQuery,
     RowsBrowse,
+    SourcesQuery,
     from_query,
     parse,
 )
@@ -201,12 +202,13 @@ class Reads(Base):
         /outboxes/LABEL/ (console/outboxes.py)."""
         if not self.fleet:
             return self.problem(request, 404, NO_SOURCES)
+        query = parse(SourcesQuery, from_query(request.query_params, {}))
         async with self.reading(request) as (_, who):
             pass  # who may read: the served table's logins and settings decide
-        found = await service.sources(self.home, self.fleet)
+        found = await service.sources(self.home, self.fleet, query)
         if self.api(request):
             return JSONResponse(found)
-        return self.page(request, "sources.html", found, who)
+        return self.page(request, "sources.html", {**found, "query": query}, who)
 
     async def audit(self, request: Request) -> Response:
         query = parse(AuditQuery, from_query(request.query_params, {}))

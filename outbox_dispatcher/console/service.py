@@ -28,6 +28,7 @@ from outbox_dispatcher.console.inputs import (
     ReplayFilter,
     ResumeBody,
     RowsBrowse,
+    SourcesQuery,
 )
 from outbox_dispatcher.operate import listings, reads
 from outbox_dispatcher.operate import sources as operate_sources
@@ -319,10 +320,15 @@ async def sample(session: Session, name: str, body: BaseModel, result: ActionRes
     return []
 
 
-async def sources(settings: Settings, fleet: Sequence[Source]) -> dict[str, Any]:
-    """Every outbox of the sources with its state and `status` (operate/sources.statuses);
-    `served`: the one these settings name, which this console serves."""
-    view, found = await operate_sources.statuses(settings, fleet, operate_sources.Filter())
+async def sources(
+    settings: Settings, fleet: Sequence[Source], query: SourcesQuery | None = None
+) -> dict[str, Any]:
+    """Every outbox of the sources (those `query` names) with its state and `status`
+    (operate/sources.statuses); `served`: the one these settings name (the console's home)."""
+    only = operate_sources.Filter()
+    if query is not None:
+        only = operate_sources.Filter(query.source, query.schema_)
+    view, found = await operate_sources.statuses(settings, fleet, only)
     served = (settings.database_url.get_secret_value(), settings.db_schema, settings.table)
     outboxes = []
     for one in found:

@@ -451,6 +451,12 @@ async def test_one_console_serves_every_outbox_of_the_sources_under_its_label(
         assert found.headers["location"] == "/outboxes/tenants/tenant_a/rows/17"
         sources_page = (await c.get("/sources")).text
         assert 'href="/outboxes/tenants/tenant_b/"' in sources_page
+        # Filtered as `status --source --schema` filters it (hundreds of tenants on demand).
+        only = (await c.get("/api/v1/sources?schema=tenant_*", headers=bearer)).json()
+        assert [o["source"] for o in only["outboxes"]] == ["tenants/tenant_a", "tenants/tenant_b"]
+        only = (await c.get("/api/v1/sources?source=shard_b", headers=bearer)).json()
+        assert [o["source"] for o in only["outboxes"]] == ["shard_b"]
+        assert "tenants/tenant_a" not in (await c.get("/sources?source=shard_b")).text
         # Unknown labels, and the home outbox, are not mounted.
         for path in ("/outboxes/nope/", "/outboxes/shard_b/", "/outboxes/nope/api/v1/status"):
             assert (await c.get(path)).status_code == 404, path
