@@ -240,6 +240,10 @@ class Settings(BaseSettings):
     """With OUTBOX_SOURCES: the most outboxes with a `source` label of their own in this
     process's metrics (the first served; the rest share source="other", whose table gauges are
     not sampled); 0: every outbox under "other"."""
+    fleet_hot_seconds: PositiveSeconds = 5.0
+    """With OUTBOX_SOURCES and several processes: an outbox whose claims have seen more rows
+    than they took for this long is listed as hot by its owner, and the next process in its
+    hash order serves it too until a claim sees its end."""
     cloudevents: bool = False
     """Add CloudEvents binary-mode headers (ce_id = event id, ce_source, ce_type,
     ce_specversion, ce_time, content-type); a row's own ce_* headers win."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, NoReturn
 
@@ -30,7 +31,7 @@ from outbox_dispatcher.dispatch.supervisor import configs_of, instance_id
 from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
 from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.retries import RetryPolicy
-from outbox_dispatcher.sources.fleet import FleetMember
+from outbox_dispatcher.sources.fleet import FleetMember, FleetView, outbox_key
 from outbox_dispatcher.sources.registry import SourceRegistry, State, View
 from outbox_dispatcher.store import db, listen
 from outbox_dispatcher.store.probe import Session
@@ -194,14 +195,31 @@ class FleetDispatcher:
     async def _sync(self, view: View, databases: Databases, shared: Shared) -> None:
         ready = {key_of(o.outbox): o for o in view.outboxes if o.state is State.READY}
         if self.member is not None:  # this member's share (all of them before its first beat)
-            mine = {key_of(o) for o in self.member.view().mine(o.outbox for o in ready.values())}
+            fleet = self.member.view()
+            self.member.hot = self._hot(fleet)
+            mine = {key_of(o) for o in fleet.mine(o.outbox for o in ready.values())}
             ready = {key: state for key, state in ready.items() if key in mine}
         for key in [k for k in self.slots.outboxes if k not in ready]:
             self._let_go(key)
         for key, state in ready.items():
             if key not in self.slots.outboxes:
                 await self._serve(state.outbox, state.version or 0, databases, shared)
+                if self.member is not None and not self.member.view().owns(state.outbox):
+                    log.info("outbox_hot_served_too", source=state.outbox.label)
         self._route_notifications(databases)
+
+    def _hot(self, fleet: FleetView) -> tuple[str, ...]:
+        """The outboxes this member owns whose claims have seen a backlog for
+        OUTBOX_FLEET_HOT_SECONDS: listed at its next beat, so that the second member in their
+        hash order serves them too (sources/fleet.py)."""
+        since = time.monotonic() - self.settings.fleet_hot_seconds
+        return tuple(
+            sorted(
+                outbox_key(o.outbox)
+                for o in self.slots.outboxes.values()
+                if o.backlog_since is not None and o.backlog_since <= since and fleet.owns(o.outbox)
+            )
+        )
 
     async def _serve(
         self, outbox: Outbox, version: int, databases: Databases, shared: Shared
@@ -267,7 +285,7 @@ class FleetDispatcher:
         if self.member is not None:
             fleet = self.member.view()
             checks["fleet"] = (
-                f"{len(fleet.members)} member(s)"
+                f"{len(fleet.members)} member(s), {len(fleet.hot)} hot outbox(es)"
                 if fleet.stale_since is None
                 else f"view stale since {fleet.stale_since:.0f}: {fleet.reason}"
             )

@@ -111,6 +111,9 @@ class OutboxRuntime:
         # outbox may wait for a notification; otherwise, as a claim loop does, it claims again
         # at once (a claim function's partial batch under a backlog: a key's share, a slot held).
         self.drained = False
+        # Since when its claims have seen more rows than they took (None: the last saw its end):
+        # a backlog that long makes it hot, served by a second member (dispatch/fleet.py).
+        self.backlog_since: float | None = None
 
     @property
     def published(self) -> int:
@@ -130,12 +133,14 @@ class OutboxRuntime:
             batch = await self.claimer.claim()
             if batch is None:
                 self.backoff.succeeded()
+                self.backlog_since = None
                 return 0
             self.metrics.claim_duration.observe(loop.time() - started)
             self.metrics.claimed.inc(len(batch.records))
             self.pace.busy()
             full = len(batch.records) >= self.shared.settings.batch_size
             self.drained = batch.drained and not full
+            self._saw_backlog(not self.drained)
             if full and self.waiting is not None:
                 await self.waiting.withdraw()  # a backlog: writers can stop notifying
             publisher, settling = self.shared.publisher, self.settling
@@ -149,6 +154,12 @@ class OutboxRuntime:
             return 0
         self.backoff.succeeded()
         return len(batch.records)
+
+    def _saw_backlog(self, more: bool) -> None:
+        if not more:
+            self.backlog_since = None
+        elif self.backlog_since is None:
+            self.backlog_since = time.monotonic()
 
     def _failed(self, exc: BaseException) -> None:
         """Back off alone; one warning per streak of failures (no error storm while a dropped

@@ -8,7 +8,9 @@ Coordination is for cost, not correctness: several dispatchers may serve one tab
 (per-key leases, SKIP LOCKED, fenced settles), so two members serving an outbox for a moment is
 safe, and a gap is bounded by the lease. A member killed stops beating and its outboxes pass to
 the others once its row is older than the lease; a member added takes about 1/K of the outboxes,
-each from the member that had it; a member stopping deletes its row first.
+each from the member that had it; a member stopping deletes its row first. An outbox whose
+backlog one member does not drain alone is listed as hot by its owner (in its row, at its beat),
+and the next member in its hash order serves it too until the owner stops listing it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 import structlog
@@ -61,6 +63,13 @@ def owner_of(key: str, members: Sequence[str]) -> str | None:
     return max(members, key=lambda member: _score(member, key), default=None)
 
 
+def second_of(key: str, members: Sequence[str]) -> str | None:
+    """The member next in `key`'s hash order after its owner: it serves the outbox too while
+    the owner lists it as hot (a backlog one member does not drain alone)."""
+    ranked = sorted(members, key=lambda member: _score(member, key), reverse=True)
+    return ranked[1] if len(ranked) > 1 else None
+
+
 def assigned(
     items: Iterable[T], members: Sequence[str], me: str, key: Callable[[T], str]
 ) -> list[T]:
@@ -84,10 +93,23 @@ class FleetView:
     read_at: float | None  # wall-clock time of the last successful beat
     stale_since: float | None
     reason: str | None
+    # The outboxes (outbox_key) each live member lists as hot, by the member listing them.
+    hot: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def mine(self, outboxes: Iterable[Outbox]) -> list[Outbox]:
-        """The outboxes this member serves. Before its first beat it knows only itself."""
-        return assigned(outboxes, self.members or (self.me,), self.me, outbox_key)
+        """The outboxes this member serves: those it owns, and those it is second to while
+        their owner lists them as hot. Before its first beat it knows only itself."""
+        members = self.members or (self.me,)
+        return [o for o in outboxes if self.serves(outbox_key(o), members)]
+
+    def owns(self, outbox: Outbox) -> bool:
+        return owner_of(outbox_key(outbox), self.members or (self.me,)) == self.me
+
+    def serves(self, key: str, members: Sequence[str]) -> bool:
+        owner = owner_of(key, members)
+        if owner == self.me:
+            return True
+        return self.hot.get(key) == owner and second_of(key, members) == self.me
 
 
 class FleetMember:
@@ -113,21 +135,26 @@ class FleetMember:
         self._conn: db.Connection | None = None
         self._backoff = Backoff(backoff_initial, self.beat_seconds)
         self._members: tuple[str, ...] = ()
+        self._hot: dict[str, str] = {}  # the live members' hot outboxes, by outbox key
         self._read_at: float | None = None
         self._stale_since: float | None = None
         self._reason: str | None = None
-        self.hot: tuple[str, ...] = ()  # outboxes whose backlog wants a second member (to come)
+        # The outboxes (outbox_key) it owns whose backlog wants a second member, written at its
+        # next beat (dispatch/fleet.py sets them).
+        self.hot: tuple[str, ...] = ()
         self.changed = asyncio.Event()  # set whenever the members change
 
     def view(self) -> FleetView:
-        return FleetView(self.me, self._members, self._read_at, self._stale_since, self._reason)
+        return FleetView(
+            self.me, self._members, self._read_at, self._stale_since, self._reason, self._hot
+        )
 
     async def beat(self) -> FleetView:
         """Renew this member's row and read the live members (one statement)."""
         try:
             if self._conn is None or self._conn.is_closed():
                 self._conn = await self._connect(self._url)
-            members = await FleetStore(self._conn, self._schema).heartbeat(
+            rows = await FleetStore(self._conn, self._schema).heartbeat(
                 self.me,
                 lease_seconds=self.lease_seconds,
                 forget_seconds=FORGET_LEASES * self.lease_seconds,
@@ -136,7 +163,8 @@ class FleetMember:
         except FAILURES as exc:
             await self._failed(exc)
         else:
-            self._read(tuple(members))
+            self._read(tuple(sorted(owner for owner, _ in rows)))
+            self._read_hot({key: owner for owner, hot in rows for key in hot})
         return self.view()
 
     async def run(self, stopping: asyncio.Event) -> None:
@@ -184,6 +212,19 @@ class FleetMember:
                 left=sorted(set(self._members) - set(members)),
             )
             self._members = members
+            self.changed.set()
+
+    def _read_hot(self, hot: dict[str, str]) -> None:
+        if hot != self._hot:
+            log.info(
+                "fleet_hot_outboxes",
+                member=self.me,
+                hot=sorted(hot),
+                second_here=sorted(
+                    key for key in hot if second_of(key, self._members or (self.me,)) == self.me
+                ),
+            )
+            self._hot = hot
             self.changed.set()
 
     async def _failed(self, exc: BaseException) -> None:

@@ -39,8 +39,9 @@ class FleetStore(NamedStore):
 
     async def heartbeat(
         self, owner: str, *, lease_seconds: float, forget_seconds: float, hot: Sequence[str] = ()
-    ) -> list[str]:
-        """Renew `owner`'s row; the live members, sorted (`owner` among them)."""
+    ) -> list[tuple[str, list[str]]]:
+        """Renew `owner`'s row; the live members, sorted (`owner` among them), each with the
+        outboxes it lists as hot."""
         rows = await self._fetch(
             "heartbeat",
             owner=owner,
@@ -48,7 +49,7 @@ class FleetStore(NamedStore):
             lease_seconds=lease_seconds,
             forget_seconds=forget_seconds,
         )
-        return [row["owner"] for row in rows]
+        return [(row["owner"], list(row["hot"])) for row in rows]
 
     async def leave(self, owner: str) -> None:
         await self._fetch("leave", owner=owner)

@@ -16,21 +16,21 @@ CREATE TABLE IF NOT EXISTS {member} (
 SELECT to_regclass($relation) IS NOT NULL
 
 -- heartbeat --
--- One round trip per beat: the member's row renewed, rows dead for `forget_seconds` removed, and
--- the live members read (the beat's own row through `beat`: a statement does not see its own
--- insert).
+-- One round trip per beat: the member's row renewed (with the outboxes it lists as hot), rows dead
+-- for `forget_seconds` removed, and the live members read with theirs (the beat's own row through
+-- `beat`: a statement does not see its own insert).
 WITH beat AS (
     INSERT INTO {member} AS m (owner, heartbeat_at, hot) VALUES ($owner, now(), $hot::text[])
     ON CONFLICT (owner) DO UPDATE SET heartbeat_at = now(), hot = EXCLUDED.hot
-    RETURNING owner
+    RETURNING owner, hot
 ), gone AS (
     DELETE FROM {member}
      WHERE heartbeat_at < now() - make_interval(secs => $forget_seconds::float8) AND owner <> $owner
 )
-SELECT owner FROM beat
-UNION
-SELECT owner FROM {member}
- WHERE heartbeat_at > now() - make_interval(secs => $lease_seconds::float8)
+SELECT owner, hot FROM beat
+UNION ALL
+SELECT owner, hot FROM {member}
+ WHERE heartbeat_at > now() - make_interval(secs => $lease_seconds::float8) AND owner <> $owner
 ORDER BY 1
 
 -- leave --

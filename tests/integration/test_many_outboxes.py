@@ -523,6 +523,67 @@ async def test_a_member_killed_loses_its_outboxes_to_the_other_which_publishes_e
         assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], [])
 
 
+async def test_a_hot_outbox_is_served_by_a_second_member_until_its_backlog_ends(
+    services: Services,
+    databases: tuple[str, str],
+    make_topic: MakeTopic,
+    make_settings: Any,
+    tmp_path: Path,
+) -> None:
+    """A tenant whose backlog lasts OUTBOX_FLEET_HOT_SECONDS is listed as hot by its owner, and
+    the other member serves it too (its rows settled by both), until a claim sees the end of
+    it; then the other member lets it go. Every row once, in order per key."""
+    a, _ = databases
+    schemas = [f"tenant_{n}" for n in range(4)]
+    await migrate(a, *schemas)
+    tenants = [Tenant(a, s, await make_topic()) for s in schemas]
+    settings = fleet_settings(
+        make_settings,
+        a,
+        [{"schema": "tenant_*"}],
+        batch_size=50,
+        lease_seconds=6,  # a beat every 2 s
+        fleet_hot_seconds=1,
+    )
+    logs = [tmp_path / f"fleet{i}.log" for i in range(2)]
+    processes = [spawn(settings, log) for log in logs]
+    labels = {f"{s}.outbox" for s in schemas}
+    try:
+        await wait_started(logs)
+
+        async def shared_out() -> bool:
+            first, second = (served_now(log) for log in logs)
+            both_seen = all(members_seen(log) == 2 for log in logs)
+            return both_seen and not first & second and first | second == labels
+
+        await wait_until(shared_out, 60, "the outboxes shared out between the two members")
+        hot = tenants[0]
+        label = f"{hot.schema}.outbox"
+        helper = next(i for i in (0, 1) if label not in served_now(logs[i]))
+        await hot.insert(keys=200, per_key=200)  # 40k rows, 800 claims of 50
+
+        async def served_by_both() -> bool:
+            return all(label in served_now(log) for log in logs)
+
+        await wait_until(served_by_both, 90, "the other member serving the hot outbox too")
+        assert log_events(logs[helper], "outbox_hot_served_too")[0]["source"] == label
+        await hot.all_published(timeout=300)
+
+        async def let_go() -> bool:
+            return label not in served_now(logs[helper])
+
+        await wait_until(let_go, 60, "the other member letting the drained outbox go")
+    finally:
+        codes = stop_all(processes)
+    assert codes == [0, 0], [log.read_text()[-3000:] for log in logs]
+    async with hot.connect() as conn:
+        owners = await conn.fetchval("SELECT count(DISTINCT lease_owner) FROM outbox")
+    assert owners == 2, "the hot outbox's rows settled by both members"
+    verdict = await hot.verdict(services)
+    assert verdict.delivered >= 40_000, verdict.summary()
+    assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], [])
+
+
 def test_exactly_once_with_sources_is_refused_at_start(
     make_settings: Any, tmp_path: Path, databases: tuple[str, str]
 ) -> None:
