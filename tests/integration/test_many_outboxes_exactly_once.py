@@ -227,7 +227,14 @@ async def test_an_outbox_too_old_for_exactly_once_is_refused_alone(
         await new.insert(keys=4, per_key=10)
         await new.all_published()
         (listening,) = log_events(log, "http_listening")
-        status, body = await http_get(listening["port"], "/readyz")
+        status, body = 0, b""
+
+        async def named() -> bool:  # (the readiness is cached a moment)
+            nonlocal status, body
+            status, body = await http_get(listening["port"], "/readyz")
+            return "source tenant_old.outbox" in json.loads(body)["checks"]
+
+        await wait_until(named, 30, "the refused outbox named in /readyz")
         alive = process.poll() is None
     finally:
         codes = stop_all([process])

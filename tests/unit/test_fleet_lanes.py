@@ -11,11 +11,17 @@ import uuid
 from typing import Any, cast
 
 import pytest
+from pydantic import SecretStr
 
 from outbox_dispatcher import errors
+from outbox_dispatcher.config.outboxes import Outbox, Source
+from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.dispatch.fleet import FleetDispatcher
 from outbox_dispatcher.dispatch.fleet_delivery import OutboxLanes
 from outbox_dispatcher.dispatch.leases import InFlight
+from outbox_dispatcher.dispatch.outboxes import OutboxRuntime, Shared
 from outbox_dispatcher.kafka.exactly_once.publisher import TransactionalPublisher
+from outbox_dispatcher.retries import RetryPolicy
 
 IDLE = 180.0
 LEASE = 30.0
@@ -198,3 +204,37 @@ async def test_stop_closes_open_lanes_and_the_producers_of_a_close_cut_short() -
     lanes.open = False  # a close cancelled within its farewell (it clears `open` first)
     await lanes.stop()
     assert publisher.lanes.stopped == 1
+
+
+def test_exactly_once_with_sources_gives_each_outbox_lanes_of_its_own_made_at_its_first_batch() -> (
+    None
+):
+    """Before issue 36's exactly-once per outbox, FleetDispatcher.run refused the mode
+    (SourcesExactlyOnceError); now each outbox has its lanes, nothing made until they open, and
+    their sweep and closer beside its upkeep. At-least-once outboxes have none."""
+    url = SecretStr("postgresql://u:p@db:5432/app")
+    settings = Settings(delivery="exactly-once", transaction_timeout_seconds=2.0)
+    source = Source(url, "tenant_*", "outbox")
+    fleet = FleetDispatcher(settings, [source])
+    eo = fleet._exactly_once()
+    assert eo is not None and eo.owner == fleet.owner
+    shared = Shared(
+        settings, fleet.owner, cast(Any, None), fleet.metrics, RetryPolicy(settings), 2.0, eo
+    )
+    runtime = OutboxRuntime(Outbox(source, "tenant_a"), cast(Any, None), 16, shared)
+    assert runtime.lanes is not None and not runtime.lanes.open
+    assert runtime.lanes.publisher is None and runtime.lanes.label == "tenant_a.outbox"
+    loops = runtime.loops()
+    for loop in loops.values():
+        loop.close()  # (not run: their names are what is looked at)
+    assert {"progress-sweep", "lanes-closer"} <= set(loops)
+
+    plain = Settings(transaction_timeout_seconds=2.0)
+    alo = FleetDispatcher(plain, [source])
+    assert alo._exactly_once() is None
+    shared = Shared(plain, alo.owner, cast(Any, None), alo.metrics, RetryPolicy(plain), 2.0)
+    runtime = OutboxRuntime(Outbox(source, "tenant_a"), cast(Any, None), 16, shared)
+    loops = runtime.loops()
+    for loop in loops.values():
+        loop.close()
+    assert runtime.lanes is None and not {"progress-sweep", "lanes-closer"} & set(loops)
