@@ -20,8 +20,12 @@ from outbox_dispatcher.dispatch.fleet import FleetDispatcher
 from outbox_dispatcher.dispatch.fleet_delivery import OutboxLanes
 from outbox_dispatcher.dispatch.leases import InFlight
 from outbox_dispatcher.dispatch.outboxes import OutboxRuntime, Shared
+from outbox_dispatcher.kafka.exactly_once import lanes
 from outbox_dispatcher.kafka.exactly_once.publisher import TransactionalPublisher
+from outbox_dispatcher.kafka.producers import Producers
 from outbox_dispatcher.retries import RetryPolicy
+
+from .test_lanes import _made, _Registry
 
 IDLE = 180.0
 LEASE = 30.0
@@ -238,3 +242,39 @@ def test_exactly_once_with_sources_gives_each_outbox_lanes_of_its_own_made_at_it
     for loop in loops.values():
         loop.close()
     assert runtime.lanes is None and not {"progress-sweep", "lanes-closer"} & set(loops)
+
+
+async def test_lanes_started_again_after_a_stop_start_no_second_producer_for_a_renewed_lane(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lane renewed while the database was away stays unready; its outbox's lanes closed and
+    opened again start its producer with every other lane's: its next `ready` starts none (a
+    second start replaced the producer without closing it)."""
+    events: list[str] = []
+
+    async def start(self: Producers, seconds: float | None = None) -> None:
+        events.append(f"start {self._config.transactional_id}")
+        self.use(cast(Any, object()))
+
+    async def stop(self: Producers) -> None:
+        self.use(None)
+
+    async def fence(config: Any, transactional_id: str, seconds: float) -> None:
+        return None
+
+    monkeypatch.setattr(Producers, "start", start)
+    monkeypatch.setattr(Producers, "stop", stop)
+    monkeypatch.setattr(lanes.progress, "fence", fence)
+    registry = _Registry()
+    made = _made(2, registry)
+    await made.start()
+    registry.fail = True
+    made[0].producers.use(None)  # (its old producer closed: nothing of it to fail)
+    await made.renew(made[0], "a test")  # unready: its id could not be recorded
+    registry.fail = False
+    await made.stop()  # the outbox's lanes closed (idle) ...
+    events.clear()
+    await made.start()  # ... and opened again
+    assert events == ["start x.public.outbox.o.0.1", "start x.public.outbox.o.1"]
+    await made.ready(made[0])
+    assert events == ["start x.public.outbox.o.0.1", "start x.public.outbox.o.1"]
