@@ -287,22 +287,19 @@ class FleetDispatcher:
         """Exactly-once: an outbox whose schema is older than PROGRESS_ID_VERSION, or whose
         database's sessions run with synchronous_commit off, is refused alone (one line per
         change; named in /readyz), never the process; served once migrated."""
-        reason: str | None = None
-        if version < PROGRESS_ID_VERSION:
-            reason = (
-                f"schema version {version}: exactly-once delivery needs version "
-                f"{PROGRESS_ID_VERSION} or later (run `outbox-dispatcher migrate`)"
-            )
-        elif (reason := self._durable.get(outbox.database, "")) == "":
+        reason = migrations.exactly_once_refusal(version)
+        if reason is None and outbox.database not in self._durable:
             try:
                 async with pool.acquire() as conn:
                     await db.require_durable_commits(conn)
-                reason = None
             except errors.ConfigurationError as exc:
-                reason = f"{exc} (then restart the dispatcher)"
+                self._durable[outbox.database] = f"{exc} (then restart the dispatcher)"
             except POOL_FAILURES:  # the registry's next read says why; tried again
                 return True
-            self._durable[outbox.database] = reason
+            else:
+                self._durable[outbox.database] = None
+        if reason is None:
+            reason = self._durable.get(outbox.database)
         key = key_of(outbox)
         if reason is None:
             self.refused.pop(key, None)

@@ -213,11 +213,12 @@ async def test_an_outbox_too_old_for_exactly_once_is_refused_alone(
     make_settings: Any,
     tmp_path: Path,
 ) -> None:
-    """Its schema is behind PROGRESS_ID_VERSION: /readyz names it and why, the others are
-    served exactly-once, and the process goes on."""
+    """Its schema is behind PROGRESS_ID_VERSION: /readyz and `status` name it and why, the
+    others are served exactly-once, and the process goes on."""
     a, _ = databases
     await migrate(a, "tenant_new")
-    await migrate_to(a, "tenant_old", migrations.PROGRESS_ID_VERSION - 1)
+    old = migrations.PROGRESS_ID_VERSION - 1
+    await migrate_to(a, "tenant_old", old)
     new = Tenant(a, "tenant_new", await make_topic())
     settings = eos_fleet(make_settings, a, [{"schema": "tenant_*"}])
     log = tmp_path / "fleet.log"
@@ -249,3 +250,9 @@ async def test_an_outbox_too_old_for_exactly_once_is_refused_alone(
     assert refused["source"] == "tenant_old.outbox"
     assert served_now(log) == {"tenant_new.outbox"}
     await assert_once_in_order(new, services, 40)
+    ran = await command(settings, "status", "--json")  # `status` says so too
+    refusals = {o["source"]: o["refused"] for o in json.loads(ran.out)["outboxes"]}
+    assert refusals["tenant_new.outbox"] is None
+    assert refusals["tenant_old.outbox"].startswith(f"schema version {old}: exactly-once")
+    table = (await command(settings, "status", "--source", "tenant_old.outbox")).out
+    assert "exactly-once delivery needs version" in table, table
