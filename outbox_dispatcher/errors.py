@@ -28,13 +28,6 @@ class ConfigurationError(OutboxDispatcherError):
     """The configuration is invalid: fix the named setting and start again."""
 
 
-class SourcesExactlyOnceError(ConfigurationError):
-    """OUTBOX_SOURCES serves many outboxes at-least-once only: exactly-once delivery
-    (OUTBOX_DELIVERY=exactly-once) needs a per-outbox transactional design that does not exist
-    yet. Run one dispatcher per outbox table for exactly-once (OUTBOX_SCHEMA and OUTBOX_TABLE,
-    without OUTBOX_SOURCES), or OUTBOX_DELIVERY=at-least-once with OUTBOX_SOURCES."""
-
-
 class SchemaVersionError(OutboxDispatcherError):
     """The database schema does not match this dispatcher version."""
 

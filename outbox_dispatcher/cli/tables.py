@@ -177,7 +177,7 @@ def sources_table(found: list[OutboxStatus]) -> str:
     rows: list[tuple[str, ...]] = []
     for one in found:
         o, snap = one.state.outbox, one.snapshot
-        why = one.error or one.state.reason or ""
+        why = one.error or one.refused or one.state.reason or ""
         if snap is None:
             rows.append((o.label, where(o), one.state.state.value, *[""] * 6, why))
             continue

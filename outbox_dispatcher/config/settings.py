@@ -167,6 +167,10 @@ class Settings(BaseSettings):
     progress_sweep_seconds: PositiveSeconds = 60.0
     """exactly-once: how often (jittered by half either way) each dispatcher ends the progress
     keys of the table's dispatchers that stopped beating while they held no lease."""
+    lanes_idle_seconds: PositiveSeconds = 180.0
+    """exactly-once with OUTBOX_SOURCES: an outbox's lanes (transactional producers), opened at
+    its first batch, are closed once it has been idle this long (nothing in flight, every
+    batch marked), so that idle outboxes hold no producer."""
     kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     """Kafka security protocol."""
     kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None

@@ -1,7 +1,8 @@
-"""Assembles and supervises a process that serves many outboxes (OUTBOX_SOURCES, issue 36),
-at-least-once: the source registry (which outboxes exist now), one pool and one LISTEN
-connection per database (dispatch/databases.py), one Kafka publisher, the claim slots shared by
-every outbox (dispatch/slots.py), and each outbox's upkeep (dispatch/outboxes.py).
+"""Assembles and supervises a process that serves many outboxes (OUTBOX_SOURCES, issue 36):
+the source registry (which outboxes exist now), one pool and one LISTEN connection per database
+(dispatch/databases.py), one Kafka publisher (at-least-once; with exactly-once each outbox has
+its own, its lanes opened while it is active: dispatch/fleet_delivery.py), the claim slots
+shared by every outbox (dispatch/slots.py), and each outbox's upkeep (dispatch/outboxes.py).
 
 As the single-table supervisor: every loop runs in one TaskGroup, a loop that dies stops the
 process; shutdown stops claiming, lets batches finish within the grace, then cancels. Outboxes
@@ -24,6 +25,11 @@ from outbox_dispatcher.config.settings import DeliveryMode, Settings
 from outbox_dispatcher.dispatch.beats import BatchedHeartbeat
 from outbox_dispatcher.dispatch.databases import Databases
 from outbox_dispatcher.dispatch.every import every
+from outbox_dispatcher.dispatch.fleet_delivery import (
+    ExactlyOnce,
+    OutboxLanes,
+    ensure_progress_topic,
+)
 from outbox_dispatcher.dispatch.outboxes import Key, OutboxRuntime, Shared, channel_of, key_of
 from outbox_dispatcher.dispatch.probe import IdleProbe
 from outbox_dispatcher.dispatch.slots import ClaimSlots
@@ -33,10 +39,12 @@ from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.sources.fleet import FleetMember, FleetView, outbox_key
 from outbox_dispatcher.sources.registry import SourceRegistry, State, View
-from outbox_dispatcher.store import db, listen
+from outbox_dispatcher.store import DispatchStore, Statements, db, listen, migrations
 from outbox_dispatcher.store.probe import Session
 
 log = structlog.get_logger(__name__)
+
+PROGRESS_ID_VERSION = migrations.PROGRESS_ID_VERSION  # exactly-once's oldest schema version
 
 # With LISTEN the idle outboxes are probed this often (notifications wake them sooner); without,
 # every poll interval (dispatch/probe.py).
@@ -73,6 +81,11 @@ class FleetDispatcher:
         self.member: FleetMember | None = None  # made by run
         self.probes: dict[str, IdleProbe] = {}  # the idle probe of each database
         self.beats: dict[str, BatchedHeartbeat] = {}  # and its batched heartbeat
+        # Exactly-once: outboxes refused (label, reason) while their schema is older than it
+        # needs, and each database's refusal (None: its commits are durable), checked once.
+        self.refused: dict[Key, tuple[str, str]] = {}
+        self._durable: dict[str, str | None] = {}
+        self._lanes: list[OutboxLanes] = []  # every outbox's, closed at the end
 
     @property
     def published(self) -> int:
@@ -95,8 +108,6 @@ class FleetDispatcher:
 
     async def run(self) -> None:
         s = self.settings
-        if s.delivery is DeliveryMode.EXACTLY_ONCE:
-            raise errors.SourcesExactlyOnceError
         if s.listen_database_url is not None:
             log.warning(
                 "listen_database_url_ignored",
@@ -114,18 +125,64 @@ class FleetDispatcher:
         )
         publisher = KafkaPublisher(configs_of(s).publisher)
         await publisher.start()
-        shared = Shared(s, self.owner, publisher, self.metrics, RetryPolicy(s), self.idle_poll)
+        shared = Shared(
+            s,
+            self.owner,
+            publisher,
+            self.metrics,
+            RetryPolicy(s),
+            self.idle_poll,
+            self._exactly_once(),
+        )
         try:
             await registry.refresh()  # the outboxes there are now, served at once
             await self.member.beat()  # and the members: this one serves only its share
+            if shared.exactly_once is not None:
+                stores = await self._progress_stores(registry.view(), databases)
+                await ensure_progress_topic(shared.exactly_once, stores)
             await self._supervise(registry, databases, shared)
         finally:
+            for lanes in self._lanes:  # (their keys ended: a graceful stop's farewell)
+                await lanes.stop()
             await publisher.stop()
             await registry.close()
             for probe in self.probes.values():
                 await probe.session.close()
             await databases.close()
         log.info("stopped", published=self.published)
+
+    def _exactly_once(self) -> ExactlyOnce | None:
+        """Exactly-once: what each outbox's publisher is made with (None: at-least-once)."""
+        s = self.settings
+        if s.delivery is not DeliveryMode.EXACTLY_ONCE:
+            return None
+        self.metrics.partitions_held.set_function(lambda: sum(lanes.held for lanes in self._lanes))
+        configs = configs_of(s)
+        return ExactlyOnce(
+            configs.publisher,
+            configs.progress,
+            self.metrics,
+            self.owner,
+            lane_count=s.claim_tasks,
+            idle_seconds=s.lanes_idle_seconds,
+            lease_seconds=s.lease_seconds,
+        )
+
+    async def _progress_stores(self, view: View, databases: Databases) -> list[DispatchStore]:
+        """Exactly-once: the stores of the outboxes ready now at a version it serves (whose
+        leases the progress topic's check at start asks about)."""
+        stores = []
+        for state in view.outboxes:
+            o = state.outbox
+            if state.state is not State.READY or (state.version or 0) < PROGRESS_ID_VERSION:
+                continue
+            try:
+                pool = await databases.pool(o.database)
+            except POOL_FAILURES:  # served once it is back; its open checks the topic then
+                continue
+            statements = Statements.for_table(o.schema, o.table)
+            stores.append(DispatchStore(pool, statements, steady=True, replays=True))
+        return stores
 
     async def _supervise(
         self, registry: SourceRegistry, databases: Databases, shared: Shared
@@ -201,6 +258,8 @@ class FleetDispatcher:
             ready = {key: state for key, state in ready.items() if key in mine}
         for key in [k for k in self.slots.outboxes if k not in ready]:
             self._let_go(key)
+        for key in [k for k in self.refused if k not in ready]:
+            del self.refused[key]
         for key, state in ready.items():
             if key not in self.slots.outboxes:
                 await self._serve(state.outbox, state.version or 0, databases, shared)
@@ -229,7 +288,11 @@ class FleetDispatcher:
         except POOL_FAILURES as exc:  # the registry's next read says why; tried again
             log.debug("database_pool_unavailable", database=outbox.database, error=repr(exc))
             return
+        if shared.exactly_once is not None and await self._refused(outbox, version, pool):
+            return
         runtime = OutboxRuntime(outbox, pool, version, shared)
+        if runtime.lanes is not None:
+            self._lanes.append(runtime.lanes)
         self.slots.add(runtime)
         assert self._tg is not None  # noqa: S101 (served from inside the task group only)
         self._loops[runtime.key] = [
@@ -238,12 +301,42 @@ class FleetDispatcher:
         ]
         log.info("outbox_served", source=runtime.label, database=outbox.database, version=version)
 
+    async def _refused(self, outbox: Outbox, version: int, pool: db.Pool) -> bool:
+        """Exactly-once: an outbox whose schema is older than PROGRESS_ID_VERSION, or whose
+        database's sessions run with synchronous_commit off, is refused alone (one line per
+        change; named in /readyz), never the process; served once migrated."""
+        reason = migrations.exactly_once_refusal(version)
+        if reason is None and outbox.database not in self._durable:
+            try:
+                async with pool.acquire() as conn:
+                    await db.require_durable_commits(conn)
+            except errors.ConfigurationError as exc:
+                self._durable[outbox.database] = f"{exc} (then restart the dispatcher)"
+            except POOL_FAILURES:  # the registry's next read says why; tried again
+                return True
+            else:
+                self._durable[outbox.database] = None
+        if reason is None:
+            reason = self._durable.get(outbox.database)
+        key = key_of(outbox)
+        if reason is None:
+            self.refused.pop(key, None)
+            return False
+        if self.refused.get(key) != (outbox.label, reason):
+            log.warning("outbox_refused", source=outbox.label, reason=reason)
+        self.refused[key] = (outbox.label, reason)
+        return True
+
     def _let_go(self, key: Key) -> None:
         runtime = self.slots.outboxes[key]
         self._published_let_go += runtime.published
         self.slots.forget(key)
         for task in self._loops.pop(key, []):
             task.cancel()
+        if runtime.lanes is not None and self._tg is not None:  # closed once its rows settle
+            self._lanes.remove(runtime.lanes)
+            stopping = runtime.lanes.stop(settle_within=self.settings.lease_seconds)
+            self._tg.create_task(stopping, name=f"lanes-stop:{runtime.label}")
         source_metrics.forget(self.metrics, runtime.label)
         log.info("outbox_stopped", source=runtime.label, published=runtime.published)
 
@@ -282,6 +375,8 @@ class FleetDispatcher:
                 checks[f"database {database.database}"] = f"unreachable: {database.reason}"
         for failing in view.failing():
             checks[f"source {failing.label}"] = f"{failing.state.value}: {failing.reason}"
+        for label, reason in self.refused.values():
+            checks[f"source {label}"] = f"refused: {reason}"
         if self.member is not None:
             fleet = self.member.view()
             checks["fleet"] = (
@@ -290,11 +385,10 @@ class FleetDispatcher:
                 else f"view stale since {fleet.stale_since:.0f}: {fleet.reason}"
             )
         served = len(self.slots.outboxes)
-        checks["outboxes"] = f"{served} served, {len(view.failing())} failing"
+        failures = len(view.failing()) + len(self.refused)
+        checks["outboxes"] = f"{served} served, {failures} failing"
         ready = (
-            not self.stopping.is_set()
-            and checks["broker"] == "ok"
-            and (served > 0 or not view.failing())
+            not self.stopping.is_set() and checks["broker"] == "ok" and (served > 0 or not failures)
         )
         self.metrics.ready.set(int(ready))
         return Readiness(ready, checks)

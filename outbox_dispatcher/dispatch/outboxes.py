@@ -26,11 +26,13 @@ from outbox_dispatcher.dispatch import leases, upkeep
 from outbox_dispatcher.dispatch.batch import BatchRun, Publishing, Settling
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.every import every
+from outbox_dispatcher.dispatch.fleet_delivery import ExactlyOnce, OutboxLanes
 from outbox_dispatcher.dispatch.idle import HEARTBEAT_SLOW, RECLAIM_SLOW, SWEEP_SLOW, UpkeepPace
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.wakeup import Waiting
 from outbox_dispatcher.health import Heartbeats
 from outbox_dispatcher.metrics import Metrics
+from outbox_dispatcher.models import Batch
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.sources.backoff import Backoff
 from outbox_dispatcher.store import DispatchStore, Statements, db, migrations
@@ -60,6 +62,9 @@ class Shared:
     metrics: Metrics
     retry_policy: RetryPolicy
     idle_poll_seconds: float  # an idle outbox is claimed at least this often
+    # exactly-once: each outbox's own publisher is made with it (dispatch/fleet_delivery.py);
+    # `publisher` then serves readiness only.
+    exactly_once: ExactlyOnce | None = None
 
 
 class OutboxRuntime:
@@ -95,6 +100,14 @@ class OutboxRuntime:
         self.waiting = Waiting(self.store, shared.owner, ttl=ttl) if s.listen else None
         self.heartbeat = registry.Heartbeat(self.store, s, shared.owner, self.metrics.totals)
         self.in_flight = leases.InFlight()
+        eo = shared.exactly_once
+        self.lanes: OutboxLanes | None = (
+            None
+            if eo is None
+            else eo.lanes_of(
+                self.label, outbox.schema, outbox.table, self.store, self.heartbeat, self.in_flight
+            )
+        )
         # The writes to its table the statistics count (set by the idle probe at each interval,
         # dispatch/probe.py; None: not known), and their count when its last complete sweep
         # pass began: an idle outbox whose table was not written since sweeps nothing new (the
@@ -143,8 +156,13 @@ class OutboxRuntime:
             self._saw_backlog(not self.drained)
             if full and self.waiting is not None:
                 await self.waiting.withdraw()  # a backlog: writers can stop notifying
-            publisher, settling = self.shared.publisher, self.settling
-            run = BatchRun(batch, publisher, settling, self.in_flight, heartbeat, None, started)
+            publishing = await self._publishing(batch, started)
+            if publishing is None:
+                return len(batch.records)  # given back: the broker is away for every outbox
+            publisher, claimed_at = publishing
+            run = BatchRun(
+                batch, publisher, self.settling, self.in_flight, heartbeat, None, claimed_at
+            )
             self.outage = await run.run()
         except db.PostgresError as exc:  # its schema dropped or broken, a grant missing
             self._failed(exc)
@@ -160,6 +178,20 @@ class OutboxRuntime:
             self.backlog_since = None
         elif self.backlog_since is None:
             self.backlog_since = time.monotonic()
+
+    async def _publishing(self, batch: Batch, started: float) -> tuple[Publishing, float] | None:
+        """Its batch's publisher and the claim's time it is to see: the process's, or
+        exactly-once's lanes of this outbox, opened first if closed (OutboxLanes.claimed);
+        None: they could not be opened, the batch was given back (retried, not counted) and
+        the slot pauses as for a broker outage."""
+        if self.lanes is None:
+            return self.shared.publisher, started
+        claimed_at = await self.lanes.claimed(started)
+        if claimed_at is None:
+            await self.settling.settle_stopped(batch, self.lanes.not_opened(len(batch.records)))
+            self.outage = self.shared.retry_policy.outage_delay()
+            return None
+        return self.lanes, claimed_at
 
     def _failed(self, exc: BaseException) -> None:
         """Back off alone; one warning per streak of failures (no error storm while a dropped
@@ -216,6 +248,9 @@ class OutboxRuntime:
             )
         if source_metrics.sampled(m):  # an outbox under source="other" has no table gauges
             found["metrics"] = self._sample_gauges
+        if self.lanes is not None:  # exactly-once (dispatch/fleet_delivery.py)
+            found["progress-sweep"] = self._sweep_progress
+            found["lanes-closer"] = self.lanes.run_closer
         # Each loop starts at a random point of its interval: outboxes served together (all of
         # them at start) would otherwise run their upkeep in one burst every interval, and the
         # quiet outboxes' claims wait behind it for the pool's connections.
@@ -237,7 +272,8 @@ class OutboxRuntime:
 
         async def tick() -> None:
             if due():
-                await leases.reclaim_step(self.store, s, m, None, lambda: False)
+                committed_of = None if self.lanes is None else self.lanes.committed_of
+                await leases.reclaim_step(self.store, s, m, committed_of, lambda: False)
             if s.sweep_rows and (self.counted or not self.steady) and sweep_due():
                 await self.sweep()  # once its counts are known: a pass it can skip later
 
@@ -264,6 +300,18 @@ class OutboxRuntime:
         if await leases.sweep_step(self.store, s, self.metrics):
             self._swept, self._pass_from = self._pass_from, None
         return True
+
+    async def _sweep_progress(self) -> NoReturn:
+        """Exactly-once: its sweep of dead dispatchers' progress keys, every
+        OUTBOX_PROGRESS_SWEEP_SECONDS (jittered by half either way) while it is active, at the
+        idle pace otherwise, and only while its lanes are open (OutboxLanes.sweep)."""
+        lanes, s = self.lanes, self.shared.settings
+        assert lanes is not None  # noqa: S101 (a loop of exactly-once only)
+        due = self.pace.gate("progress-sweep", s.progress_sweep_seconds)
+        while True:
+            await asyncio.sleep(s.progress_sweep_seconds * random.uniform(0.5, 1.5))  # noqa: S311
+            if lanes.open and due():
+                await lanes.sweep()
 
     async def _sample_gauges(self) -> NoReturn:
         """Its table gauges under its `source` label, every metrics interval while the outbox is

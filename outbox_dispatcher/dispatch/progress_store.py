@@ -5,12 +5,15 @@ wing because neither may import the other (tests/unit/test_layers.py): the loop 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
-from outbox_dispatcher import errors, registry
+from outbox_dispatcher import errors, metrics, registry
 from outbox_dispatcher.kafka.exactly_once.lanes import Registered
-from outbox_dispatcher.kafka.exactly_once.progress import Pair
+from outbox_dispatcher.kafka.exactly_once.progress import Pair, ProgressConfig
+from outbox_dispatcher.kafka.exactly_once.publisher import TransactionalPublisher
 from outbox_dispatcher.kafka.exactly_once.store import Silent
+from outbox_dispatcher.kafka.publisher import PublisherConfig
 from outbox_dispatcher.models import OutboxRecord
 from outbox_dispatcher.store import DispatchStore, db
 
@@ -67,6 +70,38 @@ class TableProgressStore(registry.TableRegistry):
 
     async def unsettled(self) -> int:
         return await self._store.unsettled_work()
+
+
+async def transactional_publisher(
+    store: DispatchStore,
+    heartbeat: registry.Heartbeat,
+    config: PublisherConfig,
+    progress: ProgressConfig,
+    *,
+    owner: str,
+    lane_count: int,
+    counted: metrics.Metrics,
+) -> TransactionalPublisher:
+    """Exactly-once's publisher of one outbox table (not started), as the single-table
+    dispatcher and each outbox of many (dispatch/fleet_delivery.py) make it: registered first
+    (its heartbeat), since its lanes record their ids in its registry row before the first
+    transaction of each, and a takeover fences what it finds there (takeover.py); the table in
+    its transactional ids (`progress.outbox`, "<schema>.<table>", and the table's oid, as
+    before schema version 16); its identity in its progress records (a uuid the schema keeps,
+    read again at every takeover: store.outbox_identity)."""
+    await heartbeat.beat()
+    outbox = f"{progress.outbox}@{await store.outbox_oid()}"
+    return TransactionalPublisher(
+        config,
+        dataclasses.replace(progress, outbox=outbox),
+        owner,
+        TableProgressStore(store, owner),
+        await store.outbox_identity(),
+        lane_count=lane_count,
+        renewed=lambda reason: counted.lanes_renewed.labels(reason).inc(),
+        waiting=lambda reason: counted.takeovers_waiting.labels(reason).inc(),
+        fence_failed=counted.fences_failed.inc,
+    )
 
 
 def _split(pairs: Sequence[Pair]) -> tuple[list[int], list[int]]:

@@ -9,7 +9,6 @@ This is where the settings are read: each component takes a config of its own (c
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import os
 import socket
@@ -27,7 +26,7 @@ from outbox_dispatcher.dispatch.batch import SettleConfig, Settling
 from outbox_dispatcher.dispatch.claim_loop import ClaimLoop, ClaimLoopConfig, Shared
 from outbox_dispatcher.dispatch.claimer import Claimer
 from outbox_dispatcher.dispatch.every import every
-from outbox_dispatcher.dispatch.progress_store import TableProgressStore
+from outbox_dispatcher.dispatch.progress_store import transactional_publisher
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.wakeup import Waiting, Wakeup
 from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
@@ -161,25 +160,14 @@ class Dispatcher:
         s = self.settings
         if s.delivery is DeliveryMode.AT_LEAST_ONCE:
             return KafkaPublisher(self.configs.publisher)
-
-        # Registered before its ids are recorded in its row, and those before the first transaction
-        # of each: a takeover fences what it finds there (kafka/exactly_once/takeover.py).
-        await registry.Heartbeat(store, s, self.owner).beat()
-        # The table in its transactional ids (the database and its oid, as before schema
-        # version 16), and its identity in its progress records (a uuid the schema keeps, read
-        # again at every takeover: store.outbox_identity).
-        outbox = f"{self.configs.progress.outbox}@{await store.outbox_oid()}"
-        progress = dataclasses.replace(self.configs.progress, outbox=outbox)
-        made = TransactionalPublisher(
+        made = await transactional_publisher(
+            store,
+            registry.Heartbeat(store, s, self.owner),
             self.configs.publisher,
-            progress,
-            self.owner,
-            TableProgressStore(store, self.owner),
-            await store.outbox_identity(),
+            self.configs.progress,
+            owner=self.owner,
             lane_count=s.claim_tasks,
-            renewed=lambda reason: self.metrics.lanes_renewed.labels(reason).inc(),
-            waiting=lambda reason: self.metrics.takeovers_waiting.labels(reason).inc(),
-            fence_failed=self.metrics.fences_failed.inc,
+            counted=self.metrics,
         )
         self.metrics.partitions_held.set_function(lambda: len(made.holds.held))
         return made

@@ -17,7 +17,7 @@ from typing import Any
 from outbox_dispatcher import errors
 from outbox_dispatcher.config.names import schema_matches
 from outbox_dispatcher.config.outboxes import Outbox, Source, sources_of
-from outbox_dispatcher.config.settings import Settings
+from outbox_dispatcher.config.settings import DeliveryMode, Settings
 from outbox_dispatcher.operate import reads
 from outbox_dispatcher.operate.actions import ActionRefusedError
 from outbox_dispatcher.operate.session import Session, audit_lock_key
@@ -152,6 +152,7 @@ class OutboxStatus:
     state: OutboxState
     snapshot: reads.Snapshot | None = None
     error: str | None = None
+    refused: str | None = None  # why OUTBOX_DELIVERY=exactly-once does not serve it
 
     def as_json(self) -> dict[str, Any]:
         o, snap = self.state.outbox, self.snapshot
@@ -165,6 +166,7 @@ class OutboxStatus:
             "reason": self.state.reason,
             "version": self.state.version,
             "error": self.error,
+            "refused": self.refused,
             "status": None if snap is None else snap.as_json(),
         }
 
@@ -181,7 +183,7 @@ async def statuses(
     for database in sorted({o.outbox.database for o in chosen}):
         of_database = [o for o in chosen if o.outbox.database == database]
         found += await _statuses_of(settings, of_database)
-    return view, found
+    return view, [_refusal(settings, one) for one in found]
 
 
 async def _statuses_of(settings: Settings, outboxes: list[OutboxState]) -> list[OutboxStatus]:
@@ -218,6 +220,16 @@ async def _status_of(
         return OutboxStatus(state, await reads.snapshot(session, policy))
     except FAILURES as exc:
         return OutboxStatus(state, error=_reason(exc, url))
+
+
+def _refusal(settings: Settings, one: OutboxStatus) -> OutboxStatus:
+    """Exactly-once: an outbox the fleet refuses (its schema too old for the mode), said so."""
+    version = one.state.version
+    if settings.delivery is not DeliveryMode.EXACTLY_ONCE or version is None:
+        return one
+    if one.state.state is not State.READY:
+        return one
+    return dataclasses.replace(one, refused=migrations.exactly_once_refusal(version))
 
 
 def _readable(state: OutboxState) -> bool:

@@ -193,6 +193,17 @@ async def migrate(
     return Migrated(applied)
 
 
+def exactly_once_refusal(version: int) -> str | None:
+    """Why an outbox at `version` is not served exactly-once (None: it is): the fleet refuses
+    it alone (dispatch/fleet.py) and `status` says so (operate/sources.py)."""
+    if version >= PROGRESS_ID_VERSION:
+        return None
+    return (
+        f"schema version {version}: exactly-once delivery needs version {PROGRESS_ID_VERSION} "
+        "or later (run `outbox-dispatcher migrate`)"
+    )
+
+
 def supported(version: int) -> bool:
     """Whether this dispatcher runs on a schema at `version`."""
     return OLDEST_SUPPORTED <= version <= latest_version()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -584,25 +583,48 @@ async def test_a_hot_outbox_is_served_by_a_second_member_until_its_backlog_ends(
     assert (verdict.lost, verdict.reordered, verdict.unexpected) == ([], [], [])
 
 
-def test_exactly_once_with_sources_is_refused_at_start(
-    make_settings: Any, tmp_path: Path, databases: tuple[str, str]
+async def test_exactly_once_with_sources_opens_lanes_only_for_an_outbox_with_rows(
+    services: Services,
+    make_settings: Any,
+    make_topic: MakeTopic,
+    tmp_path: Path,
+    databases: tuple[str, str],
 ) -> None:
+    """Exactly-once with OUTBOX_SOURCES (refused at start before issue 36's exactly-once per
+    outbox): served, ready, and the transactional producers of an outbox are opened at its
+    first batch only: idle tenants hold none (test_many_outboxes_exactly_once.py has the
+    rest)."""
     a, _ = databases
+    await migrate(a, "tenant_a", "tenant_b", "tenant_c")
+    busy = Tenant(a, "tenant_a", await make_topic())
     settings = fleet_settings(
         make_settings,
         a,
         [{"schema": "tenant_*"}],
         delivery="exactly-once",
+        progress_topic=f"progress-{busy.topic}",
+        lease_seconds=6.0,
         transaction_timeout_seconds=2.0,
     )
     log = tmp_path / "fleet.log"
     process = spawn(settings, log)
     try:
-        code = process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        stop_all([process])
-        raise
-    assert code == 2
-    (error,) = log_events(log, "configuration_error")
-    assert "at-least-once only" in error["error"]
-    assert "postgresql://" not in log.read_text()
+        await wait_started([log])
+
+        async def all_served() -> bool:
+            return served_now(log) == {"tenant_a.outbox", "tenant_b.outbox", "tenant_c.outbox"}
+
+        await wait_until(all_served, 60, "every tenant served")
+        await busy.insert(keys=4, per_key=5)
+        await busy.all_published()
+        (listening,) = log_events(log, "http_listening")
+        status, _ = await http_get(listening["port"], "/readyz")
+    finally:
+        codes = stop_all([process])
+    assert codes == [0], log.read_text()[-3000:]
+    assert status == 200
+    assert not log_events(log, "configuration_error")
+    assert [e["source"] for e in log_events(log, "lanes_opened")] == ["tenant_a.outbox"]
+    assert any(e.get("delivery") == "exactly-once" for e in log_events(log, "started"))
+    verdict = await busy.verdict(services)
+    assert (verdict.delivered, verdict.duplicates, verdict.lost) == (20, 0, []), verdict.summary()

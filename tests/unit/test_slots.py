@@ -17,7 +17,6 @@ from outbox_dispatcher import errors
 from outbox_dispatcher.config.outboxes import Outbox, Source
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.databases import pool_size_of
-from outbox_dispatcher.dispatch.fleet import FleetDispatcher
 from outbox_dispatcher.dispatch.outboxes import OutboxRuntime, Shared, key_of
 from outbox_dispatcher.dispatch.slots import ClaimSlots
 from outbox_dispatcher.health import Heartbeats
@@ -217,16 +216,6 @@ def test_the_connection_budget_is_split_between_databases() -> None:
     assert pool_size_of(Settings(max_connections=0), 7) == Settings().effective_pool_size
     with pytest.raises(errors.ConfigurationError, match="OUTBOX_MAX_CONNECTIONS=10 is too few"):
         pool_size_of(settings, 4)
-
-
-async def test_exactly_once_with_sources_is_refused_before_connecting_anything() -> None:
-    settings = Settings(delivery="exactly-once", transaction_timeout_seconds=2.0)
-    fleet = FleetDispatcher(settings, [Source(URL, "tenant_*", "outbox")])
-    with pytest.raises(errors.SourcesExactlyOnceError) as refused:
-        await fleet.run()
-    assert refused.value.retriable is False
-    assert isinstance(refused.value, errors.OutboxDispatcherError)
-    assert "OUTBOX_DELIVERY=at-least-once" in str(refused.value)
 
 
 def test_a_database_listen_channels_route_each_notification_to_its_outbox() -> None:

@@ -189,6 +189,9 @@ class Lanes(Sequence[Lane]):
             for lane in started:
                 await lane.producers.stop()
             raise
+        # Every lane's id recorded and its producer started (a lane renewed before a stop, and
+        # started again: its `ready` would start a second producer and leak the first).
+        self._unready.clear()
 
     async def stop(self) -> None:
         for fencing in self._fences:
