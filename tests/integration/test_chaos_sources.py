@@ -252,6 +252,7 @@ async def test_sources_members_joining_and_leaving_make_no_copy(
     assert sum(v.delivered for v in verdicts) == sum(t.writer.attempted for t in tenants)
 
 
+@pytest.mark.parametrize("delivery", ["at-least-once", "exactly-once"])
 async def test_sources_members_killed_under_load_lose_and_reorder_nothing(
     services: Services,
     databases: tuple[str, str],
@@ -259,13 +260,23 @@ async def test_sources_members_killed_under_load_lose_and_reorder_nothing(
     make_settings: Any,
     tmp_path: Path,
     record_property: Any,
+    delivery: str,
 ) -> None:
     """kill -9 of a member every few seconds while every tenant writes: the others take its
     outboxes over; nothing is lost or reordered, and copies are bounded by what the killed
-    members had in flight (at-least-once)."""
+    members had in flight (at-least-once); exactly-once (each outbox with its own lanes, the
+    tenants' progress in one topic): a read_committed consumer gets no copy at all."""
     home, second = databases
     tenants = await scenario_tenants(home, second, make_topic, scale(100, 150))
-    settings = member_settings(make_settings, home, second)
+    more: dict[str, Any] = {}
+    if delivery == "exactly-once":
+        more = {
+            "delivery": delivery,
+            "progress_topic": f"progress-{tenants[0].topic}",
+            "transaction_timeout_seconds": 2.0,
+            "kafka_linger_ms": 200,
+        }
+    settings = member_settings(make_settings, home, second, **more)
     members = Members(settings, tmp_path)
     duration = scale(30, 180)
     rng = random.Random(os.getpid())
@@ -289,12 +300,13 @@ async def test_sources_members_killed_under_load_lose_and_reorder_nothing(
         codes = stop_all([members.processes[s] for s in members.alive()])
     assert all(c == 0 for c in codes), (codes, members.tails())
     assert {t.label for t in tenants} <= served, served
-    verdicts = await judge(
-        "sources_kill_9", tenants, services, record_property, kills=kills, orphaned=orphaned
-    )
+    name = "sources_kill_9" if delivery == "at-least-once" else "sources_kill_9_exactly_once"
+    verdicts = await judge(name, tenants, services, record_property, kills=kills, orphaned=orphaned)
     for v in verdicts:
         assert_sound(v)
         assert v.dead == [], v.summary()
+        if delivery == "exactly-once":
+            assert v.duplicates == 0, v.summary()
     copies = sum(v.duplicates for v in verdicts)
     # Each kill can repeat at most what the victim had claimed: its claim slots' batches.
     slots = settings.claim_tasks + 2
