@@ -179,7 +179,8 @@ class ClaimLoop:
             if outage := task.result():
                 await pause(shared.stopping, outage)
             return
-        log.debug("batch_stalled", rows=len(batch.records), stalled_batches=len(self._runs))
+        if not run.marking:
+            log.debug("batch_stalled", rows=len(batch.records), stalled_batches=len(self._runs))
         self._reap()
         while self._stalled() >= MAX_STALLED_BATCHES:
             await asyncio.wait(
