@@ -75,14 +75,11 @@ class Part:
     """Rows of one claim whose publish has its answers, by their index in the claim: keys that
     can be settled while others still wait (final=False; it may be empty, a moment at which the
     claim loop may go on), or every row not settled yet once nothing more is sent (final=True,
-    always last). `outcomes` go with `indices`: None acknowledged, else why not. `claim_on`: its
-    rows are published and visible already (an exactly-once commit), so the claim loop may claim
-    its next batch while this part's mark runs."""
+    always last). `outcomes` go with `indices`: None acknowledged, else why not."""
 
     indices: list[int]
     outcomes: list[BaseException | None]
     final: bool = False
-    claim_on: bool = False
 
 
 @dataclass(frozen=True, slots=True)

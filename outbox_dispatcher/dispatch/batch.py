@@ -152,7 +152,6 @@ class BatchRun:
         self._stalled = asyncio.Event() if stalled is None else stalled
         self._claimed_at = 0.0
         self._transient = False  # an early part met an outage: pause before the next claim
-        self.marking = False  # only its mark is left: the loop went on (Part.claim_on)
 
     @property
     def parked(self) -> bool:
@@ -172,9 +171,6 @@ class BatchRun:
                 raise
             rest = self._rows(final)
             results: list[Result] = []
-            if final.claim_on and not self._transient:
-                self.marking = True  # published: the loop claims on while the mark runs
-                self._stalled.set()
             if rest.records:
                 results, changed = await self._settling.settle(
                     rest, final.outcomes, self._claimed_at, time.time()

@@ -179,8 +179,7 @@ class ClaimLoop:
             if outage := task.result():
                 await pause(shared.stopping, outage)
             return
-        if not run.marking:
-            log.debug("batch_stalled", rows=len(batch.records), stalled_batches=len(self._runs))
+        log.debug("batch_stalled", rows=len(batch.records), stalled_batches=len(self._runs))
         self._reap()
         while self._stalled() >= MAX_STALLED_BATCHES:
             await asyncio.wait(

@@ -257,15 +257,10 @@ class TransactionalDelivery:
         return Part(done, [self._outcomes[i] for i in done])
 
     def final_part(self) -> Part:
-        """Every row not settled yet, unless one's outcome is unknown: then none. When every
-        row of it is published (committed, visible to read_committed consumers), only the mark
-        is left: the claim loop claims on meanwhile (`claim_on`; its keys stay leased until the
-        mark, so their next rows still wait for it)."""
+        """Every row not settled yet, unless one's outcome is unknown: then none."""
         rest = [] if self.undecided() else self.not_settled()
         self._settled.update(rest)
-        outcomes = [self._outcomes[i] for i in rest]
-        published = bool(rest) and all(o is None for o in outcomes)
-        return Part(rest, outcomes, final=True, claim_on=published)
+        return Part(rest, [self._outcomes[i] for i in rest], final=True)
 
     def not_settled(self) -> list[int]:
         """The rows no part has carried yet (in flight, for the dispatcher's registry)."""
