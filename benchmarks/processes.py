@@ -66,7 +66,7 @@ async def dispatchers(settings: Settings, count: int = 1) -> AsyncIterator[Dispa
         elif isinstance(value, bool):
             value = "true" if value else "false"
         env[f"OUTBOX_{name.upper()}"] = str(getattr(value, "value", value))
-    env["OUTBOX_LOG_LEVEL"] = "WARNING"
+    env["OUTBOX_LOG_LEVEL"] = os.environ.get("OUTBOX_BENCH_LOG_LEVEL", "WARNING")
     group = Dispatchers()
     log = (RESULTS / "dispatcher.log").open("ab")
     try:

@@ -8,6 +8,7 @@ keys)."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from contextlib import aclosing
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.kafka.exactly_once import progress
+from outbox_dispatcher.kafka.exactly_once.phases import Phases
 from outbox_dispatcher.kafka.exactly_once.progress import Listed, Pair, ProgressConfig, Record
 from outbox_dispatcher.kafka.exactly_once.transaction import (
     COMMITTED,
@@ -72,6 +74,7 @@ class TransactionalDelivery:
         lane: Lane,
         records: Sequence[OutboxRecord],
         claimed_at: float,
+        phases: Phases | None = None,
     ) -> None:
         self._lane = lane  # its producer, chosen at the claim (kafka/exactly_once/lanes.py)
         lane.given.add(self)  # counted as waiting for the lane until its turn comes
@@ -85,6 +88,8 @@ class TransactionalDelivery:
         self._outcomes: list[BaseException | None] = [UNKNOWN] * len(records)
         self._settled: set[int] = set()  # rows a part has carried
         self._marks_whole = True  # every part's mark so far changed every row of it
+        # Where its time goes (one debug line once its final mark is in: phases.py).
+        self.phases = Phases(time.monotonic()) if phases is None else phases
 
     @property
     def lane(self) -> Lane:
@@ -241,6 +246,8 @@ class TransactionalDelivery:
         self._marks_whole = self._marks_whole and every_row
         if final and self._marks_whole:
             self._lane.unmarked.pop(self._tag, None)
+        if final:
+            self.phases.report(self._lane.name, len(self.records), self.records[0].id)
 
     def early_part(self, indices: Sequence[int]) -> Part:
         """Rows of `indices` whose transaction ended, settled before the claim's other rows

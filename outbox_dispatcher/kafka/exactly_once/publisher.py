@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 
 import structlog
@@ -38,6 +39,7 @@ from outbox_dispatcher.kafka.exactly_once.endings import (
     failure_of,
 )
 from outbox_dispatcher.kafka.exactly_once.orphans import Orphans
+from outbox_dispatcher.kafka.exactly_once.phases import Phases
 from outbox_dispatcher.kafka.exactly_once.progress import (
     Pair,
     ProgressConfig,
@@ -173,8 +175,11 @@ class TransactionalPublisher:
     ) -> TransactionalDelivery:
         """The claim's delivery; `claimed_at`: when the claim began (the loop's clock), by
         default now."""
-        began = asyncio.get_running_loop().time() if claimed_at is None else claimed_at
-        return TransactionalDelivery(self, self.lanes.least_busy(), records, began)
+        now = asyncio.get_running_loop().time()
+        began = now if claimed_at is None else claimed_at
+        phases = Phases(time.monotonic() - (now - began))  # (the loop's clock may be coarse)
+        phases.lap("claim")
+        return TransactionalDelivery(self, self.lanes.least_busy(), records, began, phases)
 
     async def abandon(self, delivery: TransactionalDelivery, reason: str) -> None:
         """A shutdown past its grace: close the lane's producer within the bound; an open
@@ -250,17 +255,23 @@ class TransactionalPublisher:
         lane's turn (in lane order: no deadlock), so that no transaction of this dispatcher is
         open while it reads what was committed."""
         takeover = any(d.records[i].reclaimed for i in indices)
+        lap = d.phases.lap
         try:
             if takeover:
                 await self._takeover.fence_others([d.records[i] for i in indices])
+                lap("fence")
             async with contextlib.AsyncExitStack() as turns:
                 for lane in self.lanes if takeover else [d.lane]:
                     await turns.enter_async_context(lane.turn)
                 d.turn_taken()
+                lap("turn")
                 await self.retire.check(self.lanes)
+                lap("retire")
                 if takeover:
                     await self._takeover.reconcile(d, self.lanes)
+                    lap("reconcile")
                 await self._send_and_commit(d, indices, known)
+            lap("after")
         except ProgressUnavailableError as exc:
             reason = "unread"
             if isinstance(exc, ProgressEndUnreachedError):
@@ -293,6 +304,7 @@ class TransactionalPublisher:
         except (errors.BrokerUnavailableError, errors.DatabaseUnavailableError) as exc:
             d.decide(indices, TransactionAbortedError(errors.describe(exc)))
             return
+        d.phases.lap("ready")
         if d.began_before(lane.producers.since):
             # Replaced since the claim began (fenced, or a new id): the lease may have expired
             # meanwhile and another claim sent the rows; given back, never sent by this one.
@@ -301,6 +313,7 @@ class TransactionalPublisher:
         topics = self._encoder.topics(d.records)
         named = {t for i in indices if isinstance(t := topics[i], str)} - known.keys()
         problems = dict(known) | (await lane.topics.errors_for(named) if named else {})
+        d.phases.lap("lookup")
         batches = Batches(
             d.records,
             topics,
@@ -336,6 +349,7 @@ class TransactionalPublisher:
             d.aborted()
             d.decide(indices, TransactionAbortedError(errors.describe(exc)))
             return
+        d.phases.lap("begin")
         answers: list[Answer] = [None] * len(d.records)
         failure = await self._send_all(d, batches, indices, answers, problems)
         # Refused before sending (no topic, a topic missing, too large, a partition held; the
@@ -356,7 +370,9 @@ class TransactionalPublisher:
                     failed_at = None
             await self._ends.abort(d, sent, failed_at, cause)
         else:
+            d.phases.lap("acks")
             if await self._ends.commit(d, sent):
+                d.phases.lap("commit")
                 self.holds.acknowledged(batches.where.values())
                 self.retire.sent(d.tombstoned())
 
@@ -409,6 +425,7 @@ class TransactionalPublisher:
                 stalled = {batches.where[s] for s in unanswered}
                 return Stall(stalled, progress=False, unanswered=unanswered)
             return None, exc
+        d.phases.lap("hand")
         waiting: set[asyncio.Future[object]] = {acked, *tombstones, *submissions}
         _, missing = await asyncio.wait(waiting, timeout=self.stall_seconds)
         if missing:
