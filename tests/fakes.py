@@ -215,6 +215,23 @@ class RecordingSettler:
         return len(batch.records)
 
 
+IDENTITY = "5f0c2a55-0000-4000-8000-000000000001"  # the outbox's identity in the fakes
+
+
+class HandDriven:
+    """The publisher of a delivery whose moves a test makes by hand: it only answers the
+    outbox's identity (a delivery compares it with its transactions')."""
+
+    def __init__(self, identity: str = IDENTITY) -> None:
+        self.identity = identity
+
+    def current_identity(self) -> str:
+        return self.identity
+
+    def parts(self, d: Any) -> Any:
+        raise NotImplementedError("the test drives this delivery's moves itself")
+
+
 class FakeProgressStore:
     """The exactly-once wing's store seam (kafka/exactly_once/store.ProgressStore) over no
     table: nobody registered or lost, no row pending, every key's duty cleared, nothing needed
@@ -223,7 +240,7 @@ class FakeProgressStore:
 
     def __init__(
         self,
-        identity: str = "5f0c2a55-0000-4000-8000-000000000001",
+        identity: str = IDENTITY,
         needed: Any = None,
         beating: Any = None,
     ) -> None:

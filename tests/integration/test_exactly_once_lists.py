@@ -15,7 +15,10 @@ from aiokafka import AIOKafkaConsumer
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.kafka.exactly_once import retirement
-from outbox_dispatcher.kafka.exactly_once.delivery import TransactionAbortedError
+from outbox_dispatcher.kafka.exactly_once.delivery import (
+    OutboxTruncatedError,
+    TransactionAbortedError,
+)
 from outbox_dispatcher.kafka.exactly_once.lanes import LANES
 from outbox_dispatcher.models import PUBLISHED, Batch
 from outbox_dispatcher.store import db, migrations
@@ -109,7 +112,9 @@ async def test_a_table_truncated_with_restart_identity_never_takes_its_old_recor
     IDENTITY` and 4 new rows (ids 1-4 again). owner-b, started before the TRUNCATE (its
     identity in memory is the old one), takes over owner-c's claim of the new rows: it reads the
     identity again, the old record is another's, and the 4 new rows are sent. Before, the
-    identity (database and table oid) survived the TRUNCATE and the rows were marked unsent."""
+    identity (database and table oid) survived the TRUNCATE and the rows were marked unsent.
+    Its first try is aborted: a claim made while the old identity was known is never sent
+    under the new one."""
     await insert_sequenced(conn, topic, keys=2, per_key=2)
     b = await owners.publisher("owner-b")
     # owner-b's periodic check read the identity just now: only the takeover reads it again
@@ -127,6 +132,13 @@ async def test_a_table_truncated_with_restart_identity_never_takes_its_old_recor
     await expire(conn)
     taken = await owners.claim("owner-b")
     assert all(r.reclaimed for r in taken.records)
+    # Claimed while owner-b knew the old identity: once its takeover reads the new one, nothing
+    # of the claim is sent (its rows may be the old table's; which, the claim cannot tell),
+    # and they are retried at once, not counted.
+    first = b.publish(taken.records)
+    assert all(isinstance(o, OutboxTruncatedError) for o in (await run(first)).outcomes)
+    await expire(conn)
+    taken = await owners.claim("owner-b")
     delivery = b.publish(taken.records)
     assert (await run(delivery)).outcomes == [None] * 4
     assert sorted(i for i, _ in delivery.sent) == [1, 2, 3, 4], "the new rows are sent"

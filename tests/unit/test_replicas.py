@@ -24,7 +24,7 @@ from outbox_dispatcher.kafka.exactly_once.replicas import CoordinatorTroubleErro
 from outbox_dispatcher.kafka.exactly_once.stalls import Holds, PartitionStalledError
 from outbox_dispatcher.kafka.producers import Producers
 from outbox_dispatcher.models import OutboxRecord
-from tests.fakes import FakeProgressStore
+from tests.fakes import FakeProgressStore, HandDriven
 
 PROGRESS = ProgressConfig(
     topic="p", outbox="public.outbox", transactional_id_prefix="x.", timeout_seconds=2.0
@@ -80,7 +80,7 @@ async def given_up(
     answered, unanswered = loop.create_future(), loop.create_future()
     answered.set_result(None)
     unanswered.set_exception(errors.BrokerUnavailableError("given up"))
-    d = TransactionalDelivery(None, made[0], [record(1, "a"), record(2, "b")], 0.0)  # type: ignore[arg-type]
+    d = TransactionalDelivery(HandDriven(), made[0], [record(1, "a"), record(2, "b")], 0.0)
     d.begin([0, 1])
     where = {answered: ("t", 0), unanswered: ("t", 1)}
     stall = Stall({("t", 1)}, progress=False, unanswered={unanswered})

@@ -13,12 +13,14 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
+from outbox_dispatcher import errors
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import configs_of
 from outbox_dispatcher.kafka import internals
 from outbox_dispatcher.kafka.batches import Answer, Batches
 from outbox_dispatcher.kafka.exactly_once import progress
 from outbox_dispatcher.kafka.exactly_once.delivery import (
+    OutboxTruncatedError,
     TransactionAbortedError,
     TransactionalDelivery,
     TransactionFencedError,
@@ -37,7 +39,7 @@ from outbox_dispatcher.kafka.records import RecordEncoder
 from outbox_dispatcher.models import Failure, OutboxRecord, Outcome, Result
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.tracing import Tracer
-from tests.fakes import FakeProducer, FakeProgressStore, publisher_with, rec
+from tests.fakes import FakeProducer, FakeProgressStore, HandDriven, publisher_with, rec
 
 CONFIG = ProgressConfig(
     topic="p", outbox="public.outbox", transactional_id_prefix="x.", timeout_seconds=2.0
@@ -101,7 +103,7 @@ class _Lane:
 
 
 def delivery(n: int) -> TransactionalDelivery:
-    return TransactionalDelivery(None, _Lane(), [record(i) for i in range(n)], 0.0)  # type: ignore[arg-type]
+    return TransactionalDelivery(HandDriven(), _Lane(), [record(i) for i in range(n)], 0.0)
 
 
 def test_a_partly_decided_batch_settles_nothing() -> None:
@@ -335,7 +337,7 @@ def moved_to(state: State) -> TransactionalDelivery:
     row 2 (key other) and row 3 (key k) decided outside it (refused for their topic)."""
     lane = lane_of()
     rows = [record(0, "k"), record(1, "k"), record(2, "other"), record(3, "k")]
-    d = TransactionalDelivery(None, lane, rows, 0.0)  # type: ignore[arg-type]
+    d = TransactionalDelivery(HandDriven(), lane, rows, 0.0)
     d.decide([2, 3], RuntimeError("refused"))
     path = {
         State.NEW: [],
@@ -456,3 +458,51 @@ async def test_a_failed_progress_send_waits_for_the_submissions_within_the_stall
     assert isinstance(found, Stall), found
     assert found.partitions == {("t", 0)} and not found.progress
     batches.future.cancel()
+
+
+# --- a TRUNCATE seen while a claim is on its way (review E5) ------------------------------------
+
+
+def test_a_transaction_committed_across_a_truncate_leaves_its_lane_s_list_alone() -> None:
+    """Lane b's retirement check reads a new identity (a TRUNCATE RESTART IDENTITY) and clears
+    every lane's list while lane a's transaction of the old table's rows commits: its rows must
+    not be listed, or lane a's next record, under the new identity, would name old ids that new
+    rows take, and a takeover would mark those published unsent. Fails without the check."""
+    lane = lane_of()
+    publisher = HandDriven(ID)
+    d = TransactionalDelivery(publisher, lane, [record(0, "k"), record(1, "k")], 0.0)
+    d.begin([0, 1])
+    d.handed([0, 1], ID, [])
+    d.committing()
+    publisher.identity = "the identity a TRUNCATE drew"
+    lane.unmarked.clear()  # what Retirement._check does to every lane on a new identity
+    d.commit_answered([0, 1])
+    assert d.tag not in lane.unmarked
+    assert d.outcomes(stopped=RuntimeError()) == [None, None], "committed: settled (nothing left)"
+
+
+async def test_a_claim_made_before_a_truncate_is_sent_under_no_identity(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The claim's rows are the old table's (or the new table's under the old identity, read
+    before the TRUNCATE was seen): once the new identity is known, nothing of it is handed and
+    no progress record is written; its rows (those left) are retried at once, not counted."""
+    truncated = "the identity a TRUNCATE drew"
+
+    async def after_the_truncate(pairs: list[tuple[int, int]]) -> tuple[str, set[int]]:
+        return truncated, set()
+
+    publisher = publisher_of(Settings(delivery="exactly-once"), needed=after_the_truncate)
+    producer = TransactionalFake()
+    lane = served_by(publisher, producer, monkeypatch)
+    d = TransactionalDelivery(publisher, lane, [record(0, "a"), record(1, "b")], 1.0)
+    assert d.identity == ID, "claimed while the old identity was known"
+    parts = [p async for p in d]  # its turn's retirement check reads the new one first
+    assert publisher.current_identity() == truncated
+    assert producer.records == [], "no progress record, no row handed"
+    assert "commit" not in producer.calls
+    outcomes = d.outcomes(stopped=RuntimeError())
+    assert all(isinstance(o, OutboxTruncatedError) for o in outcomes), outcomes
+    assert all(getattr(o, "retriable", False) for o in outcomes)
+    assert isinstance(outcomes[0], errors.NotAttempted), "not counted"
+    assert parts[-1].final and d.tag not in lane.unmarked

@@ -38,6 +38,7 @@ class Transacts(Protocol):
     """What sends a delivery: kafka/exactly_once/publisher.TransactionalPublisher."""
 
     def parts(self, d: TransactionalDelivery) -> AsyncGenerator[Part, None]: ...
+    def current_identity(self) -> str: ...
 
 
 class TransactionAbortedError(errors.OutboxDispatcherError):
@@ -53,6 +54,12 @@ class TransactionFencedError(TransactionAbortedError, errors.NotAttempted):
     broker's transaction timeout), given up for a partition that did not acknowledge, or its
     producer was replaced since the claim: nothing of it is visible; the broker answers, so its
     rows are retried at once, without the outage pause."""
+
+
+class OutboxTruncatedError(TransactionFencedError):
+    """The outbox's identity changed since the claim (a TRUNCATE): nothing of the claim is
+    sent under the new identity (its rows, if any are left, are retried at once, not counted),
+    since a progress record naming the new identity must never list the old table's ids."""
 
 
 class TransactionRefusedError(TransactionAbortedError, errors.NotAttempted):
@@ -90,6 +97,9 @@ class TransactionalDelivery:
         self._marks_whole = True  # every part's mark so far changed every row of it
         # Where its time goes (one debug line once its final mark is in: phases.py).
         self.phases = Phases(time.monotonic()) if phases is None else phases
+        # The outbox's identity as known at the claim: its rows are that table's (review E5;
+        # a TRUNCATE seen since aborts it before anything is handed: publisher._send_all).
+        self.identity = publisher.current_identity()
 
     @property
     def lane(self) -> Lane:
@@ -199,7 +209,10 @@ class TransactionalDelivery:
         return self._transactions[-1]
 
     def _committed(self, transaction: Transaction, indices: Sequence[int]) -> None:
-        self._lane.unmarked[self._tag] = self.listed()
+        if transaction.identity == self._publisher.current_identity():
+            self._lane.unmarked[self._tag] = self.listed()
+        # else a TRUNCATE was seen while it committed: its rows are gone, and the lane's next
+        # records, under the new identity, must not list their ids (new rows may take them).
         self._lane.last_listed = transaction.tags  # its id's last committed record listed them
         self.decide(indices, None)
 

@@ -140,7 +140,9 @@ class Endings:
             producers.condemn(cause)
         d.aborted()
         aborted: type[TransactionAbortedError] = TransactionAbortedError  # an outage: the pause
-        if fenced:
+        if isinstance(cause, TransactionAbortedError):  # its own kind (a TRUNCATE seen: at once)
+            aborted = type(cause)
+        elif fenced:
             aborted = TransactionFencedError
         elif failures.is_rejection(cause):
             aborted = TransactionRefusedError

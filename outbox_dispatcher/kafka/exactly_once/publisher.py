@@ -27,6 +27,7 @@ from outbox_dispatcher.kafka.batches import Answer, Batches
 from outbox_dispatcher.kafka.exactly_once import lanes, progress, replicas
 from outbox_dispatcher.kafka.exactly_once import topic as progress_topic
 from outbox_dispatcher.kafka.exactly_once.delivery import (
+    OutboxTruncatedError,
     TransactionAbortedError,
     TransactionalDelivery,
     TransactionFencedError,
@@ -138,6 +139,10 @@ class TransactionalPublisher:
             renewed,
             replicas.checker(self._connection),
         )
+
+    def current_identity(self) -> str:
+        """The outbox's identity as this dispatcher knows it now (retirement reads it again)."""
+        return self.retire.identity
 
     @property
     def unmarked(self) -> dict[str, list[Pair]]:
@@ -390,6 +395,8 @@ class TransactionalPublisher:
         did not answer, or None. No waves: nothing of the transaction is visible before its
         commit, so a key's change of topic needs no ack first, and a failed batch aborts the
         whole transaction (no gap can follow it)."""
+        if d.identity != self.retire.identity:  # a TRUNCATE seen since the claim (E5)
+            return None, OutboxTruncatedError()  # nothing handed: no await from here to the hand
         too_large = self.retire.too_large(self._progress, d, indices, self._max_request_bytes)
         if too_large:
             return None, too_large  # before any record is handed: nothing to abort but the begin
