@@ -124,8 +124,7 @@ class ClaimSlots:
         try:
             while not self._stopping.is_set():
                 self._heartbeats.beat(name)
-                if self._crashed is not None:
-                    raise self._crashed
+                self._raise_crash()
                 paused = self._paused_until - time.monotonic()
                 if paused > 0:
                     await pause(self._stopping, paused)
@@ -184,6 +183,11 @@ class ClaimSlots:
         finally:
             self._heartbeats.forget(name)
 
+    def _raise_crash(self) -> None:
+        """A run's bug stops the process, as it stopped the slot that ran it before."""
+        if self._crashed is not None:
+            raise self._crashed
+
     def _run_done(self, task: asyncio.Task[None]) -> None:
         self._runs.discard(task)
         if task.cancelled() or task.exception() is None:
@@ -212,13 +216,13 @@ class ClaimSlots:
         self._release(key, outage)
         if self.outboxes.get(key) is not runtime:  # let go meanwhile (maybe served again)
             return
+        idle = not self.scheduler.waiting(key) and not self.scheduler.flows[key].in_flight
         if retry_in is not None:
             self._back_off(key, retry_in)
         elif self._notices.get(key, 0) != seen:
             self._activate(key)
-        elif not self.scheduler.waiting(key) and not self.scheduler.flows[key].in_flight:
-            if await runtime.idle():
-                self._activate(key)  # a fresh announcement: rows committed before it sent none
+        elif idle and await runtime.idle():
+            self._activate(key)  # a fresh announcement: rows committed before it sent none
 
     def _back_off(self, key: Key, delay: float) -> None:
         self.scheduler.sleep(key)
@@ -239,8 +243,7 @@ class ClaimSlots:
                 _, late = await asyncio.wait(set(self._runs), timeout=max(0.0, seconds))
         finally:
             await self._cancel_runs()
-        if self._crashed is not None:
-            raise self._crashed
+        self._raise_crash()
         return len(late)
 
     async def _cancel_runs(self) -> None:

@@ -22,6 +22,7 @@ from outbox_dispatcher.store import listen
 
 from .scripted_outboxes import BATCH, ORDER, URL, Scripted, serving, slots_of, until
 
+
 async def test_a_backlog_is_claimed_while_full_then_idles_after_one_more_claim() -> None:
     busy = Scripted("tenant_a", [BATCH, BATCH, BATCH, 3])
     slots = slots_of(busy)

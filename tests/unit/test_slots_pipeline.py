@@ -76,7 +76,7 @@ async def test_a_notification_during_a_run_brings_a_claim_now_and_one_after_its_
     """Its row may be of another key (claimed at once) or of a key the batch holds (passed
     over by that claim, taken by the one after the settle)."""
     outbox = held(Scripted("tenant_a", [0, 1, 0, 0, 0]))
-    slots = slots_of(outbox)
+    slots = slots_of(outbox, budget=4, claims=1)
     async with serving(slots, count=1):
         await until(lambda: outbox.turns == 1)  # looked at once when served
         slots.wake(outbox.key)
