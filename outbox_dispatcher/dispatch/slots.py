@@ -55,6 +55,7 @@ class ClaimSlots:
         # began brings one more claim after that claim's batch (see _ended).
         self._notices: dict[Key, int] = {}
         self._retry_at: dict[Key, float] = {}  # backing off until (monotonic)
+        self._backlogged: set[Key] = set()  # its last claim saw more rows than it took
         self._paused_until = 0.0  # a broker outage pauses every grant until then (monotonic)
         self._runs: set[asyncio.Task[None]] = set()
         self._run_names = itertools.count(1)
@@ -76,6 +77,7 @@ class ClaimSlots:
         self.scheduler.forget(key)
         self._retry_at.pop(key, None)
         self._notices.pop(key, None)
+        self._backlogged.discard(key)
 
     def wake(self, key: Key) -> None:
         """It has work, or may (a notification, a poll): into the ring, unless it backs off or
@@ -148,6 +150,12 @@ class ClaimSlots:
             self._release(key)
             return
         seen = self._notices.get(key, 0)
+        if key not in self._backlogged:
+            # Out of the ring while it claims: the other slots would claim it at once too (the
+            # ring grants an outbox every free slot while its credit lasts), and for a quiet
+            # outbox's one row that second claim finds nothing (two claims per event). A
+            # notification meanwhile puts it back.
+            self.scheduler.sleep(key)
         try:
             claim = await runtime.claim()
         except BaseException:
@@ -155,9 +163,12 @@ class ClaimSlots:
             raise
         notified = self._notices.get(key, 0) != seen
         if claim.batch is not None and (claim.full or not claim.drained):
-            self._activate(key)  # more rows: it stays in the ring (one more batch in flight)
-        elif claim.retry_in is None and not notified:
-            self.scheduler.sleep(key)  # drained: until a notification or a poll
+            self._backlogged.add(key)
+            self._activate(key)  # more rows: in the ring, claimed by every free slot
+        else:
+            self._backlogged.discard(key)
+            if claim.retry_in is None and not notified:
+                self.scheduler.sleep(key)  # drained: until a notification or a poll
         if claim.batch is None:
             await self._ended(key, runtime, seen, claim.retry_in)
             return

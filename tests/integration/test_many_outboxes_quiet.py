@@ -19,7 +19,7 @@ from outbox_dispatcher.store.fleet import FleetStore
 from .helpers import Services, spawn, stop_all, wait_started
 from .sources_helpers import fresh_database, migrate
 from .test_many_outboxes import MakeTopic, Tenant, fleet_settings
-from .test_many_outboxes_idle import TENANTS, calls, claims_of, since
+from .test_many_outboxes_idle import TENANTS, calls, since
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -69,8 +69,16 @@ async def test_a_quiet_event_costs_one_claim_and_one_settle(
     finally:
         codes = stop_all([process])
     assert codes == [0], log.read_text()[-3000:]
-    counted = {q: n for q, n in since(after, before).items() if n and '"tenant_a".' in q}
-    claims = claims_of(after)["tenant_a"] - claims_of(before)["tenant_a"]
+    counted = {
+        q: n
+        for q, n in since(after, before).items()
+        if n and '"tenant_a".' in q and not q.lstrip().startswith("EXISTS")  # (the writers')
+    }
+    claims = sum(  # dispatch.sql claim_steady, and the claim function
+        n
+        for q, n in counted.items()
+        if ("probe AS" in q and "AS more" in q) or '"outbox_claim_work"(' in q
+    )
     settles = sum(n for q, n in counted.items() if "decide AS" in q)  # dispatch.sql settle_steady
     announced = sum(n for q, n in counted.items() if "_waiting" in q and "ON CONFLICT" in q)
     withdrawn = sum(
@@ -78,7 +86,9 @@ async def test_a_quiet_event_costs_one_claim_and_one_settle(
     )
     report = "\n".join(f"{n:5d} {' '.join(q.split())[:140]}" for q, n in counted.items())
     assert EVENTS / 2 <= settles <= EVENTS, report  # one per batch (two events may share one)
-    assert settles <= claims < 2 * EVENTS, report
+    # one per event, and one after a batch for a notification that came while it was on its
+    # way (two slots claiming a notified outbox at once: two per event)
+    assert settles <= claims <= 1.5 * EVENTS, report
     assert announced <= 3, report  # kept fresh every few seconds, not per event
     assert withdrawn == 0, report  # only a full batch withdraws it
-    assert sum(counted.values()) < 3 * EVENTS, report
+    assert sum(counted.values()) < 3 * EVENTS, report  # the upkeep's besides
