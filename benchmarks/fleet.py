@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import statistics
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -28,6 +30,7 @@ from benchmarks.processes import (
     wait_ready,
 )
 from benchmarks.stack import Stack, connection, fresh, settings_for
+from benchmarks.steady import write_timeline
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.store import migrations
 
@@ -193,6 +196,8 @@ async def quiet_beside(
                 await reader
             finally:
                 await consumer.stop()
+    if timeline := os.environ.get("OUTBOX_BENCH_TIMELINE"):  # commit time and latency per row
+        write_timeline(Path(timeline), committed, received)
     latencies = sorted((received[e] - t) * 1000 for e, t in committed.items() if e in received)
 
     def pct(p: float) -> float:
@@ -202,6 +207,7 @@ async def quiet_beside(
         "quiet_tenants": float(quiet),
         "quiet_events": float(sum(written)),
         "p50_ms": pct(50),
+        "p95_ms": pct(95),
         "p99_ms": pct(99),
         "backlog_rows": float(backlog_rows),
         "backlog_left_when_writers_stopped": float(left),

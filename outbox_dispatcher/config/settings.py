@@ -88,6 +88,11 @@ class Settings(BaseSettings):
     # How much at once
     claim_tasks: int = Field(default=2, ge=1, le=64)
     """Concurrent claim tasks."""
+    fleet_in_flight_batches: int = Field(default=16, ge=1, le=1024)
+    """With OUTBOX_SOURCES: the most batches on their way at once over every outbox of the
+    process (claimed, not yet settled), shared by the outboxes with work through weighted
+    deficit round-robin; at least OUTBOX_CLAIM_TASKS, the claims at once, whose number of them
+    is kept for outboxes with no batch in flight (a backlog cannot hold them all)."""
     batch_size: int = Field(default=500, ge=1, le=10_000)
     """Rows per claim."""
     scan_factor: int = Field(default=2, ge=1, le=100)
@@ -355,6 +360,14 @@ class Settings(BaseSettings):
     def _check_relations(self) -> Settings:
         checks.relations(self)
         checks.kafka_security(self)
+        if self.sources is not None and self.fleet_in_flight_batches < self.claim_tasks:
+            msg = (
+                f"OUTBOX_FLEET_IN_FLIGHT_BATCHES={self.fleet_in_flight_batches} is below "
+                f"OUTBOX_CLAIM_TASKS={self.claim_tasks}: with OUTBOX_SOURCES each claim holds a "
+                "batch in flight; raise OUTBOX_FLEET_IN_FLIGHT_BATCHES to at least "
+                f"{self.claim_tasks} or lower OUTBOX_CLAIM_TASKS"
+            )
+            raise ValueError(msg)
         return self
 
     @classmethod

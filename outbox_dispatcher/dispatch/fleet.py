@@ -5,9 +5,10 @@ its own, its lanes opened while it is active: dispatch/fleet_delivery.py), the c
 shared by every outbox (dispatch/slots.py), and each outbox's upkeep (dispatch/outboxes.py).
 
 As the single-table supervisor: every loop runs in one TaskGroup, a loop that dies stops the
-process; shutdown stops claiming, lets batches finish within the grace, then cancels. Outboxes
-come and go while it runs, as the registry reports them: a new one is served at once, one let
-go has its loops cancelled (a claim of it in flight ends as it would)."""
+process; shutdown stops claiming, lets the claims and the batches on their way finish within the
+grace, then cancels. Outboxes come and go while it runs, as the registry reports them: a new one
+is served at once, one let go has its loops cancelled (a claim or batch of it in flight ends as
+it would)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,13 @@ class FleetDispatcher:
         self.metrics = metrics.Metrics(max_sources=s.metrics_max_sources)
         self.metrics.delivery.labels(s.delivery.value).set(1)
         self.heartbeats = Heartbeats(s.liveness_timeout_seconds + s.poll_interval_seconds)
-        self.slots = ClaimSlots(s.claim_tasks, s.batch_size, self.stopping, self.heartbeats)
+        self.slots = ClaimSlots(
+            s.fleet_in_flight_batches,
+            s.batch_size,
+            self.stopping,
+            self.heartbeats,
+            claims=s.claim_tasks,
+        )
         self.metrics.in_flight.set_function(
             lambda: sum(len(o.in_flight) for o in self.slots.outboxes.values())
         )
@@ -194,6 +201,7 @@ class FleetDispatcher:
             sources=len(self.sources),
             databases=len(databases.channels),
             claim_tasks=s.claim_tasks,
+            in_flight_batches=s.fleet_in_flight_batches,
             batch_size=s.batch_size,
             pool_size_per_database=databases.pool_size,
             delivery=s.delivery.value,
@@ -420,13 +428,21 @@ class FleetDispatcher:
             raise errors.LoopDiedError(f"the {name} loop returned unexpectedly")
 
     async def _shutdown(self, claims: list[asyncio.Task[None]]) -> None:
+        """Once stopping: the slots end their claims and grant no more; the batches on their way
+        (dispatch/slots.py) are settled within what is left of the grace; then whatever is left
+        is cancelled (a cancelled batch marks what the broker acknowledged and gives back the
+        rest) and the outboxes' loops stop."""
         await self.stopping.wait()
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.settings.shutdown_grace_seconds
         _, pending = await asyncio.wait(claims, timeout=self.settings.shutdown_grace_seconds)
+        for task in pending:
+            task.cancel()
         if pending:
-            log.warning("shutdown_grace_expired", cancelling=len(pending))
-            for task in pending:
-                task.cancel()
             await asyncio.wait(pending)
+        cancelled = len(pending) + await self.slots.finish(until - loop.time())
+        if cancelled:
+            log.warning("shutdown_grace_expired", cancelling=cancelled)
         loops = (t for tasks in self._loops.values() for t in tasks)
         for task in [*self._side, *self._listeners.values(), *loops]:
             task.cancel()

@@ -1,7 +1,8 @@
 """One outbox of many (OUTBOX_SOURCES, issue 36): what a single-table dispatcher has per table,
 its store, claimer, settling, waiting announcement and in-flight rows, and its upkeep loops
-(lease keeper, reclaimer, registry heartbeat, retention). A turn claims one batch and runs it to
-its end; the shared claim slots (dispatch/slots.py) decide whose turn it is.
+(lease keeper, reclaimer, registry heartbeat, retention). Its `claim` leases one batch and its
+`run` publishes and settles it; the shared claim slots (dispatch/slots.py) decide whose claim is
+next and run each batch on its own, so an outbox may have several batches on their way.
 
 A failure of this outbox (its database away, its schema dropped or broken) is its own: it backs
 off alone, logs one line per streak, and never stops the process; anything else is a bug and
@@ -53,6 +54,30 @@ def channel_of(outbox: Outbox) -> str:
 
 
 @dataclass(frozen=True)
+class Claim:
+    """What one claim of an outbox gave: its batch (None: nothing, or the claim failed), when
+    it began (the loop's clock), whether it was full, whether the claim saw nothing left after
+    it (the steady claim says so: the outbox may wait for a notification; otherwise, as a claim
+    loop does, it claims again at once: a claim function's partial batch under a backlog, a
+    key's share), and how long to back off after a failure of this outbox."""
+
+    batch: Batch | None = None
+    started: float = 0.0
+    full: bool = False
+    drained: bool = True
+    retry_in: float | None = None
+
+
+@dataclass(frozen=True)
+class Ran:
+    """How a claimed batch's run ended: how long to pause every outbox for a broker outage, or
+    how long to back this outbox off after a failure of its own."""
+
+    outage: float = 0.0
+    retry_in: float | None = None
+
+
+@dataclass(frozen=True)
 class Shared:
     """What every outbox of the process shares."""
 
@@ -68,7 +93,8 @@ class Shared:
 
 
 class OutboxRuntime:
-    """One served outbox: its turn (claim, publish, settle) and its upkeep loops."""
+    """One served outbox: its claims, its batches' runs (publish, settle) and its upkeep
+    loops."""
 
     def __init__(self, outbox: Outbox, pool: db.Pool, version: int, shared: Shared) -> None:
         s = shared.settings
@@ -118,12 +144,6 @@ class OutboxRuntime:
         self._pass_from: int | None = None
         self.pace = UpkeepPace()  # its upkeep's pace: slow while idle (dispatch/idle.py)
         self.backoff = Backoff(s.backoff_initial_seconds, s.backoff_max_seconds)
-        self.retry_in: float | None = None  # set by a failed turn: back off this long
-        self.outage = 0.0  # set by a turn whose batch met a broker outage
-        # The last batch's claim saw nothing left after it (the steady claim says so): the
-        # outbox may wait for a notification; otherwise, as a claim loop does, it claims again
-        # at once (a claim function's partial batch under a backlog: a key's share, a slot held).
-        self.drained = False
         # Since when its claims have seen more rows than they took (None: the last saw its end):
         # a backlog that long makes it hot, served by a second member (dispatch/fleet.py).
         self.backlog_since: float | None = None
@@ -132,46 +152,57 @@ class OutboxRuntime:
     def published(self) -> int:
         return self.settling.published
 
-    async def turn(self, heartbeat: Callable[[], None]) -> int:
-        """Claim one batch and run it to its end; the rows claimed. A failure of this outbox
-        sets `retry_in` instead of raising."""
-        self.retry_in, self.outage, self.drained = None, 0.0, False
+    async def claim(self) -> Claim:
+        """Lease one batch. A failure of this outbox sets `retry_in` instead of raising."""
         with structlog.contextvars.bound_contextvars(source=self.label):  # every line of it
-            return await self._turn(heartbeat)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            try:
+                batch = await self.claimer.claim()
+                if batch is None:
+                    self.backoff.succeeded()
+                    self.backlog_since = None
+                    return Claim(started=started)
+                self.metrics.claim_duration.observe(loop.time() - started)
+                self.metrics.claimed.inc(len(batch.records))
+                self.pace.busy()
+                full = len(batch.records) >= self.shared.settings.batch_size
+                if full and self.waiting is not None:
+                    await self.waiting.withdraw()  # a backlog: writers can stop notifying
+            except db.PostgresError as exc:  # its schema dropped or broken, a grant missing
+                return Claim(retry_in=self._failed(exc))
+            except db.RETRIABLE_ERRORS as exc:  # its database away
+                return Claim(retry_in=self._failed(exc))
+            drained = batch.drained and not full
+            self._saw_backlog(not drained)
+            return Claim(batch, started, full, drained)
 
-    async def _turn(self, heartbeat: Callable[[], None]) -> int:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        try:
-            batch = await self.claimer.claim()
-            if batch is None:
-                self.backoff.succeeded()
-                self.backlog_since = None
-                return 0
-            self.metrics.claim_duration.observe(loop.time() - started)
-            self.metrics.claimed.inc(len(batch.records))
-            self.pace.busy()
-            full = len(batch.records) >= self.shared.settings.batch_size
-            self.drained = batch.drained and not full
-            self._saw_backlog(not self.drained)
-            if full and self.waiting is not None:
-                await self.waiting.withdraw()  # a backlog: writers can stop notifying
-            publishing = await self._publishing(batch, started)
-            if publishing is None:
-                return len(batch.records)  # given back: the broker is away for every outbox
-            publisher, claimed_at = publishing
-            run = BatchRun(
-                batch, publisher, self.settling, self.in_flight, heartbeat, None, claimed_at
-            )
-            self.outage = await run.run()
-        except db.PostgresError as exc:  # its schema dropped or broken, a grant missing
-            self._failed(exc)
-            return 0
-        except db.RETRIABLE_ERRORS as exc:  # its database away
-            self._failed(exc)
-            return 0
-        self.backoff.succeeded()
-        return len(batch.records)
+    async def run(self, claim: Claim, heartbeat: Callable[[], None]) -> Ran:
+        """Publish the claimed batch and settle it (`heartbeat` while the broker is waited
+        for). A failure of this outbox sets `retry_in` instead of raising."""
+        assert claim.batch is not None  # noqa: S101 (only a claim's batch is run)
+        with structlog.contextvars.bound_contextvars(source=self.label):
+            try:
+                publishing = await self._publishing(claim.batch, claim.started)
+                if publishing is None:  # given back: the broker is away for every outbox
+                    return Ran(self.shared.retry_policy.outage_delay())
+                publisher, claimed_at = publishing
+                run = BatchRun(
+                    claim.batch,
+                    publisher,
+                    self.settling,
+                    self.in_flight,
+                    heartbeat,
+                    None,
+                    claimed_at,
+                )
+                outage = await run.run()
+            except db.PostgresError as exc:  # its schema dropped or broken under the settle
+                return Ran(retry_in=self._failed(exc))
+            except db.RETRIABLE_ERRORS as exc:  # its database away
+                return Ran(retry_in=self._failed(exc))
+            self.backoff.succeeded()
+            return Ran(outage)
 
     def _saw_backlog(self, more: bool) -> None:
         if not more:
@@ -183,28 +214,28 @@ class OutboxRuntime:
         """Its batch's publisher and the claim's time it is to see: the process's, or
         exactly-once's lanes of this outbox, opened first if closed (OutboxLanes.claimed);
         None: they could not be opened, the batch was given back (retried, not counted) and
-        the slot pauses as for a broker outage."""
+        the grants pause as for a broker outage."""
         if self.lanes is None:
             return self.shared.publisher, started
         claimed_at = await self.lanes.claimed(started)
         if claimed_at is None:
             await self.settling.settle_stopped(batch, self.lanes.not_opened(len(batch.records)))
-            self.outage = self.shared.retry_policy.outage_delay()
             return None
         return self.lanes, claimed_at
 
-    def _failed(self, exc: BaseException) -> None:
-        """Back off alone; one warning per streak of failures (no error storm while a dropped
-        schema waits to be let go at the registry's next read)."""
+    def _failed(self, exc: BaseException) -> float:
+        """Back off alone (the delay returned); one warning per streak of failures (no error
+        storm while a dropped schema waits to be let go at the registry's next read)."""
         first = self.backoff.failures == 0
-        self.retry_in = self.backoff.failed(time.monotonic())
+        retry_in = self.backoff.failed(time.monotonic())
         emit = log.warning if first else log.debug
         emit(
             "outbox_failed",
             source=self.label,
             error=errors.describe(exc),
-            retry_in=round(self.retry_in, 2),
+            retry_in=round(retry_in, 2),
         )
+        return retry_in
 
     async def idle(self) -> bool:
         """Its last claim found less than a batch: ask writers to notify (True: the

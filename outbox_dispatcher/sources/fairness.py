@@ -1,13 +1,24 @@
 """Weighted deficit round-robin over one in-flight budget per process (issue 36): which outbox
-the next free claim slot goes to. Pure: the claim loop calls `grant` when a slot is free and
-`finished` when a claim is settled; `wake` and `sleep` say which outboxes have work.
+the next free claim slot claims for. Pure: a slot calls `grant` when it is free; the grant is
+held while its batch is in flight (claimed, not yet settled) and given back with `release` (or
+`finished`, which also puts a drained outbox to sleep); `wake` and `sleep` say which outboxes
+have work.
+
+The budget is of batches in flight, not of claims at once: a claim slot (dispatch/slots.py) holds
+a grant only for its claim statement, then the batch's publish and settle run on their own while
+the slot grants on, so that a broker round trip and a mark no longer hold up every other outbox
+(the quiet tenants' p99 of 1.3-1.6 s with two slots that held each batch to its settle). An outbox
+may hold several grants at once (a backlog's batches on their way, as a single-table claim loop
+keeps claiming while earlier batches are published); per-key order is the leases' (a key's rows
+are leased to one batch at a time).
 
 Why deficit round-robin: a fixed visit order (or "the first with work") gives the head of the
 list every free slot while it has a backlog; plain round-robin has no weights. Here each active
 outbox, when the pointer reaches it, is credited `weight` claims of `batch_size` rows and spends
 them before the pointer moves on, so over every round the grants follow the weights exactly,
 whatever the budget. An outbox that is idle or backing off is out of the ring: it is never
-visited, holds no slot and gathers no credit to burst with later. Each decision is O(1).
+visited, holds no grant and gathers no credit to burst with later. Each decision is O(1)
+outside the reserve, O(budget) within it (below).
 
 Polls (an outbox looked at without knowing it has work: a newly served one, or one the idle
 probe of dispatch/probe.py cannot read) are not work: they wait in a lane of their own and take
@@ -16,9 +27,21 @@ stays busy (so that they are still looked at under a backlog). Without that lane
 tenants polled every 2 s filled the ring, and a notified quiet tenant waited behind hundreds of
 empty claims (p99 7 s in `make bench`'s fleet_quiet_*).
 
-There is no per-outbox cap of slots: with a small budget a cap would override the weights (two
-slots, one each, is 1:1 whatever the weights). The latency bound comes from the ring instead: an
-outbox that wakes is granted once every outbox ahead of it in the ring has spent one quantum.
+**The reserve.** With batches in flight decoupled from the claims, a backlog could take the whole
+budget (its batches of 500 rows each waiting for the broker), and a notified quiet outbox would
+wait for one of them to settle before its one-row claim. So the last `reserve` grants of the
+budget (as many as the process's claim slots, dispatch/slots.py) go only to outboxes with
+nothing in flight: the first such outbox in ring order, granted out of the round (its credit and
+the ring's pointer untouched). Decided against a per-outbox cap of budget - slots: a cap
+protects the quiet outboxes from one backlog only (two backlogs capped at budget - slots each
+still fill the budget), and with a small budget it overrides the weights (two grants, one each,
+is 1:1 whatever the weights); the reserve leaves the rest of the budget to the weights, among
+however many outboxes with batches in flight. The bound it gives: an outbox that wakes with
+nothing in flight is granted at the next free slot once every outbox ahead of it in the ring
+has spent one quantum, and, if the budget outside the reserve is spent, at once while a reserved
+grant is free (held only by outboxes that had nothing in flight when they took it: mostly quiet
+ones' short batches); it never waits for a backlog's batch to settle unless the whole reserve is
+held.
 """
 
 from __future__ import annotations
@@ -41,19 +64,24 @@ class Flow:
 
     weight: int
     deficit: int = 0
-    in_flight: int = 0
+    in_flight: int = 0  # grants held: batches being claimed or on their way
     granted: int = 0  # claims granted since it was added (for status and tests)
 
 
 class DeficitRoundRobin(Generic[K]):
-    """The scheduler of one process: `budget` claim slots, each a claim of `batch_size` rows."""
+    """The scheduler of one process: `budget` batches in flight, each a claim of `batch_size`
+    rows; the last `reserve` of them only for outboxes with none in flight."""
 
-    def __init__(self, budget: int, batch_size: int) -> None:
+    def __init__(self, budget: int, batch_size: int, reserve: int = 0) -> None:
         if budget < 1 or batch_size < 1:
             msg = f"budget and batch_size must be at least 1, got {budget} and {batch_size}"
             raise ValueError(msg)
+        if not 0 <= reserve < budget:
+            msg = f"reserve must be at least 0 and below the budget {budget}, got {reserve}"
+            raise ValueError(msg)
         self.budget = budget
         self.batch_size = batch_size
+        self.reserve = reserve
         self.flows: dict[K, Flow] = {}
         self._ring: collections.deque[K] = collections.deque()
         self._probes: collections.deque[K] = collections.deque()  # polls waiting for a slot
@@ -73,8 +101,8 @@ class DeficitRoundRobin(Generic[K]):
             self.flows[key] = Flow(weight)
 
     def forget(self, key: K) -> None:
-        """An outbox let go (dropped, or now another member's). Its claims in flight still end
-        with `finished`, which then only frees their slots."""
+        """An outbox let go (dropped, or now another member's). Its grants in flight still end
+        with `release` (or `finished`), which then only gives them back."""
         self.sleep(key)
         self.flows.pop(key, None)
 
@@ -110,20 +138,48 @@ class DeficitRoundRobin(Generic[K]):
         """The outboxes in the ring or waiting in the lane of polls."""
         return {*self._ring, *self._probes}
 
+    def waiting(self, key: K) -> bool:
+        """Whether it is in the ring or waiting in the lane of polls."""
+        return key in self._ring or key in self._probes
+
     @property
     def active(self) -> list[K]:
         """The outboxes in the ring, the next to be visited first."""
         return list(self._ring)
 
     def grant(self) -> K | None:
-        """The outbox the next free slot claims for, or None (no slot free, or nobody has work).
-        The slot is held until `finished`."""
+        """The outbox the next free slot claims for, or None (the budget is spent, nobody has
+        work, or within the reserve only outboxes with batches in flight have). The grant is
+        held until `release`."""
         if self.in_flight >= self.budget or not (self._ring or self._probes):
             return None
+        key: K | None = None
+        if self._probes and (not self._ring or (self._grants + 1) % PROBE_EVERY == 0):
+            key = self._next_poll()
+        if key is None:
+            reserved = self.in_flight >= self.budget - self.reserve
+            key = self._fresh_in_ring() if reserved else self._next_in_ring()
+        if key is None:  # nobody in the ring may have it now: a poll may
+            key = self._next_poll()
+        if key is None:
+            return None
         self._grants += 1
-        if self._probes and (not self._ring or self._grants % PROBE_EVERY == 0):
-            return self._hold(self._probes.popleft())
-        while True:  # at most two steps: a fresh credit is always at least one claim
+        return self._hold(key)
+
+    def _next_poll(self) -> K | None:
+        """The next poll waiting, if it may have a grant now (within the reserve: an outbox
+        with nothing in flight, which a poll's always is)."""
+        if not self._probes:
+            return None
+        reserved = self.in_flight >= self.budget - self.reserve
+        if reserved and self.flows[self._probes[0]].in_flight:
+            return None
+        return self._probes.popleft()
+
+    def _next_in_ring(self) -> K | None:
+        """The ring's next outbox with credit left, crediting it at its visit: at most two steps
+        (a fresh credit is always at least one claim)."""
+        while self._ring:
             self.visits += 1
             key = self._ring[0]
             flow = self.flows[key]
@@ -132,9 +188,21 @@ class DeficitRoundRobin(Generic[K]):
                 self._credited = True
             if flow.deficit >= self.batch_size:
                 flow.deficit -= self.batch_size
-                return self._hold(key)
+                return key
             self._ring.rotate(-1)
             self._credited = False
+        return None
+
+    def _fresh_in_ring(self) -> K | None:
+        """Within the reserve: the first outbox in ring order with nothing in flight, granted
+        out of the round (its credit and the pointer untouched, so the weights among the
+        outboxes with batches in flight stay as they were). Each outbox passed over holds a
+        grant: at most `budget` steps."""
+        for key in self._ring:
+            self.visits += 1
+            if not self.flows[key].in_flight:
+                return key
+        return None
 
     def _hold(self, key: K) -> K:
         flow = self.flows[key]
@@ -143,13 +211,17 @@ class DeficitRoundRobin(Generic[K]):
         self.in_flight += 1
         return key
 
-    def finished(self, key: K, rows: int) -> None:
-        """A claim of `key` ended with `rows` rows: its slot is free again. Fewer rows than a
-        batch means the outbox is drained: it sleeps until something wakes it."""
+    def release(self, key: K) -> None:
+        """A grant of `key` ended (its claim found nothing, or its batch was settled): the
+        budget has it back."""
         self.in_flight -= 1
         flow = self.flows.get(key)
-        if flow is None:  # forgotten while its claim ran
-            return
-        flow.in_flight -= 1
-        if rows < self.batch_size:
+        if flow is not None and flow.in_flight > 0:  # else forgotten (maybe added again) meanwhile
+            flow.in_flight -= 1
+
+    def finished(self, key: K, rows: int) -> None:
+        """A grant of `key` ended with `rows` rows claimed: given back, and an outbox with fewer
+        rows than a batch is drained: it sleeps until something wakes it."""
+        self.release(key)
+        if key in self.flows and rows < self.batch_size:
             self.sleep(key)

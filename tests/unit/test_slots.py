@@ -1,94 +1,25 @@
 """The claim slots shared by many outboxes (dispatch/slots.py) against scripted outboxes (our
-own seam: OutboxRuntime's turn, idle and failure fields), and the connection budget's split."""
+own seam: OutboxRuntime's claim, run and idle; tests/unit/scripted_outboxes.py), and the
+connection budget's split. The batches' runs apart from the slots: test_slots_pipeline.py."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import asyncpg
 import pytest
-from pydantic import SecretStr
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.config.outboxes import Outbox, Source
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.databases import pool_size_of
-from outbox_dispatcher.dispatch.outboxes import OutboxRuntime, Shared, key_of
-from outbox_dispatcher.dispatch.slots import ClaimSlots
-from outbox_dispatcher.health import Heartbeats
+from outbox_dispatcher.dispatch.outboxes import OutboxRuntime, Shared
 from outbox_dispatcher.metrics import Metrics
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.store import listen
 
-BATCH = 10
-ORDER: list[str] = []  # the schemas of the turns taken, in order
-URL = SecretStr("postgresql://u:p@db:5432/app")
-
-
-@dataclass
-class Scripted:
-    """An outbox whose turns return the rows of `script` in order (then 0); a negative entry
-    is a failure of the outbox (retry_in set). A partial batch's claim saw nothing left after it
-    (drained, as the steady claim says) unless `more_after_partial`."""
-
-    schema: str
-    script: list[int]
-    weight: int = 1
-    turns: int = 0
-    announced: int = 0
-    retry_in: float | None = None
-    outage: float = 0.0
-    more_after_partial: bool = False
-    drained: bool = False
-    gate: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def __post_init__(self) -> None:
-        self.outbox = Outbox(Source(URL, "tenant_*", "outbox", weight=self.weight), self.schema)
-        self.key = key_of(self.outbox)
-        self.label = self.outbox.label
-        self.gate.set()
-
-    async def turn(self, heartbeat: Any) -> int:
-        await self.gate.wait()
-        await asyncio.sleep(0)  # a real turn waits for the database and the broker
-        ORDER.append(self.schema)
-        rows = self.script[self.turns] if self.turns < len(self.script) else 0
-        self.turns += 1
-        self.retry_in = 0.05 if rows < 0 else None
-        self.drained = 0 < rows < BATCH and not self.more_after_partial
-        return max(rows, 0)
-
-    async def idle(self) -> bool:
-        self.announced += 1
-        return self.announced == 1  # the first announcement is fresh: claim once more
-
-
-@contextlib.asynccontextmanager
-async def serving(slots: ClaimSlots, count: int = 2) -> AsyncIterator[None]:
-    stopping = slots._stopping
-    tasks = [asyncio.create_task(slots.serve(f"claim-{i}", 0.01)) for i in range(count)]
-    try:
-        yield
-    finally:
-        stopping.set()
-        await asyncio.wait_for(asyncio.gather(*tasks), 5)
-
-
-def slots_of(*outboxes: Scripted, budget: int = 2) -> ClaimSlots:
-    slots = ClaimSlots(budget, BATCH, asyncio.Event(), Heartbeats(60))
-    for outbox in outboxes:
-        slots.add(cast(OutboxRuntime, outbox))
-    return slots
-
-
-async def until(check: Any, seconds: float = 5.0) -> None:
-    async with asyncio.timeout(seconds):
-        while not check():  # noqa: ASYNC110 - polls a fake's counters, no event to wait on
-            await asyncio.sleep(0.005)
+from .scripted_outboxes import BATCH, ORDER, URL, Scripted, serving, slots_of, until
 
 
 async def test_a_backlog_is_claimed_while_full_then_idles_after_one_more_claim() -> None:
@@ -248,6 +179,7 @@ async def test_a_table_dropped_under_an_outbox_is_its_failure_never_the_process(
     shared = Shared(settings, "me", cast(Any, None), Metrics(), RetryPolicy(settings), 2.0)
     outbox = Outbox(Source(URL, "tenant_*", "outbox"), "tenant_gone")
     runtime = OutboxRuntime(outbox, cast(Any, DroppedTable()), 16, shared)
-    assert await runtime.turn(lambda: None) == 0
-    assert runtime.retry_in is not None  # backs off alone
+    claim = await runtime.claim()
+    assert claim.batch is None
+    assert claim.retry_in is not None  # backs off alone
     assert await runtime.idle() is True  # claim once more: that claim backs it off

@@ -77,3 +77,14 @@ def test_the_command_line_says_what_is_wrong_in_one_line_without_the_url(
     err = capsys.readouterr().err
     assert "OUTBOX_SOURCES is not valid JSON" in err
     assert "s3cr3t" not in err
+
+
+def test_the_fleet_in_flight_budget_is_at_least_the_claim_slots_with_sources() -> None:
+    """Each claim slot holds a batch in flight while it claims: a budget below the slots is
+    refused with sources, and means nothing (so is not checked) without them."""
+    sources = json.dumps([{"schema": "tenant_*"}])
+    assert Settings(sources=sources, claim_tasks=16).fleet_in_flight_batches == 16
+    with pytest.raises(ValueError, match="OUTBOX_FLEET_IN_FLIGHT_BATCHES=16 is below") as refused:
+        Settings(sources=sources, claim_tasks=20)
+    assert "OUTBOX_CLAIM_TASKS=20" in str(refused.value)
+    assert Settings(claim_tasks=20).claim_tasks == 20  # a single-table dispatcher: unused
