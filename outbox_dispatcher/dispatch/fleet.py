@@ -280,6 +280,8 @@ class FleetDispatcher:
         OUTBOX_FLEET_HOT_SECONDS: listed at its next beat, so that the second member in their
         hash order serves them too (sources/fleet.py)."""
         since = time.monotonic() - self.settings.fleet_hot_seconds
+        for key in self.slots.idle():  # waiting for work: whatever its last claims saw, no backlog
+            self.slots.outboxes[key].backlog_since = None
         return tuple(
             sorted(
                 outbox_key(o.outbox)

@@ -161,7 +161,7 @@ class OutboxRuntime:
                 batch = await self.claimer.claim()
                 if batch is None:
                     self.backoff.succeeded()
-                    self.backlog_since = None
+                    self._saw_backlog(False)
                     return Claim(started=started)
                 self.metrics.claim_duration.observe(loop.time() - started)
                 self.metrics.claimed.inc(len(batch.records))
@@ -205,8 +205,12 @@ class OutboxRuntime:
             return Ran(outage)
 
     def _saw_backlog(self, more: bool) -> None:
+        """A claim that saw no more rows ends the backlog, unless batches of this outbox are
+        still on their way: their keys are leased, so a claim then sees less than there is
+        (several batches in flight lease every key of a backlog over few keys)."""
         if not more:
-            self.backlog_since = None
+            if not self.in_flight:
+                self.backlog_since = None
         elif self.backlog_since is None:
             self.backlog_since = time.monotonic()
 

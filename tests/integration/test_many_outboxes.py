@@ -543,6 +543,10 @@ async def test_a_hot_outbox_is_served_by_a_second_member_until_its_backlog_ends(
         batch_size=50,
         lease_seconds=6,  # a beat every 2 s
         fleet_hot_seconds=1,
+        # One member alone drains at most 2 batches of 50 per 50 ms (2k rows/s): 20 s, enough
+        # for the other to join whatever the machine's pace.
+        fleet_in_flight_batches=2,
+        kafka_linger_ms=50,
     )
     logs = [tmp_path / f"fleet{i}.log" for i in range(2)]
     processes = [spawn(settings, log) for log in logs]
