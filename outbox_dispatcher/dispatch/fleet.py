@@ -45,8 +45,6 @@ from outbox_dispatcher.store.probe import Session
 
 log = structlog.get_logger(__name__)
 
-PROGRESS_ID_VERSION = migrations.PROGRESS_ID_VERSION  # exactly-once's oldest schema version
-
 # With LISTEN the idle outboxes are probed this often (notifications wake them sooner); without,
 # every poll interval (dispatch/probe.py).
 IDLE_POLL_SECONDS = 2.0
@@ -181,7 +179,8 @@ class FleetDispatcher:
         stores = []
         for state in view.outboxes:
             o = state.outbox
-            if state.state is not State.READY or (state.version or 0) < PROGRESS_ID_VERSION:
+            refused = migrations.exactly_once_refusal(state.version or 0)
+            if state.state is not State.READY or refused:
                 continue
             try:
                 pool = await databases.pool(o.database)
@@ -280,8 +279,6 @@ class FleetDispatcher:
         OUTBOX_FLEET_HOT_SECONDS: listed at its next beat, so that the second member in their
         hash order serves them too (sources/fleet.py)."""
         since = time.monotonic() - self.settings.fleet_hot_seconds
-        for key in self.slots.idle():  # waiting for work: whatever its last claims saw, no backlog
-            self.slots.outboxes[key].backlog_since = None
         return tuple(
             sorted(
                 outbox_key(o.outbox)

@@ -242,8 +242,10 @@ class OutboxRuntime:
         return retry_in
 
     async def idle(self) -> bool:
-        """Its last claim found less than a batch: ask writers to notify (True: the
+        """Its last claim found less than a batch and nothing of it is on its way: no backlog
+        any more, whatever its earlier claims saw; ask writers to notify (True: the
         announcement is fresh, claim once more, see Waiting.announce)."""
+        self.backlog_since = None
         if self.waiting is None:
             return False
         try:
