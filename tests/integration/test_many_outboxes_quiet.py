@@ -19,7 +19,7 @@ from outbox_dispatcher.store.fleet import FleetStore
 from .helpers import Services, spawn, stop_all, wait_started
 from .sources_helpers import fresh_database, migrate
 from .test_many_outboxes import MakeTopic, Tenant, fleet_settings
-from .test_many_outboxes_idle import TENANTS, calls, since
+from .test_many_outboxes_idle import TENANTS, calls, reset_counts, since
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -53,6 +53,7 @@ async def test_a_quiet_event_costs_one_claim_and_one_settle(
     try:
         await wait_started([log])
         await asyncio.sleep(2)  # each outbox's first claim, when it is served
+        await reset_counts(services.database_url)
         before = await calls(services.database_url, database)
         async with quiet.connect() as conn:
             for n in range(EVENTS):

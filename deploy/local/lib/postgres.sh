@@ -232,6 +232,9 @@ log_line_prefix = '%m [%p] %q%u@%d '
 # steady cycle); loading the library needs a restart (pg-stop, pg-start), not a reload.
 shared_preload_libraries = 'pg_stat_statements'
 pg_stat_statements.track = all
+# a whole make test makes more distinct statements (a schema per tenant) than the default 5,000
+# entries; the least-called are evicted first, which made counting tests see counts fall.
+pg_stat_statements.max = 20000
 $ssl_lines" && changed=0
 
   pg_write_file "$PGDATA/pg_hba.conf" "\
@@ -276,7 +279,9 @@ SQL
   # make bench reads the dispatcher's statements from the app database (creating the extension
   # needs a superuser); the test databases are created from template1 and do not get it.
   as_pg "$PG_BIN/psql" -X -q -v ON_ERROR_STOP=1 -h "$PG_SOCKET_DIR" -p "$PG_PORT" \
-    -U "$PG_SUPERUSER" -d "$PG_APP_DB" -c 'CREATE EXTENSION IF NOT EXISTS pg_stat_statements'
+    -U "$PG_SUPERUSER" -d "$PG_APP_DB" -c 'CREATE EXTENSION IF NOT EXISTS pg_stat_statements' \
+    -c "GRANT EXECUTE ON FUNCTION pg_stat_statements_reset(oid, oid, bigint) TO $PG_APP_USER"
+  # (the counting tests empty it before they count: over a whole make test its entries fill)
   # The static check runs from the app database too, in a schema of its own (its functions stay
   # out of public); creating it needs a superuser. It loads on use: no restart.
   pg_plpgsql_check_installed || return 0
