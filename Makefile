@@ -91,7 +91,7 @@ CONTAINERS_SUBSET ?= tests/integration/test_dispatcher.py tests/integration/test
 	tests/integration/test_schema.py
 
 # pytest exits 5 when it collected nothing: for this project that is a broken suite, not a pass.
-# --durations: the 30 slowest tests in CI's log, to keep the run under its time budget.
+# --durations: the 80 slowest tests in CI's log, to keep the run under its time budget.
 # The whole suite runs against the local services; the container tests (tests marked `container`:
 # the image from a fresh clone, compose up) and CONTAINERS_SUBSET need a container engine. Where
 # none can be had, deploy/docker/image.sh says so in one line and they are left out.
@@ -99,7 +99,7 @@ test: lint services tools browser
 	@engine=0; bash deploy/docker/image.sh engine >/dev/null || engine=$$?; \
 	if [ $$engine -ne 0 ] && [ $$engine -ne 3 ]; then exit $$engine; fi; \
 	marker=(); if [ $$engine -eq 3 ]; then marker=(-m "not container"); fi; \
-	rc=0; OUTBOX_TEST_STACK=services $(BIN)/pytest "$${marker[@]}" --durations=30 $(PYTEST_ARGS) || rc=$$?; \
+	rc=0; OUTBOX_TEST_STACK=services $(BIN)/pytest "$${marker[@]}" --durations=80 $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is broken" >&2; exit 1; fi; \
 	if [ $$engine -eq 0 ]; then \
 		bash deploy/docker/image.sh service-images >/dev/null; \

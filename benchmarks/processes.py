@@ -84,8 +84,8 @@ async def dispatchers(settings: Settings, count: int = 1) -> AsyncIterator[Dispa
         for p in group.processes:
             p.send_signal(signal.SIGTERM)
         for p in group.processes:
-            try:
-                p.wait(timeout=60)
+            try:  # off the loop: a scenario's broker proxy runs on it and the stop needs it
+                await asyncio.to_thread(p.wait, 60)
             except subprocess.TimeoutExpired:
                 p.kill()
         log.close()
