@@ -27,7 +27,7 @@ from typing import Any
 
 import uvloop
 
-from benchmarks import baselines, fleet, handwritten, statements
+from benchmarks import baselines, fleet, fleet_lanes, handwritten, statements
 from benchmarks.claims import STUCK_KINDS as STUCK_WORK_KINDS
 from benchmarks.claims import claim_cost
 from benchmarks.drains import burst, drain, drain_beside_at_least_once, hot_key, open_writer
@@ -147,6 +147,13 @@ def plan(stack: Stack, sizes: Sizes) -> dict[str, Scenario]:
             stack, s.drain, s.fleet_outboxes - 1
         ),
         "fleet_new_tenant": lambda: fleet.new_tenant(stack, s.fleet_quiet),
+        # An idle tenant's first event; with exactly-once (issue 35) its lanes open for it.
+        "fleet_first_after_idle": lambda: fleet_lanes.first_after_idle(
+            stack, s.fleet_quiet, max(2, s.fleet_quiet // 4), "at-least-once"
+        ),
+        "fleet_first_after_idle_exactly_once": lambda: fleet_lanes.first_after_idle(
+            stack, s.fleet_quiet, max(2, s.fleet_quiet // 4), "exactly-once"
+        ),
         "hot_key": lambda: hot_key(stack, s.hot_key),
         # A burst committed while the dispatcher waits, into a table whose statistics are those
         # of the empty table, and the same with an ANALYZE in the burst's transaction.

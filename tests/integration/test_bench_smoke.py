@@ -64,6 +64,8 @@ def test_the_harness_runs_every_scenario_and_writes_its_report(tmp_path: Path) -
         "fleet_quiet_beside_backlog",
         "fleet_drain_beside_idle",
         "fleet_new_tenant",
+        "fleet_first_after_idle",
+        "fleet_first_after_idle_exactly_once",
     ):
         assert name in results, name
     assert "writer_notify_cost" not in results
