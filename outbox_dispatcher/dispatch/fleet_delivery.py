@@ -19,7 +19,7 @@ import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 import structlog
@@ -51,6 +51,25 @@ OPEN_FAILURES: tuple[type[BaseException], ...] = (
 # A claim whose lanes took longer than this share of the lease to open is given back unsent
 # rather than published under producers that started after it (see OutboxLanes.claimed).
 OPEN_SHARE_OF_LEASE = 1 / 3
+# An outbox's lanes opened within this long of the process's last check of the progress topic
+# skip theirs: the check (an admin client's round trips) was about half of an open's time.
+TOPIC_CHECK_SECONDS = 60.0
+
+
+class TopicChecks:
+    """When the process last checked the progress topic: at its start, then at an outbox's
+    lanes' open once TOPIC_CHECK_SECONDS have passed (a topic deleted while the fleet runs is
+    still found, at the next open after that)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._at: float | None = None
+
+    def due(self) -> bool:
+        return self._at is None or self._clock() - self._at >= TOPIC_CHECK_SECONDS
+
+    def done(self) -> None:
+        self._at = self._clock()
 
 
 @dataclass(frozen=True)
@@ -64,6 +83,7 @@ class ExactlyOnce:
     lane_count: int  # OUTBOX_CLAIM_TASKS, at most lanes.LANES: as the single-table dispatcher
     idle_seconds: float  # OUTBOX_LANES_IDLE_SECONDS
     lease_seconds: float
+    topic_checks: TopicChecks = field(default_factory=TopicChecks)
 
     def lanes_of(
         self,
@@ -99,20 +119,23 @@ class ExactlyOnce:
             label=label,
             idle_seconds=self.idle_seconds,
             lease_seconds=self.lease_seconds,
+            topic_checks=self.topic_checks,
         )
 
 
 async def ensure_progress_topic(eo: ExactlyOnce, stores: Sequence[DispatchStore]) -> None:
     """At the process's start, before any outbox is served: the progress topic created if it is
     missing and no outbox of `stores` needs what it held (a key leased or holding the reconcile
-    duty), else checked. An outbox's lanes check it again at each open, but that open follows
-    the claim that needs them, whose own leases would read as a topic deleted under them."""
+    duty), else checked. An outbox's lanes check it again at an open (at most once a
+    TOPIC_CHECK_SECONDS for the process), but that open follows the claim that needs them,
+    whose own leases would read as a topic deleted under them."""
 
     async def unsettled() -> int:
         return sum([await store.unsettled_work() for store in stores])
 
     try:
         await progress_topic.ensure(eo.config.producer.connection, eo.progress.topic, unsettled)
+        eo.topic_checks.done()
     except KAFKA_TROUBLE as exc:
         raise errors.BrokerUnavailableError(errors.describe(exc)) from exc
 
@@ -129,9 +152,11 @@ class OutboxLanes:
         label: str = "",
         idle_seconds: float,
         lease_seconds: float,
+        topic_checks: TopicChecks | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._make = make
+        self._topic_checks = topic_checks or TopicChecks(clock)
         self._in_flight = in_flight
         self.label = label  # its outbox's `source` label, in its lines
         self.idle_seconds = idle_seconds
@@ -176,7 +201,10 @@ class OutboxLanes:
             if self.publisher is None:
                 self.publisher = await self._make()
             if not self.open:
-                await self.publisher.start()
+                check = self._topic_checks.due()
+                await self.publisher.start(check_topic=check)
+                if check:
+                    self._topic_checks.done()
                 self.open = True
                 self.opened += 1
                 log.info("lanes_opened", source=self.label, lanes=len(self.publisher.lanes))

@@ -17,7 +17,7 @@ from outbox_dispatcher import errors
 from outbox_dispatcher.config.outboxes import Outbox, Source
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.fleet import FleetDispatcher
-from outbox_dispatcher.dispatch.fleet_delivery import OutboxLanes
+from outbox_dispatcher.dispatch.fleet_delivery import TOPIC_CHECK_SECONDS, OutboxLanes, TopicChecks
 from outbox_dispatcher.dispatch.leases import InFlight
 from outbox_dispatcher.dispatch.outboxes import OutboxRuntime, Shared
 from outbox_dispatcher.kafka.exactly_once import lanes
@@ -71,12 +71,14 @@ class Publisher:
         self.fail_start = fail_start
         self.stop_takes = 0.0
         self.events: list[str] = []
+        self.topic_checked: list[bool] = []
 
-    async def start(self) -> None:
+    async def start(self, *, check_topic: bool = True) -> None:
         if self.fail_start is not None:
             raise self.fail_start
         self.started += 1
         self.events.append("start")
+        self.topic_checked.append(check_topic)
 
     async def stop(self) -> None:
         self.events.append("stopping")
@@ -88,7 +90,12 @@ class Publisher:
         return {i for i, _ in pairs}
 
 
-def lanes_of(publisher: Publisher, clock: Clock, in_flight: InFlight | None = None) -> OutboxLanes:
+def lanes_of(
+    publisher: Publisher,
+    clock: Clock,
+    in_flight: InFlight | None = None,
+    checks: TopicChecks | None = None,
+) -> OutboxLanes:
     made: list[Publisher] = []
 
     async def make() -> TransactionalPublisher:
@@ -101,6 +108,7 @@ def lanes_of(publisher: Publisher, clock: Clock, in_flight: InFlight | None = No
         InFlight() if in_flight is None else in_flight,
         idle_seconds=IDLE,
         lease_seconds=LEASE,
+        topic_checks=checks,
         clock=clock,
     )
 
@@ -116,6 +124,22 @@ async def test_lanes_are_opened_at_the_first_batch_only_and_counted_from_the_ope
     assert seen is not None and seen >= claimed_at  # the open's time: its producers' since
     assert await lanes.claimed(123.0) == 123.0  # open already: the claim's own time
     assert publisher.started == 1
+
+
+async def test_the_outboxes_opening_within_a_minute_share_one_check_of_the_progress_topic() -> None:
+    """The check is an admin client's round trips, half of an open; the fleet checked the topic
+    at its start. One that fails is not counted: the next open checks again."""
+    clock = Clock()
+    checks = TopicChecks(clock)
+    failing = Publisher(errors.BrokerUnavailableError("away"))
+    assert await lanes_of(failing, clock, checks=checks).claimed(0.0) is None
+    first, second, third = Publisher(), Publisher(), Publisher()
+    await lanes_of(first, clock, checks=checks).claimed(0.0)
+    clock.now += TOPIC_CHECK_SECONDS - 1
+    await lanes_of(second, clock, checks=checks).claimed(0.0)
+    clock.now += 1
+    await lanes_of(third, clock, checks=checks).claimed(0.0)
+    assert [p.topic_checked for p in (first, second, third)] == [[True], [False], [True]]
 
 
 async def test_a_claim_whose_open_took_a_third_of_the_lease_keeps_its_own_time() -> None:

@@ -149,11 +149,14 @@ class TransactionalPublisher:
         """Every lane's batches committed and not seen marked (tag: (id, replays) pairs)."""
         return {tag: ids for lane in self.lanes for tag, ids in lane.unmarked.items()}
 
-    async def start(self) -> None:
+    async def start(self, *, check_topic: bool = True) -> None:
         """Record the lanes' ids, start their producers (the first transaction of each fences an
-        earlier one of its id) and create the progress topic if it is missing."""
+        earlier one of its id) and create the progress topic if it is missing (`check_topic`:
+        false when the process checked it a moment ago: fleet_delivery.TopicChecks)."""
         internals.quicken_transaction_retries()
         await self.lanes.start()
+        if not check_topic:
+            return
         try:
             topic = self._progress.topic
             await progress_topic.ensure(self._connection, topic, self._store.unsettled)
