@@ -241,3 +241,37 @@ async def test_a_fresh_producer_under_a_lane_s_id_records_the_ids_first(
 
 async def _no_fence(config: Any, transactional_id: str, seconds: float) -> None:
     pass
+
+
+async def test_the_lanes_producers_start_at_once_and_all_stop_when_one_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An outbox's first event (with many outboxes, after every idle spell) waits for the
+    lanes' start: one producer's start, not one a lane. A start that fails stops the others."""
+    made = _made(2)
+    running = 0
+    most = 0
+    stopped: list[Producers] = []
+
+    async def start(self: Producers, seconds: float | None = None) -> None:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await asyncio.sleep(0.01)
+        running -= 1
+        if self is made[1].producers and fail:
+            raise ConnectionError("the broker is away")
+
+    async def stop(self: Producers) -> None:
+        stopped.append(self)
+
+    monkeypatch.setattr(Producers, "start", start)
+    monkeypatch.setattr(Producers, "stop", stop)
+    fail = False
+    await made.start()
+    assert most == 2, "the starts overlap"
+    assert stopped == []
+    fail = True
+    with pytest.raises(ConnectionError):
+        await made.start()
+    assert stopped == [made[0].producers, made[1].producers], "the one started is stopped too"

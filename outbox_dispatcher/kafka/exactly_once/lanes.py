@@ -178,17 +178,20 @@ class Lanes(Sequence[Lane]):
         return [lane.transactional_id for lane in self._lanes]
 
     async def start(self) -> None:
-        """Record the ids, then start every lane's producer (stopped again if one fails)."""
+        """Record the ids, then start the lanes' producers at once (an outbox's first event
+        waits for one start, not one a lane); all stopped again if one fails."""
         await self._record()
-        started: list[Lane] = []
         try:
-            for lane in self._lanes:
-                await lane.producers.start()
-                started.append(lane)
-        except BaseException:
-            for lane in started:
-                await lane.producers.stop()
+            outcomes = await asyncio.gather(
+                *(lane.producers.start() for lane in self._lanes), return_exceptions=True
+            )
+        except BaseException:  # cancelled (a producer that never started stops as nothing)
+            await self.stop()
             raise
+        failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if failed is not None:
+            await self.stop()
+            raise failed
         # Every lane's id recorded and its producer started (a lane renewed before a stop, and
         # started again: its `ready` would start a second producer and leak the first).
         self._unready.clear()
