@@ -54,8 +54,12 @@ async def keep_leases(
     settings: Settings,
     in_flight: InFlight,
     heartbeats: Heartbeats,
+    phase: float | None = None,
 ) -> NoReturn:
-    """Extend the leases of in-flight rows every lease/3, for as long as the process lives."""
+    """Extend the leases of in-flight rows every lease/3, for as long as the process lives.
+    With `phase` (its place beside the process's other loops, every.spread), the extensions
+    keep to a grid from `phase` after the start: a claim's rows are extended within lease/3 of
+    their claim, the first ones too."""
     asked = 0
 
     async def extend() -> None:
@@ -81,7 +85,9 @@ async def keep_leases(
         log=log,
         failed="lease_extension_failed",
         tolerated=db.RETRIABLE_ERRORS,
+        wait_first=phase is None,
         context=lambda: {"rows": asked},
+        phase=phase,
     )
 
 
@@ -92,11 +98,13 @@ async def reclaim(
     committed_of: CommittedOf | None = None,
     due: Callable[[], bool] | None = None,
     sweep_due: Callable[[], bool] | None = None,
+    phase: float | None = None,
 ) -> NoReturn:
     """Dead-letter rows whose leases keep expiring; report expired leases awaiting takeover.
     Exactly-once (`committed_of`): those its lost claim had committed are published instead.
     `due` and `sweep_due`: whether this tick runs, and its sweep step (an idle outbox of many
-    runs them seldom, dispatch/idle.py)."""
+    runs them seldom, dispatch/idle.py). `phase`: its place beside the process's other loops
+    (every.spread)."""
     await every(
         settings.reclaim_interval_seconds,
         functools.partial(reclaim_step, store, settings, metrics, committed_of, sweep_due),
@@ -104,6 +112,7 @@ async def reclaim(
         failed="reclaim_failed",
         tolerated=db.RETRIABLE_ERRORS,
         due=due,
+        phase=phase,
     )
 
 

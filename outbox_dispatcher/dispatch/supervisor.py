@@ -25,7 +25,7 @@ from outbox_dispatcher.dispatch import leases, upkeep
 from outbox_dispatcher.dispatch.batch import SettleConfig, Settling
 from outbox_dispatcher.dispatch.claim_loop import ClaimLoop, ClaimLoopConfig, Shared
 from outbox_dispatcher.dispatch.claimer import Claimer
-from outbox_dispatcher.dispatch.every import every
+from outbox_dispatcher.dispatch.every import every, spread
 from outbox_dispatcher.dispatch.progress_store import transactional_publisher
 from outbox_dispatcher.dispatch.settler import Settler
 from outbox_dispatcher.dispatch.wakeup import Waiting, Wakeup
@@ -227,14 +227,20 @@ class Dispatcher:
         self, store: DispatchStore, readiness: ReadinessCache
     ) -> dict[str, Coroutine[Any, Any, None]]:
         """The loops beside the claim loops, by name: leases, reclaims, gauges, readiness, the
-        dispatcher's heartbeat, and as configured LISTEN, HTTP and retention."""
+        dispatcher's heartbeat, and as configured LISTEN, HTTP and retention. The periodic ones
+        each at a phase of their own (tick_phases): never two of them at once."""
         s = self.settings
+        phase = tick_phases(s)
         side: dict[str, Coroutine[Any, Any, None]] = {
-            "lease-keeper": leases.keep_leases(store, s, self.in_flight, self.heartbeats),
-            "reclaimer": leases.reclaim(store, s, self.metrics, self._committed_of),
-            "metrics": self._sample_gauges(store),
-            "readiness": self._refresh_readiness(readiness),
-            "heartbeat": self._beat(store),
+            "lease-keeper": leases.keep_leases(
+                store, s, self.in_flight, self.heartbeats, phase=phase["lease-keeper"]
+            ),
+            "reclaimer": leases.reclaim(
+                store, s, self.metrics, self._committed_of, phase=phase["reclaimer"]
+            ),
+            "metrics": self._sample_gauges(store, phase["metrics"]),
+            "readiness": self._refresh_readiness(readiness, phase["readiness"]),
+            "heartbeat": self._beat(store, phase["heartbeat"]),
         }
         if self._orphans is not None:
             side["progress-sweep"] = orphans.sweep_every(self._orphans, s.progress_sweep_seconds)
@@ -250,10 +256,10 @@ class Dispatcher:
             )
             side["http"] = self._http.serve()
         if upkeep.wants_retention(s):
-            side["retention"] = upkeep.retention(store, s)
+            side["retention"] = upkeep.retention(store, s, phase=phase["retention"])
         return side
 
-    async def _sample_gauges(self, store: DispatchStore) -> NoReturn:
+    async def _sample_gauges(self, store: DispatchStore, phase: float) -> NoReturn:
         """The table gauges, every metrics interval (a role without a newer grant: they go
         stale and OutboxTableMetricsStale fires; publishing goes on)."""
         block = self.settings.dead_letter_policy is DeadLetterPolicy.BLOCK
@@ -264,11 +270,12 @@ class Dispatcher:
             failed="metrics_sample_failed",
             tolerated=metrics.SAMPLE_ERRORS,
             wait_first=False,
+            phase=phase,
         )
 
-    async def _beat(self, store: DispatchStore) -> NoReturn:
+    async def _beat(self, store: DispatchStore, phase: float) -> NoReturn:
         heartbeat = registry.Heartbeat(store, self.settings, self.owner, self.metrics.totals)
-        await upkeep.heartbeat(heartbeat)
+        await upkeep.heartbeat(heartbeat, phase=phase)
 
     async def _readiness(self, store: DispatchStore, publisher: Publisher) -> Readiness:
         checks: dict[str, str] = {}
@@ -295,7 +302,7 @@ class Dispatcher:
         self.metrics.ready.set(int(ready))
         return Readiness(ready, checks)
 
-    async def _refresh_readiness(self, readiness: ReadinessCache) -> NoReturn:
+    async def _refresh_readiness(self, readiness: ReadinessCache, phase: float) -> NoReturn:
         """Keep outbox_ready current even when nothing probes /readyz; log changes. (A check
         that fails is a not-ready answer, not an error: nothing is tolerated.)"""
         was: bool | None = None
@@ -311,12 +318,13 @@ class Dispatcher:
                 was = state.ready
 
         await every(
-            min(self.settings.metrics_interval_seconds, 5.0),
+            readiness_seconds(self.settings),
             refresh,
             log=log,
             failed="readiness_failed",
             tolerated=(),
             wait_first=False,
+            phase=phase,
         )
 
     async def _guard(self, loop: Coroutine[Any, Any, None], name: str) -> None:
@@ -337,6 +345,30 @@ class Dispatcher:
             await asyncio.wait(pending)
         for task in side_tasks:
             task.cancel()
+
+
+def readiness_seconds(settings: Settings) -> float:
+    """How often outbox_ready is refreshed when nothing probes /readyz."""
+    return min(settings.metrics_interval_seconds, 5.0)
+
+
+def tick_phases(settings: Settings) -> dict[str, float]:
+    """The phases of the dispatcher's periodic loops (every.spread): with the defaults (10 s
+    for the heartbeat, the lease keeper and the reclaimer, 5 s readiness, 15 s gauges, 60 s
+    retention) their steps fall 5/6 s apart modulo 5 s, where at one shared tick every 10 s
+    they queued behind each other and the claims (issue 35). Those that run at once come
+    first: the heartbeat at the start, then readiness and the gauges."""
+    intervals = {
+        "heartbeat": registry.HEARTBEAT_SECONDS,
+        "readiness": readiness_seconds(settings),
+        "metrics": settings.metrics_interval_seconds,
+        "lease-keeper": settings.lease_seconds / 3,
+        "reclaimer": settings.reclaim_interval_seconds,
+        "retention": settings.cleanup_interval_seconds,
+    }
+    if not upkeep.wants_retention(settings):
+        del intervals["retention"]
+    return spread(intervals)
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,14 @@ from outbox_dispatcher.store import DispatchStore, db
 
 
 async def heartbeat(
-    heartbeat: registry.Heartbeat, due: Callable[[], bool] | None = None, **context: Any
+    heartbeat: registry.Heartbeat,
+    due: Callable[[], bool] | None = None,
+    phase: float | None = None,
+    **context: Any,
 ) -> NoReturn:
     """The dispatcher's row in `<table>_dispatchers`, every HEARTBEAT_SECONDS (the ticks `due`
-    allows); a role without the grant warns once (with the hint and `context`) and dispatching
-    goes on."""
+    allows; `phase`: its place beside the process's other loops, every.spread); a role without
+    the grant warns once (with the hint and `context`) and dispatching goes on."""
     await every(
         registry.HEARTBEAT_SECONDS,
         heartbeat.beat,
@@ -30,6 +33,7 @@ async def heartbeat(
         warn=Warn.ONCE,
         context=lambda: {"hint": registry.Heartbeat.HINT, **context},
         due=due,
+        phase=phase,
     )
 
 
@@ -39,10 +43,13 @@ def wants_retention(settings: Settings) -> bool:
 
 
 async def retention(
-    store: DispatchStore, settings: Settings, due: Callable[[], bool] | None = None
+    store: DispatchStore,
+    settings: Settings,
+    due: Callable[[], bool] | None = None,
+    phase: float | None = None,
 ) -> NoReturn:
     """Published rows older than the retention removed, a batch every cleanup interval (the
-    ticks `due` allows)."""
+    ticks `due` allows; `phase`: its place beside the process's other loops, every.spread)."""
     await every(
         settings.cleanup_interval_seconds,
         functools.partial(cleanup.retention_step, store, settings),
@@ -50,4 +57,5 @@ async def retention(
         failed="retention_failed",
         tolerated=db.RETRIABLE_ERRORS,
         due=due,
+        phase=phase,
     )

@@ -198,7 +198,7 @@ async def test_polling_still_works_without_listen(
 async def test_a_dead_loop_stops_the_whole_dispatcher(
     make_settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async def broken(*_: object) -> None:
+    async def broken(*_: object, **__: object) -> None:
         await asyncio.sleep(0.2)
         raise RuntimeError("reclaimer bug")
 
@@ -212,7 +212,7 @@ async def test_a_dead_loop_stops_the_whole_dispatcher(
 async def test_a_loop_that_returns_is_a_dead_loop_too(
     make_settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async def gives_up(*_: object) -> None:
+    async def gives_up(*_: object, **__: object) -> None:
         await asyncio.sleep(0.2)
 
     monkeypatch.setattr(leases, "keep_leases", gives_up)
