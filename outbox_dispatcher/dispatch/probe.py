@@ -20,6 +20,7 @@ each)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import NoReturn
@@ -67,14 +68,26 @@ class IdleProbe:
         self._seen: dict[Key, int] = {}  # writes counted at each outbox's last look
         self._due: dict[Key, float] = {}  # when to look again without a write (monotonic)
         self._holes: set[Key] = set()  # a hole of its cursor waited for running transactions
+        self._soon = asyncio.Event()  # new outboxes wait for their first look
+        self._full_wanted = False  # the next probe asks every outbox
         self.probes = 0  # probes run (for tests)
         self.full_probes = 0  # of them, asking every outbox
         self.looked = 0  # outboxes asked, over all probes
 
     async def run(self) -> NoReturn:
         while True:
-            await asyncio.sleep(self._interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._soon.wait(), self._interval)
+            self._soon.clear()
             await self.once()
+
+    def look_soon(self, *, everything: bool = False) -> None:
+        """Probe at once, not at the next interval: outboxes were served that nothing has
+        looked at yet (ClaimSlots.add with `probed`), at start or as the registry finds them;
+        `everything`: every outbox, not only those the statistics say were written (the LISTEN
+        connection was down: notifications may have been missed, store/listen.py)."""
+        self._full_wanted = self._full_wanted or everything
+        self._soon.set()
 
     def _served_now(self) -> list[OutboxRuntime]:
         """This database's served outboxes, in a stable order: the full probe's statements stay
@@ -105,7 +118,9 @@ class IdleProbe:
             self._slots.poll(o.key for o in steady if o.key in idle)
             return set()
         self._failing = False
-        return self._learn(looked, found, idle)
+        woken = self._learn(looked, found, idle)
+        self._slots.looked(o.key for o in looked)  # after the woken joined the ring
+        return woken
 
     async def _look(
         self, steady: Sequence[OutboxRuntime], idle: set[Key]
@@ -115,7 +130,8 @@ class IdleProbe:
         shown at the next interval, and its look follows that reading."""
         keys = tuple(o.key for o in steady)
         now = time.monotonic()
-        full = now >= self._full_at or keys != self._served
+        full = now >= self._full_at or keys != self._served or self._full_wanted
+        self._full_wanted = False
         tables = [(o.outbox.schema, o.outbox.table) for o in steady]
         if full:  # read again each time: a table dropped and made again has new oids
             self._oids = await statements.relations(self.session, tables)
