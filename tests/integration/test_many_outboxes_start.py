@@ -68,11 +68,12 @@ async def test_at_start_idle_outboxes_are_probed_not_claimed_and_one_with_rows_i
         await wait_started([log])
         await busy.all_published(timeout=60)
 
-        async def first_pass_done() -> bool:
-            return '"first_pass_done"' in log.read_text()
+        async def probed() -> bool:
+            counted = await calls(services.database_url, database)
+            return sum(n for q, n in counted.items() if "AS outbox" in q) >= 1
 
-        await wait_until(first_pass_done, 30, "the first pass over the outboxes")
-        await asyncio.sleep(1)  # (a claim woken by the first look would have run by now)
+        await wait_until(probed, 30, "the idle probe's first look")
+        await asyncio.sleep(1)  # (a claim woken by that look would have run by now)
         counted = await calls(services.database_url, database)
     finally:
         codes = stop_all([process])
