@@ -234,11 +234,15 @@ class FleetDispatcher:
             "readiness": self._refresh_readiness(readiness),
         }
         assert self._tg is not None  # noqa: S101 (made from inside the task group only)
-        # Ends by itself once done (cancelled with the side loops at shutdown if not).
-        self._side.append(self._tg.create_task(self.first_pass.run(), name="first-pass"))
+        # Ends by itself once done (cancelled with the side loops at shutdown if not); /readyz
+        # then checks again at once rather than answer its cached "not ready" for a second.
+        first_pass = self.first_pass.run(then=readiness.forget)
+        self._side.append(self._tg.create_task(first_pass, name="first-pass"))
         for database in databases.channels:
             session = Session(databases.url(database), s)  # both run on its connection
-            self.probes[database] = IdleProbe(database, session, self.slots, s, self.idle_poll)
+            self.probes[database] = IdleProbe(
+                database, session, self.slots, s, self.idle_poll, owner=self.owner
+            )
             side[f"idle-probe:{database}"] = self.probes[database].run()
             self.beats[database] = BatchedHeartbeat(database, session, self.slots, s, self.owner)
             side[f"heartbeats:{database}"] = self.beats[database].run()

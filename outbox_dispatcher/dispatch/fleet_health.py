@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import structlog
@@ -38,11 +39,13 @@ class FirstPass:
         self.done = False
         self.seconds: float | None = None  # from the dispatcher's making to the pass's end
 
-    async def run(self) -> None:
-        """Wait for the first sync, then for every outbox served so far to be looked at."""
+    async def run(self, then: Callable[[], None] = lambda: None) -> None:
+        """Wait for the first sync, then for every outbox served so far to be looked at; then
+        call `then`."""
         await self.synced.wait()
         await self._slots.all_looked.wait()
         self.done = True
+        then()
         self.seconds = time.monotonic() - self._started
         log.info(
             "first_pass_done", outboxes=len(self._slots.outboxes), seconds=round(self.seconds, 3)

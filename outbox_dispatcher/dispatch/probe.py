@@ -55,12 +55,16 @@ class IdleProbe:
         slots: ClaimSlots,
         settings: Settings,
         interval: float,
+        owner: str | None = None,
     ) -> None:
+        """`owner`: the process's, under which the waits of outboxes at their first look are
+        announced (None: they announce their own)."""
         self.database = database
         self.session = session
         self._slots = slots
         self._interval = interval
         self._takes_blocked = settings.dead_letter_policy is not DeadLetterPolicy.BLOCK
+        self._owner = owner
         self._failing = False
         self._full_at = 0.0  # monotonic time of the next full probe
         self._served: tuple[Key, ...] = ()  # the steady outboxes of the last full probe
@@ -102,10 +106,37 @@ class IdleProbe:
         idle = self._slots.idle()
         steady = [o for o in served if o.steady]
         self._slots.poll(o.key for o in served if not o.steady and o.key in idle)
+        if steady:
+            await self._announce_first([o for o in steady if o.key in idle])
         woken = await self._probe(steady, idle) if steady else set()
         for runtime in served:
             if runtime.key in idle and runtime.key not in woken and runtime.pace.active:
                 await self._keep_announced(runtime)
+
+    async def _announce_first(self, idle: Sequence[OutboxRuntime]) -> None:
+        """With LISTEN, the idle outboxes nothing has looked at yet (served since the last
+        probe, all of them at start) announce their waits in one statement per 100, before the
+        probe looks: a row committed after it is notified, one before it is the probe's to find.
+        Without it, a tenant idle at start sent no notification until its first rows were found
+        by a later probe (seconds), and with a claim each at start, its wait was announced by
+        one statement per outbox."""
+        new = [o for o in idle if o.key in self._slots.unlooked and o.waiting is not None]
+        if not new or self._owner is None:
+            return
+        ttl = min(o.waiting.ttl for o in new if o.waiting is not None)
+        try:
+            await statements.announce(
+                self.session,
+                [(o.outbox.schema, o.outbox.table) for o in new],
+                owner=self._owner,
+                seconds=ttl,
+            )
+        except FAILURES as exc:  # the probe that follows says why; found by probes meanwhile
+            log.debug("idle_announce_failed", database=self.database, error=errors.describe(exc))
+            return
+        for runtime in new:
+            if runtime.waiting is not None:
+                runtime.waiting.announced()
 
     async def _probe(self, steady: Sequence[OutboxRuntime], idle: set[Key]) -> set[Key]:
         try:
