@@ -12,6 +12,7 @@ writers), processes.py (the dispatcher and its CPU), drains.py, steady.py, write
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -66,6 +67,9 @@ class Sizes:
     pause_seconds: float  # pause_readers: the load before and after the pause
     fleet_outboxes: int = 500  # fleet_*: tenant schemas of one database (issue 36)
     fleet_quiet: int = 20  # fleet_quiet_*: tenants written at 20 events/s each
+    # fleet_quiet_*'s window (0: sustained_seconds); longer judges the steady state apart from
+    # the start-up (`--fleet-quiet-seconds`).
+    fleet_quiet_seconds: float = 0.0
 
 
 FULL = Sizes(
@@ -124,6 +128,7 @@ async def median_of(runs: int, scenario: Scenario) -> dict[str, float]:
 
 def plan(stack: Stack, sizes: Sizes) -> dict[str, Scenario]:
     s = sizes
+    quiet_seconds = s.fleet_quiet_seconds or s.sustained_seconds
     scenarios: dict[str, Scenario] = {
         "baseline_kafka_only": lambda: kafka_ceiling(stack, s.kafka_only),
         "baseline_kafka_batch_api": lambda: kafka_batch_api_ceiling(stack, s.kafka_only),
@@ -138,10 +143,10 @@ def plan(stack: Stack, sizes: Sizes) -> dict[str, Scenario]:
         # Issue 36: tenant schemas served by OUTBOX_SOURCES processes.
         "fleet_idle": lambda: fleet.idle(stack, s.fleet_outboxes, 2, s.idle_seconds),
         "fleet_quiet_alone": lambda: fleet.quiet_beside(
-            stack, s.fleet_quiet, s.fleet_outboxes - s.fleet_quiet - 1, 0, s.sustained_seconds
+            stack, s.fleet_quiet, s.fleet_outboxes - s.fleet_quiet - 1, 0, quiet_seconds
         ),
         "fleet_quiet_beside_backlog": lambda: fleet.quiet_beside(
-            stack, s.fleet_quiet, s.fleet_outboxes - s.fleet_quiet - 1, s.drain, s.sustained_seconds
+            stack, s.fleet_quiet, s.fleet_outboxes - s.fleet_quiet - 1, s.drain, quiet_seconds
         ),
         "fleet_drain_beside_idle": lambda: fleet.drain_beside_idle(
             stack, s.drain, s.fleet_outboxes - 1
@@ -341,6 +346,8 @@ def table(
 
 async def main_async(args: argparse.Namespace) -> int:
     sizes = QUICK if args.quick else FULL
+    if args.fleet_quiet_seconds:
+        sizes = dataclasses.replace(sizes, fleet_quiet_seconds=args.fleet_quiet_seconds)
     runs = args.runs or sizes.runs
     stack = Stack.from_env()
     scenarios = plan(stack, sizes)
@@ -395,5 +402,11 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=0, help="runs per scenario (median)")
     parser.add_argument("--only", default="", help="comma-separated scenario names")
     parser.add_argument("--out", default="", help="JSON result file")
+    parser.add_argument(
+        "--fleet-quiet-seconds",
+        type=float,
+        default=0.0,
+        help="fleet_quiet_*'s window in seconds (default: the sustained scenarios')",
+    )
 
     return uvloop.run(main_async(parser.parse_args()))

@@ -62,6 +62,10 @@ class ReadinessCache:
         self._lock = asyncio.Lock()
         self._last: tuple[float, Readiness] | None = None
 
+    def forget(self) -> None:
+        """The next `get` checks again (the state changed: a fleet's first pass ended)."""
+        self._last = None
+
     async def get(self) -> Readiness:
         async with self._lock:
             now = time.monotonic()

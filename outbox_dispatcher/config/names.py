@@ -4,6 +4,7 @@ the database it names, the environment variable of a setting."""
 
 from __future__ import annotations
 
+import functools
 import heapq
 import re
 import urllib.parse
@@ -123,6 +124,7 @@ def env_name(field: str) -> str:
     return "OUTBOX_SCHEMA" if field == "db_schema" else f"OUTBOX_{field.upper()}"
 
 
+@functools.lru_cache(maxsize=1024)
 def database_of(url: str) -> str:
     """A database as messages, labels and grouping name it: hosts, ports and name, never the user
     or password ("db1:5432/app"): two URLs of one database with other users or options name it

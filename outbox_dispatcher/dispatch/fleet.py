@@ -23,6 +23,7 @@ import structlog
 from outbox_dispatcher import errors, metrics, source_metrics
 from outbox_dispatcher.config.outboxes import Outbox, Source
 from outbox_dispatcher.config.settings import DeliveryMode, Settings
+from outbox_dispatcher.dispatch import fleet_health
 from outbox_dispatcher.dispatch.beats import BatchedHeartbeat
 from outbox_dispatcher.dispatch.databases import Databases
 from outbox_dispatcher.dispatch.every import every
@@ -35,7 +36,7 @@ from outbox_dispatcher.dispatch.outboxes import Key, OutboxRuntime, Shared, chan
 from outbox_dispatcher.dispatch.probe import IdleProbe
 from outbox_dispatcher.dispatch.slots import ClaimSlots
 from outbox_dispatcher.dispatch.supervisor import configs_of, instance_id
-from outbox_dispatcher.health import HealthServer, Heartbeats, Readiness, ReadinessCache
+from outbox_dispatcher.health import HealthServer, Heartbeats, ReadinessCache
 from outbox_dispatcher.kafka.publisher import KafkaPublisher
 from outbox_dispatcher.retries import RetryPolicy
 from outbox_dispatcher.sources.fleet import FleetMember, FleetView, outbox_key
@@ -91,6 +92,7 @@ class FleetDispatcher:
         self.refused: dict[Key, tuple[str, str]] = {}
         self._durable: dict[str, str | None] = {}
         self._lanes: list[OutboxLanes] = []  # every outbox's, closed at the end
+        self.first_pass = fleet_health.FirstPass(self.slots)  # /readyz waits for it
 
     @property
     def published(self) -> int:
@@ -225,15 +227,22 @@ class FleetDispatcher:
         self, registry: SourceRegistry, databases: Databases, shared: Shared
     ) -> dict[str, Loop]:
         s = self.settings
-        readiness = ReadinessCache(lambda: self._readiness(registry, shared))
+        readiness = ReadinessCache(lambda: fleet_health.readiness(self, registry, shared))
         side: dict[str, Loop] = {
             "registry": registry.run(self.stopping),
             "outboxes": self._follow(registry, databases, shared),
             "readiness": self._refresh_readiness(readiness),
         }
+        assert self._tg is not None  # noqa: S101 (made from inside the task group only)
+        # Ends by itself once done (cancelled with the side loops at shutdown if not); /readyz
+        # then checks again at once rather than answer its cached "not ready" for a second.
+        first_pass = self.first_pass.run(then=readiness.forget)
+        self._side.append(self._tg.create_task(first_pass, name="first-pass"))
         for database in databases.channels:
             session = Session(databases.url(database), s)  # both run on its connection
-            self.probes[database] = IdleProbe(database, session, self.slots, s, self.idle_poll)
+            self.probes[database] = IdleProbe(
+                database, session, self.slots, s, self.idle_poll, owner=self.owner
+            )
             side[f"idle-probe:{database}"] = self.probes[database].run()
             self.beats[database] = BatchedHeartbeat(database, session, self.slots, s, self.owner)
             side[f"heartbeats:{database}"] = self.beats[database].run()
@@ -254,6 +263,7 @@ class FleetDispatcher:
         """Serve what the registry reports ready, let go what it no longer does."""
         while True:
             await self._sync(registry.view(), databases, shared)
+            self.first_pass.synced.set()
             await asyncio.sleep(min(registry.interval, 1.0))
 
     async def _sync(self, view: View, databases: Databases, shared: Shared) -> None:
@@ -267,11 +277,15 @@ class FleetDispatcher:
             self._let_go(key)
         for key in [k for k in self.refused if k not in ready]:
             del self.refused[key]
+        probed: set[str] = set()  # the databases whose probes look at new outboxes at once
         for key, state in ready.items():
             if key not in self.slots.outboxes:
-                await self._serve(state.outbox, state.version or 0, databases, shared)
+                if await self._serve(state.outbox, state.version or 0, databases, shared):
+                    probed.add(state.outbox.database)
                 if self.member is not None and not self.member.view().owns(state.outbox):
                     log.info("outbox_hot_served_too", source=state.outbox.label)
+        for database in probed:
+            self.probes[database].look_soon()
         self._route_notifications(databases)
 
     def _hot(self, fleet: FleetView) -> tuple[str, ...]:
@@ -289,24 +303,27 @@ class FleetDispatcher:
 
     async def _serve(
         self, outbox: Outbox, version: int, databases: Databases, shared: Shared
-    ) -> None:
+    ) -> bool:
+        """Serve it; True: its database's probe is to look at it (its first look)."""
         try:
             pool = await databases.pool(outbox.database)
         except POOL_FAILURES as exc:  # the registry's next read says why; tried again
             log.debug("database_pool_unavailable", database=outbox.database, error=repr(exc))
-            return
+            return False
         if shared.exactly_once is not None and await self._refused(outbox, version, pool):
-            return
+            return False
         runtime = OutboxRuntime(outbox, pool, version, shared)
         if runtime.lanes is not None:
             self._lanes.append(runtime.lanes)
-        self.slots.add(runtime)
+        probed = runtime.steady and outbox.database in self.probes
+        self.slots.add(runtime, probed=probed)
         assert self._tg is not None  # noqa: S101 (served from inside the task group only)
         self._loops[runtime.key] = [
             self._tg.create_task(loop, name=f"{name}:{runtime.label}")
             for name, loop in runtime.loops().items()
         ]
         log.info("outbox_served", source=runtime.label, database=outbox.database, version=version)
+        return probed
 
     async def _refused(self, outbox: Outbox, version: int, pool: db.Pool) -> bool:
         """Exactly-once: an outbox whose schema is older than PROGRESS_ID_VERSION, or whose
@@ -360,6 +377,7 @@ class FleetDispatcher:
                 if o.outbox.database == database
             }
             channels.set(routes)
+            channels.missed = functools.partial(self.probes[database].look_soon, everything=True)
             listener = self._listeners.get(database)
             if routes and listener is None:
                 assert self._tg is not None  # noqa: S101
@@ -368,37 +386,6 @@ class FleetDispatcher:
             elif not routes and listener is not None:
                 listener.cancel()
                 del self._listeners[database]
-
-    async def _readiness(self, registry: SourceRegistry, shared: Shared) -> Readiness:
-        """Ready while the broker answers and an outbox is served (or none is failing); the
-        detail names each failing outbox and database, never a URL."""
-        view = registry.view()
-        checks: dict[str, str] = {}
-        if self.stopping.is_set():
-            checks["dispatcher"] = "shutting down"
-        checks["broker"] = "ok" if await shared.publisher.reachable(3.0) else "unreachable"
-        for database in view.databases:
-            if not database.reachable:
-                checks[f"database {database.database}"] = f"unreachable: {database.reason}"
-        for failing in view.failing():
-            checks[f"source {failing.label}"] = f"{failing.state.value}: {failing.reason}"
-        for label, reason in self.refused.values():
-            checks[f"source {label}"] = f"refused: {reason}"
-        if self.member is not None:
-            fleet = self.member.view()
-            checks["fleet"] = (
-                f"{len(fleet.members)} member(s), {len(fleet.hot)} hot outbox(es)"
-                if fleet.stale_since is None
-                else f"view stale since {fleet.stale_since:.0f}: {fleet.reason}"
-            )
-        served = len(self.slots.outboxes)
-        failures = len(view.failing()) + len(self.refused)
-        checks["outboxes"] = f"{served} served, {failures} failing"
-        ready = (
-            not self.stopping.is_set() and checks["broker"] == "ok" and (served > 0 or not failures)
-        )
-        self.metrics.ready.set(int(ready))
-        return Readiness(ready, checks)
 
     async def _refresh_readiness(self, readiness: ReadinessCache) -> NoReturn:
         was: bool | None = None

@@ -20,6 +20,7 @@ each)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import NoReturn
@@ -54,12 +55,16 @@ class IdleProbe:
         slots: ClaimSlots,
         settings: Settings,
         interval: float,
+        owner: str | None = None,
     ) -> None:
+        """`owner`: the process's, under which the waits of outboxes at their first look are
+        announced (None: they announce their own)."""
         self.database = database
         self.session = session
         self._slots = slots
         self._interval = interval
         self._takes_blocked = settings.dead_letter_policy is not DeadLetterPolicy.BLOCK
+        self._owner = owner
         self._failing = False
         self._full_at = 0.0  # monotonic time of the next full probe
         self._served: tuple[Key, ...] = ()  # the steady outboxes of the last full probe
@@ -67,14 +72,26 @@ class IdleProbe:
         self._seen: dict[Key, int] = {}  # writes counted at each outbox's last look
         self._due: dict[Key, float] = {}  # when to look again without a write (monotonic)
         self._holes: set[Key] = set()  # a hole of its cursor waited for running transactions
+        self._soon = asyncio.Event()  # new outboxes wait for their first look
+        self._full_wanted = False  # the next probe asks every outbox
         self.probes = 0  # probes run (for tests)
         self.full_probes = 0  # of them, asking every outbox
         self.looked = 0  # outboxes asked, over all probes
 
     async def run(self) -> NoReturn:
         while True:
-            await asyncio.sleep(self._interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._soon.wait(), self._interval)
+            self._soon.clear()
             await self.once()
+
+    def look_soon(self, *, everything: bool = False) -> None:
+        """Probe at once, not at the next interval: outboxes were served that nothing has
+        looked at yet (ClaimSlots.add with `probed`), at start or as the registry finds them;
+        `everything`: every outbox, not only those the statistics say were written (the LISTEN
+        connection was down: notifications may have been missed, store/listen.py)."""
+        self._full_wanted = self._full_wanted or everything
+        self._soon.set()
 
     def _served_now(self) -> list[OutboxRuntime]:
         """This database's served outboxes, in a stable order: the full probe's statements stay
@@ -89,10 +106,37 @@ class IdleProbe:
         idle = self._slots.idle()
         steady = [o for o in served if o.steady]
         self._slots.poll(o.key for o in served if not o.steady and o.key in idle)
+        if steady:
+            await self._announce_first([o for o in steady if o.key in idle])
         woken = await self._probe(steady, idle) if steady else set()
         for runtime in served:
             if runtime.key in idle and runtime.key not in woken and runtime.pace.active:
                 await self._keep_announced(runtime)
+
+    async def _announce_first(self, idle: Sequence[OutboxRuntime]) -> None:
+        """With LISTEN, the idle outboxes nothing has looked at yet (served since the last
+        probe, all of them at start) announce their waits in one statement per 100, before the
+        probe looks: a row committed after it is notified, one before it is the probe's to find.
+        Without it, a tenant idle at start sent no notification until its first rows were found
+        by a later probe (seconds), and with a claim each at start, its wait was announced by
+        one statement per outbox."""
+        new = [o for o in idle if o.key in self._slots.unlooked and o.waiting is not None]
+        if not new or self._owner is None:
+            return
+        ttl = min(o.waiting.ttl for o in new if o.waiting is not None)
+        try:
+            await statements.announce(
+                self.session,
+                [(o.outbox.schema, o.outbox.table) for o in new],
+                owner=self._owner,
+                seconds=ttl,
+            )
+        except FAILURES as exc:  # the probe that follows says why; found by probes meanwhile
+            log.debug("idle_announce_failed", database=self.database, error=errors.describe(exc))
+            return
+        for runtime in new:
+            if runtime.waiting is not None:
+                runtime.waiting.announced()
 
     async def _probe(self, steady: Sequence[OutboxRuntime], idle: set[Key]) -> set[Key]:
         try:
@@ -105,7 +149,9 @@ class IdleProbe:
             self._slots.poll(o.key for o in steady if o.key in idle)
             return set()
         self._failing = False
-        return self._learn(looked, found, idle)
+        woken = self._learn(looked, found, idle)
+        self._slots.looked(o.key for o in looked)  # after the woken joined the ring
+        return woken
 
     async def _look(
         self, steady: Sequence[OutboxRuntime], idle: set[Key]
@@ -115,7 +161,8 @@ class IdleProbe:
         shown at the next interval, and its look follows that reading."""
         keys = tuple(o.key for o in steady)
         now = time.monotonic()
-        full = now >= self._full_at or keys != self._served
+        full = now >= self._full_at or keys != self._served or self._full_wanted
+        self._full_wanted = False
         tables = [(o.outbox.schema, o.outbox.table) for o in steady]
         if full:  # read again each time: a table dropped and made again has new oids
             self._oids = await statements.relations(self.session, tables)

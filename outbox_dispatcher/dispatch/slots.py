@@ -60,20 +60,38 @@ class ClaimSlots:
         self._runs: set[asyncio.Task[None]] = set()
         self._run_names = itertools.count(1)
         self._crashed: BaseException | None = None  # a run's bug: the slots raise it
+        # Served, not looked at yet (neither probed nor claimed): the first pass's progress.
+        self.unlooked: set[Key] = set()
+        self.all_looked = asyncio.Event()
+        self.all_looked.set()
 
-    def add(self, runtime: OutboxRuntime) -> None:
-        """A new outbox: claimed once, in the lane of polls (it may have a backlog, which makes
-        it active then): after the outboxes with work, so that hundreds served at once (at
-        start) do not hold up a notified outbox (seconds of p99 in `make bench`'s fleet_quiet_*
-        while the first pass ran)."""
+    def add(self, runtime: OutboxRuntime, *, probed: bool = False) -> None:
+        """A new outbox, looked at once: `probed`, by its database's idle probe, which the caller
+        runs next (dispatch/probe.py `IdleProbe.look_soon`: one statement per 100 outboxes, and
+        only those with work, or an expired lease, are claimed); otherwise claimed once, in the
+        lane of polls (it may have a backlog, which makes it active then): after the outboxes
+        with work, so that hundreds served at once (at start) do not hold up a notified outbox
+        (seconds of p99 in `make bench`'s fleet_quiet_* while the first pass ran). A claim
+        each at start was most of a 500-outbox process's first seconds (each outbox's
+        statements prepared on the pool's connections, its wait announced, claimed again)."""
         self.outboxes[runtime.key] = runtime
         self.scheduler.add(runtime.key, runtime.outbox.source.weight)
-        self.poll([runtime.key])
+        self.unlooked.add(runtime.key)
+        self.all_looked.clear()
+        if not probed:
+            self.poll([runtime.key])
+
+    def looked(self, keys: Iterable[Key]) -> None:
+        """These outboxes were looked at (a probe answered, or a claim ended)."""
+        self.unlooked.difference_update(keys)
+        if not self.unlooked:
+            self.all_looked.set()
 
     def forget(self, key: Key) -> None:
         """Let go: no slot is granted to it again (a claim or batch of it in flight ends as it
         would)."""
         self.outboxes.pop(key, None)
+        self.looked([key])
         self.scheduler.forget(key)
         self._retry_at.pop(key, None)
         self._notices.pop(key, None)
@@ -161,6 +179,7 @@ class ClaimSlots:
         except BaseException:
             self._release(key)
             raise
+        self.looked([key])
         notified = self._notices.get(key, 0) != seen
         if claim.batch is not None and (claim.full or not claim.drained):
             self._backlogged.add(key)

@@ -86,6 +86,15 @@ class Waiting:
         self._until = now + self._ttl
         return fresh
 
+    @property
+    def ttl(self) -> float:
+        return self._ttl
+
+    def announced(self) -> None:
+        """Announced by someone else for `ttl` from now (the idle probe's batch at an outbox's
+        first look, dispatch/probe.py): its next `announce` is a refresh, not fresh."""
+        self._until = asyncio.get_running_loop().time() + self._ttl
+
     async def withdraw(self) -> None:
         """Busy again: writers can stop notifying (a no-op when nothing was announced)."""
         if not self._until:

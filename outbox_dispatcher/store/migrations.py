@@ -6,6 +6,7 @@ the same files; each file records its own version in <table>_schema_version.
 
 from __future__ import annotations
 
+import functools
 import re
 import zlib
 from dataclasses import dataclass
@@ -57,7 +58,9 @@ def load_migrations(directory: Path | None = None) -> list[Migration]:
     return found
 
 
+@functools.cache
 def latest_version() -> int:
+    """The packaged migrations' last version, read once (the registry asks at each outbox)."""
     return len(load_migrations())
 
 

@@ -49,3 +49,11 @@ SELECT {n} AS outbox, e.expired, e.work, coalesce(e.holes_running, false) AS hol
         OFFSET 0) e
  WHERE e.expired OR e.work OR e.holes_running OR e.lease_ends IS NOT NULL
     OR e.retry_at IS NOT NULL
+
+-- announce --
+-- The waits of outboxes the probe looks at for the first time (dispatch/probe.py): one writable
+-- CTE per outbox ({n}: its place in the list), the statement of dispatch.sql `waiting_announce`,
+-- so that writers notify from now on; the probe that follows finds the rows committed before.
+a{n} AS (INSERT INTO {waiting} AS w (owner, until)
+         VALUES ($owner, now() + $seconds * interval '1 second')
+         ON CONFLICT (owner) DO UPDATE SET until = EXCLUDED.until)

@@ -136,14 +136,18 @@ _TABLE_SUFFIXES = {
 
 
 class Statements(Mapping[str, Statement]):
-    """The statements for one outbox table, by name, with its identifiers filled in."""
+    """The statements for one outbox table, by name, with its identifiers filled in. Each is
+    compiled at its first use: a process serving 500 outboxes rendered all of every table's 90-odd
+    statements when it served them (2.8 ms an outbox, twice: the registry's version read and the
+    outbox's store), seconds of its start-up, for the dozen an outbox runs."""
 
-    def __init__(self, statements: dict[str, Statement]) -> None:
-        self._statements = statements
+    def __init__(self, names: dict[str, str]) -> None:
+        self._names = names  # its identifiers and fragments, what the braces stand for
+        self._statements: dict[str, Statement] = {}
 
     @classmethod
     def for_table(cls, schema: str, table: str, inbox: str = "inbox") -> Statements:
-        """Rendered once per table and process (every operator request asks again)."""
+        """Made once per table and process (every operator request asks again)."""
         return _rendered(cls, schema, table, inbox)
 
     @classmethod
@@ -152,23 +156,27 @@ class Statements(Mapping[str, Statement]):
         for name, sql in _SECTIONS.items():  # in file order: a fragment may use earlier ones
             if name.startswith("_"):
                 names[name] = sql.format_map(names)
-        return cls(
-            {
-                name: compile_placeholders(name, _SECTIONS[name].format_map(names))
-                for name in sorted(NAMES)
-            }
-        )
+        return cls(names)
 
     def __getitem__(self, name: str) -> Statement:
-        return self._statements[name]
+        statement = self._statements.get(name)
+        if statement is None:
+            if name not in NAMES:
+                raise KeyError(name)
+            statement = compile_placeholders(name, _SECTIONS[name].format_map(self._names))
+            self._statements[name] = statement
+        return statement
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._statements)
+        return iter(_SORTED_NAMES)
 
     def __len__(self) -> int:
-        return len(self._statements)
+        return len(NAMES)
 
 
-@functools.lru_cache(maxsize=64)
+_SORTED_NAMES = tuple(sorted(NAMES))
+
+
+@functools.lru_cache(maxsize=1024)
 def _rendered(cls: type[Statements], schema: str, table: str, inbox: str) -> Statements:
     return cls.render(schema, table, inbox)

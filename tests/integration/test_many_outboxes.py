@@ -622,11 +622,15 @@ async def test_exactly_once_with_sources_opens_lanes_only_for_an_outbox_with_row
         await busy.insert(keys=4, per_key=5)
         await busy.all_published()
         (listening,) = log_events(log, "http_listening")
-        status, _ = await http_get(listening["port"], "/readyz")
+
+        async def ready() -> bool:  # once its first pass over the outboxes is done
+            status, _ = await http_get(listening["port"], "/readyz")
+            return status == 200
+
+        await wait_until(ready, 30, "/readyz to say ready")
     finally:
         codes = stop_all([process])
     assert codes == [0], log.read_text()[-3000:]
-    assert status == 200
     assert not log_events(log, "configuration_error")
     assert [e["source"] for e in log_events(log, "lanes_opened")] == ["tenant_a.outbox"]
     assert any(e.get("delivery") == "exactly-once" for e in log_events(log, "started"))

@@ -5,6 +5,7 @@ connection budget's split. The batches' runs apart from the slots: test_slots_pi
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any, cast
 
 import asyncpg
@@ -183,3 +184,41 @@ async def test_a_table_dropped_under_an_outbox_is_its_failure_never_the_process(
     assert claim.batch is None
     assert claim.retry_in is not None  # backs off alone
     assert await runtime.idle() is True  # claim once more: that claim backs it off
+
+
+async def test_outboxes_served_for_the_probe_are_not_claimed_until_it_answers() -> None:
+    """At a fleet's start each outbox the idle probe reads is looked at by the probe, not by a
+    claim of its own (dispatch/fleet_health.py, the first pass): until the probe (or a claim)
+    answers for every one, `all_looked` is unset."""
+    ORDER.clear()
+    new = [Scripted(f"tenant_{i:03d}", []) for i in range(20)]
+    polled = Scripted("tenant_old", [])
+    slots = slots_of()
+    async with serving(slots):
+        for outbox in new:
+            slots.add(cast(OutboxRuntime, outbox), probed=True)
+        slots.add(cast(OutboxRuntime, polled))  # not probed: claimed once, as before
+        await until(lambda: polled.turns >= 1)
+        await asyncio.sleep(0.05)
+        assert [o.turns for o in new] == [0] * 20, "no claim of a probed outbox"
+        assert not slots.all_looked.is_set()
+        assert slots.unlooked == {o.key for o in new}
+        slots.looked(o.key for o in new[:10])
+        assert not slots.all_looked.is_set()
+        slots.looked(o.key for o in new[10:])
+        assert slots.all_looked.is_set()
+
+
+def test_a_reconnected_listen_connection_asks_the_probe_rather_than_waking_every_outbox() -> None:
+    """Rows may have come while nobody listened: with `missed` set (the fleet's probe), that is
+    asked once, instead of 500 outboxes woken for a claim each ahead of notified ones."""
+    woken: list[str] = []
+    missed: list[int] = []
+    channels = listen.Channels("db")
+    channels.set({f"s{i}.outbox": functools.partial(woken.append, f"s{i}") for i in range(3)})
+    channels.wake_all()
+    assert woken == ["s0", "s1", "s2"]  # the single-table default: every route
+    woken.clear()
+    channels.missed = lambda: missed.append(1)
+    channels.wake_all()
+    assert (woken, missed) == ([], [1])
