@@ -128,7 +128,9 @@ def env_name(field: str) -> str:
 def database_of(url: str) -> str:
     """A database as messages, labels and grouping name it: hosts, ports and name, never the user
     or password ("db1:5432/app"): two URLs of one database with other users or options name it
-    alike. The URL has passed database_url_problem."""
+    alike. The URL has passed database_url_problem. Cached: every served outbox's `database`
+    asks (its key, each probe and registry pass over them all: 220k URL parses in a fleet's
+    first 90 s with 500 outboxes, a tenth of its process's CPU), and a process has few URLs."""
     parts = urllib.parse.urlsplit(url)
     query = urllib.parse.parse_qs(parts.query)
     userinfo, _, netloc = parts.netloc.rpartition("@")

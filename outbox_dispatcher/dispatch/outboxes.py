@@ -270,7 +270,9 @@ class OutboxRuntime:
         found: dict[str, Callable[[], Loop]] = {
             "lease-keeper": lambda: leases.keep_leases(self.store, s, self.in_flight, beats),
             "reclaimer": lambda: self._reclaim(
-                gate("reclaimer", s.reclaim_interval_seconds, idle_reclaim),
+                # at the steady version not even at start: the probe's first full look names
+                # the expired leases (their takeover is the claim's anyway)
+                gate("reclaimer", s.reclaim_interval_seconds, idle_reclaim, first=not self.steady),
                 gate("sweep", s.reclaim_interval_seconds, SWEEP_SLOW),
             ),
             "heartbeat": lambda: upkeep.heartbeat(

@@ -158,6 +158,52 @@ async def test_idle_outboxes_cost_no_claims_and_slow_upkeep_and_their_rows_are_p
     assert (verdict.delivered, verdict.lost, verdict.reordered) == (20, [], [])
 
 
+async def test_idle_outboxes_served_at_start_run_no_reclaimer_until_a_lease_expires(
+    services: Services,
+    database: str,
+    make_topic: MakeTopic,
+    make_settings: Any,
+    tmp_path: Path,
+) -> None:
+    """At the steady version an idle outbox's reclaimer has no first round when it is served
+    (500 outboxes served at once ran 500 reclaim functions beside a busy outbox's drain): the
+    probe names an expired lease, and then it runs (tenant_d's dead dispatcher's lease)."""
+    await migrate(database, *TENANTS)
+    tenants = {t: Tenant(database, t, await make_topic()) for t in TENANTS}
+    await tenants["tenant_d"].insert(keys=1, per_key=1)
+    await lease_as_a_dead_dispatcher(tenants["tenant_d"], 8)  # expires after the 3 s counted
+    settings = fleet_settings(
+        make_settings,
+        database,
+        [{"schema": "tenant_*"}],
+        poll_interval_seconds=0.2,
+        reclaim_interval_seconds=0.2,  # a first round would come within 0.2 s of serving
+    )
+    await reset_counts(services.database_url)
+    log = tmp_path / "fleet.log"
+    process = spawn(settings, log)
+    try:
+        await wait_started([log])
+        await asyncio.sleep(3)  # served, their first claims and upkeep rounds done
+        early = per_tenant(await calls(services.database_url, database), "reclaim_work")
+        await tenants["tenant_d"].all_published(timeout=30)  # its lease expired, taken over
+        # (wanted by the probe once the lease expired: the reclaimer's round comes next)
+        await wait_until(
+            lambda: _reclaimed(services, database, "tenant_d"), 10, "tenant_d's reclaimer ran"
+        )
+        late = per_tenant(await calls(services.database_url, database), "reclaim_work")
+    finally:
+        codes = stop_all([process])
+    assert codes == [0], log.read_text()[-3000:]
+    assert early == dict.fromkeys(TENANTS, 0), early
+    assert {t: late[t] for t in TENANTS[:3]} == dict.fromkeys(TENANTS[:3], 0), late
+
+
+async def _reclaimed(services: Services, database: str, tenant: str) -> bool:
+    counted = await calls(services.database_url, database)
+    return per_tenant(counted, "reclaim_work")[tenant] > 0
+
+
 async def test_with_listen_a_row_of_a_long_idle_outbox_whose_wait_lapsed_is_found_by_the_probe(
     services: Services,
     database: str,

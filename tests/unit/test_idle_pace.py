@@ -77,3 +77,17 @@ def test_the_heartbeat_of_an_idle_outbox_keeps_it_live_for_status() -> None:
     gaps = [b - a for a, b in itertools.pairwise(ran)]
     assert max(gaps) < registry.LIVE_SECONDS
     assert min(gaps) > registry.HEARTBEAT_SECONDS, "slower than an active outbox's"
+
+
+def test_a_loop_without_a_first_tick_runs_only_when_wanted_or_active() -> None:
+    """The steady reclaimer (slow = inf, first = False): nothing for an idle outbox, served or
+    not, until the probe finds an expired lease or rows are claimed."""
+    clock = Clock()
+    pace = UpkeepPace(clock)
+    due = pace.gate("reclaimer", 10.0, float("inf"), first=False)
+    assert ticks(due, clock, 10.0, 100) == []
+    pace.want()
+    assert due()
+    assert not due(), "once"
+    pace.busy()
+    assert due(), "active: every tick"

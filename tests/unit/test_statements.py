@@ -223,3 +223,25 @@ def test_only_the_store_runs_the_outbox_statements() -> None:
             ):
                 offenders.append(f"{path.relative_to(package)}:{node.lineno} .{node.func.attr}()")
     assert offenders == []
+
+
+def test_a_fleets_tables_are_rendered_once_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fleet's outbox asks for its table's statements for its runtime and again for its
+    schema version's read: 500 tables are rendered 500 times, not twice each."""
+    from outbox_dispatcher.store import statements
+
+    real, rendered = Statements.render.__func__, []  # type: ignore[attr-defined]
+
+    def counting(cls: type[Statements], schema: str, table: str, inbox: str) -> Statements:
+        rendered.append(schema)
+        return real(cls, schema, table, inbox)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(Statements, "render", classmethod(counting))
+    statements._rendered.cache_clear()
+    try:
+        for _ in range(2):
+            for i in range(500):
+                Statements.for_table(f"tenant_{i:04d}", "outbox")
+    finally:
+        statements._rendered.cache_clear()
+    assert len(rendered) == 500
