@@ -1,7 +1,8 @@
 """The source registry (issue 36): which outboxes the configured sources stand for right now, and
 in what state, following each database while the process runs.
 
-Per database, every `interval` seconds, one catalogue read (store/catalog.sql `outbox_tables`)
+Per database, every `interval` seconds, one catalogue read (store/catalog.sql `outbox_tables`,
+done again only when a cheap fingerprint of the catalogue changed, and every FULL_READ_SECONDS)
 lists the tables with their schema steps; `config.outboxes.expand` turns it into outboxes. A new
 one's version is read once (and a not-yet-ready one's again on its own backoff); a ready one
 costs nothing more. A pattern's schema that is created and migrated is found at the next read,
@@ -38,6 +39,8 @@ DROPPED = frozenset({"42P01", "3F000"})
 # A pending outbox (being migrated, most likely) is read again after at most this many intervals:
 # a tenant caught mid-migration is served within two intervals of its migration (4 s by default).
 PENDING_RECHECK = 1
+# The full catalogue read runs when the catalogue's fingerprint changed, and at least this often.
+FULL_READ_SECONDS = 60.0
 # What makes a whole database back off: away, refusing us (credentials, a database that does not
 # exist or takes no connections), or a catalogue that cannot be read.
 DATABASE_FAILURES: tuple[type[BaseException], ...] = (
@@ -127,6 +130,11 @@ class _Database:
         self.checked_at: float | None = None
         self.reads = 0
         self.outboxes: dict[tuple[str, str], _Tracked] = {}
+        # The last full catalogue read's answer, the fingerprint it was read under, and when
+        # the next is due anyway (monotonic): an unchanged fingerprint reuses the answer.
+        self.found: set[tuple[str, str]] | None = None
+        self.fingerprint: tuple[int, int] | None = None
+        self.full_due = 0.0
 
     def state(self) -> DatabaseState:
         return DatabaseState(
@@ -141,6 +149,7 @@ class _Database:
 
     async def close(self) -> None:
         conn, self.conn = self.conn, None
+        self.found = None  # read in full again once connected
         if conn is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(conn.close(), 5)
@@ -231,13 +240,27 @@ class SourceRegistry:
         try:
             if database.conn is None or database.conn.is_closed():
                 database.conn = await self._connect(database.url)
-            found = await CatalogStore(database.conn).outbox_tables(database.tables)
+            found = await self._tables(database, CatalogStore(database.conn))
             database.reads += 1
             await self._follow_outboxes(database, database.conn, found)
         except DATABASE_FAILURES as exc:
             await self._unreachable(database, exc)
         else:
             self._reachable(database)
+
+    async def _tables(self, database: _Database, catalog: CatalogStore) -> set[tuple[str, str]]:
+        """The outbox tables of the database: the last full read's while the catalogue's
+        fingerprint is unchanged (asked first: a change after it is seen at the next interval),
+        read in full otherwise and every FULL_READ_SECONDS. The full read was most of an idle
+        fleet's database time (500 tenants: 4 ms a read, about 30 % of it)."""
+        fingerprint = await catalog.fingerprint(database.tables)
+        now = self._clock()
+        unchanged = fingerprint == database.fingerprint and now < database.full_due
+        if database.found is not None and unchanged:
+            return database.found
+        database.found = await catalog.outbox_tables(database.tables)
+        database.fingerprint, database.full_due = fingerprint, now + FULL_READ_SECONDS
+        return database.found
 
     async def _follow_outboxes(
         self, database: _Database, conn: db.Connection, found: set[tuple[str, str]]

@@ -18,6 +18,13 @@ class CatalogStore(NamedStore):
         rows = await self._fetch("outbox_tables", tables=tables)
         return {(row["schema_name"], row["table_name"]) for row in rows}
 
+    async def fingerprint(self, tables: list[str]) -> tuple[int, int]:
+        """What changes when an outbox table named in `tables`, or its schema steps, is created
+        or dropped in any schema (catalog.sql `outbox_tables_fingerprint`)."""
+        names = [*tables, *(f"{t}_schema_steps" for t in tables)]
+        [row] = await self._fetch("outbox_tables_fingerprint", names=names)
+        return int(row["relations"]), int(row["namespaces"])
+
     async def schemas(self) -> list[str]:
         return [row["nspname"] for row in await self._fetch("schemas")]
 
