@@ -30,7 +30,8 @@ SELECT id, topic, ordering_key, payload, headers, event_id, created_at, attempts
 -- rows right above the cursor, as long as their ids run on without a gap and are due, are
 -- leased to token $token: new keys get a work row; a key that has one (its claim is in flight,
 -- or it waits) is not taken, and its work row records the highest id passed (last_seen) for its
--- settle, which locks that row after this claim. When the state is not steady, or there are new
+-- settle, which locks that row after this claim, and a row passed below its head lowers the
+-- head (see `leased`). When the state is not steady, or there are new
 -- rows but none at the cursor's next id, or a backlog (a batch's worth of new rows or more), it
 -- returns one row with a NULL id and nothing else: the dispatcher then runs the claim function
 -- (`claim`). OutboxRecord's fields, in its order, then `more`: whether new rows were left above
@@ -103,15 +104,29 @@ leased AS (
     -- last_seen (review 3's floor: a settle's "no more rows" read in an older snapshot).
     -- A key this statement leases gets last_seen 0: a steady claim's key, whose settle is one
     -- statement and must see what a passing claim saw; a claim function's key has none (its
-    -- settle is the settle function's two statements), and passing it writes nothing.
+    -- settle is the settle function's two statements).
+    -- A row passed below the key's head lowers the head (and a parked key may go: discovery's
+    -- `lowered`). The settle function and the claim function's parked keys set a head at the
+    -- key's next pending row in their snapshot, which may lie above the cursor, past a row of
+    -- the key whose writer drew its id first and committed after that snapshot; this claim
+    -- passes that row, and nobody else will register it: without this, the key's run started
+    -- at the higher row (delivered first) and the row waited for the sweep.
     INSERT INTO {work} AS w (keyless, ordering_key, head_id, claim_token, claim_owner,
                              claim_expires_at, claim_first, claim_last, last_seen)
     SELECT g.kl, g.wk, CASE WHEN g.kl THEN g.first ELSE g.last + 1 END, $token::uuid,
            $owner::text, now() + $lease_seconds::float8 * interval '1 second', g.first, g.last, 0
       FROM g ORDER BY g.wk, g.kl
     ON CONFLICT (ordering_key, keyless) DO UPDATE
-       SET last_seen = greatest(w.last_seen, excluded.claim_last)
-     WHERE w.last_seen IS NOT NULL
+       SET last_seen = CASE WHEN w.last_seen IS NOT NULL
+                            THEN greatest(w.last_seen, excluded.claim_last) END,
+           head_id = least(w.head_id, excluded.claim_first),
+           state = CASE WHEN excluded.claim_first >= w.head_id OR w.state IN ('b', 'x')
+                             OR w.claim_token IS NOT NULL
+                        THEN w.state ELSE 'r' END,
+           not_before = CASE WHEN excluded.claim_first >= w.head_id OR w.state IN ('b', 'x')
+                                  OR w.claim_token IS NOT NULL
+                             THEN w.not_before ELSE '-infinity' END
+     WHERE w.last_seen IS NOT NULL OR excluded.claim_first < w.head_id
     RETURNING w.ordering_key, w.keyless, w.claim_token IS NOT DISTINCT FROM $token::uuid AS mine
 ),
 moved AS (

@@ -137,6 +137,52 @@ async def _waiting(conn: asyncpg.Connection) -> bool:
     return await sessions_waiting_on_a_lock(conn) >= 1
 
 
+async def test_a_steady_claim_that_passes_a_row_below_its_keys_head_lowers_the_head(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, database_url: str
+) -> None:
+    """The settle function (a claim function's batch) puts its key's head at the key's next
+    pending row in its own snapshot, above the cursor: a row of the key whose writer drew its
+    id first and commits after that snapshot is not in it. A steady claim whose snapshot
+    predates the settle's commit passes both rows (the key's work is held: not taken) and
+    lowers the head to the lower one, as discovery does. Without it, the key's next claim
+    started at the higher row (its first delivery before the lower one's) and the lower one
+    waited for the sweep (the 1k/s exactly-once bench: 8 rows 18 s late, and one key held a
+    whole lease by the sweep)."""
+    function = store(pool, steady=False)
+    first = await insert(conn, "k")
+    token = uuid.uuid4()
+    held = await function.claim(**claim_arguments(token))
+    assert [r["id"] for r in held] == [first]
+    writer = await asyncpg.connect(database_url)
+    settler = await asyncpg.connect(database_url)
+    try:
+        writing = writer.transaction()
+        await writing.start()
+        late = await insert(writer, "k")  # its id drawn first, committed last
+        early = await insert(conn, "k")
+        settling = settler.transaction()
+        await settling.start()
+        arguments = settle_arguments(token, held)
+        arguments["steady"] = False  # (a claim function's batch)
+        assert await store(settler, steady=False).settle(**arguments) == [first]
+        head = "SELECT head_id FROM outbox_work WHERE ordering_key = 'k'"
+        assert await settler.fetchval(head) == early  # (above the cursor: not seen by it)
+        await writing.commit()
+        passing = asyncio.create_task(store(pool).claim(**claim_arguments(uuid.uuid4())))
+        await wait_until(
+            lambda: _waiting(conn), 10, "the steady claim to wait for the settle's lock"
+        )
+        await settling.commit()
+        assert await passing == []  # its key was held: its rows are passed, not taken
+    finally:
+        await writer.close()
+        await settler.close()
+    assert await conn.fetchval("SELECT position FROM outbox_cursor") == early
+    assert await conn.fetchval(head) == late, "the late row is below its key's head: stranded"
+    taken = await store(pool).claim(**claim_arguments(uuid.uuid4()))
+    assert [r["id"] for r in taken] == [late, early]
+
+
 async def test_a_gap_below_new_rows_is_the_claim_functions(
     pool: asyncpg.Pool, conn: asyncpg.Connection, database_url: str
 ) -> None:
