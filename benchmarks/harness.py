@@ -154,10 +154,10 @@ def plan(stack: Stack, sizes: Sizes) -> dict[str, Scenario]:
         "fleet_new_tenant": lambda: fleet.new_tenant(stack, s.fleet_quiet),
         # An idle tenant's first event; with exactly-once (issue 35) its lanes open for it.
         "fleet_first_after_idle": lambda: fleet_lanes.first_after_idle(
-            stack, s.fleet_quiet, max(2, s.fleet_quiet // 4), "at-least-once"
+            stack, s.fleet_quiet, max(1, s.fleet_quiet // 4), "at-least-once"
         ),
         "fleet_first_after_idle_exactly_once": lambda: fleet_lanes.first_after_idle(
-            stack, s.fleet_quiet, max(2, s.fleet_quiet // 4), "exactly-once"
+            stack, s.fleet_quiet, max(1, s.fleet_quiet // 4), "exactly-once"
         ),
         "hot_key": lambda: hot_key(stack, s.hot_key),
         # A burst committed while the dispatcher waits, into a table whose statistics are those

@@ -32,7 +32,7 @@ from outbox_dispatcher.store.probe import Session
 
 from .helpers import Services, wait_until
 from .sources_helpers import fresh_database, migrate
-from .test_many_outboxes_idle import calls, since
+from .test_many_outboxes_idle import calls, reset_counts, since
 
 pytestmark = pytest.mark.integration
 
@@ -185,6 +185,7 @@ async def test_the_heartbeat_of_every_outbox_of_a_database_is_one_statement(
     services: Services, database: str, fleet: Fleet
 ) -> None:
     beats = BatchedHeartbeat(fleet.database, fleet.session, fleet.slots, fleet.settings, "me")
+    await reset_counts(services.database_url)
     before = await calls(services.database_url, database)
     await beats.once()
     await beats.once()
