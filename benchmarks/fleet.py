@@ -301,26 +301,30 @@ async def new_tenant(stack: Stack, outboxes: int, samples: int = 3) -> dict[str,
             await consumer.getmany(timeout_ms=500)  # assigned, at the end
             for i in range(samples):
                 [name] = await add_tenants(url, outboxes + i, 1)
-                event_id = str(uuid.uuid4())
-                conn = await asyncpg.connect(url)
-                try:
-                    await conn.execute(
-                        f'INSERT INTO "{name}".outbox (topic, ordering_key, payload, event_id) '
-                        "VALUES ($1, 'k', $2, $3::uuid)",
-                        topic,
-                        b"x",
-                        event_id,
-                    )
-                finally:
-                    await conn.close()
-                committed = time.monotonic()
-                seconds.append(await _arrival(consumer, event_id, committed, 60.0))
+                async with connection(url) as conn:
+                    seconds.append(await one_event(conn, consumer, name, topic, 60.0))
         finally:
             await consumer.stop()
     return {
         "first_row_published_s_max": max(seconds),
         "first_row_published_s_median": statistics.median(seconds),
     }
+
+
+async def one_event(
+    conn: asyncpg.Connection, consumer: AIOKafkaConsumer, name: str, topic: str, limit: float
+) -> float:
+    """One row committed to tenant `name`: seconds until `consumer` has it (`limit` when it
+    never comes)."""
+    event_id = str(uuid.uuid4())
+    await conn.execute(
+        f'INSERT INTO "{name}".outbox (topic, ordering_key, payload, event_id) '
+        "VALUES ($1, 'k', $2, $3::uuid)",
+        topic,
+        b"x",
+        event_id,
+    )
+    return await _arrival(consumer, event_id, time.monotonic(), limit)
 
 
 async def _arrival(consumer: AIOKafkaConsumer, event_id: str, since: float, limit: float) -> float:

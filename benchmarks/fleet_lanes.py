@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import time
-import uuid
 
 import asyncpg
 from aiokafka import AIOKafkaConsumer
 
-from benchmarks.fleet import fleet_settings, tenants
+from benchmarks.fleet import fleet_settings, one_event, tenants
 from benchmarks.processes import dispatchers, wait_ready
 from benchmarks.stack import Stack
 
@@ -78,19 +76,4 @@ async def _event_ms(
 ) -> float:
     """One row committed to tenant `name`: milliseconds until a read_committed consumer has it
     (LIMIT when it never comes)."""
-    event_id = str(uuid.uuid4())
-    await conn.execute(
-        f'INSERT INTO "{name}".outbox (topic, ordering_key, payload, event_id) '
-        "VALUES ($1, 'k', $2, $3::uuid)",
-        topic,
-        b"x",
-        event_id,
-    )
-    committed = time.monotonic()
-    while time.monotonic() - committed < LIMIT:
-        batch = await consumer.getmany(timeout_ms=100)
-        for records in batch.values():
-            for record in records:
-                if dict(record.headers)["event-id"].decode() == event_id:
-                    return 1000 * (time.monotonic() - committed)
-    return 1000 * LIMIT
+    return 1000 * await one_event(conn, consumer, name, topic, LIMIT)
