@@ -35,6 +35,7 @@ from benchmarks.stack import Stack, connection, fresh, settings_for
 from benchmarks.steady import write_timeline
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.store import migrations
+from outbox_dispatcher.store.fleet import FleetStore
 
 SOURCES = '[{"schema": "tenant_*"}]'
 QUIET_RATE = 20.0  # events/s of each quiet tenant (the issue's goal row)
@@ -59,9 +60,14 @@ async def add_tenants(url: str, first: int, count: int) -> list[str]:
 
 @contextlib.asynccontextmanager
 async def tenants(stack: Stack, count: int) -> AsyncIterator[tuple[str, str]]:
-    """A fresh database with `count` migrated tenant schemas, and a topic."""
+    """A fresh database with `count` migrated tenant schemas and the fleet's membership table
+    (as `migrate` with OUTBOX_SOURCES makes them; without it each process knew only itself and
+    served every outbox: `fleet_idle`'s two processes each served all 500 until session 6),
+    and a topic."""
     async with fresh(stack) as (url, topic):
         await add_tenants(url, 0, count)
+        async with connection(url) as conn:
+            await FleetStore(conn).create()
         yield url, topic
 
 
