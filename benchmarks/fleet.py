@@ -28,6 +28,7 @@ from benchmarks.processes import (
     BackendCpuSampler,
     Dispatchers,
     dispatchers,
+    machine_cpu,
     tcp_ports,
     wait_ready,
 )
@@ -197,6 +198,7 @@ async def quiet_beside(
             ready = asyncio.create_task(ready_at(port))
             await wait_ready(url, group)
             reader = asyncio.create_task(consume())
+            busy_at, dispatcher_at = machine_cpu(), group.cpu()
             try:
                 written = await asyncio.gather(
                     *(
@@ -206,6 +208,7 @@ async def quiet_beside(
                         for n in names
                     )
                 )
+                busy_end, dispatcher_end = machine_cpu(), group.cpu()
                 left = await pending(conn, busy)
                 stop.set()
                 await reader
@@ -231,6 +234,14 @@ async def quiet_beside(
         "backlog_rows": float(backlog_rows),
         "backlog_left_when_writers_stopped": float(left),
         "rows_stranded": float(len(committed) - len(whole)),
+        # The writers' window: the machine's busy share of every core (100: saturated, its
+        # latencies are the queue for a core), and the dispatcher process's share of one core.
+        "machine_busy_percent": 100
+        * (busy_end[0] - busy_at[0])
+        / max(1e-9, busy_end[1] - busy_at[1]),
+        "dispatcher_cpu_percent_of_one_core": 100
+        * (dispatcher_end - dispatcher_at)
+        / max(1e-9, (busy_end[1] - busy_at[1]) / (os.cpu_count() or 1)),
     }
 
 

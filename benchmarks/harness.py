@@ -66,7 +66,9 @@ class Sizes:
     orphans: int  # orphans_killed: the backlog of new keys' rows
     pause_seconds: float  # pause_readers: the load before and after the pause
     fleet_outboxes: int = 500  # fleet_*: tenant schemas of one database (issue 36)
-    fleet_quiet: int = 20  # fleet_quiet_*: tenants written at 20 events/s each
+    # fleet_quiet_*: tenants written at 20 events/s each (`--fleet-quiet-tenants`: 20 of them,
+    # 400 one-row transactions a second, saturate a 2-core machine that runs the writers too)
+    fleet_quiet: int = 20
     # fleet_quiet_*'s window (0: sustained_seconds); longer judges the steady state apart from
     # the start-up (`--fleet-quiet-seconds`).
     fleet_quiet_seconds: float = 0.0
@@ -348,6 +350,8 @@ async def main_async(args: argparse.Namespace) -> int:
     sizes = QUICK if args.quick else FULL
     if args.fleet_quiet_seconds:
         sizes = dataclasses.replace(sizes, fleet_quiet_seconds=args.fleet_quiet_seconds)
+    if args.fleet_quiet_tenants:
+        sizes = dataclasses.replace(sizes, fleet_quiet=args.fleet_quiet_tenants)
     runs = args.runs or sizes.runs
     stack = Stack.from_env()
     scenarios = plan(stack, sizes)
@@ -407,6 +411,12 @@ def main() -> int:
         type=float,
         default=0.0,
         help="fleet_quiet_*'s window in seconds (default: the sustained scenarios')",
+    )
+    parser.add_argument(
+        "--fleet-quiet-tenants",
+        type=int,
+        default=0,
+        help="fleet_quiet_*'s tenants written at 20 events/s each (default: 20)",
     )
 
     return uvloop.run(main_async(parser.parse_args()))

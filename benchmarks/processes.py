@@ -30,6 +30,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, every core (/proc/stat):
+    a window's busy share says whether its latencies were measured on a saturated machine."""
+    fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal
+    return (total - idle) / TICKS, total / TICKS
+
+
 def tcp_ports(pid: int) -> set[int]:
     """The local ports of a process's IPv4/IPv6 TCP sockets, from /proc (Linux): its database
     connections are the backends whose client_port is one of them."""

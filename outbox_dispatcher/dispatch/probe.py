@@ -2,8 +2,9 @@
 interval, on a connection of its own (store/probe.py `Session`). Only the idle outboxes it names
 are woken for a claim. Why no row is left behind: dispatch/idle.py.
 
-Which outboxes it asks: every FULL_SECONDS all of them (the full probe: one prepared statement
-per chunk, the guarantee); in between, only the idle outboxes that may have changed: those
+Which outboxes it asks: each of them at least every FULL_SECONDS (the guarantee), a slice of
+them at each interval in turn (the rotation: one prepared statement a slice, so that every
+outbox is asked within FULL_SECONDS); besides, only the idle outboxes that may have changed: those
 whose tables were written since their last look, by PostgreSQL's cumulative statistics (one
 statement for the whole database, no table opened), those whose live lease expires or retry
 falls due by now (the probe said when), those with a hole whose transactions still ran, and
@@ -21,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import structlog
@@ -40,9 +43,14 @@ log = structlog.get_logger(__name__)
 # read), the database away.
 FAILURES: tuple[type[BaseException], ...] = (db.PostgresError, *db.RETRIABLE_ERRORS)
 # Every served outbox is asked at least this often, whatever the statistics say (a writer's
-# counts reach them after its transaction, within a second or so, at most a minute later).
+# counts reach them after its transaction, within a second or so, at most a minute later): a
+# slice of them at each interval, in turn. Asking all of them at once every FULL_SECONDS (five
+# statements of 100 outboxes back to back, 25-30 ms of a core each on a quiet machine, 100-250
+# ms under load) took a core in bursts that showed as spikes of 80-200 ms in the quiet tenants'
+# latency of `make bench` fleet_quiet_* every 15 s.
 FULL_SECONDS = 15.0
-KEPT = "probe"  # the full probe's statements on the session
+KEPT = "probe"  # the slices' statements on the session
+MIN_SLICE = 20  # outboxes asked by a statement of the rotation, at least
 
 
 class IdleProbe:
@@ -56,18 +64,23 @@ class IdleProbe:
         settings: Settings,
         interval: float,
         owner: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`owner`: the process's, under which the waits of outboxes at their first look are
-        announced (None: they announce their own)."""
+        announced (None: they announce their own); `clock`: the rotation's (tests)."""
         self.database = database
         self.session = session
         self._slots = slots
         self._interval = interval
         self._takes_blocked = settings.dead_letter_policy is not DeadLetterPolicy.BLOCK
         self._owner = owner
+        self._clock = clock
         self._failing = False
-        self._full_at = 0.0  # monotonic time of the next full probe
+        self._full_due = True  # the next probe asks every outbox (its first, after a failure)
         self._served: tuple[Key, ...] = ()  # the steady outboxes of the last full probe
+        self._slices: list[list[int]] = []  # the rotation: places in the served list
+        self._turn = 0  # the rotation's next slice
+        self._slice_at = 0.0  # when it is due (monotonic)
         self._oids: list[int] = []  # their watched relations
         self._seen: dict[Key, int] = {}  # writes counted at each outbox's last look
         self._due: dict[Key, float] = {}  # when to look again without a write (monotonic)
@@ -145,7 +158,7 @@ class IdleProbe:
             if not self._failing:
                 log.info("idle_probe_failed", database=self.database, error=errors.describe(exc))
             self._failing = True
-            self._full_at = 0.0  # the next probe asks them all
+            self._full_due = True  # the next probe asks them all
             self._slots.poll(o.key for o in steady if o.key in idle)
             return set()
         self._failing = False
@@ -156,12 +169,14 @@ class IdleProbe:
     async def _look(
         self, steady: Sequence[OutboxRuntime], idle: set[Key]
     ) -> tuple[Sequence[OutboxRuntime], list[statements.Found]]:
-        """Read the statistics, then ask the outboxes to look at: all of them (full) or those
-        that may have changed. The statistics are read first: a write they do not show yet is
-        shown at the next interval, and its look follows that reading."""
+        """Read the statistics, then ask the outboxes to look at: all of them (full: the first
+        probe, a change of the set served, a failure or a LISTEN reconnect before), or the
+        rotation's next slice and those that may have changed. The statistics are read first: a
+        write they do not show yet is shown at the next interval, and its look follows that
+        reading."""
         keys = tuple(o.key for o in steady)
-        now = time.monotonic()
-        full = now >= self._full_at or keys != self._served or self._full_wanted
+        now = self._clock()
+        full = self._full_due or keys != self._served or self._full_wanted
         self._full_wanted = False
         tables = [(o.outbox.schema, o.outbox.table) for o in steady]
         if full:  # read again each time: a table dropped and made again has new oids
@@ -174,30 +189,78 @@ class IdleProbe:
             runtime.counted = True
         if counts is None:  # the server counts no writes: every outbox, every interval
             full = True
-        looked = list(steady) if full else self._changed(steady, idle, counts or [], now)
         if full:
             self._forget_gone(keys)
-        if looked:
-            found = await statements.probe(
-                self.session,
-                [(o.outbox.schema, o.outbox.table) for o in looked],
-                takes_blocked=self._takes_blocked,
-                keep=KEPT if full else None,
+            self._slices = rotation(len(steady), self._interval)
+            self._turn, self._slice_at = 0, now + self._step
+            self.session.keep_only(
+                KEPT,
+                {
+                    sql
+                    for places in self._slices
+                    for sql in statements.probe_sqls(
+                        [tables[i] for i in places], takes_blocked=self._takes_blocked
+                    )
+                },
             )
-            self.probes += 1
-            self.looked += len(looked)
+            turns = self._slices
         else:
-            found = []
+            turns = self._due_slices(now)
+        looked: list[OutboxRuntime] = []
+        found: list[statements.Found] = []
+        for places in turns:  # each slice a statement kept prepared
+            await self._ask([steady[i] for i in places], looked, found, keep=KEPT)
+        if not full:  # besides, those that may have changed (planned each time)
+            asked = {o.key for o in looked}
+            changed = self._changed(steady, idle, counts or [], now)
+            await self._ask([o for o in changed if o.key not in asked], looked, found, keep=None)
         if counts is not None:  # an outbox busy meanwhile is asked again once idle
             at = {o.key: n for o, n in zip(steady, counts, strict=True)}
             self._seen.update((o.key, at[o.key]) for o in looked if o.key in idle)
         if full:
             self.full_probes += 1
-            self._full_at, self._served = now + FULL_SECONDS, keys
-            self.session.keep_only(
-                KEPT, statements.probe_sqls(tables, takes_blocked=self._takes_blocked)
-            )
+            self._full_due, self._served = False, keys
         return looked, found
+
+    @property
+    def _step(self) -> float:
+        """The time between two slices: each asked once every FULL_SECONDS."""
+        return FULL_SECONDS / max(1, len(self._slices))
+
+    def _due_slices(self, now: float) -> list[list[int]]:
+        """The rotation's slices due by now (one, at the regular pace)."""
+        due: list[list[int]] = []
+        while now >= self._slice_at and len(due) < len(self._slices):
+            due.append(self._slices[self._turn % len(self._slices)])
+            self._turn += 1
+            self._slice_at += self._step
+        if self._slice_at <= now:  # behind (a slow loop): the next one step from now
+            self._slice_at = now + self._step
+        return due
+
+    async def _ask(
+        self,
+        outboxes: Sequence[OutboxRuntime],
+        looked: list[OutboxRuntime],
+        found: list[statements.Found],
+        *,
+        keep: str | None,
+    ) -> None:
+        """Probe `outboxes`; append them to `looked` and what was found to `found` (its
+        places counted in `looked`)."""
+        if not outboxes:
+            return
+        answers = await statements.probe(
+            self.session,
+            [(o.outbox.schema, o.outbox.table) for o in outboxes],
+            takes_blocked=self._takes_blocked,
+            keep=keep,
+        )
+        offset = len(looked)
+        looked.extend(outboxes)
+        found.extend(dataclasses.replace(f, index=f.index + offset) for f in answers)
+        self.probes += 1
+        self.looked += len(outboxes)
 
     def _changed(
         self, steady: Sequence[OutboxRuntime], idle: set[Key], counts: list[int], now: float
@@ -218,7 +281,7 @@ class IdleProbe:
         self, looked: Sequence[OutboxRuntime], found: list[statements.Found], idle: set[Key]
     ) -> set[Key]:
         """Wake the idle outboxes with work; note when to look at each one again."""
-        now = time.monotonic()
+        now = self._clock()
         for runtime in looked:
             self._due.pop(runtime.key, None)
             self._holes.discard(runtime.key)
@@ -249,6 +312,14 @@ class IdleProbe:
         notification)."""
         if await runtime.idle():
             self._slots.wake(runtime.key)
+
+
+def rotation(outboxes: int, interval: float) -> list[list[int]]:
+    """The places 0..outboxes-1 in consecutive slices, one a probe at the regular pace over
+    FULL_SECONDS; none smaller than MIN_SLICE (a statement each) or larger than a chunk."""
+    turns = max(1, int(FULL_SECONDS // interval)) if interval > 0 else 1
+    size = min(statements.CHUNK, max(MIN_SLICE, math.ceil(outboxes / turns)))
+    return [list(range(i, min(i + size, outboxes))) for i in range(0, outboxes, size)]
 
 
 def _key(runtime: OutboxRuntime) -> Key:
