@@ -46,8 +46,8 @@ FAILURES: tuple[type[BaseException], ...] = (db.PostgresError, *db.RETRIABLE_ERR
 # counts reach them after its transaction, within a second or so, at most a minute later): a
 # slice of them at each interval, in turn. Asking all of them at once every FULL_SECONDS (five
 # statements of 100 outboxes back to back, 25-30 ms of a core each on a quiet machine, 100-250
-# ms under load) took a core in bursts that showed as spikes of 80-200 ms in the quiet tenants'
-# latency of `make bench` fleet_quiet_* every 15 s.
+# ms under load) took a core in bursts, at the spacing of spikes of 80-200 ms in the quiet
+# tenants' latency of `make bench` fleet_quiet_* (whose p99 the slices did not measurably change).
 FULL_SECONDS = 15.0
 KEPT = "probe"  # the slices' statements on the session
 MIN_SLICE = 20  # outboxes asked by a statement of the rotation, at least
