@@ -2,14 +2,15 @@
 interval, on a connection of its own (store/probe.py `Session`). Only the idle outboxes it names
 are woken for a claim. Why no row is left behind: dispatch/idle.py.
 
-Which outboxes it asks: each of them at least every FULL_SECONDS (the guarantee), a slice of
-them at each interval in turn (the rotation: one prepared statement a slice, so that every
-outbox is asked within FULL_SECONDS); besides, only the idle outboxes that may have changed: those
-whose tables were written since their last look, by PostgreSQL's cumulative statistics (one
-statement for the whole database, no table opened), those whose live lease expires or retry
-falls due by now (the probe said when), those with a hole whose transactions still ran, and
-those never looked at. Asking every outbox every interval cost the database more than the rest
-of an idle fleet together (0.05-0.1 ms an outbox: each branch opens its tables).
+Which outboxes it asks: each of them at least every FULL_SECONDS and one interval (the
+guarantee: a slice falls due every FULL_SECONDS, and waits for the probe's next run), a slice of
+them at each interval in turn (the rotation: one prepared statement a slice); besides, only the
+idle outboxes that may have changed: those whose tables were written since their last look, by
+PostgreSQL's cumulative statistics (one statement for the whole database, no table opened),
+those whose live lease expires or retry falls due by now (the probe said when), those with a
+hole whose transactions still ran, and those never looked at. Asking every outbox every interval
+cost the database more than the rest of an idle fleet together (0.05-0.1 ms an outbox: each
+branch opens its tables).
 
 Beside it, the announcements of the outboxes that were active a moment ago are kept fresh
 (writers notify them at once); a long-idle outbox's announcement lapses, so its writers stop
@@ -42,12 +43,12 @@ log = structlog.get_logger(__name__)
 # A probe that fails: a table dropped or broken meanwhile (the registry lets it go at its next
 # read), the database away.
 FAILURES: tuple[type[BaseException], ...] = (db.PostgresError, *db.RETRIABLE_ERRORS)
-# Every served outbox is asked at least this often, whatever the statistics say (a writer's
-# counts reach them after its transaction, within a second or so, at most a minute later): a
-# slice of them at each interval, in turn. Asking all of them at once every FULL_SECONDS (five
-# statements of 100 outboxes back to back, 25-30 ms of a core each on a quiet machine, 100-250
-# ms under load) took a core in bursts, at the spacing of spikes of 80-200 ms in the quiet
-# tenants' latency of `make bench` fleet_quiet_* (whose p99 the slices did not measurably change).
+# Every served outbox is asked this often (and one interval), whatever the statistics say (a
+# writer's counts reach them after its transaction, within a second or so, at most a minute later):
+# a slice of them at each interval, in turn. Asking all of them at once every FULL_SECONDS (five
+# statements of 100 outboxes back to back, 25-30 ms of a core each on a quiet machine, 100-250 ms
+# under load) took a core in bursts, at the spacing of spikes of 80-200 ms in the quiet tenants'
+# latency of `make bench` fleet_quiet_* (whose p99 the slices did not measurably change).
 FULL_SECONDS = 15.0
 KEPT = "probe"  # the slices' statements on the session
 MIN_SLICE = 20  # outboxes asked by a statement of the rotation, at least
@@ -316,7 +317,8 @@ class IdleProbe:
 
 def rotation(outboxes: int, interval: float) -> list[list[int]]:
     """The places 0..outboxes-1 in consecutive slices, one a probe at the regular pace over
-    FULL_SECONDS; none smaller than MIN_SLICE (a statement each) or larger than a chunk."""
+    FULL_SECONDS; none larger than a chunk, none but the last smaller than MIN_SLICE (a
+    statement each)."""
     turns = max(1, int(FULL_SECONDS // interval)) if interval > 0 else 1
     size = min(statements.CHUNK, max(MIN_SLICE, math.ceil(outboxes / turns)))
     return [list(range(i, min(i + size, outboxes))) for i in range(0, outboxes, size)]

@@ -150,12 +150,14 @@ class Producers:
 
     async def _start_fresh(self, seconds: float | None) -> AIOKafkaProducer:
         """A new producer (a new producer id), started within `seconds` (None: aiokafka's own
-        bound); one that fails to start is closed and its failure raised."""
+        bound); one that fails to start, or whose start is cancelled (a shutdown, or an outbox
+        let go, while its lanes open at once), is closed and its failure raised: kept by nobody,
+        it would leak its connections and tasks."""
         fresh = self.factory(self._context)
         try:
             async with asyncio.timeout(seconds):
                 await fresh.start()
-        except Exception:
+        except BaseException:
             await close_bounded(fresh, "the fresh producer could not start")
             raise
         return fresh

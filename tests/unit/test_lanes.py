@@ -275,3 +275,33 @@ async def test_the_lanes_producers_start_at_once_and_all_stop_when_one_fails(
     with pytest.raises(ConnectionError):
         await made.start()
     assert stopped == [made[0].producers, made[1].producers], "the one started is stopped too"
+
+
+async def test_a_producer_whose_start_is_cancelled_is_closed() -> None:
+    """The lanes start their producers at once: a shutdown (or the outbox let go) meanwhile
+    cancels every lane mid-start, and a producer cancelled there is kept by nobody: closed, or
+    its connections and tasks leak."""
+    starting = asyncio.Event()
+    closed: list[object] = []
+
+    class Blocked:
+        async def start(self) -> None:
+            starting.set()
+            await asyncio.Event().wait()
+
+        async def stop(self) -> None:
+            closed.append(self)
+
+    made: list[Blocked] = []
+
+    def factory(context: object) -> Any:
+        made.append(Blocked())
+        return made[-1]
+
+    producers = Producers(configs_of(Settings()).publisher.producer, factory)
+    task = asyncio.ensure_future(producers._start_fresh(None))
+    await starting.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert closed == made, "the producer cancelled mid-start was closed"

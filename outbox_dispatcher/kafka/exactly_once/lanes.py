@@ -185,7 +185,7 @@ class Lanes(Sequence[Lane]):
             outcomes = await asyncio.gather(
                 *(lane.producers.start() for lane in self._lanes), return_exceptions=True
             )
-        except BaseException:  # cancelled (a producer that never started stops as nothing)
+        except BaseException:  # cancelled (a producer cancelled mid-start closed itself)
             await self.stop()
             raise
         failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
