@@ -163,10 +163,14 @@ async def perform(
         with progress(matching) if progress else contextlib.nullcontext() as advance:
             status, rows, detail = await _act(action, session, ledger, advance)
     except (asyncio.CancelledError, KeyboardInterrupt):
+        if not action.atomic:
+            await ledger.recount()
         rows = 0 if action.atomic else ledger.rows
         await ledger.close_quietly(jobs.INTERRUPTED, text.interrupted(action.command, rows), rows)
         raise
     except BaseException as exc:
+        if not action.atomic:
+            await ledger.recount()
         rows = 0 if action.atomic else ledger.rows
         await ledger.close_quietly(jobs.FAILED, errors.describe(exc), rows)
         raise

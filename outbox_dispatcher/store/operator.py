@@ -147,6 +147,10 @@ class OperatorStore(StoreBase):
     async def audit_aborting(self, *, id: int) -> bool:
         return bool(await self._value("audit_aborting", id=id))
 
+    async def audit_rows(self, *, id: int) -> int | None:
+        value = await self._value("audit_rows", id=id)
+        return None if value is None else int(value)
+
     async def audit_close(self, **arguments: Unpack[AuditCloseArguments]) -> bool:
         return await self._one("audit_close", **arguments) is not None
 

@@ -409,6 +409,12 @@ RETURNING abort_requested_at IS NOT NULL AS aborting
 -- audit_aborting --
 SELECT abort_requested_at IS NOT NULL FROM {audit} WHERE id = $id
 
+-- audit_rows --
+-- The rows the record says its action changed: each batch's count is written in the batch's own
+-- transaction, so after a stop that cancelled a commit whose outcome the process cannot know,
+-- this count, not the process's, is the true one.
+SELECT rows FROM {audit} WHERE id = $id
+
 -- audit_close --
 -- The action ended: how ($status), with the rows it changed ($rows) and the words its faces showed
 -- ($detail).
