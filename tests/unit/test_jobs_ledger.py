@@ -38,15 +38,21 @@ class _Session:
             raise asyncio.CancelledError  # the stop lands on the commit: rolled back
 
 
-async def test_a_batch_whose_commit_was_cancelled_is_not_counted() -> None:
-    session = _Session(cancel_at=3)
-    ledger = jobs.Ledger(session, 1)  # type: ignore[arg-type]
+async def walk_until_stopped(session: _Session, ledger: jobs.Ledger) -> None:
+    """Batches of 50 rows until a commit is cancelled."""
 
     async def step(after: int, limit: int) -> jobs.Batch:
         return jobs.Batch(last_id=after + limit, rows=limit, first_id=after + 1)
 
     with pytest.raises(asyncio.CancelledError):
         await jobs.walk(session, step, ledger, 50, atomic=False, cap=None, advance=None)  # type: ignore[arg-type]
+
+
+async def test_a_batch_whose_commit_was_cancelled_is_not_counted() -> None:
+    session = _Session(cancel_at=3)
+    ledger = jobs.Ledger(session, 1)  # type: ignore[arg-type]
+
+    await walk_until_stopped(session, ledger)
     assert ledger.rows == 100, "two batches committed; the third was rolled back"
     assert (ledger.first_id, ledger.last_id) == (1, 100)
 
@@ -65,11 +71,7 @@ async def test_after_a_stop_the_ledger_takes_the_count_its_record_holds() -> Non
     session.store.audit_rows = audit_rows  # type: ignore[attr-defined]
     ledger = jobs.Ledger(session, 1)  # type: ignore[arg-type]
 
-    async def step(after: int, limit: int) -> jobs.Batch:
-        return jobs.Batch(last_id=after + limit, rows=limit, first_id=after + 1)
-
-    with pytest.raises(asyncio.CancelledError):
-        await jobs.walk(session, step, ledger, 50, atomic=False, cap=None, advance=None)  # type: ignore[arg-type]
+    await walk_until_stopped(session, ledger)
     assert ledger.rows == 100, "the process's own count: the commits it saw"
     await ledger.recount()
     assert ledger.rows == 150, "the record's: the third commit went through"
