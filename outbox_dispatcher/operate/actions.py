@@ -163,15 +163,11 @@ async def perform(
         with progress(matching) if progress else contextlib.nullcontext() as advance:
             status, rows, detail = await _act(action, session, ledger, advance)
     except (asyncio.CancelledError, KeyboardInterrupt):
-        if not action.atomic:
-            await ledger.recount()
-        rows = 0 if action.atomic else ledger.rows
+        rows = await _rows_kept(action, ledger)
         await ledger.close_quietly(jobs.INTERRUPTED, text.interrupted(action.command, rows), rows)
         raise
     except BaseException as exc:
-        if not action.atomic:
-            await ledger.recount()
-        rows = 0 if action.atomic else ledger.rows
+        rows = await _rows_kept(action, ledger)
         await ledger.close_quietly(jobs.FAILED, errors.describe(exc), rows)
         raise
     finally:
@@ -183,6 +179,15 @@ async def perform(
     return ActionResult(
         action.command, rows, False, detail, matching, True, bound, ledger.id, status
     )
+
+
+async def _rows_kept(action: Action, ledger: Ledger) -> int:
+    """What an action cut off or failed had changed and kept: none of one transaction; its
+    committed batches otherwise, as its record counts them (Ledger.recount)."""
+    if action.atomic:
+        return 0
+    await ledger.recount()
+    return ledger.rows
 
 
 async def _act(
