@@ -72,7 +72,8 @@ class FakeProducer:
     refusing a batch that holds a value in `refuse`."""
 
     _txn_manager = None  # not idempotent: no producer id to log
-    _message_accumulator = SimpleNamespace(_batches={})  # nothing queued to withdraw
+    _sender = SimpleNamespace(sender_task=None)  # its sender never died (internals.sender_failure)
+    _message_accumulator = SimpleNamespace(_batches={}, _pending_batches=set())  # nothing queued
 
     def __init__(
         self,
@@ -124,6 +125,7 @@ class QueueingProducer:
     carried batch, auto() does both for the partitions given, as soon as a batch is queued."""
 
     _txn_manager = None
+    _sender = SimpleNamespace(sender_task=None)  # its sender never died (internals.sender_failure)
 
     def __init__(self, partitions: int = 4) -> None:
         everything = set(range(partitions))

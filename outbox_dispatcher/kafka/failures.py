@@ -88,6 +88,8 @@ def classify(exc: BaseException) -> Failure:
     if isinstance(declared, Failure):
         return declared
     retriable = isinstance(exc, kafka_errors.KafkaError) and exc.retriable
+    if is_sender_death(exc):
+        return Failure.TRANSIENT
     for kinds, failure in _OVERRIDES:
         if isinstance(exc, kinds):
             return failure
@@ -95,8 +97,17 @@ def classify(exc: BaseException) -> Failure:
 
 
 def is_producer_state(exc: BaseException | None) -> bool:
-    """The producer's sequence state is lost: replace it (a fresh producer id)."""
-    return isinstance(exc, PRODUCER_STATE)
+    """The producer's sequence state is lost, or its sender died: replace it (a fresh
+    producer id)."""
+    return isinstance(exc, PRODUCER_STATE) or is_sender_death(exc)
+
+
+def is_sender_death(exc: BaseException | None) -> bool:
+    """aiokafka's sender task died on an error it did not expect and failed every batch it held
+    with a bare KafkaError whose cause is that error (internals.sender_failure): no record's
+    fault, and the producer never sends again. aiokafka's other bare KafkaError of a producer
+    (no broker gave metadata) has no cause."""
+    return exc is not None and type(exc) is kafka_errors.KafkaError and exc.__cause__ is not None
 
 
 def is_rejection(exc: BaseException | None) -> bool:

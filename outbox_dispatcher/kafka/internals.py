@@ -68,6 +68,21 @@ def read_fatal_error(producer: AIOKafkaProducer) -> BaseException | None:
     return found
 
 
+def sender_failure(producer: AIOKafkaProducer) -> BaseException | None:
+    """The error that ended the producer's sender task, None while it runs. aiokafka's sender
+    dies on a fence and on any error it did not expect (CI met one as a broker restarted under
+    an exactly-once load; aiokafka issues 1004 and 1151 report others): it fails the batches it
+    holds, with a bare KafkaError naming that error as its cause, and puts its transaction
+    manager in its fatal state, where begin, commit and abort fail an assertion. The producer
+    never sends again: it is replaced (Producers.replace_if_broken), and a transaction of its
+    is past ending (kafka/exactly_once/endings.py)."""
+    task = producer._sender.sender_task
+    if task is None or not task.done() or task.cancelled():
+        return None
+    found: BaseException | None = task.exception()
+    return found
+
+
 def quicken_transaction_retries() -> None:
     """Retry a partition's addition to a transaction after 2 ms, not 20 (process-wide)."""
     aiokafka_sender.BACKOFF_OVERRIDE = TRANSACTION_RETRY_SECONDS

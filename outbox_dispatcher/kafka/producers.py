@@ -192,7 +192,11 @@ class Producers:
         numbers were used up) fails every later send: start a fresh producer (new producer id).
         Its failed records are retried in order, never counted. The old producer is retired
         outside the lock and without waiting for it (see retire): what it still has in flight
-        may be in the broker's log, and only its own retries are recognised as such."""
+        may be in the broker's log, and only its own retries are recognised as such. A producer
+        whose sender died (internals.sender_failure) is replaced too, whether or not an answer
+        said so: it would hold every later send for ever."""
+        if self._broken is None and self._current is not None:
+            self._broken = internals.sender_failure(self._current)
         if self._broken is None:
             return
         async with self._replacing:
@@ -230,6 +234,7 @@ class Producers:
         for task, owner in list(self._submitting.items()):
             if owner is producer:
                 task.cancel()
+        internals.read_drains(internals.held_batches(producer))  # a dead sender's failures
         internals.withdraw_unsent(producer, unsent)
         if id(producer) in self._retiring:
             return

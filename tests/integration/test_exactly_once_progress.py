@@ -21,7 +21,9 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.settler import Settler
-from outbox_dispatcher.kafka.exactly_once.takeover import TakeoverWaitingError
+from outbox_dispatcher.kafka.exactly_once.delivery import TransactionAbortedError
+from outbox_dispatcher.kafka.exactly_once.progress import ProgressUnavailableError
+from outbox_dispatcher.kafka.exactly_once.takeover import Takeover, TakeoverWaitingError
 from outbox_dispatcher.kafka.exactly_once.topic import ProgressTopicError
 from outbox_dispatcher.kafka.exactly_once.transaction import State
 from outbox_dispatcher.retries import RetryPolicy
@@ -135,6 +137,84 @@ async def test_a_commit_without_an_answer_is_resolved_past_an_open_transaction(
     assert delivery.state is State.RESOLVED_COMMITTED, "the commit is found in the progress"
     assert part.outcomes == [None] * 6 and delivery.committed
     assert len(await read_all(bootstrap, topic, "read_committed")) == 6
+
+
+async def test_a_lane_commits_nothing_more_while_a_commit_of_it_is_unknown(
+    conn: asyncpg.Connection,
+    owners: Owners,
+    topic: str,
+    services: Services,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A broker restart under load (test_chaos.py, repeated: one run in six): a lane's commit
+    stood, its answer was lost, and the progress could not be read to resolve it (the broker
+    away). The lane then committed
+    its next claim under the same id, in a record that did not list the unknown rows (a lane
+    lists what it knows committed); a takeover reads only an id's last record, and sent the
+    rows again: 20 rows twice to read_committed consumers. Now the lane reads the earlier
+    commit before it commits again: found committed, its rows are listed in the next record,
+    and the takeover marks them without sending them. (On the old code: 9 records of 6 rows.)"""
+    bootstrap = services.kafka_bootstrap_servers
+    a = await owners.publisher("owner-a", lanes=1)
+    b = await owners.publisher("owner-b")
+    await insert_sequenced(conn, topic, keys=2, per_key=3)
+    settings = owners.settings.model_copy(update={"batch_size": 3})
+    unknown = a.publish((await owners.claim("owner-a", settings)).records)
+    answer_lost(unknown.lane.producers.current())
+    with monkeypatch.context() as broker_away:
+        broker_away.setattr(Takeover, "read", unreadable)
+        await run(unknown)
+    assert unknown.state is State.UNKNOWN
+    second = await owners.claim("owner-a", settings)  # after the producer's replacement
+    assert (await run(a.publish(second.records))).outcomes == [None] * 3
+    await expire(conn)
+    taken = await owners.claim("owner-b")
+    delivery = b.publish(taken.records)
+    part = await run(delivery)
+    assert len(await read_all(bootstrap, topic, "read_committed")) == 6
+    assert part.outcomes == [None] * 6 and delivery.sent == [], "found committed, not sent"
+    assert unknown.state is State.RESOLVED_COMMITTED, "read before the lane committed again"
+
+
+async def test_a_lane_keeps_its_id_while_a_commit_of_it_is_unknown(
+    conn: asyncpg.Connection,
+    owners: Owners,
+    topic: str,
+    services: Services,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same unknown commit at a graceful stop: the lane does not tombstone its id, whose
+    last record is what the takeover reads to decide the leased rows; the next claim of them
+    finds them committed and sends none (with the tombstone: their 3 rows sent again). While
+    the progress cannot be read, the lane's next claim is given back uncounted, never sent
+    (before: sent, in a record that did not list the unknown rows)."""
+    bootstrap = services.kafka_bootstrap_servers
+    a = await owners.publisher("owner-a", lanes=1)
+    b = await owners.publisher("owner-b")
+    await insert_sequenced(conn, topic, keys=2, per_key=3)
+    settings = owners.settings.model_copy(update={"batch_size": 3})
+    unknown = a.publish((await owners.claim("owner-a", settings)).records)
+    answer_lost(unknown.lane.producers.current())
+    with monkeypatch.context() as broker_away:
+        broker_away.setattr(Takeover, "read", unreadable)
+        await run(unknown)
+        held = a.publish((await owners.claim("owner-a", settings)).records)
+        part = await run(held)
+        assert all(isinstance(o, TransactionAbortedError) for o in part.outcomes), part
+        assert held.sent == []
+        await a.stop()  # graceful: its farewell
+    await expire(conn)
+    taken = await owners.claim("owner-b")
+    delivery = b.publish(taken.records)
+    outcomes = (await run(delivery)).outcomes
+    sent_again = {i for i, _ in delivery.sent} & {r.id for r in unknown.records}
+    assert outcomes == [None] * 6 and not sent_again, "the unknown commit's rows found committed"
+    assert len(await read_all(bootstrap, topic, "read_committed")) == 6
+
+
+async def unreadable(self: Takeover, own: object) -> None:
+    """Takeover.read while the broker is away."""
+    raise ProgressUnavailableError("the broker is away")
 
 
 def answer_lost(producer: AIOKafkaProducer) -> None:

@@ -23,7 +23,8 @@ from aiokafka.conn import AIOKafkaConnection
 from aiokafka.protocol import metadata
 from aiokafka.structs import TopicPartition
 
-from outbox_dispatcher.kafka import internals
+from outbox_dispatcher.kafka import failures, internals
+from outbox_dispatcher.models import Failure
 
 PACKAGE = Path(internals.__file__).parents[1]
 
@@ -384,3 +385,42 @@ async def test_the_admin_client_sends_a_request_by__send_request() -> None:
         assert reach(request, "_allow_auto_topic_creation", "describe_topics") is False
     finally:
         await admin.close()
+
+
+async def test_a_dead_sender_is_read_from__sender_sender_task() -> None:
+    """internals.sender_failure reads the sender's task. aiokafka's sender dies on an error it
+    did not expect (CI: a broker restart under an exactly-once load) with a bare KafkaError
+    caused by it (failures.is_sender_death: no row's fault), fails what it holds with it, and
+    puts the transaction manager in its fatal state, where aiokafka's own abort, commit and begin
+    fail an assertion: why endings.py and the publisher ask sender_failure first."""
+    producer = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1", transactional_id="t-1")
+    try:
+        sender = reach(producer, "_sender", "sender_failure")
+        reach(sender, "sender_task", "sender_failure")
+        assert internals.sender_failure(producer) is None, "a producer never started"
+        producer._txn_manager.set_pid_and_epoch(7, 0)
+        await producer.begin_transaction()
+        accumulator = producer._message_accumulator
+        batch = accumulator._append_batch(producer.create_batch(), TopicPartition("t", 0))
+
+        def unexpected(*args: Any, **kwargs: Any) -> Any:
+            raise ValueError("an error aiokafka did not expect")
+
+        accumulator.drain_by_nodes = unexpected
+        sender._maybe_do_transactional_request = lambda: None  # no coordinator to ask here
+        sender._sender_task = asyncio.ensure_future(sender._sender_routine())  # as start() does
+        sender._sender_task.add_done_callback(sender._fail_all)
+        await asyncio.wait([sender._sender_task], timeout=5)
+
+        died = internals.sender_failure(producer)
+        assert type(died) is kafka_errors.KafkaError, died
+        assert isinstance(died.__cause__, ValueError)
+        assert failures.is_sender_death(died) and failures.is_producer_state(died)
+        assert failures.classify(died) is Failure.TRANSIENT, "never counted against a row"
+        assert batch.future.exception() is died, "what it held failed with the same error"
+        internals.read_drains([batch])
+        assert internals.read_fatal_error(producer) is died
+        with pytest.raises(AssertionError, match="Invalid state transition"):
+            await producer.abort_transaction()
+    finally:
+        await producer.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -65,6 +66,7 @@ class HangingProducer:
 
 class FreshProducer:
     _txn_manager = None
+    _sender = SimpleNamespace(sender_task=None)  # its sender never died (internals.sender_failure)
 
     async def start(self) -> None:
         pass
@@ -193,6 +195,27 @@ async def test_replacing_a_producer_fails_nothing_it_has_in_flight(
     queueing.answer(0)
     await wait_for(lambda: queueing.stopped)
     assert not publisher.producers.retiring
+
+
+async def test_a_producer_whose_sender_died_is_replaced_though_no_answer_said_so(
+    queueing: QueueingProducer,
+) -> None:
+    """aiokafka's sender died on an error it did not expect (CI, a broker restart): the
+    producer never sends again, whether or not a failed answer reached us. The next
+    replace_if_broken replaces it; the drain waiters its death failed are read (else asyncio
+    logs each as never retrieved)."""
+    publisher = publisher_with(queueing)  # type: ignore[arg-type]
+    publisher.producers.factory = lambda context: FreshProducer()  # type: ignore[assignment,method-assign,return-value]
+    held = queueing._message_accumulator._append_batch(FakeBatch(10), TopicPartition("t", 0))
+    death = kafka_errors.KafkaError("Unexpected error during batch delivery")
+    died: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    died.set_exception(death)
+    queueing._sender = SimpleNamespace(sender_task=died)  # type: ignore[misc]
+    held.failure(death)  # what aiokafka's _fail_all does as its sender dies
+    async with asyncio.timeout(1):
+        await publisher.producers.replace_if_broken()
+    assert isinstance(publisher.producers.current(), FreshProducer)
+    assert held.future.exception() is death
 
 
 async def wait_for(condition: Any, timeout: float = 5.0) -> None:

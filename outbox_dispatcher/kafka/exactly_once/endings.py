@@ -23,7 +23,7 @@ from outbox_dispatcher.kafka.exactly_once.delivery import (
     TransactionFencedError,
     TransactionRefusedError,
 )
-from outbox_dispatcher.kafka.exactly_once.lanes import Lanes
+from outbox_dispatcher.kafka.exactly_once.lanes import Lane, Lanes
 from outbox_dispatcher.kafka.exactly_once.progress import ProgressConfig
 from outbox_dispatcher.kafka.exactly_once.replicas import ShortOfReplicas
 from outbox_dispatcher.kafka.exactly_once.stalls import Holds, PartitionStalledError, TopicPartition
@@ -119,7 +119,8 @@ class Endings:
         one never commits, and its replacement under the same id could wait for those
         markers."""
         producers = d.lane.producers
-        fenced = is_fencing(cause)
+        # A producer whose sender died is past its transaction whatever failed the rows first.
+        fenced = is_fencing(cause) or internals.sender_failure(producers.current()) is not None
         why = errors.describe(cause)
         ended = False
         if not fenced:
@@ -151,7 +152,12 @@ class Endings:
             d.decide([failed_at], cause)  # its own error: classified as any publish failure
 
     async def commit(self, d: TransactionalDelivery, indices: list[int]) -> bool:
-        """Commit; whether it committed (an unknown outcome is resolved, or left unknown)."""
+        """Commit; whether it committed (an unknown outcome is resolved, or left unknown). A
+        producer whose sender died after the acks never asked to commit: aborted (its lane
+        renewed), as aiokafka would refuse the commit with an assertion."""
+        if (dead := internals.sender_failure(d.lane.producers.current())) is not None:
+            await self.abort(d, indices, None, dead)
+            return False
         d.committing()
         try:
             async with asyncio.timeout(self.progress.timeout_seconds):
@@ -168,7 +174,9 @@ class Endings:
 
     async def resolve(self, d: TransactionalDelivery, indices: list[int]) -> bool:
         """A commit without an answer: a fresh producer under the id ends the transaction (its
-        start waits for the commit in progress), then the progress says which way it went."""
+        start waits for the commit in progress), then the progress says which way it went. If
+        it cannot be read, the rows stay leased for a takeover to decide, and the lane keeps
+        the commit to read again before it commits anything else (resolve_earlier)."""
         try:
             await d.lane.producers.replace_if_broken()
             async with asyncio.timeout(self.progress.timeout_seconds):
@@ -178,8 +186,26 @@ class Endings:
             values = await self.takeover.read(self.lanes)
         except (*KAFKA_TROUBLE, errors.BrokerUnavailableError) as exc:
             log.warning("commit_outcome_unread", rows=len(indices), error=errors.describe(exc))
-            return False  # unknown: the rows stay leased for a takeover to decide
+            d.lane.unresolved = (d, list(indices))
+            return False
+        d.lane.unresolved = None
         return d.resolve(indices, values, self.progress)
+
+    async def resolve_earlier(self, lane: Lane) -> bool:
+        """The lane's earlier commit whose outcome could not be read is read now, before the
+        lane commits again; False while it still cannot be. A takeover reads only the last
+        record of an id, and a lane's record lists only what it knows committed: a record
+        committed meanwhile would hide a commit that stood, and a takeover would send its rows
+        again (a broker restart under load: 20 rows twice to read_committed consumers)."""
+        if lane.unresolved is None:
+            return True
+        d, indices = lane.unresolved
+        committed = await self.resolve(d, indices)
+        if lane.unresolved is None:
+            log.info(
+                "commit_outcome_read_late", lane=lane.name, rows=len(indices), committed=committed
+            )
+        return lane.unresolved is None
 
 
 def failure_of(answer: asyncio.Future[object]) -> BaseException | None:
@@ -196,7 +222,8 @@ def cause_of(failure: BaseException) -> BaseException:
 
 def is_fencing(exc: BaseException) -> bool:
     """The producer is past its transaction: its state lost (failures.PRODUCER_STATE, a fence
-    among them), or aiokafka refusing a producer a fatal error ended."""
+    among them) or its sender dead (failures.is_sender_death), or aiokafka refusing a producer
+    a fatal error ended."""
     return failures.is_producer_state(exc) or isinstance(exc, kafka_errors.IllegalOperation)
 
 

@@ -105,6 +105,9 @@ class Lane:
     last_listed: frozenset[str] = frozenset()
     given_up: list[tuple[str, frozenset[str]]] = field(default_factory=list)
     given: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # not yet transacted
+    # A commit of its whose outcome could not be read yet, (delivery, rows): read before the
+    # lane commits again or tombstones its id (Endings.resolve_earlier, Retirement.farewell).
+    unresolved: tuple[Any, list[int]] | None = None
 
     def __post_init__(self) -> None:
         self.producers, self.topics = self._producers(self.generation)

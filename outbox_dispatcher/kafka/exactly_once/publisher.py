@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 
 import structlog
+from aiokafka import errors as kafka_errors
 
 from outbox_dispatcher import errors
 from outbox_dispatcher.kafka import failures, internals
@@ -66,6 +67,7 @@ log = structlog.get_logger(__name__)
 
 NOTHING_SENT = errors.NotAttempted("nothing of the batch could be sent")
 REPLACED = "the producer was replaced after the claim began: its rows are given back, not sent"
+EARLIER_UNKNOWN = "an earlier commit of its lane is unknown until the progress topic can be read"
 # Rows remembered to go alone at most (a safety bound: each is forgotten once it is decided).
 ALONE_AT_MOST = 10_000
 # A transaction's acks are waited for this share of its timeout at most (publish_timeout less).
@@ -312,6 +314,9 @@ class TransactionalPublisher:
         except (errors.BrokerUnavailableError, errors.DatabaseUnavailableError) as exc:
             d.decide(indices, TransactionAbortedError(errors.describe(exc)))
             return
+        if not await self._ends.resolve_earlier(lane):
+            d.decide(indices, TransactionAbortedError(EARLIER_UNKNOWN))
+            return
         d.phases.lap("ready")
         if d.began_before(lane.producers.since):
             # Replaced since the claim began (fenced, or a new id): the lease may have expired
@@ -351,6 +356,8 @@ class TransactionalPublisher:
         producer = lane.producers.current()
         try:
             d.begin(indices)
+            if (dead := internals.sender_failure(producer)) is not None:  # since it was checked
+                raise kafka_errors.KafkaError(errors.describe(dead)) from dead  # (a sender death)
             await producer.begin_transaction()
         except KAFKA_TROUBLE as exc:
             lane.producers.condemn(exc)

@@ -141,11 +141,12 @@ class Retirement:
 
     async def farewell(self, lanes: Sequence[Lane], topic: str) -> None:
         """A graceful stop: each lane, in a transaction of its own, tombstones its id (if
-        nothing it lists is needed any more) and the keys due."""
+        nothing it lists is needed any more, and no commit of its is unknown: its id's last
+        record is what a takeover will read to decide that commit) and the keys due."""
         await self.check(lanes, force=True)
         for lane in lanes:
             keys = self.to_send(lanes)
-            if not lane.unmarked:
+            if not lane.unmarked and lane.unresolved is None:
                 keys.append(lane.transactional_id)
             if not keys or not lane.producers.serving:
                 continue
