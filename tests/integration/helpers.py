@@ -17,15 +17,17 @@ from typing import Any
 
 import asyncpg
 import orjson
+import pytest
 from pydantic import SecretStr
 
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.supervisor import Dispatcher
-
-# Moved to tests/checker.py; re-exported so that older tests keep importing them from here.
 from tests.checker import Verdict as Verdict
 from tests.checker import check as check
 from tests.checker import consume as consume
+
+# Moved to tests/checker.py; re-exported so that older tests keep importing them from here.
+from tests.faultproxy import FaultProxy
 
 
 @dataclass(frozen=True)
@@ -300,3 +302,30 @@ async def http_get(port: int, path: str) -> tuple[int, bytes]:
         await writer.wait_closed()
     head, _, body = response.partition(b"\r\n\r\n")
     return int(head.split(b" ", 2)[1]), body
+
+
+# The broker's PROXIED listener (deploy/local/services.sh: the broker's port + 10002) advertises
+# the proxy's fixed port (+ 10003), so that a client bootstrapped at the proxy reaches the broker
+# only through it (tests/integration/test_network_faults.py proves it).
+PROXIED_OFFSET = 10002
+PROXY_OFFSET = 10003
+
+
+@contextlib.asynccontextmanager
+async def kafka_proxy(services: Services) -> AsyncIterator[FaultProxy]:
+    """A FaultProxy in front of the broker's PROXIED listener (a test is skipped without it)."""
+    port = int(services.kafka_bootstrap_servers.split(",")[0].rpartition(":")[2])
+    proxied = int(os.environ.get("OUTBOX_TEST_KAFKA_PROXIED_PORT", port + PROXIED_OFFSET))
+    proxy_port = int(os.environ.get("OUTBOX_TEST_KAFKA_PROXY_PORT", port + PROXY_OFFSET))
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", proxied)
+    except OSError:
+        pytest.skip(
+            f"the broker has no PROXIED listener on {proxied}: restart it with "
+            "deploy/local/services.sh kafka-stop && kafka-start"
+        )
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    async with FaultProxy("127.0.0.1", proxied, listen_port=proxy_port) as proxy:
+        yield proxy

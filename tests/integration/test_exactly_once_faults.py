@@ -21,7 +21,15 @@ import pytest
 from outbox_dispatcher.config.settings import Settings
 from tests.checker import consume, verdict_for
 
-from .helpers import Services, count, insert_sequenced, kill9, log_events, wait_all_settled
+from .helpers import (
+    Services,
+    count,
+    insert_sequenced,
+    kafka_proxy,
+    kill9,
+    log_events,
+    wait_all_settled,
+)
 from .test_chaos import (
     FULL,
     Fleet,
@@ -161,34 +169,42 @@ async def test_a_transaction_outliving_its_timeout_under_load_is_never_marked(
     lease (30 s): the coordinator aborts the transaction; when the process goes on, its sends
     and commit are refused (the coordinator bumped the epoch), its rows are given back and sent
     in a new transaction. A read_committed consumer sees each row once (a read_uncommitted one
-    sees the aborted copies of records written before the stop, if any: reported)."""
+    sees the aborted copies of records written before the stop, if any: reported).
+
+    The fleet reaches Kafka through a proxy that delays each chunk 50 ms, so that a transaction
+    (a few round trips) is open most of the time and a stop lands in one: on a local broker a
+    transaction is open about 7 ms of every 200 (`eo_batch_phases`), and CI's ten stops (stop
+    41), and one local run in four, met none. The producer's linger does not keep a transaction
+    open: batches handed whole are drained at once."""
     timeout, sweep = 2.0, 10.0
-    settings = eos(
-        transaction_timeout_seconds=timeout,
-        lease_seconds=30.0,
-        claim_tasks=2,
-        batch_size=50,
-        kafka_linger_ms=200,  # a transaction is open most of the time
-    )
     least, most = int(scale(3, 8)), int(scale(10, 16))
     rng = random.Random(os.getpid())
     writer = Writer(database_url, topic, [f"key-{k}" for k in range(60)], rate=scale(200, 400))
     stops = 0
-    async with fleet(settings, tmp_path, 2) as f, writing(writer):
-        # A stop between two transactions holds none open: stop again (up to `most` times)
-        # until one did, so that the scenario cannot pass without the fault it is about.
-        while stops < least or (stops < most and not timed_out_in(f)):
-            await asyncio.sleep(rng.uniform(1.0, 3.0))
-            slot = await busy_slot(conn, f, rng)
-            pause(f, slot, stop=True)
-            await asyncio.sleep(timeout + sweep + 2.0)
-            pause(f, slot, stop=False)
-            stops += 1
-            await asyncio.sleep(1.0)  # its resumed transaction meets the fence
-        await asyncio.sleep(3)
-        await writer.finish()
-        await wait_all_settled(conn, scale(120, 300))
-        codes = [p.poll() for p in f.slots.values()]
+    async with kafka_proxy(services) as proxy:
+        proxy.delay(0.05)
+        settings = eos(
+            kafka_bootstrap_servers=proxy.address,
+            transaction_timeout_seconds=timeout,
+            lease_seconds=30.0,
+            claim_tasks=2,
+            batch_size=50,
+        )
+        async with fleet(settings, tmp_path, 2) as f, writing(writer):
+            # A stop between two transactions holds none open: stop again (up to `most` times)
+            # until one did, so that the scenario cannot pass without the fault it is about.
+            while stops < least or (stops < most and not timed_out_in(f)):
+                await asyncio.sleep(rng.uniform(1.0, 3.0))
+                slot = await busy_slot(conn, f, rng)
+                pause(f, slot, stop=True)
+                await asyncio.sleep(timeout + sweep + 2.0)
+                pause(f, slot, stop=False)
+                stops += 1
+                await asyncio.sleep(1.0)  # its resumed transaction meets the fence
+            await asyncio.sleep(3)
+            await writer.finish()
+            await wait_all_settled(conn, scale(120, 300))
+            codes = [p.poll() for p in f.slots.values()]
     timed_out = timed_out_in(f)
     verdict = await verdict_for(
         database_url, services.kafka_bootstrap_servers, [topic], timeout=scale(120, 300)
@@ -220,16 +236,26 @@ async def test_a_transaction_outliving_its_timeout_under_load_is_never_marked(
     assert await count(conn, "dead_at IS NOT NULL") == 0
 
 
+# What a resumed producer meets once the coordinator aborted its transaction and bumped its
+# epoch: the coordinator's answer to its commit (ProducerFenced), or a partition leader's to its
+# records (InvalidProducerEpoch, Kafka 4's transactions).
+EPOCH_BUMPED = ("ProducerFenced", "InvalidProducerEpoch")
+
+
 def timed_out_in(f: Fleet) -> list[dict[str, Any]]:
     """Transactions that outlived their timeout while the process was stopped: the coordinator
-    aborted one, bumping the producer's epoch, and the process, resumed, met ProducerFenced; or
-    the process, resumed past its wait for acks, gave one up. Either way its lane took a new id
-    (never to commit under the old one)."""
-    return [
+    aborted one, bumping the producer's epoch, and the process, resumed, met the bump when it
+    sent (its lane took a new id, never to commit under the old one) or when it committed (the
+    commit's outcome unknown: resolved from the progress); or the process, resumed past its
+    wait for acks, gave one up (a new id as well). CI (stop 41) found none after its ten stops
+    when only the first kind with ProducerFenced, and the give-up, were counted."""
+    renewed = [
         e
         for e in events(f, "lane_renewed")
-        if "ProducerFenced" in e["reason"] or "did not acknowledge" in e["reason"]
+        if any(s in e["reason"] for s in (*EPOCH_BUMPED, "did not acknowledge"))
     ]
+    refused = [e for e in events(f, "commit_unknown") if any(s in e["error"] for s in EPOCH_BUMPED)]
+    return renewed + refused
 
 
 # --- the number of processes changing mid-stream -----------------------------------------------

@@ -9,8 +9,6 @@ proxy therefore reaches the broker only through it (the test proves it: a cut st
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from .helpers import (
     count,
     event_ids,
     insert_sequenced,
+    kafka_proxy,
     log_events,
     running,
     spawn,
@@ -41,29 +40,8 @@ from .helpers import (
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-# The PROXIED listener's ports, derived from the broker's port as deploy/local/services.sh does.
-PROXIED_OFFSET = 10002
-PROXY_OFFSET = 10003
 LEASE = 3.0
 CUT = 8.0
-
-
-def _kafka_proxy_ports(services: Services) -> tuple[int, int]:
-    port = services.kafka_bootstrap_servers.split(",")[0].rpartition(":")[2]
-    proxied = int(os.environ.get("OUTBOX_TEST_KAFKA_PROXIED_PORT", int(port) + PROXIED_OFFSET))
-    proxy = int(os.environ.get("OUTBOX_TEST_KAFKA_PROXY_PORT", int(port) + PROXY_OFFSET))
-    return proxied, proxy
-
-
-async def _port_open(port: int) -> bool:
-    try:
-        _, writer = await asyncio.open_connection("127.0.0.1", port)
-    except OSError:
-        return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return True
 
 
 def _via(url: str, port: int) -> str:
@@ -83,13 +61,7 @@ async def test_kafka_cut_longer_than_a_lease_under_load_loses_and_reorders_nothi
     topic: str,
     make_settings: Any,
 ) -> None:
-    proxied, proxy_port = _kafka_proxy_ports(services)
-    if not await _port_open(proxied):
-        pytest.skip(
-            f"the broker has no PROXIED listener on {proxied}: restart it with "
-            "deploy/local/services.sh kafka-stop && kafka-start"
-        )
-    async with FaultProxy("127.0.0.1", proxied, listen_port=proxy_port) as proxy:
+    async with kafka_proxy(services) as proxy:
         settings = make_settings(
             kafka_bootstrap_servers=proxy.address,
             lease_seconds=LEASE,
