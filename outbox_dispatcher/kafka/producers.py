@@ -194,7 +194,7 @@ class Producers:
         outside the lock and without waiting for it (see retire): what it still has in flight
         may be in the broker's log, and only its own retries are recognised as such. A producer
         whose sender died (internals.sender_failure) is replaced too, whether or not an answer
-        said so: it would hold every later send for ever."""
+        said so: it would fail every later send."""
         if self._broken is None and self._current is not None:
             self._broken = internals.sender_failure(self._current)
         if self._broken is None:
