@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from outbox_dispatcher.store import db, migrations
 from tests.containers import Engine, find_engine, free_port, fresh_clone
 
 from .cluster import Cluster
-from .helpers import Services
+from .helpers import Services, port_open
 
 pytestmark = pytest.mark.integration
 
@@ -401,7 +400,7 @@ def kafka3_bootstrap() -> Iterator[str]:
         pytest.skip("the Kafka 3.x smoke test needs deploy/local/services.sh")
     bootstrap = _env_value(_services_script("kafka3-env").stdout, "OUTBOX_KAFKA3_BOOTSTRAP_SERVERS")
     host, _, port = bootstrap.rpartition(":")
-    already = _port_open(host, int(port))
+    already = port_open(host, int(port))
     started = _services_script("kafka3-start", check=False)
     if started.returncode != 0:
         pytest.fail(f"kafka3-start failed:\n{started.stderr[-4000:]}")
@@ -410,12 +409,6 @@ def kafka3_bootstrap() -> Iterator[str]:
     finally:
         if not already:
             _services_script("kafka3-stop", check=False)
-
-
-def _port_open(host: str, port: int) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=2):
-        return True
-    return False
 
 
 @pytest.fixture

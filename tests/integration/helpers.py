@@ -7,6 +7,7 @@ import contextlib
 import enum
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -317,15 +318,17 @@ async def kafka_proxy(services: Services) -> AsyncIterator[FaultProxy]:
     port = int(services.kafka_bootstrap_servers.split(",")[0].rpartition(":")[2])
     proxied = int(os.environ.get("OUTBOX_TEST_KAFKA_PROXIED_PORT", port + PROXIED_OFFSET))
     proxy_port = int(os.environ.get("OUTBOX_TEST_KAFKA_PROXY_PORT", port + PROXY_OFFSET))
-    try:
-        _, writer = await asyncio.open_connection("127.0.0.1", proxied)
-    except OSError:
+    if not port_open("127.0.0.1", proxied):
         pytest.skip(
             f"the broker has no PROXIED listener on {proxied}: restart it with "
             "deploy/local/services.sh kafka-stop && kafka-start"
         )
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
     async with FaultProxy("127.0.0.1", proxied, listen_port=proxy_port) as proxy:
         yield proxy
+
+
+def port_open(host: str, port: int) -> bool:
+    """Something accepts connections on host:port (within 2 s)."""
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=2):
+        return True
+    return False

@@ -21,8 +21,12 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from outbox_dispatcher.config.settings import Settings
 from outbox_dispatcher.dispatch.settler import Settler
-from outbox_dispatcher.kafka.exactly_once.delivery import TransactionAbortedError
+from outbox_dispatcher.kafka.exactly_once.delivery import (
+    TransactionAbortedError,
+    TransactionalDelivery,
+)
 from outbox_dispatcher.kafka.exactly_once.progress import ProgressUnavailableError
+from outbox_dispatcher.kafka.exactly_once.publisher import TransactionalPublisher
 from outbox_dispatcher.kafka.exactly_once.takeover import Takeover, TakeoverWaitingError
 from outbox_dispatcher.kafka.exactly_once.topic import ProgressTopicError
 from outbox_dispatcher.kafka.exactly_once.transaction import State
@@ -148,19 +152,14 @@ async def test_a_lane_commits_nothing_more_while_a_commit_of_it_is_unknown(
 ) -> None:
     """A broker restart under load (test_chaos.py, repeated: one run in six): a lane's commit
     stood, its answer was lost, and the progress could not be read to resolve it (the broker
-    away). The lane then committed
-    its next claim under the same id, in a record that did not list the unknown rows (a lane
-    lists what it knows committed); a takeover reads only an id's last record, and sent the
-    rows again: 20 rows twice to read_committed consumers. Now the lane reads the earlier
+    away). The lane then committed its next claim under the same id, in a record that did not
+    list the unknown rows (a lane lists what it knows committed); a takeover reads only an id's
+    last record, and sent the rows again: 20 rows twice to read_committed consumers. Now the
+    lane reads the earlier
     commit before it commits again: found committed, its rows are listed in the next record,
     and the takeover marks them without sending them. (On the old code: 9 records of 6 rows.)"""
     bootstrap = services.kafka_bootstrap_servers
-    a = await owners.publisher("owner-a", lanes=1)
-    b = await owners.publisher("owner-b")
-    await insert_sequenced(conn, topic, keys=2, per_key=3)
-    settings = owners.settings.model_copy(update={"batch_size": 3})
-    unknown = a.publish((await owners.claim("owner-a", settings)).records)
-    answer_lost(unknown.lane.producers.current())
+    a, b, settings, unknown = await a_commit_whose_answer_is_lost(conn, owners, topic)
     with monkeypatch.context() as broker_away:
         broker_away.setattr(Takeover, "read", unreadable)
         await run(unknown)
@@ -189,12 +188,7 @@ async def test_a_lane_keeps_its_id_while_a_commit_of_it_is_unknown(
     the progress cannot be read, the lane's next claim is given back uncounted, never sent
     (before: sent, in a record that did not list the unknown rows)."""
     bootstrap = services.kafka_bootstrap_servers
-    a = await owners.publisher("owner-a", lanes=1)
-    b = await owners.publisher("owner-b")
-    await insert_sequenced(conn, topic, keys=2, per_key=3)
-    settings = owners.settings.model_copy(update={"batch_size": 3})
-    unknown = a.publish((await owners.claim("owner-a", settings)).records)
-    answer_lost(unknown.lane.producers.current())
+    a, b, settings, unknown = await a_commit_whose_answer_is_lost(conn, owners, topic)
     with monkeypatch.context() as broker_away:
         broker_away.setattr(Takeover, "read", unreadable)
         await run(unknown)
@@ -210,6 +204,21 @@ async def test_a_lane_keeps_its_id_while_a_commit_of_it_is_unknown(
     sent_again = {i for i, _ in delivery.sent} & {r.id for r in unknown.records}
     assert outcomes == [None] * 6 and not sent_again, "the unknown commit's rows found committed"
     assert len(await read_all(bootstrap, topic, "read_committed")) == 6
+
+
+async def a_commit_whose_answer_is_lost(
+    conn: asyncpg.Connection, owners: Owners, topic: str
+) -> tuple[TransactionalPublisher, TransactionalPublisher, Settings, TransactionalDelivery]:
+    """owner-a (one lane) and owner-b; 6 rows of 2 keys; owner-a's first claim of 3 rows
+    published with its commit's answer to be lost (its delivery, not run yet); the settings of
+    claims of 3."""
+    a = await owners.publisher("owner-a", lanes=1)
+    b = await owners.publisher("owner-b")
+    await insert_sequenced(conn, topic, keys=2, per_key=3)
+    settings = owners.settings.model_copy(update={"batch_size": 3})
+    unknown = a.publish((await owners.claim("owner-a", settings)).records)
+    answer_lost(unknown.lane.producers.current())
+    return a, b, settings, unknown
 
 
 async def unreadable(self: Takeover, own: object) -> None:
